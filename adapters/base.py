@@ -1,0 +1,166 @@
+"""The adapter interface: what a parallel-training framework must do for the one training loop.
+
+An adapter wraps the workload's model and an optimizer for its framework and then answers four
+calls from the trainer: `train_step`, `eval_step`, `state_bytes`, and who it shares data with
+(`dp_rank`, `dp_size`). Everything else (loop, timers, memory, records) lives in bench/.
+
+Class-level hooks run before any rank starts, so bad input fails in the parent with one line:
+  - `validate(cfg, world_size)`: refuse what this adapter cannot do (raise ConfigError)
+  - `processes(cfg)`: how many processes to launch (GPipe drives several devices from one)
+  - `local_batch_size(cfg, world_size)`: the batch one data-parallel replica loads per step
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, Sequence
+
+import torch
+from torch import nn
+
+from bench.config import BenchConfig
+from bench.dist import DistContext
+from bench.errors import ConfigError
+from bench.timing import PhaseTimer
+from workloads.base import Workload
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Adapter(ABC):
+    name: ClassVar[str]
+    kinds: ClassVar[tuple[str, ...]] = ("vision", "language")  # workload kinds supported
+    framework: ClassVar[str] = "torch"  # distribution name whose version the record states
+
+    # --- before launch (class methods: no process group yet) ------------------------------------
+    @classmethod
+    def validate(cls, cfg: BenchConfig, world_size: int) -> None:
+        if cfg.workload.kind not in cls.kinds:
+            raise ConfigError(
+                f"adapter={cls.name} does not support {cfg.workload.kind} workloads "
+                f"(workload={cfg.workload.name}); it supports: {', '.join(cls.kinds)}"
+            )
+
+    @classmethod
+    def processes(cls, cfg: BenchConfig) -> int:
+        return cfg.launcher.nprocs
+
+    @classmethod
+    def data_parallel_size(cls, cfg: BenchConfig, world_size: int) -> int:
+        """Number of model replicas that read different data."""
+        return world_size
+
+    @classmethod
+    def local_batch_size(cls, cfg: BenchConfig, world_size: int) -> int:
+        """Samples one replica loads per micro-step, from trainer.batch_size (per device) and the policy.
+
+        per_device: each replica loads batch_size (DDP/ZeRO: global batch = batch_size x replicas);
+        linear: the global batch is batch_size x devices whatever the parallel layout (Megatron);
+        fixed: the global batch is batch_size whatever the device count (PipeDream-style).
+        """
+        policy = cfg.adapter.batch_policy
+        dp = cls.data_parallel_size(cfg, world_size)
+        b = cfg.trainer.batch_size
+        if policy == "per_device":
+            return b
+        devices = world_size * cls.devices_per_process(cfg)
+        total = b * devices if policy == "linear" else b
+        if total % dp:
+            raise ConfigError(
+                f"adapter.batch_policy={policy}: global batch {total} is not divisible by "
+                f"{dp} data-parallel replicas; change trainer.batch_size"
+            )
+        return total // dp
+
+    @classmethod
+    def devices_per_process(cls, cfg: BenchConfig) -> int:
+        return 1
+
+    # --- on each rank -------------------------------------------------------------------------
+    def __init__(self, cfg: BenchConfig, workload: Workload, ctx: DistContext):
+        self.cfg = cfg
+        self.workload = workload
+        self.ctx = ctx
+        self.device = ctx.device
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Build (or wrap) the model and optimizer on this rank. Called after the process group exists."""
+
+    @abstractmethod
+    def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer) -> torch.Tensor | None:
+        """One optimizer step over the micro-batches; phases timed with `timer.phase(...)`.
+
+        Returns the mean loss over this replica's micro-batches (a detached tensor; no host sync),
+        or None on ranks that do not see the loss (e.g. non-final pipeline stages).
+        """
+
+    @abstractmethod
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Validation sums [loss_sum, correct_sum, count] (workload.eval_sums); zeros where not reported."""
+
+    def train(self) -> None:
+        for m in self.modules():
+            m.train()
+
+    def eval(self) -> None:
+        for m in self.modules():
+            m.eval()
+
+    @abstractmethod
+    def modules(self) -> list[nn.Module]:
+        """The modules this rank holds (for train/eval mode and parameter accounting)."""
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica index (which shard of the data it reads)."""
+        return self.ctx.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.data_parallel_size(self.cfg, self.ctx.world_size)
+
+    @property
+    def reports_metrics(self) -> bool:
+        """True on exactly one rank per data-parallel replica: its loss and eval sums are counted."""
+        return True
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank really holds.
+
+        Default: the unique tensors of `modules()` and `self.optimizer` on this rank. Adapters whose
+        framework keeps extra copies (e.g. an fp32 master partition) override this.
+        """
+        return tensor_bytes(self.modules(), getattr(self, "optimizer", None))
+
+    def describe(self) -> dict:
+        """Settings worth stating in the record (framework defaults change across versions)."""
+        return {}
+
+    def close(self) -> None:
+        """Release framework resources before the process group is destroyed."""
+
+
+def tensor_bytes(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    seen: set[int] = set()
+    params = grads = 0
+    for m in modules:
+        for p in m.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            params += _nbytes(p)
+            if p.grad is not None:
+                grads += _nbytes(p.grad)
+    opt = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if torch.is_tensor(v):
+                    opt += _nbytes(v)
+    return {"params": params, "grads": grads, "optimizer": opt}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    # DTensor (FSDP2 / tensor parallel): count the local shard this rank holds
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()

@@ -1,0 +1,47 @@
+"""`python -m bench [hydra overrides]`: run one benchmark point (or a sweep with -m)."""
+from __future__ import annotations
+
+import os
+import sys
+
+# Before torch is imported anywhere: one thread per rank on CPU (ranks share the cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from bench.config import register_configs  # noqa: E402
+from bench.errors import ConfigError  # noqa: E402
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _hydra_main(cfg: DictConfig) -> int:
+    from bench.run import launch
+
+    try:
+        code = launch(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    if code and not _in_multirun():
+        sys.exit(code)
+    return code
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return HydraConfig.get().mode.name == "MULTIRUN"
+    except ValueError:
+        return False
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Structured-config schema for the harness.
+
+Every group in conf/ has a dataclass here, registered in Hydra's ConfigStore as the group's
+schema, so a misspelt key or a wrong type fails in Hydra with its own clear message before any
+rank starts. Adapter knobs are flat fields of `AdapterConfig`: an adapter reads the fields it
+understands and its `validate()` refuses values it cannot honour.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = MISSING  # registry key, e.g. gpt2_tiny, resnet50
+    kind: str = MISSING  # vision | language
+    arch: str = MISSING  # vgg16 | resnet50 | gpt2
+    # vision
+    num_classes: int = 10
+    image_size: int = 32
+    width_div: int = 1  # divide every conv width by this (tiny CPU variants); 1 = the real model
+    # language (GPT-2)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    vocab_size: int = 50257
+    seq_len: int = 1024
+    dropout: float = 0.0
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"  # sgd | adam | adamw | lamb | lars
+    lr: float = 1e-3
+    weight_decay: float = 0.01  # the paper's "L2"
+    momentum: float = 0.9
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # synthetic | imagefolder | wikitext
+    root: Optional[str] = None  # imagefolder: folder with train/ and val/; wikitext: folder with train.txt/valid.txt
+    tokenizer_dir: Optional[str] = None  # GPT-2 BPE files (vocab.json + merges.txt)
+    cache_dir: Optional[str] = None  # token-id memmap cache; default <root>/.bench_cache
+    train_samples: int = 2048  # synthetic only
+    val_samples: int = 512  # synthetic only
+    num_workers: int = 0
+    augment: bool = True  # vision: torchvision reference train transforms
+
+
+@dataclass
+class AdapterConfig:
+    name: str = "ddp"
+    # data parallel (ddp)
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+    sync_batchnorm: bool = False
+    # ZeRO (DeepSpeed) / FSDP
+    stage: int = 0
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 5_000_000
+    allgather_bucket_size: int = 5_000_000
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    reshard_after_forward: bool = True
+    # model parallel (megatron, tensor_parallel, pipelines)
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    sequence_parallel: bool = False
+    schedule: str = "gpipe"  # pipeline: gpipe | 1f1b | interleaved_1f1b
+    microbatches: int = 0  # 0 = the adapter's policy (GPipe: 4 x partitions)
+    balance: Optional[List[int]] = None  # layers per pipeline stage
+    checkpoint: str = "except_last"  # torchgpipe: always | except_last | never
+    # horovod
+    fusion_threshold_mb: float = 64.0
+    cycle_time_ms: float = 5.0
+    compression: str = "none"  # none | fp16
+    backward_passes_per_step: int = 1
+    # how the global batch follows the device count: per_device (DDP/ZeRO: fixed per-GPU batch),
+    # linear (Megatron: batch grows with GPU count), fixed (PipeDream: fixed mini-batch)
+    batch_policy: str = "per_device"
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"  # local | torchrun | slurm
+    nprocs: int = 2  # local only: ranks to spawn on this machine
+    backend: str = "auto"  # auto = nccl on GPU, gloo on CPU
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 = pick a free port (local) / derive from the job id (slurm)
+    threads_per_rank: int = 1  # CPU only: more threads slowed 2-rank runs 5-50x here
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 1
+    max_steps: int = 0  # > 0 stops each epoch after this many optimizer steps
+    batch_size: int = 8  # per device (per data-parallel rank); see adapter.batch_policy
+    grad_accum: int = 1
+    warmup_steps: int = 2  # excluded from step statistics (stated in the record)
+    eval_every_epoch: bool = True
+    max_eval_batches: int = 0  # 0 = the whole validation set
+    grad_clip: float = 0.0  # 0 = off; always passed explicitly to frameworks that clip by default
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (GPU only)
+    seed: int = 1234
+    dist_timeout_s: int = 300
+    sync_timing: bool = True  # CUDA only: synchronize at phase boundaries so phases are honest
+    progress: bool = True
+    log_step_losses: bool = True
+
+
+@dataclass
+class ResultsConfig:
+    root: str = "results"
+    experiment: str = "default"
+    run_id: Optional[str] = None  # None = generated (time + host + random), unique across requeues
+
+
+@dataclass
+class BenchConfig:
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    results: ResultsConfig = field(default_factory=ResultsConfig)
+    extra: Any = None  # free-form notes copied into the record
+
+
+def register_configs() -> None:
+    # One schema for the whole tree: the group files in conf/ merge into it, so an unknown key or a
+    # wrong type anywhere fails in Hydra with its own message.
+    ConfigStore.instance().store(name="bench_schema", node=BenchConfig)

@@ -1,0 +1,102 @@
+"""Samplers and loaders shared by every adapter.
+
+Training: `StepShardedSampler` is a DistributedSampler (same seed + epoch shuffle, `set_epoch`) that
+deals each optimizer step's global batch in contiguous slices: with G = replicas x batch, step k of
+every world size covers perm[kG:(k+1)G], and replica r reads its slice r. So a 2-replica run sees
+exactly the micro-batches that a 1-replica run with 2 accumulation steps sees, which makes runs at
+different scales compare sample for sample (BatchNorm statistics included). Incomplete last global
+batches are dropped, so every step has the same size.
+
+Validation: every sample is counted exactly once. Ranks get equal-length strided shards (so
+frameworks that gather parameters in forward, like ZeRO-3/FSDP, never hang on uneven counts);
+the padding repeats samples with weight 0, so they do not inflate any metric.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+
+class StepShardedSampler(DistributedSampler):
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, batch_size: int, grad_accum: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.micro = batch_size
+        self.accum = grad_accum
+        global_batch = batch_size * grad_accum * num_replicas
+        self.steps = len(dataset) // global_batch
+        self.num_samples = self.steps * batch_size * grad_accum
+
+    def __iter__(self):
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        perm = torch.randperm(len(self.dataset), generator=g).tolist()
+        per_replica = self.micro * self.accum
+        global_batch = per_replica * self.num_replicas
+        for k in range(self.steps):
+            start = k * global_batch
+            # micro-batch j of replica r is slice (j * replicas + r): the same micro-batches that one
+            # replica with replicas x accum accumulation steps would see, in the same order.
+            for j in range(self.accum):
+                s = start + (j * self.num_replicas + self.rank) * self.micro
+                yield from perm[s : s + self.micro]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class WeightedEvalSet(Dataset):
+    """The validation set padded to `length` items; padded items carry weight 0."""
+
+    def __init__(self, dataset: Dataset, length: int):
+        self.dataset = dataset
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int):
+        n = len(self.dataset)
+        x, y = self.dataset[i % n]
+        return x, y, torch.tensor(1.0 if i < n else 0.0)
+
+
+class StridedSampler(Sampler):
+    def __init__(self, length: int, rank: int, replicas: int):
+        self.indices = list(range(rank, length, replicas))
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def train_loader(dataset: Dataset, replicas: int, rank: int, batch_size: int, grad_accum: int, seed: int, workers: int):
+    sampler = StepShardedSampler(dataset, replicas, rank, batch_size, grad_accum, seed)
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=workers > 0,
+        drop_last=True,
+    )
+    return loader, sampler
+
+
+def eval_loader(dataset: Dataset, replicas: int, rank: int, batch_size: int, workers: int, max_batches: int = 0):
+    n = len(dataset)
+    if max_batches > 0:
+        n = min(n, max_batches * batch_size * replicas)
+    per_rank = math.ceil(n / replicas)
+    padded = WeightedEvalSet(torch.utils.data.Subset(dataset, range(n)), per_rank * replicas)
+    return DataLoader(
+        padded,
+        batch_size=batch_size,
+        sampler=StridedSampler(len(padded), rank, replicas),
+        num_workers=workers,
+        pin_memory=torch.cuda.is_available(),
+    )

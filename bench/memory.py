@@ -1,0 +1,59 @@
+"""Peak memory per rank, reset at each epoch.
+
+CUDA: max allocated / reserved from the caching allocator. CPU twin: the process high-water mark
+VmHWM from /proc/self/status, reset by writing 5 to /proc/self/clear_refs after malloc_trim(0)
+(without the trim, freed memory stays resident and the reset is a no-op). tracemalloc does not see
+tensors and polling misses peaks, so neither is used.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+import torch
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux, or not permitted: the peak then covers the whole run
+
+
+def peak(device: torch.device) -> dict[str, int | None]:
+    """Bytes: `peak_allocated` (CUDA) or `peak_rss` (CPU), plus what else the device reports."""
+    if device.type == "cuda":
+        return {
+            "peak_allocated": int(torch.cuda.max_memory_allocated(device)),
+            "peak_reserved": int(torch.cuda.max_memory_reserved(device)),
+            "peak_rss": None,
+        }
+    hwm = _status_kib("VmHWM")
+    return {"peak_allocated": None, "peak_reserved": None, "peak_rss": hwm * 1024 if hwm is not None else None}

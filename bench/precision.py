@@ -1,0 +1,34 @@
+"""Mixed precision: autocast + (fp16 only) a gradient scaler, chosen by trainer.precision.
+
+The GPU path is autocast on cuda; its CPU twin is autocast on cpu with bf16, which runs the same
+code so tests exercise it here. fp16 needs a GradScaler and is GPU-only.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from bench.errors import ConfigError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_precision(precision: str) -> None:
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"trainer.precision={precision}: choose fp32, bf16 or fp16")
+    if precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("trainer.precision=fp16 needs a GPU; use trainer.precision=bf16 or fp32 on CPU")
+
+
+def autocast(precision: str, device: torch.device):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+def grad_scaler(precision: str, device: torch.device):
+    """A GradScaler for fp16 (loss scaling against underflow); None otherwise."""
+    if precision == "fp16":
+        return torch.amp.GradScaler(device.type)
+    return None

@@ -1,0 +1,144 @@
+"""Run records under results/<experiment>/<run_id>/, written atomically.
+
+    config.yaml    the resolved config
+    env.json       versions, host, devices, git sha, Slurm ids
+    events.jsonl   one line per epoch (appended; each append rewrites the file via temp + rename)
+    summary.json   status (ok / failed / oom / timeout / preempted / running) and the run's totals
+
+A crash at any point leaves every file either in its previous state or its new one, never half.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import secrets
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+FRAMEWORKS = ("torch", "torchvision", "deepspeed", "megatron-core", "torchgpipe", "horovod", "hydra-core", "nvtx")
+STATUSES = ("running", "ok", "failed", "oom", "timeout", "preempted")
+
+
+def atomic_write(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: Path, obj) -> None:
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def read_json(path: Path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def new_run_id(adapter: str, workload: str, world_size: int) -> str:
+    """Unique across array tasks, requeues and Slurm restarts: time + host + random, never the job id alone."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    task = os.environ.get("SLURM_ARRAY_TASK_ID")
+    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    slurm = f"-j{job}" + (f"_{task}" if task else "") if job else ""
+    return f"{stamp}-{adapter}-{workload}-w{world_size}{slurm}-{secrets.token_hex(3)}"
+
+
+class RunRecord:
+    def __init__(self, run_dir: Path):
+        self.dir = Path(run_dir)
+
+    def create(self, config_yaml: str) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.dir / "config.yaml", config_yaml)
+        write_json(self.dir / "env.json", environment())
+
+    def append_event(self, event: dict) -> None:
+        path = self.dir / "events.jsonl"
+        old = path.read_text() if path.exists() else ""
+        atomic_write(path, old + json.dumps(event, sort_keys=True, default=str) + "\n")
+
+    def events(self) -> list[dict]:
+        path = self.dir / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def summary(self) -> dict | None:
+        path = self.dir / "summary.json"
+        return read_json(path) if path.exists() else None
+
+    def write_summary(self, summary: dict) -> None:
+        assert summary.get("status") in STATUSES, summary.get("status")
+        write_json(self.dir / "summary.json", summary)
+
+    def write_rank_error(self, rank: int, error: dict) -> None:
+        write_json(self.dir / f"error-rank{rank}.json", error)
+
+    def rank_errors(self) -> list[dict]:
+        return [read_json(p) for p in sorted(self.dir.glob("error-rank*.json"))]
+
+
+def _git_sha() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict:
+    versions = {}
+    for name in FRAMEWORKS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    env = {
+        "python": platform.python_version(),
+        "versions": versions,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "git_sha": _git_sha(),
+        "slurm": {k: v for k, v in os.environ.items() if k.startswith("SLURM_") and k in SLURM_KEYS},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    try:
+        import torch
+
+        env["cuda_available"] = torch.cuda.is_available()
+        env["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        pass
+    return env
+
+
+SLURM_KEYS = (
+    "SLURM_JOB_ID",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_NTASKS",
+    "SLURM_RESTART_COUNT",
+    "SLURM_CLUSTER_NAME",
+)

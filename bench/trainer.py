@@ -1,0 +1,264 @@
+"""The one training loop, shared by every adapter, and what it measures.
+
+Per epoch: set the sampler's epoch, reset peak memory, run the steps (each timed by phase), then
+validate, then gather per-rank numbers (one collective round per epoch, none per step: per-step
+losses stay on the device until the epoch ends, so the loop never forces a host sync).
+
+Stated conventions (also written into every record under "conventions"):
+- the first `trainer.warmup_steps` optimizer steps of the run are excluded from step statistics and
+  throughput; `epoch_time_s` is the wall time of the whole epoch's training steps, warm-up included,
+  validation excluded (`val_time_s` separately);
+- a step's time is the slowest rank's time for that step; phase times are means over ranks;
+- FLOPs are analytic (workload), training = 3 x forward; achieved FLOP/s = samples/s x FLOPs/sample.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from adapters.base import Adapter
+from bench import memory
+from bench.config import BenchConfig
+from bench.data import eval_loader, train_loader
+from bench.dist import DistContext
+from bench.errors import ConfigError
+from bench.flops import peak_flops
+from bench.records import RunRecord
+from bench.timing import PHASES, PhaseTimer
+from workloads.base import Workload
+
+CONVENTIONS = {
+    "warmup": "first trainer.warmup_steps steps of the run excluded from step stats and throughput",
+    "epoch_time": "wall time of the epoch's training steps incl. warm-up; validation excluded",
+    "step_time": "per step, the slowest rank; phases are means over ranks",
+    "flops": "analytic, 2 FLOPs per multiply-add, training = 3 x forward",
+    "memory": "CUDA: max allocated/reserved; CPU: VmHWM; both reset each epoch",
+}
+
+
+class Trainer:
+    def __init__(self, cfg: BenchConfig, ctx: DistContext, adapter: Adapter, workload: Workload, record: RunRecord | None):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.adapter = adapter
+        self.workload = workload
+        self.record = record  # only on rank 0
+        self.timer = PhaseTimer(cuda_sync=cfg.trainer.sync_timing)
+        self.global_step = 0
+        self.stop_requested = False  # set by signal handlers (graceful preemption)
+
+    def _loaders(self):
+        t = self.cfg.trainer
+        train_set, val_set = self.workload.datasets(local_rank=self.ctx.local_rank)
+        batch = self.adapter.local_batch_size(self.cfg, self.ctx.world_size)
+        dp_size, dp_rank = self.adapter.dp_size, self.adapter.dp_rank
+        self.local_batch = batch
+        self.global_batch = batch * t.grad_accum * dp_size
+        train, sampler = train_loader(train_set, dp_size, dp_rank, batch, t.grad_accum, t.seed, self.cfg.data.num_workers)
+        if sampler.steps < 1:
+            raise ConfigError(
+                f"the training set has {len(train_set)} samples, fewer than one global batch of "
+                f"{self.global_batch}; lower trainer.batch_size or add data"
+            )
+        val = eval_loader(val_set, dp_size, dp_rank, batch, self.cfg.data.num_workers, t.max_eval_batches)
+        return train, sampler, val
+
+    def run(self) -> dict:
+        t = self.cfg.trainer
+        train, sampler, val = self._loaders()
+        steps_per_epoch = sampler.steps if t.max_steps <= 0 else min(sampler.steps, t.max_steps)
+        run_start = time.perf_counter()
+        epochs = []
+        for epoch in range(t.epochs):
+            sampler.set_epoch(epoch)
+            event = self._epoch(epoch, train, val, steps_per_epoch, run_start)
+            epochs.append(event)
+            if self.record is not None:
+                self.record.append_event(event)
+            if self.stop_requested:
+                break
+        return self._summary(epochs, time.perf_counter() - run_start)
+
+    # --- one epoch -------------------------------------------------------------------------------
+    def _epoch(self, epoch: int, train, val, steps: int, run_start: float) -> dict:
+        accum = self.cfg.trainer.grad_accum
+        device = self.ctx.device
+        self.adapter.train()
+        self.timer.reset()
+        memory.reset_peak(device)
+        losses: list[torch.Tensor] = []
+        first_step = self.global_step
+        bar = self._progress(steps, epoch)
+        it = iter(train)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.timer.start_step()
+            with self.timer.phase("data"):
+                micro = []
+                for _ in range(accum):
+                    x, y = next(it)
+                    micro.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
+            loss = self.adapter.train_step(micro, self.timer)
+            self.timer.end_step()
+            losses.append(loss if loss is not None else torch.zeros((), device=device))
+            self.global_step += 1
+            if bar is not None:
+                bar.update(1)
+            if self.stop_requested:
+                break
+        if self.ctx.is_cuda:
+            torch.cuda.synchronize()
+        epoch_time = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        mem = memory.peak(device)  # training peak, before validation allocates
+        state = self.adapter.state_bytes()
+
+        tv = time.perf_counter()
+        val_metrics = self._validate(val)
+        val_time = time.perf_counter() - tv
+
+        return self._epoch_event(epoch, losses, first_step, epoch_time, val_time, mem, state, val_metrics, run_start)
+
+    @torch.no_grad()
+    def _validate(self, val) -> dict:
+        if not self.cfg.trainer.eval_every_epoch:
+            return {}
+        self.adapter.eval()
+        device = self.ctx.device
+        sums = torch.zeros(3, dtype=torch.float64, device=device)
+        for x, y, w in val:
+            s = self.adapter.eval_step(x.to(device), y.to(device), w.to(device))
+            if self.adapter.reports_metrics:
+                sums += s.to(device)
+        dist.all_reduce(sums)
+        self.adapter.train()
+        return self.workload.metrics(sums.cpu())
+
+    def _epoch_event(self, epoch, losses, first_step, epoch_time, val_time, mem, state, val_metrics, run_start) -> dict:
+        device = self.ctx.device
+        steps = len(losses)
+        # per-step losses: mean over the ranks that report them
+        reporting = torch.tensor([1.0 if self.adapter.reports_metrics else 0.0], device=device)
+        loss_vec = torch.stack(losses).float() if losses else torch.zeros(0, device=device)
+        if not self.adapter.reports_metrics:
+            loss_vec = torch.zeros_like(loss_vec)
+        dist.all_reduce(loss_vec)
+        dist.all_reduce(reporting)
+        loss_vec = (loss_vec / reporting).cpu().numpy()
+
+        # per-step phase times of every rank: [world, steps, phases + step]
+        cols = list(PHASES) + ["step"]
+        rows = [[s.get(c, 0.0) for c in cols] for s in self.timer.steps]
+        local = torch.tensor(rows, dtype=torch.float64, device=device).reshape(-1, len(cols))
+        gathered = [torch.zeros_like(local) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, local)
+        times = torch.stack([g.cpu() for g in gathered]).numpy()
+
+        per_rank = [None] * self.ctx.world_size
+        dist.all_gather_object(per_rank, {"rank": self.ctx.rank, "memory": mem, "state_bytes": state})
+
+        timed_from = max(0, self.cfg.trainer.warmup_steps - first_step)
+        timed = times[:, timed_from:, :]
+        step_times = timed[:, :, -1].max(axis=0) if timed.shape[1] else np.zeros(0)
+        phase_means = {c: float(timed[:, :, i].mean()) if timed.shape[1] else None for i, c in enumerate(PHASES)}
+        step_stats = _stats(step_times)
+        samples_per_s = self.global_batch / step_stats["mean"] if step_stats["mean"] else None
+        flops_per_sample = self.workload.train_flops_per_sample()
+        flops_per_s = samples_per_s * flops_per_sample if samples_per_s else None
+        peak = peak_flops(self.ctx.device, self.cfg.trainer.precision)
+        devices = self.ctx.world_size * self.adapter.devices_per_process(self.cfg)
+        mem_key = "peak_allocated" if self.ctx.is_cuda else "peak_rss"
+        mem_values = [r["memory"][mem_key] for r in per_rank if r["memory"][mem_key] is not None]
+        event = {
+            "type": "epoch",
+            "epoch": epoch,
+            "steps": steps,
+            "timed_steps": int(len(step_times)),
+            "warmup_steps_excluded": int(steps - len(step_times)),
+            "global_batch": self.global_batch,
+            "epoch_time_s": epoch_time,
+            "val_time_s": val_time,
+            "wall_time_s": time.perf_counter() - run_start,
+            "step_time_mean_s": step_stats["mean"],
+            "step_time_p50_s": step_stats["p50"],
+            "step_time_p95_s": step_stats["p95"],
+            "step_time_cv": step_stats["cv"],
+            **{f"{c}_time_mean_s": v for c, v in phase_means.items()},
+            "samples_per_s": samples_per_s,
+            "epoch_samples_per_s": self.global_batch * steps / epoch_time if epoch_time > 0 else None,
+            "tokens_per_s": samples_per_s * self.workload.tokens_per_sample() if samples_per_s else None,
+            "train_flops_per_sample": flops_per_sample,
+            "flops_per_s": flops_per_s,
+            "mfu": flops_per_s / (peak * devices) if (flops_per_s and peak) else None,
+            "train_loss": float(loss_vec.mean()) if len(loss_vec) else None,
+            "train_losses": [float(v) for v in loss_vec] if self.cfg.trainer.log_step_losses else None,
+            "memory_metric": mem_key,
+            "peak_memory_max": max(mem_values) if mem_values else None,
+            "peak_memory_min": min(mem_values) if mem_values else None,
+            "ranks": per_rank,
+            **val_metrics,
+        }
+        if self.ctx.rank == 0 and self.cfg.trainer.progress:
+            _print_epoch(event)
+        return event
+
+    def _summary(self, epochs: list[dict], total_time: float) -> dict:
+        last = epochs[-1] if epochs else {}
+        timed = [e for e in epochs if e["timed_steps"]]
+        total_timed = sum(e["timed_steps"] for e in timed)
+        mean_step = sum(e["step_time_mean_s"] * e["timed_steps"] for e in timed) / total_timed if total_timed else None
+        keys = ("val_loss", "val_accuracy", "val_perplexity", "train_loss", "peak_memory_max", "peak_memory_min")
+        return {
+            "status": "preempted" if self.stop_requested else "ok",
+            "epochs_completed": len(epochs),
+            "total_time_s": total_time,
+            "steps": self.global_step,
+            "global_batch": self.global_batch,
+            "local_batch": self.local_batch,
+            "step_time_mean_s": mean_step,
+            "samples_per_s": self.global_batch / mean_step if mean_step else None,
+            "tokens_per_s": self.global_batch * self.workload.tokens_per_sample() / mean_step if mean_step else None,
+            "epoch_time_mean_s": float(np.mean([e["epoch_time_s"] for e in epochs])) if epochs else None,
+            "state_bytes_per_rank": [r["state_bytes"] for r in last.get("ranks", [])],
+            **{k: last.get(k) for k in keys},
+        }
+
+    def _progress(self, steps: int, epoch: int):
+        if self.ctx.rank != 0 or not self.cfg.trainer.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=steps, desc=f"epoch {epoch}", unit="step", leave=False, dynamic_ncols=True)
+
+
+def _stats(x: np.ndarray) -> dict:
+    if len(x) == 0:
+        return {"mean": None, "p50": None, "p95": None, "cv": None}
+    mean = float(x.mean())
+    return {
+        "mean": mean,
+        "p50": float(np.percentile(x, 50)),
+        "p95": float(np.percentile(x, 95)),
+        "cv": float(x.std() / mean) if mean > 0 else None,
+    }
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _print_epoch(e: dict) -> None:
+    metric = (
+        f"val_acc {_fmt(e.get('val_accuracy'), '.3f')}" if "val_accuracy" in e else f"val_ppl {_fmt(e.get('val_perplexity'), '.2f')}"
+    )
+    print(
+        f"epoch {e['epoch']}: {e['steps']} steps in {e['epoch_time_s']:.2f}s  "
+        f"step {_fmt(e['step_time_mean_s'], '.4f')}s  {_fmt(e['samples_per_s'], '.1f')} samples/s  "
+        f"loss {_fmt(e['train_loss'], '.4f')}  val_loss {_fmt(e.get('val_loss'), '.4f')}  {metric}",
+        flush=True,
+    )

@@ -1,0 +1,90 @@
+"""What every workload supplies: model, data, loss, validation metrics, analytic FLOPs.
+
+Adapters only see this interface, so a framework never needs to know which model it trains,
+and a new workload never needs to know about frameworks.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from bench.config import DataConfig, WorkloadConfig
+
+
+class Workload(ABC):
+    kind: str  # "vision" | "language"
+
+    def __init__(self, cfg: WorkloadConfig, data: DataConfig):
+        self.cfg = cfg
+        self.data = data
+
+    # --- model -------------------------------------------------------------------------------
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """A fresh model; deterministic for a given torch seed."""
+
+    @abstractmethod
+    def sequential(self, model: nn.Module) -> nn.Sequential:
+        """The same model as an nn.Sequential of layers (for pipeline adapters).
+
+        Shares the parameters of `model` and computes exactly what `model(x)` computes.
+        """
+
+    # --- data --------------------------------------------------------------------------------
+    @abstractmethod
+    def datasets(self, local_rank: int = 0) -> tuple[Dataset, Dataset]:
+        """(train, val); items are (input, target) tensors.
+
+        `local_rank` 0 (one process per node) builds any on-disk cache; other ranks wait for it.
+        """
+
+    def check_data(self) -> None:
+        """Raise ConfigError (one line: which path, which key) if the configured data is missing."""
+
+    # --- loss and metrics --------------------------------------------------------------------
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over samples (and tokens)."""
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
+
+    def eval_sums(self, output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """[loss_sum, correct_sum, sample_count] over the batch, padded samples having weight 0.
+
+        Language: a sample's loss is its mean token loss and `correct` counts next-token hits
+        divided by tokens, so sums over samples give token means (every sample has seq_len tokens).
+        """
+        logits = output.float()
+        per_elem = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+        hits = (logits.argmax(-1) == target).float()
+        per_sample_loss = per_elem.view(target.shape[0], -1).mean(1)
+        per_sample_hit = hits.view(target.shape[0], -1).mean(1)
+        w = weight.to(per_sample_loss.dtype)
+        return torch.stack([(per_sample_loss * w).sum(), (per_sample_hit * w).sum(), w.sum()]).double()
+
+    def metrics(self, sums: torch.Tensor) -> dict:
+        loss_sum, correct, count = (float(x) for x in sums)
+        count = max(count, 1.0)
+        val_loss = loss_sum / count
+        out = {"val_loss": val_loss, "val_samples": int(round(count))}
+        if self.kind == "vision":
+            out["val_accuracy"] = correct / count
+        else:
+            out["val_perplexity"] = math.exp(min(val_loss, 50.0))
+            out["val_token_accuracy"] = correct / count
+        return out
+
+    # --- cost model --------------------------------------------------------------------------
+    @abstractmethod
+    def forward_flops_per_sample(self) -> float:
+        """Analytic forward FLOPs for one sample (one multiply-add = 2 FLOPs)."""
+
+    def train_flops_per_sample(self) -> float:
+        """Convention: backward = 2x forward, so one training step costs 3x the forward FLOPs."""
+        return 3.0 * self.forward_flops_per_sample()
+
+    def tokens_per_sample(self) -> int:
+        return 0

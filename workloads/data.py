@@ -1,0 +1,297 @@
+"""Data shared by the workloads: learnable synthetic sets, Wikitext token blocks, ImageFolder.
+
+Everything here is plain PyTorch `Dataset`s whose items are `(input, target)` tensors:
+
+- `MarkovTokens`: token sequences from a fixed random Markov chain (language, no files).
+- `SyntheticImages`: class-conditional images: a fixed per-class template plus noise (vision, no files).
+- `TokenBlocks` over a uint16 memmap made by `token_cache()`: text file -> GPT-2 BPE ids, cached once.
+- `image_folder()` + `imagenet_transforms()`: torchvision ImageFolder with the reference transforms.
+
+The synthetic sets are seeded by constants (not the trainer seed) so that every run, rank and
+framework sees the same data; only the model init and the sampling order follow the trainer seed.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from bench.errors import ConfigError
+
+SYNTHETIC_SEED = 0x5EED  # fixed: synthetic data never depends on the trainer seed
+_SPLIT_IDS = {"train": 1, "val": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# synthetic language data
+# ---------------------------------------------------------------------------------------------
+class MarkovTokens(Dataset):
+    """Sequences from a fixed first-order Markov chain over a small sub-vocabulary.
+
+    `n_states` token ids (drawn once from the full vocabulary) each have `fanout` likely
+    successors with probabilities `probs`: the entropy rate is ~1.1 nats against ln(50257) = 10.8
+    for a uniform guess, so even a tiny GPT's loss falls visibly within a few hundred steps
+    (first the unigram over the sub-vocabulary, ln 256 = 5.5, then the transitions).
+    Items: (input_ids [T] int64, targets [T] int64) with targets = the sequence shifted by one.
+    """
+
+    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, split: str = "train",
+                 n_states: int = 256, probs: tuple[float, ...] = (0.6, 0.2, 0.1, 0.1)):
+        chain = np.random.default_rng([SYNTHETIC_SEED, 0])
+        n_states = min(n_states, vocab_size)
+        self.token_ids = chain.permutation(vocab_size)[:n_states]  # state -> token id
+        self.successors = chain.integers(0, n_states, size=(n_states, len(probs)))  # state -> next states
+        cum = np.cumsum(np.asarray(probs, dtype=np.float64))
+        cum /= cum[-1]
+        rng = np.random.default_rng([SYNTHETIC_SEED, _SPLIT_IDS[split]])
+        u = rng.random((num_samples, seq_len + 1))
+        states = np.empty((num_samples, seq_len + 1), dtype=np.int64)
+        states[:, 0] = rng.integers(0, n_states, size=num_samples)
+        for t in range(1, seq_len + 1):
+            choice = np.searchsorted(cum, u[:, t], side="right").clip(max=len(probs) - 1)
+            states[:, t] = self.successors[states[:, t - 1], choice]
+        self.seqs = torch.from_numpy(self.token_ids[states].astype(np.int64))
+
+    def __len__(self) -> int:
+        return self.seqs.shape[0]
+
+    def __getitem__(self, i: int):
+        s = self.seqs[i]
+        return s[:-1], s[1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# synthetic vision data
+# ---------------------------------------------------------------------------------------------
+class SyntheticImages(Dataset):
+    """Class-conditional images: a fixed smooth random template per class plus Gaussian noise.
+
+    Templates are 3x8x8 random patterns upsampled (bilinear) to `image_size`, so the classes differ
+    in coarse spatial structure that convolutions can pick up; pixel noise has std `noise`.
+    Images are generated per item from (seed, split, index): nothing big is held in memory and
+    the same index always gives the same image. Items: (image [3,H,W] float32, label int64).
+    """
+
+    def __init__(self, num_samples: int, num_classes: int, image_size: int, split: str = "train",
+                 noise: float = 1.0):
+        g = torch.Generator().manual_seed(SYNTHETIC_SEED)
+        self.templates = torch.randn(num_classes, 3, 8, 8, generator=g)
+        self.num_samples, self.num_classes = num_samples, num_classes
+        self.image_size, self.noise = image_size, noise
+        self.split_id = _SPLIT_IDS[split]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed((SYNTHETIC_SEED * 1_000_003 + self.split_id) * 10_000_019 + int(i))
+        label = int(torch.randint(self.num_classes, (1,), generator=g))
+        size = (self.image_size, self.image_size)
+        template = F.interpolate(self.templates[label : label + 1], size=size, mode="bilinear", align_corners=False)[0]
+        image = template + self.noise * torch.randn(3, *size, generator=g)
+        return image, torch.tensor(label, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2 BPE + token cache
+# ---------------------------------------------------------------------------------------------
+TOKENIZER_FILES = ("vocab.json", "merges.txt")
+
+
+def gpt2_tokenizer(tokenizer_dir: str | os.PathLike):
+    """GPT-2 byte-level BPE from local vocab.json + merges.txt ("Hello world" -> [15496, 995])."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    d = Path(tokenizer_dir)
+    tok = Tokenizer(models.BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        h.update((Path(tokenizer_dir) / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+# A chunk may end at "\n" only where the next line starts with an optional space and then a
+# non-space: GPT-2's pre-tokenizer regex cannot match across such a point, so encoding the
+# chunks separately gives exactly the ids of encoding the file whole (checked on Wikitext-2),
+# and `encode_batch` can use every core.
+_SAFE_LINE_START = re.compile(r" ?\S")
+
+
+def encode_text(tok, text: str, chunk_chars: int = 1 << 16) -> np.ndarray:
+    """Text -> uint16 token ids, identical to `tok.encode(text).ids`, encoded in parallel chunks."""
+    chunks, cur, n = [], [], 0
+    for line in text.splitlines(keepends=True):
+        if cur and n >= chunk_chars and _SAFE_LINE_START.match(line):
+            chunks.append("".join(cur))
+            cur, n = [], 0
+        cur.append(line)
+        n += len(line)
+    if cur:
+        chunks.append("".join(cur))
+    if tok.get_vocab_size() > 65535:
+        raise ConfigError(f"data.tokenizer_dir: vocabulary of {tok.get_vocab_size()} does not fit the uint16 cache")
+    parts = [np.asarray(e.ids, dtype=np.uint16) for e in tok.encode_batch(chunks, add_special_tokens=False)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+
+def _writable_dir(d: Path) -> bool:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        probe.touch()
+        probe.unlink()
+        return True
+    except OSError:
+        return False
+
+
+def _user_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trainbench"
+
+
+def cache_dirs(text_path: Path, cache_dir: str | None) -> list[Path]:
+    """Where the cache may live, in order: data.cache_dir, $BENCH_CACHE_DIR, <root>/.bench_cache,
+    ~/.cache/trainbench (used when the data root is not writable)."""
+    if cache_dir:
+        return [Path(cache_dir)]
+    if os.environ.get("BENCH_CACHE_DIR"):
+        return [Path(os.environ["BENCH_CACHE_DIR"])]
+    return [text_path.parent / ".bench_cache", _user_cache_dir()]
+
+
+def token_cache(text_path: str | os.PathLike, tokenizer_dir: str | os.PathLike, cache_dir: str | None = None,
+                local_rank: int = 0, wait_s: float | None = None) -> Path:
+    """Path of the uint16 token-id file for `text_path`, building it if needed.
+
+    The name is keyed by the text file's name, size and mtime and a hash of the tokenizer files,
+    so an edited file or another tokenizer gives a new cache. `local_rank` 0 builds (temp file,
+    then an atomic rename, so concurrent builders on a shared file system are harmless); other
+    ranks wait for the final file, at most `wait_s` seconds (default 300 s + 2 s per MB of text,
+    env BENCH_DATA_WAIT_S overrides).
+    """
+    text_path = Path(text_path)
+    st = text_path.stat()
+    name = (f"{text_path.parent.name}.{text_path.name}.{st.st_size}.{st.st_mtime_ns}"
+            f".{tokenizer_fingerprint(tokenizer_dir)}.u16")
+    candidates = cache_dirs(text_path, cache_dir)
+
+    def existing() -> Path | None:
+        for d in candidates:
+            if (d / name).is_file():
+                return d / name
+        return None
+
+    found = existing()
+    if found is not None:
+        return found
+    if local_rank != 0:
+        if wait_s is None:
+            wait_s = float(os.environ.get("BENCH_DATA_WAIT_S", 300 + 2 * st.st_size / 1e6))
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            found = existing()
+            if found is not None:
+                return found
+        raise TimeoutError(f"local rank {local_rank} waited {wait_s:.0f} s for the token cache {name} "
+                           f"(built by local rank 0) in {', '.join(map(str, candidates))}")
+
+    target_dir = next((d for d in candidates if _writable_dir(d)), None)
+    if target_dir is None:
+        raise ConfigError(f"data.cache_dir: none of {', '.join(map(str, candidates))} is writable; "
+                          "set data.cache_dir=<writable folder>")
+    ids = encode_text(gpt2_tokenizer(tokenizer_dir), text_path.read_text(encoding="utf-8"))
+    final = target_dir / name
+    tmp = target_dir / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            ids.tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return final
+
+
+def load_tokens(path: str | os.PathLike) -> np.ndarray:
+    """The token ids of a cache file as a read-only uint16 memmap."""
+    if os.path.getsize(path) == 0:
+        return np.zeros(0, dtype=np.uint16)
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+class TokenBlocks(Dataset):
+    """Non-overlapping blocks of seq_len + 1 tokens: input = block[:-1], target = block[1:] (int64).
+
+    Holds only the cache path; each process (DataLoader workers included) opens its own memmap,
+    so nothing large is pickled when workers are spawned.
+    """
+
+    def __init__(self, cache_path: str | os.PathLike, seq_len: int):
+        self.path, self.seq_len = str(cache_path), seq_len
+        self.num_tokens = os.path.getsize(self.path) // 2
+        self.n = self.num_tokens // (seq_len + 1)
+        self._tokens = None
+        if self.n == 0:
+            raise ConfigError(f"data.root: {self.path} holds {self.num_tokens} tokens, fewer than "
+                              f"workload.seq_len + 1 = {seq_len + 1}; lower workload.seq_len")
+
+    def __getstate__(self):
+        return {**self.__dict__, "_tokens": None}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if self._tokens is None:
+            self._tokens = load_tokens(self.path)
+        L = self.seq_len + 1
+        block = torch.from_numpy(self._tokens[i * L : (i + 1) * L].astype(np.int64))
+        return block[:-1], block[1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# images
+# ---------------------------------------------------------------------------------------------
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def imagenet_transforms(image_size: int, train: bool, augment: bool = True):
+    """torchvision reference transforms. Train (with augment): RandomResizedCrop + flip;
+    otherwise Resize(image_size / 0.875) + CenterCrop (256 -> 224 on ImageNet, 36 -> 32 on CIFAR)."""
+    from torchvision import transforms as T
+
+    norm = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    if train and augment:
+        return T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), *norm])
+    return T.Compose([T.Resize(int(image_size / 0.875)), T.CenterCrop(image_size), *norm])
+
+
+def image_folder(root: str | os.PathLike, split: str, image_size: int, augment: bool = True):
+    """torchvision ImageFolder over <root>/<split>/<class>/*; items (image [3,S,S], label int)."""
+    from torchvision.datasets import ImageFolder
+
+    return ImageFolder(str(Path(root) / split), transform=imagenet_transforms(image_size, split == "train", augment))
+
+
+def class_folders(split_dir: Path) -> list[str]:
+    return sorted(e.name for e in os.scandir(split_dir) if e.is_dir())

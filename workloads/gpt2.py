@@ -1,0 +1,249 @@
+"""A compact GPT-2 (nn.Linear + scaled_dot_product_attention) and its workload.
+
+Module names are stable and referenced by adapters (tensor-parallel plans, Megatron):
+    wte, wpe, drop, blocks.{i}.ln_1, blocks.{i}.attn.c_attn, blocks.{i}.attn.c_proj,
+    blocks.{i}.ln_2, blocks.{i}.mlp.c_fc, blocks.{i}.mlp.c_proj, ln_f, lm_head (weight tied to wte)
+
+c_attn layout (differs from OpenAI/Hugging Face checkpoints): its 3*d output features are ordered
+per head, [q_h0, k_h0, v_h0, q_h1, k_h1, v_h1, ...] (each head_dim wide), the layout Megatron
+uses for `linear_qkv` with one query group per head. A column-wise shard of c_attn over whole
+heads (torch ColwiseParallel, n_head divisible by the TP degree) therefore holds matching q, k, v
+for its heads, and the forward, which reshapes by head_dim only (`view(b, t, -1, 3 * hd)`), runs
+unchanged on the local shard. c_proj's input features are head-major, so RowwiseParallel fits.
+`qkv_to_hf` / `qkv_from_hf` convert to and from the [q | k | v] layout of GPT-2 checkpoints.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench.config import DataConfig, WorkloadConfig
+from bench.errors import ConfigError
+from workloads import data as D
+from workloads.base import Workload
+
+
+@dataclass
+class GPT2Config:
+    vocab_size: int = 50257
+    seq_len: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+
+    @classmethod
+    def from_workload(cls, cfg: WorkloadConfig) -> "GPT2Config":
+        return cls(cfg.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, c: GPT2Config):
+        super().__init__()
+        self.head_dim = c.head_dim
+        self.dropout = c.dropout
+        self.c_attn = nn.Linear(c.n_embd, 3 * c.n_embd)  # per-head [q, k, v] layout, see module doc
+        self.c_proj = nn.Linear(c.n_embd, c.n_embd)
+        self.resid_drop = nn.Dropout(c.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        hd = self.head_dim
+        qkv = self.c_attn(x).view(b, t, -1, 3 * hd).transpose(1, 2)  # [b, heads, t, 3*hd]
+        q, k, v = qkv.split(hd, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, t, -1)  # head-major features
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: GPT2Config):
+        super().__init__()
+        self.c_fc = nn.Linear(c.n_embd, 4 * c.n_embd)
+        self.act = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * c.n_embd, c.n_embd)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.c_proj(self.act(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPT2Config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(c.n_embd, eps=1e-5)
+        self.attn = CausalSelfAttention(c)
+        self.ln_2 = nn.LayerNorm(c.n_embd, eps=1e-5)
+        self.mlp = MLP(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Embedding(nn.Module):
+    """Token + position embedding and dropout (the model's own modules, shared)."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout):
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the language-model head (whose weight is wte.weight)."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear):
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT2(nn.Module):
+    """GPT-2: forward(idx [B, T] int64) -> logits [B, T, vocab] (T <= seq_len)."""
+
+    def __init__(self, c: GPT2Config):
+        super().__init__()
+        if c.n_embd % c.n_head:
+            raise ConfigError(f"workload.n_embd={c.n_embd} is not divisible by workload.n_head={c.n_head}")
+        self.config = c
+        self.wte = nn.Embedding(c.vocab_size, c.n_embd)
+        self.wpe = nn.Embedding(c.seq_len, c.n_embd)
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.ln_f = nn.LayerNorm(c.n_embd, eps=1e-5)
+        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def qkv_to_hf(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """c_attn weight [3d, d] or bias [3d] from the per-head layout to [q | k | v] (rows)."""
+    return t.reshape(n_head, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def qkv_from_hf(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of `qkv_to_hf`."""
+    return t.reshape(3, n_head, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+class GPT2Workload(Workload):
+    kind = "language"
+
+    def __init__(self, cfg: WorkloadConfig, data: DataConfig):
+        super().__init__(cfg, data)
+        self.gpt = GPT2Config.from_workload(cfg)
+
+    def build_model(self) -> GPT2:
+        return GPT2(self.gpt)
+
+    def sequential(self, model: GPT2) -> nn.Sequential:
+        """[embed, block_0 .. block_{n-1}, head], sharing `model`'s modules; same output as model(x).
+
+        Tied weight: `head.lm_head.weight` IS `embed.wte.weight` (one Parameter). That is right when
+        both stages live in one process. When a pipeline puts them on different devices/ranks, the
+        pipeline adapter must handle the tie (e.g. keep a separate copy on the last stage and
+        all-reduce the two gradients each step, as Megatron does); `tied_parameters()` names the pair.
+        """
+        layers = [("embed", Embedding(model.wte, model.wpe, model.drop))]
+        layers += [(f"block_{i}", b) for i, b in enumerate(model.blocks)]
+        layers.append(("head", Head(model.ln_f, model.lm_head)))
+        return nn.Sequential(OrderedDict(layers))
+
+    def tied_parameters(self, sequential: bool = False) -> list[tuple[str, str]]:
+        """Names of parameters that are one tensor: in the model, or in `sequential(model)`."""
+        if sequential:
+            return [("embed.wte.weight", "head.lm_head.weight")]
+        return [("wte.weight", "lm_head.weight")]
+
+    def forward_flops_per_sample(self) -> float:
+        """Forward FLOPs of one sequence of seq_len tokens. Convention: 2 FLOPs per multiply-add;
+        counted: per layer the four matmuls (qkv 3d^2, attention out d^2, MLP 8d^2 MACs per token)
+        and attention scores QK^T and AV (2 * T * d MACs per token, the full T x T: the causal mask
+        is NOT discounted), plus the lm_head matmul (d * vocab). Not counted: embeddings, LayerNorm,
+        softmax, GELU, biases, dropout. Per token: 2 * (L * (12 d^2 + 2 T d) + d V)."""
+        c = self.gpt
+        d, T = c.n_embd, c.seq_len
+        per_token = 2 * (c.n_layer * (12 * d * d + 2 * T * d) + d * c.vocab_size)
+        return float(per_token * T)
+
+    def tokens_per_sample(self) -> int:
+        return self.gpt.seq_len
+
+    # --- data --------------------------------------------------------------------------------
+    def check_data(self) -> None:
+        src = self.data.source
+        if src == "synthetic":
+            return
+        if src != "wikitext":
+            raise ConfigError(f"data.source '{src}' does not suit a language workload: use synthetic or wikitext")
+        root, tok = self.data.root, self.data.tokenizer_dir
+        if not root:
+            raise ConfigError("data.root is not set; set data.root=<folder with train.txt and valid.txt> or BENCH_DATA_ROOT")
+        for name in ("train.txt", "valid.txt"):
+            if not (Path(root) / name).is_file():
+                raise ConfigError(f"data.root: {root} has no {name}; set data.root=<folder with train.txt and "
+                                  "valid.txt> or BENCH_DATA_ROOT")
+        if not tok:
+            raise ConfigError("data.tokenizer_dir is not set; set data.tokenizer_dir=<folder with vocab.json and "
+                              "merges.txt> or BENCH_DATA_ROOT")
+        for name in D.TOKENIZER_FILES:
+            if not (Path(tok) / name).is_file():
+                raise ConfigError(f"data.tokenizer_dir: {tok} has no {name}; set data.tokenizer_dir=<folder with "
+                                  "vocab.json and merges.txt> or BENCH_DATA_ROOT")
+
+    def datasets(self, local_rank: int = 0):
+        """(train, val): items (input_ids [seq_len] int64, targets [seq_len] int64, shifted by one).
+
+        synthetic: `MarkovTokens` with data.train_samples / data.val_samples sequences.
+        wikitext: <root>/train.txt and valid.txt as GPT-2 BPE ids cut into non-overlapping blocks
+        of seq_len + 1 tokens (cached once per file; `local_rank` 0 builds, other ranks wait).
+        """
+        self.check_data()
+        c, d = self.gpt, self.data
+        if d.source == "synthetic":
+            return (D.MarkovTokens(d.train_samples, c.seq_len, c.vocab_size, "train"),
+                    D.MarkovTokens(d.val_samples, c.seq_len, c.vocab_size, "val"))
+        vocab = D.gpt2_tokenizer(d.tokenizer_dir).get_vocab_size()
+        if vocab > c.vocab_size:
+            raise ConfigError(f"workload.vocab_size={c.vocab_size} is smaller than the tokenizer's {vocab}; "
+                              f"set workload.vocab_size={vocab}")
+        out = []
+        for name in ("train.txt", "valid.txt"):
+            path = D.token_cache(Path(d.root) / name, d.tokenizer_dir, d.cache_dir, local_rank)
+            out.append(D.TokenBlocks(path, c.seq_len))
+        return tuple(out)
