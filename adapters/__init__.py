@@ -1,26 +1,24 @@
-"""Adapter registry: `adapter.name` -> the module that implements it, imported only when chosen.
+"""Adapter registry: `adapter=NAME` loads module `adapters/NAME.py` and its `ADAPTER` class.
 
-Heavy frameworks (deepspeed, megatron, horovod, torchgpipe) are imported inside their own adapter
-module, so `adapter=ddp` never pays for them (a test checks this).
+One file per framework, found by name, imported only when chosen: heavy frameworks (deepspeed,
+megatron, horovod, torchgpipe) are imported inside their own module, so `adapter=ddp` never pays
+for them (a test checks this). Modules starting with "_" are helpers, not adapters.
 """
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 from bench.errors import ConfigError
 
-# name -> "module:Class"
-REGISTRY: dict[str, str] = {
-    "ddp": "adapters.ddp:DDPAdapter",
-}
+_SKIP = {"__init__", "base"}
 
 
-def register(name: str, target: str) -> None:
-    REGISTRY[name] = target
+def available() -> list[str]:
+    return sorted(p.stem for p in Path(__file__).parent.glob("*.py") if p.stem not in _SKIP and not p.stem.startswith("_"))
 
 
 def get_adapter_class(name: str):
-    if name not in REGISTRY:
-        raise ConfigError(f"unknown adapter '{name}': choose one of {', '.join(sorted(REGISTRY))} (adapter=NAME)")
-    module, cls = REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    if name not in available():
+        raise ConfigError(f"unknown adapter '{name}': choose one of {', '.join(available())} (adapter=NAME)")
+    return importlib.import_module(f"adapters.{name}").ADAPTER

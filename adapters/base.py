@@ -30,6 +30,8 @@ class Adapter(ABC):
     name: ClassVar[str]
     kinds: ClassVar[tuple[str, ...]] = ("vision", "language")  # workload kinds supported
     framework: ClassVar[str] = "torch"  # distribution name whose version the record states
+    # `make smoke`: overrides that give this adapter's smallest run (after experiment=smoke)
+    smoke_overrides: ClassVar[tuple[str, ...]] = ()
 
     # --- before launch (class methods: no process group yet) ------------------------------------
     @classmethod
@@ -55,13 +57,17 @@ class Adapter(ABC):
 
         per_device: each replica loads batch_size (DDP/ZeRO: global batch = batch_size x replicas);
         linear: the global batch is batch_size x devices whatever the parallel layout (Megatron);
-        fixed: the global batch is batch_size whatever the device count (PipeDream-style).
+        fixed: the global batch is batch_size whatever the device count (PipeDream-style);
+        per_microbatch: batch_size is the micro-batch size, a replica loads batch_size x microbatches
+        (GPipe as in the paper: fixed micro-batch size, micro-batches = 4 x partitions).
         """
         policy = cfg.adapter.batch_policy
         dp = cls.data_parallel_size(cfg, world_size)
         b = cfg.trainer.batch_size
         if policy == "per_device":
             return b
+        if policy == "per_microbatch":
+            return b * cls.microbatches(cfg, world_size)
         devices = world_size * cls.devices_per_process(cfg)
         total = b * devices if policy == "linear" else b
         if total % dp:
@@ -73,6 +79,11 @@ class Adapter(ABC):
 
     @classmethod
     def devices_per_process(cls, cfg: BenchConfig) -> int:
+        return 1
+
+    @classmethod
+    def microbatches(cls, cfg: BenchConfig, world_size: int) -> int:
+        """Micro-batches a replica's batch is cut into inside one train_step (pipelines); 1 otherwise."""
         return 1
 
     # --- on each rank -------------------------------------------------------------------------
@@ -109,6 +120,10 @@ class Adapter(ABC):
     @abstractmethod
     def modules(self) -> list[nn.Module]:
         """The modules this rank holds (for train/eval mode and parameter accounting)."""
+
+    def devices(self) -> list[torch.device]:
+        """Every device this process computes on (GPipe: one per partition); memory is read on each."""
+        return [self.device]
 
     @property
     def dp_rank(self) -> int:

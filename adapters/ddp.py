@@ -77,3 +77,6 @@ class DDPAdapter(Adapter):
             "find_unused_parameters": c.find_unused_parameters,
             "sync_batchnorm": bool(c.sync_batchnorm and self.ctx.is_cuda),
         }
+
+
+ADAPTER = DDPAdapter

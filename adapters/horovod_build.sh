@@ -18,9 +18,11 @@ BIN="$(dirname "$PY")"
 export PATH="$BIN:$PATH"
 check_build() { "$BIN/horovodrun" --check-build; }
 
-# --- fast path: already installed and importable ---------------------------------------------
-if "$PY" -c "import sys, horovod, horovod.torch; sys.exit(horovod.__version__ != '$HVD')" 2>/dev/null; then
-    say "horovod $HVD already installed in $BIN"; check_build; exit 0
+# --- fast path: already installed and its torch extension loads -------------------------------
+# (--check-build imports horovod.torch in a subprocess: [X] PyTorch also means the ABI matches.)
+if OUT="$("$BIN/horovodrun" --check-build 2>/dev/null)" && grep -q "Horovod v$HVD:" <<<"$OUT" \
+        && grep -q '\[X\] PyTorch' <<<"$OUT"; then
+    say "horovod $HVD already installed in $BIN"; echo "$OUT"; exit 0
 fi
 
 # --- probe torch: version, python tag, CUDA build, GPU compute capability ---------------------

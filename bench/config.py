@@ -85,7 +85,8 @@ class AdapterConfig:
     compression: str = "none"  # none | fp16
     backward_passes_per_step: int = 1
     # how the global batch follows the device count: per_device (DDP/ZeRO: fixed per-GPU batch),
-    # linear (Megatron: batch grows with GPU count), fixed (PipeDream: fixed mini-batch)
+    # linear (Megatron: batch grows with GPU count), fixed (PipeDream: fixed mini-batch),
+    # per_microbatch (GPipe: batch_size is the micro-batch, replica batch = batch_size x microbatches)
     batch_policy: str = "per_device"
 
 
@@ -112,9 +113,13 @@ class TrainerConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16 (GPU only)
     seed: int = 1234
     dist_timeout_s: int = 300
+    hang_timeout_s: float = 900.0  # watchdog: no step/eval progress this long = status timeout; 0 = off
+    stop_check_every: int = 1  # steps between agreements on a preemption signal (one tiny CPU all-reduce)
     sync_timing: bool = True  # CUDA only: synchronize at phase boundaries so phases are honest
     progress: bool = True
     log_step_losses: bool = True
+    # Fault injection for resilience tests: "KIND@RANK:STEP", KIND = raise | oom | hang | exit
+    inject_fault: Optional[str] = None
 
 
 @dataclass

@@ -58,8 +58,8 @@ def check_config(cfg: BenchConfig) -> None:
         raise ConfigError(
             f"data.source={cfg.data.source} does not fit {cfg.workload.kind} workload {cfg.workload.name}; use one of {', '.join(sources)}"
         )
-    if cfg.adapter.batch_policy not in ("per_device", "linear", "fixed"):
-        raise ConfigError(f"adapter.batch_policy={cfg.adapter.batch_policy}: choose per_device, linear or fixed")
+    if cfg.adapter.batch_policy not in ("per_device", "linear", "fixed", "per_microbatch"):
+        raise ConfigError(f"adapter.batch_policy={cfg.adapter.batch_policy}: choose per_device, linear, fixed or per_microbatch")
     if cfg.launcher.name not in ("local", "torchrun", "slurm"):
         raise ConfigError(f"launcher.name={cfg.launcher.name}: choose local, torchrun or slurm")
     check_precision(cfg.trainer.precision)
@@ -117,6 +117,8 @@ def identity(cfg, world: int) -> dict:
         "adapter": cfg.adapter.name,
         "workload": cfg.workload.name,
         "world_size": world,
+        # devices used (GPipe drives several from one process): analysis plots against this
+        "devices": world * get_adapter_class(cfg.adapter.name).devices_per_process(cfg),
     }
 
 
@@ -126,25 +128,54 @@ def make_run_dir(cfg, world: int) -> Path:
 
 
 def spawn_local(cfg_dict: dict, world: int, port: int, run_dir: Path) -> int:
+    import signal
+
     import torch.multiprocessing as mp
 
     start = time.time()
+    procs = mp.start_processes(_local_rank_main, args=(cfg_dict, world, port, str(run_dir)), nprocs=world,
+                               start_method="spawn", join=False)
+
+    def forward(signum, frame):  # a preemption signal to the launcher reaches every rank
+        for p in procs.processes:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     try:
         # join() ends the other ranks (SIGTERM, then SIGKILL) as soon as one fails: no orphans
-        mp.start_processes(_local_rank_main, args=(cfg_dict, world, port, str(run_dir)), nprocs=world, start_method="spawn")
+        while not procs.join():
+            pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        record = RunRecord(run_dir)
-        summary = record.summary() or {}
-        if summary.get("status") in (None, "running"):
-            errors = record.rank_errors()
-            first = errors[0] if errors else {"rank": getattr(e, "error_index", None), "error": str(e).strip().splitlines()[-1]}
-            summary.update(status=first.get("status", "failed"), error=first.get("error"), failed_rank=first.get("rank"),
-                           total_time_s=time.time() - start)
-            record.write_summary(summary)
-        print(f"run failed: rank {summary.get('failed_rank')}: {summary.get('error')}", file=sys.stderr)
+        record_failure(run_dir, e, time.time() - start)
+        summary = RunRecord(run_dir).summary() or {}
+        print(f"run {summary.get('status')}: rank {summary.get('failed_rank')}: {summary.get('error')}", file=sys.stderr)
         return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     summary = RunRecord(run_dir).summary() or {}
     return 0 if summary.get("status") in ("ok", "preempted") else 1
+
+
+def record_failure(run_dir: Path, exc: Exception, elapsed: float) -> None:
+    """The launcher's word on a failed run: the earliest rank error is the cause; a rank killed by a
+    signal (it could write nothing) is named from the exit status."""
+    record = RunRecord(run_dir)
+    summary = record.summary() or {}
+    if summary.get("status") not in (None, "running"):
+        return  # rank 0 already wrote the outcome
+    errors = sorted(record.rank_errors(), key=lambda e: e.get("time", 0))
+    killed = getattr(exc, "signal_name", None)
+    if killed and not any(e.get("status") == "timeout" for e in errors):
+        cause = {"rank": exc.error_index, "status": "failed", "error": f"rank {exc.error_index} killed by {killed}"}
+    elif errors:
+        cause = errors[0]
+    else:
+        cause = {"rank": getattr(exc, "error_index", None), "status": "failed", "error": str(exc).strip().splitlines()[-1]}
+    summary.update(status=cause["status"], error=cause["error"], failed_rank=cause["rank"], total_time_s=elapsed,
+                   rank_errors=[{k: e.get(k) for k in ("rank", "status", "error")} for e in errors])
+    record.write_summary(summary)
 
 
 def _local_rank_main(local_rank: int, cfg_dict: dict, world: int, port: int, run_dir: str) -> None:
@@ -162,45 +193,65 @@ def run_rank(cfg_dict: dict, ctx: DistContext, run_dir: Path | None) -> int:
     set_cpu_threads(cfg.launcher.threads_per_rank)
     import torch.distributed as dist
 
+    from bench.guard import StopFlag, Watchdog
+
+    stop = StopFlag()
+    stop.install()
     init_process_group(ctx, cfg.trainer.dist_timeout_s)
-    record = None
     adapter = None
+    watchdog = None
     try:
         if run_dir is None:
             run_dir = _agree_on_run_dir(cfg, ctx)
-        if ctx.rank == 0:
-            record = RunRecord(run_dir)
+        record = RunRecord(run_dir) if ctx.rank == 0 else None
+
+        def on_hang(idle: float) -> None:
+            _record_rank_error(run_dir, ctx, cfg, "timeout", f"no progress for {idle:.0f}s (trainer.hang_timeout_s="
+                               f"{cfg.trainer.hang_timeout_s}): a rank stopped calling collectives or hangs", "")
+
+        watchdog = Watchdog(cfg.trainer.hang_timeout_s, on_hang).start()
         from bench.trainer import CONVENTIONS, Trainer
 
         torch.manual_seed(cfg.trainer.seed)
         workload = build_workload(cfg.workload, cfg.data)
         adapter = get_adapter_class(cfg.adapter.name)(cfg, workload, ctx)
         adapter.setup()
-        trainer = Trainer(cfg, ctx, adapter, workload, record)
+        watchdog.beat()
+        trainer = Trainer(cfg, ctx, adapter, workload, record, stop, watchdog)
         summary = trainer.run()
         if record is not None:
             summary.update(run_id=run_dir.name, **identity(cfg, ctx.world_size), adapter_settings=adapter.describe(),
                            precision=cfg.trainer.precision, batch_policy=cfg.adapter.batch_policy,
-                           warmup_steps=cfg.trainer.warmup_steps, launcher=ctx.launcher,
-                           conventions=CONVENTIONS)
+                           warmup_steps=cfg.trainer.warmup_steps, launcher=ctx.launcher, conventions=CONVENTIONS,
+                           frameworks_imported=sorted(m for m in HEAVY_FRAMEWORKS if m in sys.modules))
             record.write_summary(summary)
             _print_summary(summary)
         return 0
     except BaseException as e:  # record every failure, then let it end the rank
-        status = "oom" if _is_oom(e) else "failed"
-        err = {"rank": ctx.rank, "status": status, "error": f"{type(e).__name__}: {e}".strip().splitlines()[0][:500],
-               "traceback": traceback.format_exc()}
         if run_dir is not None:
-            RunRecord(run_dir).write_rank_error(ctx.rank, err)
-            if ctx.launcher != "local" and ctx.rank == 0:
-                RunRecord(run_dir).write_summary({"status": status, "run_id": run_dir.name, "error": err["error"],
-                                                  "failed_rank": ctx.rank, **identity(cfg, ctx.world_size)})
+            status = "oom" if _is_oom(e) else "failed"
+            _record_rank_error(run_dir, ctx, cfg, status, f"{type(e).__name__}: {e}", traceback.format_exc())
         raise
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if adapter is not None:
             adapter.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+HEAVY_FRAMEWORKS = ("deepspeed", "megatron", "horovod", "torchgpipe")
+
+
+def _record_rank_error(run_dir: Path, ctx: DistContext, cfg, status: str, message: str, tb: str) -> None:
+    err = {"rank": ctx.rank, "status": status, "error": message.strip().splitlines()[0][:500] if message.strip() else status,
+           "traceback": tb, "time": time.time()}
+    record = RunRecord(run_dir)
+    record.write_rank_error(ctx.rank, err)
+    if ctx.launcher != "local" and ctx.rank == 0:  # no launcher process of ours to write the outcome
+        record.write_summary({"status": status, "run_id": run_dir.name, "error": err["error"], "failed_rank": ctx.rank,
+                              **identity(cfg, ctx.world_size)})
 
 
 def _agree_on_run_dir(cfg: BenchConfig, ctx: DistContext) -> Path:

@@ -27,6 +27,7 @@ from bench.data import eval_loader, train_loader
 from bench.dist import DistContext
 from bench.errors import ConfigError
 from bench.flops import peak_flops
+from bench.guard import StopFlag, Watchdog
 from bench.records import RunRecord
 from bench.timing import PHASES, PhaseTimer
 from workloads.base import Workload
@@ -41,7 +42,8 @@ CONVENTIONS = {
 
 
 class Trainer:
-    def __init__(self, cfg: BenchConfig, ctx: DistContext, adapter: Adapter, workload: Workload, record: RunRecord | None):
+    def __init__(self, cfg: BenchConfig, ctx: DistContext, adapter: Adapter, workload: Workload,
+                 record: RunRecord | None, stop: StopFlag | None = None, watchdog: Watchdog | None = None):
         self.cfg = cfg
         self.ctx = ctx
         self.adapter = adapter
@@ -49,7 +51,9 @@ class Trainer:
         self.record = record  # only on rank 0
         self.timer = PhaseTimer(cuda_sync=cfg.trainer.sync_timing)
         self.global_step = 0
-        self.stop_requested = False  # set by signal handlers (graceful preemption)
+        self.stop = stop or StopFlag()
+        self.watchdog = watchdog or Watchdog(0, lambda idle: None)
+        self.stop_requested = False  # all ranks agreed to stop (graceful preemption)
 
     def _loaders(self):
         t = self.cfg.trainer
@@ -102,13 +106,17 @@ class Trainer:
                 for _ in range(accum):
                     x, y = next(it)
                     micro.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
+            if self.cfg.trainer.inject_fault:
+                inject_fault(self.cfg.trainer.inject_fault, self.ctx.rank, self.global_step)
             loss = self.adapter.train_step(micro, self.timer)
             self.timer.end_step()
             losses.append(loss if loss is not None else torch.zeros((), device=device))
             self.global_step += 1
+            self.watchdog.beat()
             if bar is not None:
                 bar.update(1)
-            if self.stop_requested:
+            if self.global_step % self.cfg.trainer.stop_check_every == 0 and self.stop.agreed():
+                self.stop_requested = True
                 break
         if self.ctx.is_cuda:
             torch.cuda.synchronize()
@@ -119,7 +127,7 @@ class Trainer:
         state = self.adapter.state_bytes()
 
         tv = time.perf_counter()
-        val_metrics = self._validate(val)
+        val_metrics = {} if self.stop_requested else self._validate(val)  # preempted: save the grace time
         val_time = time.perf_counter() - tv
 
         return self._epoch_event(epoch, losses, first_step, epoch_time, val_time, mem, state, val_metrics, run_start)
@@ -135,6 +143,7 @@ class Trainer:
             s = self.adapter.eval_step(x.to(device), y.to(device), w.to(device))
             if self.adapter.reports_metrics:
                 sums += s.to(device)
+            self.watchdog.beat()
         dist.all_reduce(sums)
         self.adapter.train()
         return self.workload.metrics(sums.cpu())
@@ -181,6 +190,7 @@ class Trainer:
             "timed_steps": int(len(step_times)),
             "warmup_steps_excluded": int(steps - len(step_times)),
             "global_batch": self.global_batch,
+            "devices": devices,  # world_size x devices per process (GPipe drives several from one)
             "epoch_time_s": epoch_time,
             "val_time_s": val_time,
             "wall_time_s": time.perf_counter() - run_start,
@@ -215,6 +225,7 @@ class Trainer:
         keys = ("val_loss", "val_accuracy", "val_perplexity", "train_loss", "peak_memory_max", "peak_memory_min")
         return {
             "status": "preempted" if self.stop_requested else "ok",
+            "stop_signal": self.stop.signal_name,
             "epochs_completed": len(epochs),
             "total_time_s": total_time,
             "steps": self.global_step,
@@ -234,6 +245,26 @@ class Trainer:
         from tqdm import tqdm
 
         return tqdm(total=steps, desc=f"epoch {epoch}", unit="step", leave=False, dynamic_ncols=True)
+
+
+def inject_fault(spec: str, rank: int, step: int) -> None:
+    """Fail on purpose (tests of failure capture): "raise@1:3" = rank 1 raises at step 3."""
+    kind, _, where = spec.partition("@")
+    fault_rank, _, fault_step = where.partition(":")
+    if rank != int(fault_rank) or step != int(fault_step):
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if kind == "oom":
+        raise torch.OutOfMemoryError(f"injected out of memory on rank {rank} at step {step}")
+    if kind == "exit":
+        import os
+
+        os._exit(3)
+    if kind == "hang":  # stop calling collectives, as a deadlocked rank does
+        while True:
+            time.sleep(1)
+    raise ConfigError(f"trainer.inject_fault={spec}: KIND must be raise, oom, hang or exit")
 
 
 def _stats(x: np.ndarray) -> dict:

@@ -1,0 +1,85 @@
+"""Graceful stop on preemption signals, and a watchdog for hung collectives.
+
+Stop: SIGUSR1 (Slurm's `--signal=USR1@120`) or SIGTERM (scancel) sets a flag. Ranks may see the
+signal at different steps, so at every step boundary they agree through one tiny all-reduce on a
+CPU (gloo) group: a CPU tensor, so a GPU run is never forced to sync the device for it. The
+trainer then finishes the step, writes a record with status `preempted`, and exits 0 so Slurm can
+requeue the job.
+
+Watchdog: a daemon thread watches a heartbeat that the loop beats at every step and validation
+batch. If no beat comes for `trainer.hang_timeout_s` seconds (a rank that stopped calling
+collectives leaves every other rank blocked inside one), the rank writes its `timeout` error
+record and exits at once; the launcher then ends the other ranks.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class StopFlag:
+    def __init__(self):
+        self.requested = False
+        self.signal_name: str | None = None
+        self._group = None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        """True on every rank once any rank has been asked to stop (a collective: call on all ranks)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.requested
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if flag.item() and not self.requested:
+            self.requested, self.signal_name = True, "peer"
+        return bool(flag.item())
+
+
+class Watchdog:
+    def __init__(self, timeout_s: float, on_timeout: Callable[[float], None]):
+        self.timeout_s = timeout_s
+        self.on_timeout = on_timeout
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def start(self) -> "Watchdog":
+        if self.timeout_s > 0:
+            self.beat()
+            self._thread = threading.Thread(target=self._watch, name="bench-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                try:
+                    self.on_timeout(idle)
+                finally:
+                    os._exit(124)  # a rank blocked in a collective cannot be unwound; leave at once
