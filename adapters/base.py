@@ -7,6 +7,7 @@ calls from the trainer: `train_step`, `eval_step`, `state_bytes`, and who it sha
 Class-level hooks run before any rank starts, so bad input fails in the parent with one line:
   - `validate(cfg, world_size)`: refuse what this adapter cannot do (raise ConfigError)
   - `processes(cfg)`: how many processes to launch (GPipe drives several devices from one)
+  - `launch_command(cfg, world_size)`: a framework launcher that must start the ranks (horovodrun)
   - `local_batch_size(cfg, world_size)`: the batch one data-parallel replica loads per step
 """
 from __future__ import annotations
@@ -45,6 +46,12 @@ class Adapter(ABC):
     @classmethod
     def processes(cls, cfg: BenchConfig) -> int:
         return cfg.launcher.nprocs
+
+    @classmethod
+    def launch_command(cls, cfg: BenchConfig, world_size: int) -> list[str] | None:
+        """launcher=local: the framework's own launcher that starts the ranks (e.g. horovodrun), to which
+        the launcher appends `python -m bench.rank RUN_DIR`; None = the launcher spawns them itself."""
+        return None
 
     @classmethod
     def data_parallel_size(cls, cfg: BenchConfig, world_size: int) -> int:

@@ -48,7 +48,7 @@ if [ "$TCUDA" != none ] && [ -x "$CUDA_HOME/bin/nvcc" ]; then
     export HOROVOD_BUILD_CUDA_CC_LIST="${HOROVOD_BUILD_CUDA_CC_LIST:-$([ "$GPUCC" != none ] && echo "$GPUCC" || echo 75)}"
     VARIANT="cu$TCUDA-sm${HOROVOD_BUILD_CUDA_CC_LIST//,/_}"
     if [ "$GPUCC" != none ]; then   # real GPU: NCCL for GPU tensors, if we can find NCCL
-        NCCLPY="$("$PY" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null || true)"
+        NCCLPY="$("$PY" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
         if [ -n "${HOROVOD_NCCL_HOME:-}" ] || [ -e "$CUDA_HOME/include/nccl.h" ] || [ -e /usr/include/nccl.h ]; then
             export HOROVOD_GPU_OPERATIONS=NCCL
         elif [ -e "$NCCLPY/include/nccl.h" ]; then
@@ -94,7 +94,7 @@ EOF
         -w "$TMP/whl" "horovod==$HVD" > "$TMP/build.log" 2>&1 || {
         tail -n 30 "$TMP/build.log" >&2; cp "$TMP/build.log" "$WHEELS/$KEY.failed.log"
         die "Horovod build failed (full log: $WHEELS/$KEY.failed.log)"; }
-    say "built in ${SECONDS}s"
+    say "built in ${SECONDS}s"; rm -f "$WHEELS/$KEY.failed.log"
     # Rename publishes the cache entry; if another build won the race, keep theirs.
     mv -T "$TMP/whl" "$CACHE" 2>/dev/null || say "cache entry appeared meanwhile; using it"
 else

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from adapters.base import Adapter, Batch, _nbytes
+from adapters.base import Adapter, Batch
 from bench.config import BenchConfig
 from bench.errors import ConfigError
 from bench.optim import build_optimizer
@@ -46,6 +46,7 @@ def deepspeed_config(cfg: BenchConfig, micro_batch: int, cuda: bool) -> dict:
     if a.stage == 3:
         # stage 3 has its own prefetch bucket (default 5e7 elements): bound it by the same knob
         zero["stage3_prefetch_bucket_size"] = a.allgather_bucket_size
+        zero["stage3_param_persistence_threshold"] = a.param_persistence_threshold
     if a.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     if a.offload_params:
@@ -104,6 +105,8 @@ class ZeroAdapter(Adapter):
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             if getattr(a, key) <= 0:
                 raise ConfigError(f"adapter.{key}={getattr(a, key)} must be > 0 (elements per communication bucket)")
+        if a.param_persistence_threshold < 0:
+            raise ConfigError(f"adapter.param_persistence_threshold={a.param_persistence_threshold} must be >= 0 (0 = shard every parameter)")
 
     # --- on each rank ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -133,14 +136,15 @@ class ZeroAdapter(Adapter):
     def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer):
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
+        # the first step of the run (a warm-up step) measures gradient memory; it does not change after
+        probe = _GradientProbe(self.engine) if self._probe_grads else None
         for i, (x, y) in enumerate(micro_batches):
             with timer.phase("forward"):
                 loss = self.workload.loss(self.engine(self._cast(x)), y)
             with timer.phase("backward"):
                 self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps
-            if i == n - 1 and self._probe_grads:
-                # the engine frees gradients inside step(): read them where they are all held
-                self._grad_bytes = self._held_grad_bytes()
+            if probe is not None and i == n - 1:
+                self._grad_bytes = probe.close()  # before step(), which frees the gradients
                 self._probe_grads = False
             with timer.phase("optimizer"):
                 self.engine.step()  # steps the optimizer only at the accumulation boundary
@@ -154,14 +158,16 @@ class ZeroAdapter(Adapter):
 
     # --- model-state accounting --------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds, read from the engine's own tensors (see `_engine_state`)."""
-        state = _engine_state(self.engine, self.cfg.adapter.stage)
-        state["grads"] = self._grad_bytes
-        self._probe_grads = True  # re-read gradients at the next step (once per epoch)
-        return state
+        """Bytes this rank holds, read from the engine's own tensors.
 
-    def _held_grad_bytes(self) -> int:
-        return _gradient_bytes(self.engine, self.cfg.adapter.stage)
+        params, optimizer (moments + DeepSpeed's fp32 master partition): held now, after a step.
+        grads: the most gradient bytes held at once during the first step's backward (DeepSpeed
+        frees them in step(); ZeRO-1 holds full gradients until its post-backward reduction, ZeRO-2
+        reduces as it goes). Communication buckets are buffers, not model state, and are left out.
+        """
+        state = _engine_state(self.engine)
+        state["grads"] = self._grad_bytes
+        return state
 
     def describe(self) -> dict:
         import deepspeed
@@ -202,28 +208,110 @@ def _import_deepspeed():
     return deepspeed
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views into one flat buffer count once)."""
-    seen: dict[int, int] = {}
+def _tensors(obj):
+    """Tensors in an attribute that may be a tensor, a list/tuple of them, or a dict of either."""
+    if obj is None:
+        return
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _storages(tensors, exclude: frozenset = frozenset()) -> dict[int, int]:
+    """{storage address: bytes} behind `tensors`: views into one flat buffer count once."""
+    out: dict[int, int] = {}
     for t in tensors:
-        if t is None or not torch.is_tensor(t):
-            continue
         t = t.to_local() if hasattr(t, "to_local") else t
-        if t.numel() == 0:
+        if t.numel() == 0 or t.device.type == "meta":
             continue
         s = t.untyped_storage()
-        seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
-    return sum(seen.values())
+        if s.data_ptr() not in exclude:
+            out[s.data_ptr()] = max(out.get(s.data_ptr(), 0), s.nbytes())
+    return out
 
 
-def _engine_state(engine, stage: int) -> dict[str, int]:
-    import sys; sys.path.insert(0, "/tmp/zs"); import dump; dump.dump(engine, "after step")
-    return {"params": 0, "grads": 0, "optimizer": 0}
+# Where DeepSpeed keeps each kind of state (attribute names of its optimizer wrappers, 0.19):
+#   stage 1/2 DeepSpeedZeroOptimizer: parameters are views into `bit16_groups_flat`; fp32 master of this
+#     rank's partition `single_partition_of_fp32_groups`; gradients in `grads_in_partition` (contiguous)
+#     or per-parameter `.grad` / `.grad_accum`, listed in `averaged_gradients`
+#   stage 3 DeepSpeedZeroOptimizer_Stage3: each parameter's partition `ds_tensor` (views into
+#     `fp16_partitioned_groups_flat`); fp32 master `fp32_partitioned_groups_flat`; gradient partitions in
+#     `grad_partitions_flat_buffer`
+#   stage 0 with bf16: BF16_Optimizer, fp32 master `fp32_groups_flat_partition`, gradients
+#     `fp32_groups_gradients_flat`; with fp16: FP16_Optimizer, master `fp32_groups_flat`
+MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
+                "fp32_groups_flat")
+GRAD_ATTRS = ("grads_in_partition", "averaged_gradients", "all_grad_tensors", "grad_partitions_flat_buffer",
+              "fp32_groups_gradients_flat")
 
 
-def _gradient_bytes(engine, stage: int) -> int:
-    import sys; sys.path.insert(0, "/tmp/zs"); import dump; dump.dump(engine, "after backward")
-    return 0
+def _param_storages(engine) -> dict[int, int]:
+    tensors = []
+    for p in engine.module.parameters():
+        tensors.append(p.data)  # stage 3: empty unless persistent or currently gathered
+        if torch.is_tensor(getattr(p, "ds_tensor", None)):
+            tensors.append(p.ds_tensor)  # stage 3: this rank's partition
+    return _storages(tensors)
+
+
+def _engine_state(engine) -> dict[str, int]:
+    """Parameter and optimizer bytes held now (after a step); gradients are read by `_gradient_bytes`."""
+    params = _param_storages(engine)
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)  # ZeRO/bf16 wrappers keep the torch optimizer inside
+    state = [v for st in getattr(inner, "state", {}).values() for v in st.values() if torch.is_tensor(v)]
+    master = [t for a in MASTER_ATTRS for t in _tensors(getattr(opt, a, None))]
+    optimizer = _storages(state + master, exclude=frozenset(params))
+    return {"params": sum(params.values()), "optimizer": sum(optimizer.values())}
+
+
+def _comm_buffers(opt) -> frozenset:
+    """Storages of the reduce buckets (`ipg_buckets[dtype].buffer`): gradients pass through them."""
+    tensors = []
+    for name, v in vars(opt).items():
+        if "ipg_bucket" in name:
+            values = v.values() if isinstance(v, dict) else [v]
+            tensors += _tensors([getattr(b, "buffer", b) for b in values])
+    return frozenset(_storages(tensors))
+
+
+def _gradient_bytes(engine) -> int:
+    """Gradient bytes held now, wherever the engine keeps them (buckets and parameters excluded)."""
+    opt = engine.optimizer
+    params = _param_storages(engine)
+    tensors = [t for a in GRAD_ATTRS for t in _tensors(getattr(opt, a, None))]
+    # stage 3 keeps a name-mangled map param id -> gradient partition (views into the flat buffer)
+    tensors += _tensors(getattr(opt, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", None))
+    for p in engine.module.parameters():
+        tensors += [t for t in (p.grad, getattr(p, "grad_accum", None)) if torch.is_tensor(t)]
+    return sum(_storages(tensors, exclude=frozenset(params) | _comm_buffers(opt)).values())
+
+
+class _GradientProbe:
+    """Peak gradient bytes over one step's backward: read at every parameter's gradient hook.
+
+    Costs O(parameters^2) tensor visits, so it runs on one step per epoch only.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.peak = 0
+        self.handles = [p.register_post_accumulate_grad_hook(self._read)
+                        for p in engine.module.parameters() if p.requires_grad]
+
+    def _read(self, _param) -> None:
+        self.peak = max(self.peak, _gradient_bytes(self.engine))
+
+    def close(self) -> int:
+        self._read(None)  # after the engine's post-backward reduction
+        for h in self.handles:
+            h.remove()
+        return self.peak
 
 
 ADAPTER = ZeroAdapter

@@ -6,6 +6,15 @@ import sys
 
 # Before torch is imported anywhere: one thread per rank on CPU (ranks share the cores).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# submitit (hydra/launcher=submitit_*) asks Slurm for its time-limit signal and handles it itself;
+# make that USR1, the signal the ranks turn into a graceful stop (read at submitit's import).
+os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", "USR1")
+
+import warnings  # noqa: E402
+
+# conf/hydra/launcher/submitit_*.yaml share their names with the plugin's schemas on purpose (Hydra
+# then type-checks them against those); Hydra 1.3 warns that this matching is deprecated.
+warnings.filterwarnings("ignore", message=".*validated against ConfigStore schema with the same name")
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
@@ -19,7 +28,9 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> int:
     from bench.run import launch
+    from bench.sweep import apply_hydra_context
 
+    apply_hydra_context(cfg)  # sweep point id; a multirun's records go to its sweep folder
     try:
         code = launch(cfg)
     except ConfigError as e:

@@ -71,14 +71,19 @@ class AdapterConfig:
     offload_optimizer: bool = False
     offload_params: bool = False
     reshard_after_forward: bool = True
+    # ZeRO-3: parameters with fewer elements stay whole on every rank (DeepSpeed's default 1e5); 0 = shard all
+    param_persistence_threshold: int = 100_000
     # model parallel (megatron, tensor_parallel, pipelines)
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     sequence_parallel: bool = False
+    # megatron: vocabulary padded to a multiple of this x tensor_parallel (Megatron-LM's flag of that name)
+    make_vocab_size_divisible_by: int = 128
     schedule: str = "gpipe"  # pipeline: gpipe | 1f1b | interleaved_1f1b
     microbatches: int = 0  # 0 = the adapter's policy (GPipe: 4 x partitions)
     balance: Optional[List[int]] = None  # layers per pipeline stage
     checkpoint: str = "except_last"  # torchgpipe: always | except_last | never
+    deferred_batch_norm: bool = True  # torchgpipe: BatchNorm running stats per mini-batch, not per micro-batch
     # horovod
     fusion_threshold_mb: float = 64.0
     cycle_time_ms: float = 5.0
@@ -127,6 +132,13 @@ class ResultsConfig:
     root: str = "results"
     experiment: str = "default"
     run_id: Optional[str] = None  # None = generated (time + host + random), unique across requeues
+    # Sweep point id (bench/sweep.py): a hash of the run's command-line overrides, stored in the
+    # summary. None = computed from the overrides; set it to name a point yourself.
+    point: Optional[str] = None
+    # true: skip the run if <root>/<experiment> already holds an ok record of the same point
+    resume: bool = False
+    # parent folder of the run's record; None = <root>/<experiment> (a Hydra multirun uses its sweep folder)
+    dir: Optional[str] = None
 
 
 @dataclass

@@ -4,6 +4,7 @@ Three ways a rank is started, one result (`DistContext`):
 - `launcher=local`: this machine spawns `nprocs` ranks; the parent picks a free port.
 - torchrun: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT are in the environment
   (honoured under `launcher=local` too, so `torchrun -m bench` just works).
+- horovodrun: HOROVOD_RANK / HOROVOD_SIZE / HOROVOD_LOCAL_RANK (adapter=horovod).
 - `launcher=slurm` (srun, one task per GPU): SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, the
   address is the first host of SLURM_JOB_NODELIST, the port is derived from the job id.
 """
@@ -91,8 +92,12 @@ def torchrun_env(env=os.environ) -> bool:
     return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+def horovodrun_env(env=os.environ) -> bool:
+    return all(k in env for k in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK"))
+
+
 def context_from_env(launcher: str, backend: str = "auto", env=os.environ, master_port: int = 0) -> DistContext:
-    """Build the context of a rank started by torchrun or srun (not by our own spawner)."""
+    """Build the context of a rank started by torchrun, horovodrun or srun (not by our own spawner)."""
     if torchrun_env(env):
         return DistContext(
             rank=int(env["RANK"]),
@@ -103,6 +108,19 @@ def context_from_env(launcher: str, backend: str = "auto", env=os.environ, maste
             master_port=int(env.get("MASTER_PORT", 29500)),
             backend=default_backend(backend),
             launcher="torchrun",
+        )
+    if horovodrun_env(env):
+        # horovodrun (Gloo) sets ranks but no address for our own process group: MASTER_ADDR/PORT if
+        # given (launcher=local passes them), else the rendezvous host and the next port
+        return DistContext(
+            rank=int(env["HOROVOD_RANK"]),
+            world_size=int(env["HOROVOD_SIZE"]),
+            local_rank=int(env["HOROVOD_LOCAL_RANK"]),
+            local_world_size=int(env.get("HOROVOD_LOCAL_SIZE", env["HOROVOD_SIZE"])),
+            master_addr=env.get("MASTER_ADDR") or env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT") or master_port or int(env.get("HOROVOD_GLOO_RENDEZVOUS_PORT", 29499)) + 1),
+            backend=default_backend(backend),
+            launcher="horovodrun",
         )
     if launcher == "slurm":
         missing = [k for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID") if k not in env]

@@ -57,3 +57,31 @@ def peak(device: torch.device) -> dict[str, int | None]:
         }
     hwm = _status_kib("VmHWM")
     return {"peak_allocated": None, "peak_reserved": None, "peak_rss": hwm * 1024 if hwm is not None else None}
+
+
+def _unique(devices) -> list[torch.device]:
+    out: list[torch.device] = []
+    for d in devices:
+        d = torch.device(d)
+        d = torch.device("cpu") if d.type == "cpu" else d  # every cpu device is the one process memory
+        if d not in out:
+            out.append(d)
+    return out
+
+
+def reset_peaks(devices) -> None:
+    for d in _unique(devices):
+        reset_peak(d)
+
+
+def peak_over(devices) -> dict:
+    """`peak` of one process that computes on several devices (GPipe). CUDA: each value is the largest
+    device's (the per-GPU number other adapters report) and `per_device` lists them all; CPU devices
+    share the process memory, so they give one reading."""
+    devs = _unique(devices)
+    if len(devs) == 1:
+        return peak(devs[0])
+    per = [peak(d) for d in devs]
+    out = {k: max((p[k] for p in per if p[k] is not None), default=None) for k in per[0]}
+    out["per_device"] = [{"device": str(d), **p} for d, p in zip(devs, per)]
+    return out

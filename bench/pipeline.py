@@ -35,22 +35,27 @@ def even_split(layers: int, stages: int) -> list[int]:
     return [q + (i < r) for i in range(stages)]
 
 
-def check_split(balance: list[int] | None, layers: int, stages: int, workload: str) -> list[int]:
-    """The layers per stage (explicit `adapter.balance` or an even split); ConfigError if impossible."""
+def check_split(balance: list[int] | None, layers: int, stages: int, workload: str, stages_from: str) -> list[int]:
+    """Layers per stage (explicit `adapter.balance`, else an even split); ConfigError if impossible.
+
+    `stages_from` names the setting the stage count came from, for the message (e.g. 'adapter.pipeline_parallel=2').
+    """
+    if stages < 1:
+        raise ConfigError(f"{stages_from}: a pipeline needs at least 1 stage")
     if stages > layers:
-        raise ConfigError(f"{stages} pipeline stages but {workload} has only {layers} layers in its sequential form; "
-                          f"use at most {layers} stages")
+        raise ConfigError(f"{stages_from} asks for {stages} pipeline stages but {workload} has only {layers} layers "
+                          f"in its sequential form; use at most {layers} stages")
     if balance is None:
         return even_split(layers, stages)
     balance = [int(b) for b in balance]
     if len(balance) != stages:
-        raise ConfigError(f"adapter.balance={balance} has {len(balance)} entries for {stages} stages; give one "
-                          f"layer count per stage")
+        raise ConfigError(f"adapter.balance={balance} has {len(balance)} entries but {stages_from} means {stages} stages; "
+                          f"give one layer count per stage")
     if any(b <= 0 for b in balance):
         raise ConfigError(f"adapter.balance={balance}: every stage needs at least one layer")
     if sum(balance) != layers:
-        raise ConfigError(f"adapter.balance={balance} sums to {sum(balance)} but {workload} has {layers} layers; "
-                          f"make the entries sum to {layers}, e.g. adapter.balance=[{','.join(map(str, even_split(layers, stages)))}]")
+        raise ConfigError(f"adapter.balance={balance} sums to {sum(balance)} but {workload} has {layers} layers; make "
+                          f"the entries sum to {layers}, e.g. adapter.balance=[{','.join(map(str, even_split(layers, stages)))}]")
     return balance
 
 
@@ -95,12 +100,12 @@ class TiedPair:
     @torch.no_grad()
     def sum_local_grads(self) -> None:
         """Both copies in this process (GPipe, or one rank holding both stages): each gets the sum."""
-        g = _grad(self.main)
-        g.add_(_grad(self.copy).to(g.device))
+        g = grad_or_zeros(self.main)
+        g.add_(grad_or_zeros(self.copy).to(g.device))
         self.copy.grad.copy_(g)
 
 
-def _grad(p: nn.Parameter) -> torch.Tensor:
+def grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     return p.grad

@@ -32,3 +32,20 @@ def grad_scaler(precision: str, device: torch.device):
     if precision == "fp16":
         return torch.amp.GradScaler(device.type)
     return None
+
+
+class AutocastModule(torch.nn.Module):
+    """Runs `module` under autocast. For pipelines: torchgpipe computes partitions in worker threads
+    and torch.distributed.pipelining runs forward and backward inside one schedule call, so autocast
+    (thread-local, and meant for the forward only) must be entered by each stage's own forward;
+    a recomputation under activation checkpointing then sees it too."""
+
+    def __init__(self, module: torch.nn.Module, precision: str, device: torch.device):
+        super().__init__()
+        self.module = module
+        self.precision = precision
+        self.device_type = torch.device(device).type
+
+    def forward(self, *args):
+        with autocast(self.precision, torch.device(self.device_type)):
+            return self.module(*args)

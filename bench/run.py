@@ -18,11 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from adapters import get_adapter_class
 from bench.config import BenchConfig
-from bench.dist import (DistContext, context_from_env, default_backend, free_port, init_process_group,
-                        set_cpu_threads, torchrun_env)
+from bench.dist import (DistContext, context_from_env, default_backend, free_port, horovodrun_env,
+                        init_process_group, set_cpu_threads, torchrun_env)
 from bench.errors import ConfigError
 from bench.precision import check_precision
 from bench.records import RunRecord, new_run_id
+from bench.sweep import ok_record
 from workloads import build_workload
 
 
@@ -67,13 +68,15 @@ def check_config(cfg: BenchConfig) -> None:
 
     if cfg.optimizer.name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer.name '{cfg.optimizer.name}': choose one of {', '.join(OPTIMIZERS)}")
-    check_results_dir(Path(cfg.results.root))
+    check_results_dir(Path(cfg.results.dir or cfg.results.root))
 
 
 def check_results_dir(root: Path) -> None:
     probe = root
     while not probe.exists():
         probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"results.root={root} is not writable ({probe} is a file); set results.root=<writable dir>")
     if not os.access(probe, os.W_OK):
         raise ConfigError(f"results.root={root} is not writable ({probe} is read-only); set results.root=<writable dir>")
 
@@ -91,11 +94,25 @@ def prepare(cfg: BenchConfig, world_size: int):
 # --- the launcher ----------------------------------------------------------------------------------
 def launch(cfg: DictConfig) -> int:
     """Run one benchmark point; returns the process exit code (0 ok/preempted, 1 failed, 2 bad input)."""
-    external = torchrun_env() or cfg.launcher.name == "slurm"
+    if cfg.results.resume and cfg.results.point:
+        done = ok_record({Path(cfg.results.root) / cfg.results.experiment, Path(cfg.results.dir or cfg.results.root)},
+                         cfg.results.point)
+        if done:
+            if os.environ.get("SLURM_PROCID", "0") == "0":
+                print(f"point {cfg.results.point} already ok in {done}: skipped (results.resume=true)", flush=True)
+            return 0
+    # A task of a submitit Slurm job (hydra/launcher=submitit_slurm) is one srun-started rank.
+    submitit_slurm = os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+    launcher = "slurm" if submitit_slurm else cfg.launcher.name
+    external = torchrun_env() or horovodrun_env() or launcher == "slurm"
     if cfg.launcher.name == "torchrun" and not torchrun_env():
         raise ConfigError("launcher=torchrun but RANK/WORLD_SIZE/LOCAL_RANK are not set: start with `torchrun -m bench ...`")
     if external:
-        ctx = context_from_env(cfg.launcher.name, cfg.launcher.backend, master_port=cfg.launcher.master_port)
+        ctx = context_from_env(launcher, cfg.launcher.backend, master_port=cfg.launcher.master_port)
+        if submitit_slurm and ctx.world_size != get_adapter_class(cfg.adapter.name).processes(cfg):
+            raise ConfigError(f"this submitit job has {ctx.world_size} task(s) but the point needs "
+                              f"{get_adapter_class(cfg.adapter.name).processes(cfg)} ranks: use the repo's "
+                              "hydra/launcher=submitit_slurm (conf/hydra/launcher), which sizes each job")
         prepare(cfg, ctx.world_size)
         return run_rank(OmegaConf.to_container(cfg, resolve=True), ctx, run_dir=None)
 
@@ -108,12 +125,16 @@ def launch(cfg: DictConfig) -> int:
     record.write_summary({"status": "running", "run_id": run_dir.name, **identity(cfg, world)})
     port = cfg.launcher.master_port or free_port()
     print(f"run {run_dir}: {cfg.adapter.name} x {cfg.workload.name}, {world} rank(s)", flush=True)
+    command = adapter_cls.launch_command(cfg, world)
+    if command:
+        return run_with_launcher(command, cfg.launcher.master_addr, port, run_dir)
     return spawn_local(OmegaConf.to_container(cfg, resolve=True), world, port, run_dir)
 
 
 def identity(cfg, world: int) -> dict:
     return {
         "experiment": cfg.results.experiment,
+        "point": cfg.results.point,  # sweep point id (bench/sweep.py): what --resume matches
         "adapter": cfg.adapter.name,
         "workload": cfg.workload.name,
         "world_size": world,
@@ -124,15 +145,17 @@ def identity(cfg, world: int) -> dict:
 
 def make_run_dir(cfg, world: int) -> Path:
     run_id = cfg.results.run_id or new_run_id(cfg.adapter.name, cfg.workload.name, world)
-    return Path(cfg.results.root) / cfg.results.experiment / run_id
+    return Path(cfg.results.dir or Path(cfg.results.root) / cfg.results.experiment) / run_id
 
 
 def spawn_local(cfg_dict: dict, world: int, port: int, run_dir: Path) -> int:
     import signal
 
+    import psutil
     import torch.multiprocessing as mp
 
     start = time.time()
+    os.environ["BENCH_LAUNCH_T0"] = str(psutil.Process().create_time())  # inherited by the ranks
     procs = mp.start_processes(_local_rank_main, args=(cfg_dict, world, port, str(run_dir)), nprocs=world,
                                start_method="spawn", join=False)
 
@@ -156,6 +179,46 @@ def spawn_local(cfg_dict: dict, world: int, port: int, run_dir: Path) -> int:
             signal.signal(sig, handler)
     summary = RunRecord(run_dir).summary() or {}
     return 0 if summary.get("status") in ("ok", "preempted") else 1
+
+
+def run_with_launcher(command: list[str], addr: str, port: int, run_dir: Path) -> int:
+    """Ranks started by the framework's own launcher (horovodrun); each runs `python -m bench.rank RUN_DIR`
+    and reads the config this process wrote there. Our process group's address goes in the environment."""
+    import signal
+    import subprocess
+
+    import psutil
+
+    start = time.time()
+    env = {**os.environ, "MASTER_ADDR": addr, "MASTER_PORT": str(port),
+           "BENCH_LAUNCH_T0": str(psutil.Process().create_time())}  # startup_s counts horovodrun's start too
+    proc = subprocess.Popen([*command, sys.executable, "-m", "bench.rank", str(run_dir)], env=env)
+
+    def forward(signum, frame):  # horovodrun stops its ranks on SIGTERM (SIGUSR1 would kill it outright)
+        proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    summary = RunRecord(run_dir).summary() or {}
+    if code and summary.get("status") in (None, "running"):
+        record_failure(run_dir, RuntimeError(f"{' '.join(command[:3])} exited with status {code}"), time.time() - start)
+        summary = RunRecord(run_dir).summary() or {}
+        print(f"run {summary.get('status')}: rank {summary.get('failed_rank')}: {summary.get('error')}", file=sys.stderr)
+    return 0 if summary.get("status") in ("ok", "preempted") else 1
+
+
+def rank_main(run_dir: str) -> int:
+    """One rank started by `run_with_launcher`. Its launcher process waits and records a failed run's
+    outcome, as for spawned ranks, hence launcher "local"; the adapter records how ranks started."""
+    import dataclasses
+
+    cfg_dict = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / "config.yaml"), resolve=True)
+    ctx = context_from_env(cfg_dict["launcher"]["name"], cfg_dict["launcher"]["backend"])
+    return run_rank(cfg_dict, dataclasses.replace(ctx, launcher="local"), Path(run_dir))
 
 
 def record_failure(run_dir: Path, exc: Exception, elapsed: float) -> None:

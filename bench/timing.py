@@ -14,7 +14,8 @@ from contextlib import contextmanager
 import nvtx
 import torch
 
-PHASES = ("data", "forward", "backward", "optimizer")
+# forward_backward: pipeline schedules that interleave micro-batch forwards and backwards (1F1B)
+PHASES = ("data", "forward", "backward", "forward_backward", "optimizer")
 _DOMAIN = nvtx.get_domain("trainbench")
 
 

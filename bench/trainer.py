@@ -38,6 +38,7 @@ CONVENTIONS = {
     "step_time": "per step, the slowest rank; phases are means over ranks",
     "flops": "analytic, 2 FLOPs per multiply-add, training = 3 x forward",
     "memory": "CUDA: max allocated/reserved; CPU: VmHWM; both reset each epoch",
+    "startup": "startup_s = launch of the command to the end of the first step",
 }
 
 
@@ -54,6 +55,7 @@ class Trainer:
         self.stop = stop or StopFlag()
         self.watchdog = watchdog or Watchdog(0, lambda idle: None)
         self.stop_requested = False  # all ranks agreed to stop (graceful preemption)
+        self.first_step_end: float | None = None
 
     def _loaders(self):
         t = self.cfg.trainer
@@ -89,16 +91,32 @@ class Trainer:
 
     # --- one epoch -------------------------------------------------------------------------------
     def _epoch(self, epoch: int, train, val, steps: int, run_start: float) -> dict:
-        accum = self.cfg.trainer.grad_accum
-        device = self.ctx.device
         self.adapter.train()
         self.timer.reset()
-        memory.reset_peak(device)
-        losses: list[torch.Tensor] = []
+        memory.reset_peaks(self.adapter.devices())
         first_step = self.global_step
         bar = self._progress(steps, epoch)
-        it = iter(train)
         t0 = time.perf_counter()
+        losses = self.train_steps(iter(train), steps, bar)
+        if self.ctx.is_cuda:
+            torch.cuda.synchronize()
+        epoch_time = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        mem = memory.peak_over(self.adapter.devices())  # training peak, before validation allocates
+        state = self.adapter.state_bytes()
+
+        tv = time.perf_counter()
+        val_metrics = {} if self.stop_requested else self._validate(val)  # preempted: save the grace time
+        val_time = time.perf_counter() - tv
+
+        return self._epoch_event(epoch, losses, first_step, epoch_time, val_time, mem, state, val_metrics, run_start)
+
+    def train_steps(self, it, steps: int, bar=None) -> list[torch.Tensor]:
+        """The hot loop: `steps` optimizer steps from iterator `it`, each timed by phase."""
+        accum = self.cfg.trainer.grad_accum
+        device = self.ctx.device
+        losses: list[torch.Tensor] = []
         for _ in range(steps):
             self.timer.start_step()
             with self.timer.phase("data"):
@@ -110,6 +128,8 @@ class Trainer:
                 inject_fault(self.cfg.trainer.inject_fault, self.ctx.rank, self.global_step)
             loss = self.adapter.train_step(micro, self.timer)
             self.timer.end_step()
+            if self.first_step_end is None:
+                self.first_step_end = time.time()
             losses.append(loss if loss is not None else torch.zeros((), device=device))
             self.global_step += 1
             self.watchdog.beat()
@@ -118,19 +138,7 @@ class Trainer:
             if self.global_step % self.cfg.trainer.stop_check_every == 0 and self.stop.agreed():
                 self.stop_requested = True
                 break
-        if self.ctx.is_cuda:
-            torch.cuda.synchronize()
-        epoch_time = time.perf_counter() - t0
-        if bar is not None:
-            bar.close()
-        mem = memory.peak(device)  # training peak, before validation allocates
-        state = self.adapter.state_bytes()
-
-        tv = time.perf_counter()
-        val_metrics = {} if self.stop_requested else self._validate(val)  # preempted: save the grace time
-        val_time = time.perf_counter() - tv
-
-        return self._epoch_event(epoch, losses, first_step, epoch_time, val_time, mem, state, val_metrics, run_start)
+        return losses
 
     @torch.no_grad()
     def _validate(self, val) -> dict:
@@ -199,6 +207,7 @@ class Trainer:
             "step_time_p95_s": step_stats["p95"],
             "step_time_cv": step_stats["cv"],
             **{f"{c}_time_mean_s": v for c, v in phase_means.items()},
+            "data_share": phase_means["data"] / step_stats["mean"] if step_stats["mean"] else None,
             "samples_per_s": samples_per_s,
             "epoch_samples_per_s": self.global_batch * steps / epoch_time if epoch_time > 0 else None,
             "tokens_per_s": samples_per_s * self.workload.tokens_per_sample() if samples_per_s else None,
@@ -225,6 +234,7 @@ class Trainer:
         keys = ("val_loss", "val_accuracy", "val_perplexity", "train_loss", "peak_memory_max", "peak_memory_min")
         return {
             "status": "preempted" if self.stop_requested else "ok",
+            "startup_s": self.first_step_end - launch_time() if self.first_step_end else None,
             "stop_signal": self.stop.signal_name,
             "epochs_completed": len(epochs),
             "total_time_s": total_time,
@@ -245,6 +255,15 @@ class Trainer:
         from tqdm import tqdm
 
         return tqdm(total=steps, desc=f"epoch {epoch}", unit="step", leave=False, dynamic_ncols=True)
+
+
+def launch_time() -> float:
+    """When the user's command started: the local launcher's start (BENCH_LAUNCH_T0), else this process's."""
+    import os
+
+    import psutil
+
+    return float(os.environ.get("BENCH_LAUNCH_T0") or psutil.Process().create_time())
 
 
 def inject_fault(spec: str, rank: int, step: int) -> None:

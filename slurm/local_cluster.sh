@@ -45,7 +45,6 @@ wait_for() {  # wait_for SECONDS CMD... : poll CMD (command or function) every 0
 
 # name:comm pairs, in stop order (comm is truncated to 15 chars by the kernel).
 DAEMONS="slurmd:slurmd slurmctld:slurmctld slurmdbd:slurmdbd mariadb:mariadbd munge:munged"
-comm_of() { local p; for p in $DAEMONS; do [[ ${p%%:*} == "$1" ]] && echo "${p#*:}"; done; }
 
 install_pkgs() {
   local missing=() p
@@ -96,6 +95,8 @@ JobAcctGatherType=$gather
 NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
 PartitionName=$PART Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+  # Without cgroup.conf, slurmstepd fails "cgroup namespace 'freezer' not mounted" and drains the node.
+  printf '%s\nCgroupPlugin=autodetect\nCgroupMountpoint=/sys/fs/cgroup\n' "$MARK" > /etc/slurm/cgroup.conf
   if (($1)); then
     cat > /etc/slurm/slurmdbd.conf <<EOF
 $MARK
@@ -117,17 +118,27 @@ EOF
 dead() { ! alive "$@"; }
 no_jobs() { [[ -z $(squeue -h -o %A 2>/dev/null) ]]; }
 node_idle() { [[ $(sinfo -h -o %T 2>/dev/null) == idle ]]; }
+node_up() { [[ $(sinfo -h -o %T 2>/dev/null) =~ ^(idle|mixed|allocated|completing)$ ]]; }  # busy counts as up
+# A DRAIN saved in slurmctld state survives restarts (ReturnToService=2 does not clear it): resume.
+node_ready() {
+  node_idle && return 0
+  [[ $(sinfo -h -o %T 2>/dev/null) == drain* ]] && scontrol update NodeName="$HOST" State=RESUME 2>/dev/null
+  return 1
+}
 
 start() {
   local acct=0 t0=$SECONDS
-  [[ ${1:-} == --accounting ]] && acct=1
+  case ${1:-} in --accounting) acct=1 ;; "") ;; *) die "unknown option '$1' (use --accounting)" ;; esac
   [[ $(id -u) == 0 ]] || die "must run as root"
+  [[ $CPUS =~ ^[1-9][0-9]*$ && $MEM =~ ^[1-9][0-9]*$ ]] || die "SLURM_LOCAL_CPUS/SLURM_LOCAL_MEM must be positive integers"
   mkdir -p "$STATE" || die "cannot create $STATE"
-  # Idempotent: same mode already up and healthy -> nothing to do; otherwise restart cleanly.
-  if alive slurmctld slurmctld && alive slurmd slurmd && [[ $(cat "$STATE/mode" 2>/dev/null) == "$acct" ]] && node_idle; then
-    echo "local slurm cluster already up (node $HOST idle, accounting=$acct)"; return 0
+  # Idempotent: up and healthy (with accounting if asked for) -> nothing to do; else restart cleanly.
+  if alive slurmctld slurmctld && alive slurmd slurmd && (($(cat "$STATE/mode" 2>/dev/null || echo -1) >= acct)) && node_up; then
+    echo "local slurm cluster already up (node $HOST, accounting=$(cat "$STATE/mode"))"; return 0
   fi
   stop quiet
+  # On any failure below, stop what was started so the next start begins clean.
+  trap 'stop quiet >/dev/null 2>&1' EXIT
 
   local pkgs=(slurmctld slurmd slurm-client munge)
   ((acct)) && pkgs+=(slurmdbd mariadb-server mariadb-client)
@@ -156,17 +167,18 @@ start() {
     mariadb -e "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY '$DB_PASS';
                 GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';" || die "cannot create DB user slurm"
     launch slurmdbd slurmdbd -D
-    wait_for 30 sacctmgr -n list cluster || die "slurmdbd did not come up (see /var/log/slurm/slurmdbd.log)"
+    wait_for 30 sacctmgr -n list cluster || die "slurmdbd did not come up (see $STATE/slurmdbd.out, /var/log/slurm/slurmdbd.log)"
     sacctmgr -n -P list cluster format=cluster | grep -qx trainbench \
       || sacctmgr -i add cluster trainbench >/dev/null || die "sacctmgr add cluster failed"
   fi
 
   # -i: ignore unreadable/old state files instead of refusing to start.
   launch slurmctld slurmctld -D -i
-  wait_for 20 scontrol ping || die "slurmctld did not come up (see /var/log/slurm/slurmctld.log)"
+  wait_for 20 scontrol ping || die "slurmctld did not come up (see $STATE/slurmctld.out, /var/log/slurm/slurmctld.log)"
   launch slurmd slurmd -D
-  wait_for "$TIMEOUT" node_idle \
+  wait_for "$TIMEOUT" node_ready \
     || die "node $HOST not idle after ${TIMEOUT}s: $(sinfo -h -o '%T %E' 2>&1) (see /var/log/slurm/)"
+  trap - EXIT
   echo "local slurm cluster up in $((SECONDS - t0))s (node $HOST, CPUs=$CPUS, partition $PART, accounting=$acct)"
 }
 

@@ -35,6 +35,10 @@ class Workload(ABC):
         Shares the parameters of `model` and computes exactly what `model(x)` computes.
         """
 
+    def tied_parameters(self, sequential: bool = False) -> list[tuple[str, str]]:
+        """Pairs of parameter names that are one tensor (in the model, or in `sequential(model)`)."""
+        return []
+
     # --- data --------------------------------------------------------------------------------
     @abstractmethod
     def datasets(self, local_rank: int = 0) -> tuple[Dataset, Dataset]:

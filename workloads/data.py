@@ -72,32 +72,40 @@ class MarkovTokens(Dataset):
 # synthetic vision data
 # ---------------------------------------------------------------------------------------------
 class SyntheticImages(Dataset):
-    """Class-conditional images: a fixed smooth random template per class plus Gaussian noise.
+    """Class-conditional images: a fixed smooth random template per class, weak, under unit noise.
 
-    Templates are 3x8x8 random patterns upsampled (bilinear) to `image_size`, so the classes differ
-    in coarse spatial structure that convolutions can pick up; pixel noise has std `noise`.
+    A template is a 3x8x8 Gaussian pattern upsampled (bilinear); an image is
+    `signal * template + N(0, 1)` drawn on a grid of min(image_size, 32) pixels and, for larger
+    images, upsampled to image_size, so the task is equally hard at 32 and 224 px and pixel values
+    stay near unit scale. With the default signal 0.5 and 2048 images, resnet50_tiny (SGD 0.05)
+    is at chance after epoch 1 and at ~88 % / ~98 % val accuracy after epochs 2 / 4: a curve, not
+    a step. (Weaker signal, e.g. 0.25, gives ~40 % after 4 epochs.)
     Images are generated per item from (seed, split, index): nothing big is held in memory and
     the same index always gives the same image. Items: (image [3,H,W] float32, label int64).
     """
 
     def __init__(self, num_samples: int, num_classes: int, image_size: int, split: str = "train",
-                 noise: float = 1.0):
+                 signal: float = 0.5):
         g = torch.Generator().manual_seed(SYNTHETIC_SEED)
         self.templates = torch.randn(num_classes, 3, 8, 8, generator=g)
         self.num_samples, self.num_classes = num_samples, num_classes
-        self.image_size, self.noise = image_size, noise
+        self.image_size, self.signal = image_size, signal
         self.split_id = _SPLIT_IDS[split]
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, i: int):
+        if not 0 <= i < self.num_samples:
+            raise IndexError(i)
         g = torch.Generator().manual_seed((SYNTHETIC_SEED * 1_000_003 + self.split_id) * 10_000_019 + int(i))
         label = int(torch.randint(self.num_classes, (1,), generator=g))
-        size = (self.image_size, self.image_size)
-        template = F.interpolate(self.templates[label : label + 1], size=size, mode="bilinear", align_corners=False)[0]
-        image = template + self.noise * torch.randn(3, *size, generator=g)
-        return image, torch.tensor(label, dtype=torch.int64)
+        grid = min(self.image_size, 32)
+        t = F.interpolate(self.templates[label : label + 1], size=(grid, grid), mode="bilinear", align_corners=False)
+        image = self.signal * t + torch.randn(1, 3, grid, grid, generator=g)
+        if grid != self.image_size:
+            image = F.interpolate(image, size=(self.image_size,) * 2, mode="bilinear", align_corners=False)
+        return image[0], torch.tensor(label, dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------

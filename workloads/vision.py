@@ -83,16 +83,17 @@ def _no_inplace(model: nn.Module) -> nn.Module:
     return model
 
 
-def build_vision_model(arch: str, num_classes: int, image_size: int = 224, width_div: int = 1) -> nn.Module:
+def build_vision_model(arch: str, num_classes: int, image_size: int = 224, width_div: int = 1,
+                       dropout: float = 0.5) -> nn.Module:
     if width_div < 1 or 64 % width_div:
         raise ConfigError(f"workload.width_div={width_div} must divide 64 (1, 2, 4, 8, 16, 32 or 64)")
     if arch == "vgg16":
         if width_div == 1:
-            model = tv_vgg.vgg16(weights=None, num_classes=num_classes)
+            model = tv_vgg.vgg16(weights=None, num_classes=num_classes, dropout=dropout)
         else:
             cfg = [v if v == "M" else v // width_div for v in tv_vgg.cfgs["D"]]
             pool = max(1, min(7, image_size // 32))
-            model = NarrowVGG(tv_vgg.make_layers(cfg), num_classes, pool, 4096 // width_div)
+            model = NarrowVGG(tv_vgg.make_layers(cfg), num_classes, pool, 4096 // width_div, dropout)
     elif arch == "resnet50":
         if width_div == 1:
             model = tv_resnet.resnet50(weights=None, num_classes=num_classes)
@@ -157,7 +158,9 @@ class VisionWorkload(Workload):
 
     def build_model(self) -> nn.Module:
         c = self.cfg
-        return build_vision_model(c.arch, c.num_classes, c.image_size, c.width_div)
+        # workload.dropout: VGG's classifier dropout (torchvision: 0.5); 0 makes runs comparable across
+        # pipelines, whose micro-batching draws dropout masks in a different order. ResNet has none.
+        return build_vision_model(c.arch, c.num_classes, c.image_size, c.width_div, c.dropout)
 
     def sequential(self, model: nn.Module) -> nn.Sequential:
         return vision_sequential(model)

@@ -1,0 +1,142 @@
+"""PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer state
+sharded over the data-parallel ranks, gathered layer by layer for forward and backward.
+
+The diff from a single-process loop, as in PyTorch's FSDP2 tutorial: call `fully_shard` on each
+layer, then on the root, then build the optimizer on the (now DTensor) parameters. Each layer is
+one communication unit: its parameters are all-gathered just before it runs and (with
+`adapter.reshard_after_forward`) freed again after its forward; its gradients are reduce-scattered
+as soon as its backward is done. Parameters that two layers share (GPT-2's tied wte/lm_head) stay
+with the root unit, so the tie survives sharding.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from adapters.base import Adapter, Batch
+from bench.config import BenchConfig
+from bench.errors import ConfigError
+from bench.optim import build_optimizer, clip_gradients
+from bench.timing import PhaseTimer
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def shard_units(workload, model: nn.Module) -> list[nn.Module]:
+    """The layers to shard one by one: the workload's sequential layers that own parameters.
+
+    GPT-2: its blocks (the embedding and head share wte, so they stay with the root). VGG-16: each
+    conv and linear layer. ResNet-50: the stem conv and norm, each bottleneck block, the classifier.
+    """
+    own = {id(m) for m in model.modules()}
+    layers = [m for m in workload.sequential(model) if id(m) in own and any(True for _ in m.parameters())]
+    owners: dict[int, int] = {}
+    for m in layers:
+        for p in m.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [m for m in layers if all(owners[id(p)] == 1 for p in m.parameters())]
+
+
+class FSDPAdapter(Adapter):
+    name = "fsdp"
+
+    @classmethod
+    def validate(cls, cfg: BenchConfig, world_size: int) -> None:
+        super().validate(cfg, world_size)
+        a = cfg.adapter
+        if a.offload_optimizer or a.offload_params:
+            raise ConfigError("adapter=fsdp does not offload in this harness: set adapter.offload_optimizer=false "
+                              "and adapter.offload_params=false (use adapter=zero for CPU offload on GPU)")
+
+    def setup(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        cfg = self.cfg
+        precision = cfg.trainer.precision
+        model = self.workload.build_model().to(self.device)
+        mesh = init_device_mesh(self.device.type, (self.ctx.world_size,))
+        # compute in half precision, reduce gradients and keep the sharded master parameters in fp32
+        self.mp_policy = MixedPrecisionPolicy(param_dtype=HALF.get(precision),
+                                              reduce_dtype=torch.float32 if precision in HALF else None)
+        reshard = cfg.adapter.reshard_after_forward
+        self.units = shard_units(self.workload, model)
+        for unit in self.units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=self.mp_policy)
+        # the root is all-gathered first in forward and needed again first in backward: keeping it
+        # unsharded between the two saves one all-gather, as FSDP2 itself does by default for the root
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=self.mp_policy)
+        self.model = model
+        self.optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+        self.scaler = None
+        if precision == "fp16":
+            # fp16 needs loss scaling; the sharded scaler agrees on inf/nan across ranks (GPU only)
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.device.type)
+        self._probe_grads = True
+        self._grad_bytes = 0
+
+    def modules(self):
+        return [self.model]
+
+    def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer):
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro_batches):
+            # reduce-scatter gradients only in the last micro-batch's backward (like DDP's no_sync)
+            self.model.set_requires_gradient_sync(i == n - 1)
+            with timer.phase("forward"):
+                loss = self.workload.loss(self.model(x), y) / n
+            with timer.phase("backward"):
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += loss.detach().float()
+        if self._probe_grads:
+            # first step of the run (warm-up): zero_grad below frees the sharded gradients, so read them
+            # here, where all are held (unsharded per-layer gradients live only inside FSDP's reduce-scatter)
+            self._grad_bytes = _local_bytes(p.grad for p in self.model.parameters())
+            self._probe_grads = False
+        with timer.phase("optimizer"):
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            clip_gradients(self.model.parameters(), self.cfg.trainer.grad_clip)  # DTensor-aware global norm
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad()
+        return total
+
+    @torch.no_grad()
+    def eval_step(self, inputs, targets, weight):
+        return self.workload.eval_sums(self.model(inputs), targets, weight)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Local shards this rank holds: parameters and optimizer state now, gradients at the end of backward."""
+        opt = (v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+        state = {"params": _local_bytes(self.model.parameters()), "grads": self._grad_bytes, "optimizer": _local_bytes(opt)}
+        return state
+
+    def describe(self) -> dict:
+        return {
+            "reshard_after_forward": self.cfg.adapter.reshard_after_forward,
+            "shard_units": len(self.units) + 1,  # + the root
+            "param_dtype": str(self.mp_policy.param_dtype).replace("torch.", "") if self.mp_policy.param_dtype else "fp32",
+            "reduce_dtype": str(self.mp_policy.reduce_dtype).replace("torch.", "") if self.mp_policy.reduce_dtype else "fp32",
+        }
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's local shard
+        total += t.numel() * t.element_size()
+    return total
+
+
+ADAPTER = FSDPAdapter

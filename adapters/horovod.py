@@ -1,0 +1,259 @@
+"""Horovod 0.28.1: `hvd.DistributedOptimizer` all-reduces gradients over Gloo (CPU) or NCCL (GPU).
+
+The diff from a single-process loop, as in Horovod's PyTorch quickstart: `hvd.init()`, pin the
+device to `hvd.local_rank()`, wrap the optimizer in `hvd.DistributedOptimizer(named_parameters=...)`,
+broadcast rank 0's parameters, shard the data by `hvd.rank()` / `hvd.size()`.
+
+How ranks start (install: `make horovod`):
+- `launcher=local`: the launcher runs `horovodrun -np N -H localhost:N --gloo` for the user
+  (`launch_command`); each rank then runs `python -m bench.rank RUN_DIR`.
+- a user's own `horovodrun -np N ... python -m bench adapter=horovod`: ranks read HOROVOD_RANK etc.
+- `srun` / torchrun without horovodrun: a Gloo-only Horovod cannot read Slurm's environment (that
+  needs an MPI build), so rank 0 runs Horovod's own rendezvous server (the one horovodrun starts)
+  and the harness's process group tells every rank where it is. An MPI build under
+  `srun --mpi=pmix` initializes from MPI instead.
+
+Settings Horovod reads from the environment (fusion threshold, cycle time) are set from the config
+before `hvd.init()` and read back into the record: their defaults changed across versions.
+
+Each rank builds its model from seed `trainer.seed + rank`, as independent processes would, so the
+broadcast from rank 0 is what makes the replicas equal (checked: `broadcast` in the record). Rank 0's
+model is the one DDP builds; the global RNG stream (dropout, augmentation) continues from
+`trainer.seed` on every rank.
+
+horovod is imported only inside this module's functions, so `adapter=ddp` never loads it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Sequence
+
+import torch
+
+from adapters.base import Adapter, Batch
+from bench.config import BenchConfig
+from bench.errors import ConfigError
+from bench.optim import build_optimizer, clip_gradients
+from bench.precision import autocast, grad_scaler
+from bench.timing import PhaseTimer
+
+INSTALL_HINT = "adapter=horovod needs Horovod: run `make horovod`"
+COMPRESSIONS = ("none", "fp16")
+
+
+def _import_horovod():
+    try:
+        import horovod.torch as hvd
+    except ImportError as e:  # absent, or built against another torch (undefined symbols)
+        raise ConfigError(f"{INSTALL_HINT} ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    return hvd
+
+
+class HorovodAdapter(Adapter):
+    name = "horovod"
+    framework = "horovod"
+
+    @classmethod
+    def validate(cls, cfg: BenchConfig, world_size: int) -> None:
+        super().validate(cfg, world_size)
+        a = cfg.adapter
+        if a.compression not in COMPRESSIONS:
+            raise ConfigError(f"adapter.compression={a.compression}: choose none or fp16 (hvd.Compression)")
+        if a.fusion_threshold_mb < 0:
+            raise ConfigError(f"adapter.fusion_threshold_mb={a.fusion_threshold_mb} must be >= 0 (0 turns tensor fusion off)")
+        if a.cycle_time_ms <= 0:
+            raise ConfigError(f"adapter.cycle_time_ms={a.cycle_time_ms} must be > 0")
+        if a.backward_passes_per_step != cfg.trainer.grad_accum:
+            # Horovod all-reduces after exactly this many backward passes; the trainer runs grad_accum
+            raise ConfigError(
+                f"adapter.backward_passes_per_step={a.backward_passes_per_step} must equal trainer.grad_accum="
+                f"{cfg.trainer.grad_accum} (micro-batches per step); leave it unset to follow trainer.grad_accum"
+            )
+        _import_horovod()  # last: the import costs seconds
+
+    @classmethod
+    def launch_command(cls, cfg: BenchConfig, world_size: int) -> list[str]:
+        """launcher=local: Horovod's ranks are started by horovodrun (Gloo), on this machine."""
+        return [sys.executable, "-m", "horovod.runner.launch", "-np", str(world_size),
+                "-H", f"localhost:{world_size}", "--gloo"]
+
+    # --- on each rank ----------------------------------------------------------------------------
+    def setup(self) -> None:
+        hvd = _import_horovod()
+        a, t = self.cfg.adapter, self.cfg.trainer
+        # read by hvd.init(); horovodrun's --fusion-threshold-mb / --cycle-time-ms set the same variables
+        os.environ["HOROVOD_FUSION_THRESHOLD"] = str(int(a.fusion_threshold_mb * 2**20))
+        os.environ["HOROVOD_CYCLE_TIME"] = str(a.cycle_time_ms)
+        self.rendezvous = self._join(hvd)
+        if hvd.size() != self.ctx.world_size or hvd.rank() != self.ctx.rank:
+            raise RuntimeError(f"Horovod sees rank {hvd.rank()} of {hvd.size()}, the launcher started rank "
+                               f"{self.ctx.rank} of {self.ctx.world_size}: start ranks with horovodrun or srun")
+        self.hvd = hvd
+
+        devices = [self.device] if self.ctx.is_cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(t.seed + hvd.rank())  # independent inits: the broadcast must fix them
+            model = self.workload.build_model().to(self.device)
+        self.model = model
+        before = _checksum(model)
+        # Horovod's quickstart: rank 0's weights (and buffers: BatchNorm statistics) to every rank
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        after = _checksum(model)
+        sums = hvd.allgather_object((before, after))
+        self.broadcast = {
+            "init_differed": any(b != sums[0][0] for b, _ in sums),
+            "equal_after": all(s == sums[0][1] for _, s in sums),
+            "root_unchanged": sums[0][0] == sums[0][1],
+        }
+        if not (self.broadcast["equal_after"] and self.broadcast["root_unchanged"]):
+            raise RuntimeError(f"hvd.broadcast_parameters left the replicas different: {self.broadcast}")
+
+        optimizer = build_optimizer(model.parameters(), self.cfg.optimizer)
+        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[a.compression]
+        self.optimizer = hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            compression=compression,
+            backward_passes_per_step=a.backward_passes_per_step,
+            op=hvd.Average,
+        )
+        # A fresh optimizer is the same on every rank. Horovod's broadcast_optimizer_state would first
+        # create its state with one zero-gradient step(): with AdamW that decays the weights once and
+        # advances Adam's step count, so the run would no longer train like DDP. Broadcast only real state.
+        self.optimizer_state_broadcast = bool(self.optimizer.state)
+        if self.optimizer_state_broadcast:
+            hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
+        self.scaler = grad_scaler(t.precision, self.device)
+
+    def _join(self, hvd) -> str:
+        """hvd.init() under whichever launcher started this rank; returns how the ranks found each other."""
+        env = os.environ
+        if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env or self.ctx.world_size == 1:
+            hvd.init()
+            return "horovodrun" if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env else "single"
+        if hvd.mpi_built() and any(k in env for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
+            hvd.init()  # an MPI build started by srun --mpi=... / mpirun
+            return "mpi"
+        self._server = _gloo_rendezvous(self.ctx)
+        hvd.init()
+        return "harness (Horovod's rendezvous server on rank 0)"
+
+    def modules(self):
+        return [self.model]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.hvd.rank()  # the data shard: Horovod's rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.hvd.size()
+
+    def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer):
+        precision = self.cfg.trainer.precision
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for x, y in micro_batches:
+            with timer.phase("forward"), autocast(precision, self.device):
+                loss = self.workload.loss(self.model(x), y) / n
+            with timer.phase("backward"):  # gradient hooks start the all-reduces after the last pass
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += loss.detach()
+        with timer.phase("optimizer"):
+            # Horovod's pattern for anything that reads gradients before step(): wait for the
+            # all-reduces, unscale/clip the averaged gradients, then step without syncing again
+            self.optimizer.synchronize()
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            clip_gradients(self.model.parameters(), self.cfg.trainer.grad_clip)
+            with self.optimizer.skip_synchronize():
+                if self.scaler:
+                    self.scaler.step(self.optimizer)
+                    self.scaler.update()
+                else:
+                    self.optimizer.step()
+            self.optimizer.zero_grad()
+        return total
+
+    @torch.no_grad()
+    def eval_step(self, inputs, targets, weight):
+        with autocast(self.cfg.trainer.precision, self.device):
+            out = self.model(inputs)
+        return self.workload.eval_sums(out, targets, weight)
+
+    def describe(self) -> dict:
+        import horovod
+
+        a = self.cfg.adapter
+        hvd = self.hvd
+        return {
+            "horovod_version": horovod.__version__,
+            # what hvd.init() read (horovodrun flags or our config)
+            "fusion_threshold_bytes": int(os.environ["HOROVOD_FUSION_THRESHOLD"]),
+            "cycle_time_ms": float(os.environ["HOROVOD_CYCLE_TIME"]),
+            "autotune": os.environ.get("HOROVOD_AUTOTUNE", "0") not in ("", "0"),
+            "compression": a.compression,
+            "backward_passes_per_step": a.backward_passes_per_step,
+            "controller": "mpi" if hvd.mpi_enabled() else "gloo",
+            "gpu_allreduce": "nccl" if (self.ctx.is_cuda and hvd.nccl_built()) else None,
+            "rendezvous": self.rendezvous,
+            "size": hvd.size(),
+            "broadcast": self.broadcast,
+            "optimizer_state_broadcast": self.optimizer_state_broadcast,
+        }
+
+    def close(self) -> None:
+        hvd = getattr(self, "hvd", None)
+        if hvd is not None and hvd.is_initialized():
+            hvd.shutdown()
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.stop()
+
+
+def _checksum(model: torch.nn.Module) -> list[float]:
+    """Exact per-tensor sums (float64) of parameters and buffers: equal lists = equal replicas."""
+    return [float(t.detach().double().sum()) for t in model.state_dict().values() if t.is_floating_point()]
+
+
+def _gloo_rendezvous(ctx):
+    """Do what horovodrun does before starting ranks: run Horovod's rendezvous server (rank 0) with
+    every rank's slot, then give each rank its HOROVOD_* variables. Returns the server on rank 0."""
+    import torch.distributed as dist
+    from horovod.runner.common.util.hosts import SlotInfo
+    from horovod.runner.http.http_server import RendezvousServer
+
+    hosts: list = [None] * ctx.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    local = [hosts[:r].count(h) for r, h in enumerate(hosts)]
+    slots = []
+    for r, h in enumerate(hosts):
+        peers = [q for q in range(ctx.world_size) if local[q] == local[r]]  # same local rank, one per host
+        slots.append(SlotInfo(hostname=h, rank=r, local_rank=local[r], cross_rank=peers.index(r),
+                              size=ctx.world_size, local_size=hosts.count(h), cross_size=len(peers)))
+    server, box = None, [None]
+    if ctx.rank == 0:
+        server = RendezvousServer()
+        box = [server.start()]
+        server.init(slots)
+    dist.broadcast_object_list(box, src=0)
+    me = slots[ctx.rank]
+    os.environ.update({
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": ctx.master_addr,  # rank 0's host, as for the process group
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(box[0]),
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_HOSTNAME": me.hostname,
+        "HOROVOD_RANK": str(me.rank),
+        "HOROVOD_SIZE": str(me.size),
+        "HOROVOD_LOCAL_RANK": str(me.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(me.local_size),
+        "HOROVOD_CROSS_RANK": str(me.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(me.cross_size),
+    })
+    return server
+
+
+ADAPTER = HorovodAdapter

@@ -1,0 +1,412 @@
+"""Megatron-core: GPT-2 with tensor, pipeline and data parallelism (TP x PP x DP = world size).
+
+What a user of megatron-core writes, and nothing else: `initialize_model_parallel`, a `GPTModel`
+built from a `TransformerConfig` and a layer spec, Megatron's `DistributedDataParallel` wrapper,
+its forward-backward schedule (`get_forward_backward_func`: no pipelining, or 1F1B for PP > 1)
+with `finalize_model_grads` (data-parallel reduction, tied-embedding reduction between the first and
+last stage, sequence-parallel LayerNorm reduction), then an optimizer step.
+
+The model is Megatron's own GPTModel with the workload's GPT-2 dimensions (layers, width, heads,
+sequence length; vocabulary padded as Megatron-LM pads it, to a multiple of
+`adapter.make_vocab_size_divisible_by` x TP; Megatron's default GELU; tied embeddings; learned
+positions). Its initial weights differ from the harness GPT-2's, so compare Megatron layouts with
+each other. The loss is Megatron's per-token vocab-parallel cross-entropy averaged over tokens,
+as the workload's loss, except that the softmax also spans the padded vocabulary rows.
+
+GPU: Transformer Engine layer spec when TE is installed (local spec otherwise), Megatron's
+distributed optimizer for sgd/adam/adamw (clip_grad always passed: its default is 1.0).
+CPU: local spec, `use_cpu_initialization`, fusions off, an explicit causal mask, gloo, a torch
+optimizer stepping Megatron's gradient buffers, and adapters/_megatron_cpu.py for the few CUDA-only
+calls. The schedule, DDP wrapper and gradient finalization are the same code on both.
+
+Initialization does not depend on the layout: every transformer layer reseeds the CPU generator
+from (seed, global layer number) before building, and `use_cpu_initialization` draws full weights
+before slicing them for TP, so any TP x PP layout starts from the same weights on CPU (tested). On
+GPU, weights sliced over TP come from Megatron's per-TP-rank CUDA generator as usual.
+
+Batch: `batch_policy=linear` (conf/adapter/megatron.yaml), as the paper scales Megatron: the global
+batch is trainer.batch_size x ranks; a replica (TP x PP ranks) loads global / DP samples per
+micro-step and Megatron's schedule runs them as `microbatches(cfg)` micro-batches.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+from functools import partial
+from typing import Sequence
+
+import torch
+
+from adapters.base import Adapter, Batch, tensor_bytes
+from bench import vocab_parallel
+from bench.errors import ConfigError
+from bench.optim import build_optimizer
+from bench.pipeline import check_microbatches
+from bench.precision import autocast
+from bench.timing import PhaseTimer
+
+# Megatron's timer names (config.timers) -> the harness's phases. Gradient reductions count as
+# backward, as DDP's all-reduce does; pipeline send/recv waits stay outside every phase.
+_PHASE_OF = {
+    "forward-compute": "forward",
+    "backward-compute": "backward",
+    "all-grads-sync": "backward",
+    "non-tensor-parallel-grads-all-reduce": "backward",
+    "embedding-grads-all-reduce": "backward",
+}
+_MEGATRON_OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding: up to a multiple of divisible_by x TP, so every TP slice is equal and aligned."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+class MegatronAdapter(Adapter):
+    name = "megatron"
+    kinds = ("language",)
+    framework = "megatron-core"
+    smoke_overrides = ("adapter.tensor_parallel=2",)
+
+    # --- before launch ----------------------------------------------------------------------------
+    @classmethod
+    def validate(cls, cfg, world_size):
+        w, a = cfg.workload, cfg.adapter
+        if w.kind != "language" or w.arch != "gpt2":
+            raise ConfigError(f"adapter=megatron does not support workload={w.name}: megatron-core builds GPT models "
+                              f"only here; use a gpt2 workload, or another adapter (ddp, fsdp, zero, ...) for {w.arch}")
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            raise ConfigError("adapter=megatron needs megatron-core: pip install megatron-core==0.16.1")
+        tp, pp = a.tensor_parallel, a.pipeline_parallel
+        if tp < 1 or pp < 1:
+            raise ConfigError(f"adapter.tensor_parallel={tp} and adapter.pipeline_parallel={pp} must be >= 1")
+        if world_size % (tp * pp):
+            raise ConfigError(f"adapter.tensor_parallel={tp} x adapter.pipeline_parallel={pp} = {tp * pp} does not divide "
+                              f"the {world_size} ranks (launcher.nprocs): TP x PP x DP must equal the world size")
+        if w.n_head % tp:
+            raise ConfigError(f"workload.n_head={w.n_head} is not divisible by adapter.tensor_parallel={tp}: Megatron "
+                              f"gives every tensor-parallel rank whole attention heads")
+        if w.n_layer % pp:
+            raise ConfigError(f"workload.n_layer={w.n_layer} is not divisible by adapter.pipeline_parallel={pp}: Megatron "
+                              f"gives every pipeline stage the same number of layers")
+        if a.sequence_parallel and tp == 1:
+            raise ConfigError("adapter.sequence_parallel=true needs adapter.tensor_parallel > 1: it splits the sequence "
+                              "over the tensor-parallel ranks")
+        if a.sequence_parallel and w.seq_len % tp:
+            raise ConfigError(f"adapter.sequence_parallel=true: workload.seq_len={w.seq_len} is not divisible by "
+                              f"adapter.tensor_parallel={tp}")
+        if pp > 1 and a.schedule != "1f1b":
+            raise ConfigError(f"adapter.schedule={a.schedule}: adapter=megatron pipelines with megatron-core's 1F1B "
+                              f"schedule; set adapter.schedule=1f1b")
+        if a.make_vocab_size_divisible_by < 1:
+            raise ConfigError(f"adapter.make_vocab_size_divisible_by={a.make_vocab_size_divisible_by} must be >= 1")
+        if cfg.trainer.precision == "fp16":
+            raise ConfigError("trainer.precision=fp16: adapter=megatron runs mixed precision as bf16 autocast (fp16 "
+                              "would need Megatron's loss scaler); use trainer.precision=bf16 or fp32")
+        check_microbatches(cls.local_batch_size(cfg, world_size), cls.microbatches(cfg, world_size),
+                           "adapter=megatron: the per-replica batch")
+
+    @classmethod
+    def data_parallel_size(cls, cfg, world_size):
+        return world_size // (cfg.adapter.tensor_parallel * cfg.adapter.pipeline_parallel)
+
+    @classmethod
+    def microbatches(cls, cfg, world_size):
+        """Micro-batches per replica batch: adapter.microbatches, else 1 without a pipeline and
+        4 x stages with one (the paper's GPipe rule; 1F1B needs >= stages to fill the pipeline)."""
+        pp = cfg.adapter.pipeline_parallel
+        return cfg.adapter.microbatches or (1 if pp == 1 else 4 * pp)
+
+    # --- on each rank -----------------------------------------------------------------------------
+    def setup(self) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        a, w, t = self.cfg.adapter, self.cfg.workload, self.cfg.trainer
+        cuda = self.ctx.is_cuda
+        self.tp, self.pp = a.tensor_parallel, a.pipeline_parallel
+        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                                     distributed_timeout_minutes=max(1, t.dist_timeout_s // 60))
+        if not cuda:
+            from adapters import _megatron_cpu
+
+            _megatron_cpu.enable(announce=self.ctx.rank == 0)
+        self.ps = ps
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        # Megatron-LM's seeding: one seed per pipeline stage; the tracker adds one per TP rank
+        tensor_parallel.model_parallel_cuda_manual_seed(t.seed + 100 * pp_rank)
+
+        self.vocab = padded_vocab_size(w.vocab_size, self.tp, a.make_vocab_size_divisible_by)
+        self.timers = _PhaseTimers()
+        on_gpu = dict(bias_activation_fusion=True, bias_dropout_fusion=True, deallocate_pipeline_outputs=True)
+        on_cpu = dict(use_cpu_initialization=True, batch_p2p_sync=False, deallocate_pipeline_outputs=True)
+        self.config = TransformerConfig(
+            num_layers=w.n_layer, hidden_size=w.n_embd, num_attention_heads=w.n_head, ffn_hidden_size=4 * w.n_embd,
+            hidden_dropout=w.dropout, attention_dropout=w.dropout, layernorm_epsilon=1e-5,
+            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            sequence_parallel=a.sequence_parallel, pipeline_dtype=torch.float32, params_dtype=torch.float32,
+            timers=self.timers, **(on_gpu if cuda else on_cpu),
+        )
+        self.layer_spec = "transformer_engine" if cuda and importlib.util.find_spec("transformer_engine") else "local"
+        torch.manual_seed(t.seed)  # the embedding is built first on the first stage: same in every layout
+        with self._compat():
+            model = GPTModel(
+                self.config, _layout_invariant(self._layer_spec(), t.seed), vocab_size=self.vocab,
+                max_sequence_length=w.seq_len, pre_process=ps.is_pipeline_first_stage(),
+                post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True,
+                position_embedding_type="learned_absolute",
+            )
+        torch.manual_seed(t.seed + 100 * pp_rank)  # dropout outside TP regions: same on the TP ranks of a stage
+        for p in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        if cuda:
+            model.cuda(torch.cuda.current_device())
+
+        self.megatron_optimizer = cuda and self.cfg.optimizer.name in _MEGATRON_OPTIMIZERS
+        self.ddp_config = DistributedDataParallelConfig(
+            overlap_grad_reduce=bool(cuda and a.overlap_comm),  # overlap uses CUDA streams
+            use_distributed_optimizer=self.megatron_optimizer,
+            bucket_size=a.reduce_bucket_size,
+        )
+        self.model = DistributedDataParallel(self.config, self.ddp_config, model)
+        self.config.no_sync_func = self.model.no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        if self.ddp_config.overlap_grad_reduce:
+            self.config.grad_sync_func = self.model.start_grad_sync
+        self.forward_backward = get_forward_backward_func()
+        self.optimizer = self._build_optimizer()
+
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.vocab_start = ps.get_tensor_model_parallel_rank() * (self.vocab // self.tp)
+        self.positions = torch.arange(w.seq_len, device=self.device).unsqueeze(0)
+        # get_default_causal_mask hard-codes cuda; True = masked out
+        self.causal_mask = (None if cuda else
+                            torch.triu(torch.ones(w.seq_len, w.seq_len, dtype=torch.bool, device=self.device), 1)[None, None])
+
+    def _layer_spec(self):
+        from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                              get_gpt_layer_with_transformer_engine_spec)
+
+        if self.layer_spec == "transformer_engine":
+            return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_local_spec()
+
+    def _build_optimizer(self):
+        o, clip = self.cfg.optimizer, self.cfg.trainer.grad_clip
+        if self.megatron_optimizer:
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            mcfg = OptimizerConfig(
+                optimizer="sgd" if o.name == "sgd" else "adam", lr=o.lr, weight_decay=o.weight_decay,
+                adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps, sgd_momentum=o.momentum,
+                decoupled_weight_decay=o.name != "adam",  # Megatron's "adam" is AdamW unless told otherwise
+                use_distributed_optimizer=True, clip_grad=clip,
+            )
+            return get_megatron_optimizer(mcfg, [self.model])
+        # Megatron's weight-decay groups: none on biases and 1-D (norm) parameters
+        decay, no_decay = [], []
+        for name, p in self.model.module.named_parameters():
+            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+        return build_optimizer([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], o)
+
+    def _compat(self):
+        if self.ctx.is_cuda:
+            return contextlib.nullcontext()
+        from adapters import _megatron_cpu
+
+        return _megatron_cpu.cuda_to_cpu()
+
+    def modules(self):
+        return [self.model.module]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.ps.get_data_parallel_rank()
+
+    @property
+    def reports_metrics(self) -> bool:
+        return self.ps.get_tensor_model_parallel_rank() == 0 and self.ps.is_pipeline_last_stage()
+
+    # --- one step ---------------------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model):
+        """Megatron's forward_step_func: labels give per-token losses; eval batches (with weights) give logits."""
+        x, y, weight = next(data_iterator)
+        positions = self.positions.expand(x.shape[0], -1)
+        with autocast(self.cfg.trainer.precision, self.device):
+            out = model(x, positions, self.causal_mask, labels=y if weight is None else None)
+        if weight is None:
+            return out, self._train_loss
+        return out, partial(self._eval_sums, y, weight)
+
+    @staticmethod
+    def _train_loss(per_token_loss):
+        loss = per_token_loss.float().mean()
+        # the schedule divides the returned loss in place by the micro-batch count: report a copy
+        return loss, {"loss": loss.detach().clone()}
+
+    def _eval_sums(self, targets, weight, logits):
+        sums = vocab_parallel.eval_sums(logits, self.vocab_start, targets, weight, self.tp_group)
+        return torch.zeros((), device=self.device), {"sums": sums}
+
+    def _run_schedule(self, batches, forward_only: bool):
+        with self._compat():
+            return self.forward_backward(
+                forward_step_func=self._forward_step, data_iterator=iter(batches), model=[self.model],
+                num_microbatches=len(batches), seq_length=batches[0][0].shape[1],
+                micro_batch_size=batches[0][0].shape[0], forward_only=forward_only,
+            )
+
+    def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer):
+        m = self.microbatches(self.cfg, self.ctx.world_size)
+        batches = [(xc, yc, None) for x, y in micro_batches for xc, yc in zip(x.chunk(m), y.chunk(m))]
+        self.model.zero_grad_buffer()
+        self.timers.phase_timer = timer
+        try:
+            outputs = self._run_schedule(batches, forward_only=False)
+        finally:
+            self.timers.phase_timer = None
+        with timer.phase("optimizer"):
+            self._optimizer_step()
+        if not outputs:  # not the last pipeline stage
+            return None
+        return torch.stack([o["loss"] for o in outputs]).mean()
+
+    def _optimizer_step(self):
+        if self.megatron_optimizer:
+            self.optimizer.step()  # clips (clip_grad), steps, gathers the updated shards
+            self.optimizer.zero_grad()
+            return
+        params = [p for p in self.model.module.parameters() if p.requires_grad]
+        for p in params:  # Megatron's DDP accumulated and reduced the gradients in its main_grad buffers
+            p.grad = p.main_grad
+        if self.cfg.trainer.grad_clip > 0:
+            self._clip(params)
+        self.optimizer.step()
+        for p in params:  # else the next backward accumulates into the buffer twice (grad, then main_grad)
+            p.grad = None
+
+    def _clip(self, params):
+        """Megatron's norm: the tied embedding copy and TP-duplicated parameters counted once,
+        summed over the TP x PP group (torch's clip_grad_norm_ would see only this rank's slices)."""
+        from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        grads = [p.grad for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        with self._compat():
+            norm = get_grad_norm_fp32(grads, grad_stats_parallel_group=self.ps.get_model_parallel_group())
+        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.trainer.grad_clip, torch.tensor(norm))
+
+    @torch.no_grad()
+    def eval_step(self, inputs, targets, weight):
+        outputs = self._run_schedule([(inputs, targets, weight)], forward_only=True)
+        if not outputs:
+            return torch.zeros(3, dtype=torch.float64, device=self.device)
+        return outputs[0]["sums"]
+
+    # --- accounting ---------------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        """Parameters and optimizer state as held; gradients are Megatron's contiguous main_grad buffers
+        (param.grad is only borrowed during the step). `params_tp_sharded`: the part split over TP."""
+        inner = _torch_optimizers(self.optimizer)
+        out = tensor_bytes(self.modules(), None)
+        out["optimizer"] = sum(tensor_bytes([], o)["optimizer"] for o in inner)
+        out["grads"] = sum(b.grad_data.numel() * b.grad_data.element_size()
+                           for b in self.model.buffers + self.model.expert_parallel_buffers)
+        out["params_tp_sharded"] = sum(p.numel() * p.element_size() for p in self.model.module.parameters()
+                                       if getattr(p, "tensor_model_parallel", False))
+        return out
+
+    def describe(self) -> dict:
+        a = self.cfg.adapter
+        return {
+            "tensor_parallel": self.tp,
+            "pipeline_parallel": self.pp,
+            "data_parallel": self.dp_size,
+            "sequence_parallel": a.sequence_parallel,
+            "schedule": "1f1b" if self.pp > 1 else "no_pipelining",
+            "microbatches": self.microbatches(self.cfg, self.ctx.world_size),
+            "padded_vocab_size": self.vocab,
+            "layer_spec": self.layer_spec,
+            "optimizer": ("megatron distributed " if self.megatron_optimizer else "torch ") + self.cfg.optimizer.name,
+            "grad_clip": self.cfg.trainer.grad_clip,
+            "overlap_grad_reduce": self.ddp_config.overlap_grad_reduce,
+            "bucket_size": self.ddp_config.bucket_size,
+            "init": "per-layer seeded (layout-invariant with use_cpu_initialization)",
+            "cpu_compat": None if self.ctx.is_cuda else list(_cpu_changes()),
+        }
+
+    def close(self) -> None:
+        if getattr(self, "ps", None) is not None and self.ps.model_parallel_is_initialized():
+            self.ps.destroy_model_parallel()
+
+
+def _cpu_changes():
+    from adapters._megatron_cpu import CHANGES
+
+    return CHANGES
+
+
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers holding state: a torch optimizer itself, or those inside Megatron's wrappers."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _layout_invariant(spec, seed: int):
+    """The layer spec with a layer class that reseeds the CPU generator from the global layer number.
+
+    Megatron draws each layer's weights in construction order, so a later pipeline stage, which
+    builds its first layer straight after the seed, would otherwise initialise it like layer 1.
+    """
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    base = spec.module
+
+    class SeededLayer(base):
+        def __init__(self, config, submodules, layer_number=1, *args, **kwargs):
+            global_number = layer_number + get_transformer_layer_offset(config, kwargs.get("vp_stage"))
+            torch.manual_seed(seed * 1_000_003 + global_number)
+            super().__init__(config, submodules, layer_number, *args, **kwargs)
+
+    SeededLayer.__name__ = base.__name__  # module reprs and logs keep Megatron's name
+    return dataclasses.replace(spec, module=SeededLayer)
+
+
+class _PhaseTimers:
+    """Megatron's `config.timers` protocol (`timers(name, log_level).start()/.stop()`) feeding the
+    harness's PhaseTimer, so the schedule's own forward/backward boundaries give the phase times."""
+
+    def __init__(self):
+        self.phase_timer: PhaseTimer | None = None  # set during train_step only
+        self.open: dict[str, object] = {}
+
+    def __call__(self, name: str, log_level: int = 0):
+        return _Span(self, name)
+
+
+class _Span:
+    def __init__(self, timers: _PhaseTimers, name: str):
+        self.timers, self.name = timers, name
+
+    def start(self, barrier: bool = False) -> None:
+        phase = _PHASE_OF.get(self.name)
+        if phase and self.timers.phase_timer is not None:
+            span = self.timers.phase_timer.phase(phase)
+            span.__enter__()
+            self.timers.open[self.name] = span
+
+    def stop(self, barrier: bool = False) -> None:
+        span = self.timers.open.pop(self.name, None)
+        if span is not None:
+            span.__exit__(None, None, None)
+
+
+ADAPTER = MegatronAdapter

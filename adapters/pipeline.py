@@ -1,0 +1,265 @@
+"""torch.distributed.pipelining: one rank per pipeline stage, across processes and nodes.
+
+The diff from a single-process loop: every rank builds the same model, keeps only its stage's layers
+of `workload.sequential(model)`, wraps them in `PipelineStage(module, stage_index, num_stages,
+device)` and lets a schedule run forward, loss and backward of all micro-batches in one call,
+`schedule.step(x, target=y, losses=losses)`; then the ordinary `optimizer.step()`.
+
+Schedules (`adapter.schedule`): `gpipe` (all forwards, then all backwards), `1f1b` (one forward one
+backward in steady state, = PipeDream-Flush: activations of at most #stages micro-batches alive) and
+`interleaved_1f1b` (several stages per rank, stage s on rank s % pipeline ranks). Stages: an even
+split by layer count or `adapter.balance` (layers per stage). Ranks = pipeline ranks x data-parallel
+replicas: rank r is stage rank r % pp of replica r // pp; replicas read different data and average
+gradients with DDP over the replica group (the DDP support built into PipelineStage).
+
+GPT-2's tied embedding / head weight: when the embedding and the head land on different stages, the
+head stage holds its own copy, initialised equal, and after every step the two gradients are summed
+(an all-reduce between the first and the last stage rank of each replica), so both copies take the
+same update as the tied weight would. See bench/pipeline.py.
+
+BatchNorm (ResNet): each micro-batch is normalised with its own statistics and the running
+statistics are updated once per micro-batch, as under gradient accumulation (no deferred BatchNorm).
+"""
+from __future__ import annotations
+
+import gc
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from adapters.base import Adapter, Batch
+from bench import pipeline as P
+from bench.config import BenchConfig
+from bench.errors import ConfigError
+from bench.optim import build_optimizer
+from bench.precision import AutocastModule
+from bench.timing import PhaseTimer
+from workloads import build_workload
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
+class PipelineAdapter(Adapter):
+    name = "pipeline"
+
+    # --- before launch ---------------------------------------------------------------------------
+    @classmethod
+    def pipeline_size(cls, cfg: BenchConfig, world_size: int) -> int:
+        return cfg.adapter.pipeline_parallel or world_size
+
+    @classmethod
+    def data_parallel_size(cls, cfg: BenchConfig, world_size: int) -> int:
+        return max(1, world_size // cls.pipeline_size(cfg, world_size))
+
+    @classmethod
+    def num_stages(cls, cfg: BenchConfig, world_size: int) -> int:
+        if cfg.adapter.balance is not None:
+            return len(cfg.adapter.balance)
+        pp = cls.pipeline_size(cfg, world_size)
+        return 2 * pp if cfg.adapter.schedule == "interleaved_1f1b" else pp
+
+    @classmethod
+    def microbatches(cls, cfg: BenchConfig, world_size: int) -> int:
+        return cfg.adapter.microbatches or 4 * cls.pipeline_size(cfg, world_size)
+
+    @classmethod
+    def validate(cls, cfg: BenchConfig, world_size: int) -> None:
+        super().validate(cfg, world_size)
+        a = cfg.adapter
+        if a.schedule not in SCHEDULES:
+            raise ConfigError(f"adapter.schedule={a.schedule}: choose {', '.join(SCHEDULES)}")
+        pp = cls.pipeline_size(cfg, world_size)
+        if pp < 1 or world_size % pp:
+            raise ConfigError(f"{world_size} ranks cannot form pipelines of adapter.pipeline_parallel={pp} ranks; "
+                              f"make the rank count (launcher.nprocs) a multiple of it")
+        stages = cls.num_stages(cfg, world_size)
+        if a.balance is not None:
+            where = f"adapter.balance ({stages} entries)"
+        else:
+            where = f"adapter.pipeline_parallel={a.pipeline_parallel}" + (f" (all {world_size} ranks)" if not a.pipeline_parallel else "")
+            where += " with 2 stages per rank (interleaved_1f1b)" if a.schedule == "interleaved_1f1b" else ""
+        if a.schedule == "interleaved_1f1b":
+            if stages % pp:
+                raise ConfigError(f"adapter.schedule=interleaved_1f1b places stage s on rank s % {pp}: {where} gives "
+                                  f"{stages} stages, not a multiple of {pp} pipeline ranks; use a multiple, e.g. {2 * pp}")
+        elif stages != pp:
+            raise ConfigError(f"adapter.schedule={a.schedule} runs one stage per rank but adapter.balance has {stages} "
+                              f"entries for {pp} pipeline ranks; give {pp} entries or use adapter.schedule=interleaved_1f1b")
+        workload = build_workload(cfg.workload, cfg.data)
+        P.check_split(a.balance, P.layer_count(workload), stages, cfg.workload.name, where)
+        m = cls.microbatches(cfg, world_size)
+        P.check_microbatches(cls.local_batch_size(cfg, world_size), m, "the batch of one pipeline replica")
+        if a.schedule == "1f1b" and m < stages:
+            raise ConfigError(f"adapter.schedule=1f1b needs at least as many micro-batches as stages: "
+                              f"adapter.microbatches={m} < {stages} stages; raise adapter.microbatches")
+        if a.schedule == "interleaved_1f1b":
+            rounds = max(1, m // pp)
+            if m % rounds:
+                raise ConfigError(f"adapter.schedule=interleaved_1f1b needs the micro-batch count to be a multiple of "
+                                  f"{rounds} rounds: adapter.microbatches={m}; use a multiple of {pp} pipeline ranks")
+
+    # --- on each rank ----------------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.ctx.rank // self.pp
+
+    @property
+    def reports_metrics(self) -> bool:
+        return self.is_last  # the loss and the outputs exist on the last stage only
+
+    def setup(self) -> None:
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        cfg, a, world = self.cfg, self.cfg.adapter, self.ctx.world_size
+        self.pp = self.pipeline_size(cfg, world)
+        dp = self.data_parallel_size(cfg, world)
+        self.pp_rank = self.ctx.rank % self.pp
+        mesh = init_device_mesh(self.device.type, (dp, self.pp), mesh_dim_names=("dp", "pp"))
+        self.pp_group = mesh.get_group("pp")
+        self.dp_group = mesh.get_group("dp")
+
+        # every rank builds the whole model from the same seed, so its stages start exactly as the
+        # unpipelined model does; the layers of other stages are dropped right after
+        seq = self.workload.sequential(self.workload.build_model())
+        n_stages = self.num_stages(cfg, world)
+        self.balance = P.check_split(a.balance, len(seq), n_stages, cfg.workload.name, "adapter.balance")
+        self.stage_ids = [s for s in range(n_stages) if s % self.pp == self.pp_rank]
+        self.is_first, self.is_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
+
+        self.ties = self._untie(seq, n_stages)
+        layers = list(seq.named_children())
+        slices = P.stage_slices(self.balance)
+        self.stage_modules = [nn.Sequential(OrderedDict(layers[slices[s]])).to(self.device) for s in self.stage_ids]
+        del seq, layers
+        gc.collect()
+
+        precision = cfg.trainer.precision
+        stages = []
+        for s, module in zip(self.stage_ids, self.stage_modules):
+            wrapped = module if precision == "fp32" else AutocastModule(module, precision, self.device)
+            if dp > 1:  # PipelineStage drives DDP itself: no_sync on all but the last micro-batch
+                wrapped = DDP(wrapped, process_group=self.dp_group,
+                              device_ids=[self.device.index] if self.ctx.is_cuda else None)
+            stages.append(pipelining.PipelineStage(wrapped, s, n_stages, self.device, group=self.pp_group))
+
+        self.m = self.microbatches(cfg, world)
+        scale = 1.0 / (self.m * cfg.trainer.grad_accum)
+
+        def loss_fn(out, y):
+            # each micro-batch loss pre-divided, so gradients accumulate to the mean over the whole step,
+            # also across several schedule.step calls (the schedule's own scaling would rescale those)
+            return self.workload.loss(out, y) * scale
+
+        schedule_cls = getattr(pipelining, SCHEDULES[a.schedule])
+        if a.schedule == "interleaved_1f1b":
+            self.schedule = schedule_cls(stages, self.m, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = schedule_cls(stages[0], self.m, loss_fn=loss_fn, scale_grads=False)
+        self.optimizer = build_optimizer([p for mod in self.stage_modules for p in mod.parameters()], cfg.optimizer)
+        copies = P.tied_copies(self.ties)
+        self.unique_params = [p for mod in self.stage_modules for p in mod.parameters() if id(p) not in copies]
+        self.local_batch = self.local_batch_size(cfg, world)
+
+    def _untie(self, seq: nn.Sequential, n_stages: int) -> list[P.TiedPair]:
+        """Untie weights whose two users land on different stages; keep on this rank what it holds."""
+        pairs = []
+        for main_name, copy_name in self.workload.tied_parameters(sequential=True):
+            s_main = P.stage_of_layer(self.balance, P.layer_index(seq, main_name))
+            s_copy = P.stage_of_layer(self.balance, P.layer_index(seq, copy_name))
+            if s_main != s_copy:
+                pairs.append((main_name, copy_name, s_main % self.pp, s_copy % self.pp))
+        ties = P.untie(seq, [(m, c) for m, c, _, _ in pairs])
+        self.tie_groups = []
+        for t, (_, _, r_main, r_copy) in zip(ties, pairs):
+            group = None
+            if r_main != r_copy:
+                # new_group is collective over the world: every rank creates every replica's group
+                for replica in range(self.data_parallel_size(self.cfg, self.ctx.world_size)):
+                    ranks = [replica * self.pp + r_main, replica * self.pp + r_copy]
+                    g = dist.new_group(ranks)
+                    if self.ctx.rank in ranks:
+                        group = g
+            t.main = t.main if self.pp_rank == r_main else None
+            t.copy = t.copy if self.pp_rank == r_copy else None
+            self.tie_groups.append(group)
+        return ties
+
+    def modules(self):
+        return self.stage_modules
+
+    def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer):
+        losses_all: list[torch.Tensor] = []
+        with timer.phase("forward_backward"):  # the schedule interleaves them: one phase
+            for x, y in micro_batches:  # trainer.grad_accum pipelined mini-batches
+                losses: list[torch.Tensor] = []
+                self.schedule.step(*((x,) if self.is_first else ()), target=y if self.is_last else None,
+                                   losses=losses if self.is_last else None, return_outputs=False)
+                losses_all += losses
+        with timer.phase("optimizer"):
+            self._sync_tied_grads()
+            self._clip(self.cfg.trainer.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=False)  # keep gradient buffers, as DDP does
+        return torch.stack(losses_all).sum().detach() if self.is_last else None
+
+    @torch.no_grad()
+    def _sync_tied_grads(self) -> None:
+        for t, group in zip(self.ties, self.tie_groups):
+            if group is None:  # both copies on this rank (interleaved with one pipeline rank)
+                t.sum_local_grads()
+            else:
+                held = t.main if t.main is not None else t.copy
+                if held is not None:
+                    dist.all_reduce(P.grad_or_zeros(held), group=group)
+
+    @torch.no_grad()
+    def _clip(self, max_norm: float) -> None:
+        """torch's clip_grad_norm_ over the whole pipeline: the norm sums every stage's squares once
+        (tied copies excluded); replicas hold equal gradients after DDP, so the pipeline group suffices."""
+        if max_norm <= 0:
+            return
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in self.unique_params:
+            if p.grad is not None:
+                sq += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(sq, group=self.pp_group)
+        coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+        for mod in self.stage_modules:
+            for p in mod.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.dtype))
+
+    @torch.no_grad()
+    def eval_step(self, inputs, targets, weight):
+        # the schedule's buffers have the training micro-batch shape: pad a short last batch (weight 0)
+        n = inputs.shape[0]
+        if n < self.local_batch:
+            idx = torch.arange(self.local_batch, device=inputs.device) % n
+            inputs, targets = inputs[idx], targets[idx]
+            weight = torch.cat([weight, weight.new_zeros(self.local_batch - n)])
+        out = self.schedule.eval(*((inputs,) if self.is_first else ()), target=targets if self.is_last else None)
+        if not self.is_last:
+            return torch.zeros(3, dtype=torch.float64, device=self.device)
+        return self.workload.eval_sums(out, targets, weight)
+
+    def describe(self) -> dict:
+        return {
+            "schedule": self.cfg.adapter.schedule,
+            "pipeline_ranks": self.pp,
+            "data_parallel_replicas": self.data_parallel_size(self.cfg, self.ctx.world_size),
+            "stages": len(self.balance),
+            "balance": self.balance,
+            "balance_by": "config" if self.cfg.adapter.balance is not None else "layer_count",
+            "microbatches": self.m,
+            "micro_batch_size": self.local_batch // self.m,
+            "tied_weights": [f"{t.copy_name} = copy of {t.main_name} on the last stage, gradients all-reduced "
+                             f"with the first stage each step" for t in self.ties],
+        }
+
+
+ADAPTER = PipelineAdapter

@@ -1,0 +1,9 @@
+"""Analysis of run records: `load` (tidy DataFrame), `plots` (the paper's figures), `report` (CLI).
+
+    from analysis import load, plots
+    df = load("results/demo")
+    plots.speedup(df, out="figures")
+"""
+from analysis.load import find_runs, load, ok, runs
+
+__all__ = ["find_runs", "load", "ok", "runs"]

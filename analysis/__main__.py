@@ -1,0 +1,34 @@
+"""`python -m analysis report RESULTS_DIR --out DIR`: all figures, tables and report.md, no Jupyter."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("report", help="figures (PNG+SVG), CSV tables and report.md from a tree of run records")
+    r.add_argument("results", help="folder holding run records (searched recursively)")
+    r.add_argument("--out", required=True, help="folder for report.md, figures/ and the CSV tables")
+    r.add_argument("--baseline", default=None,
+                   help="speedup baseline series (a label in the report); default: fastest single-device point")
+    args = p.parse_args(argv)
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    from analysis.load import AnalysisError
+    from analysis.report import write_report
+
+    try:
+        path = write_report(args.results, args.out, baseline=args.baseline)
+    except (FileNotFoundError, AnalysisError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

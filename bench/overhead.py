@@ -1,0 +1,168 @@
+"""Harness overhead: the same model, data and DDP setup, stepped by a bare hand-written loop and by
+the harness's trainer (phase timers, NVTX, loss bookkeeping, stop agreement, watchdog), in
+interleaved blocks inside one run so both see the same machine state.
+
+    python -m bench.overhead                    # gpt2_tiny, synthetic data, 2 ranks
+    python -m bench.overhead --blocks 8 --steps 10 workload=resnet50_tiny
+
+Prints the per-block step times and the ratio harness/bare (goal <= 1.02), plus the time from
+launch to the first finished step of a normal `python -m bench` run when `--startup` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from bench.config import BenchConfig, register_configs
+
+    register_configs()
+    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    with initialize_config_dir(conf, version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(BenchConfig), cfg), resolve=True)
+
+
+def _rank(rank: int, cfg_dict: dict, world: int, port: int, blocks: int, steps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from adapters.ddp import DDPAdapter
+    from bench.config import BenchConfig
+    from bench.dist import DistContext, init_process_group, set_cpu_threads
+    from bench.optim import build_optimizer
+    from bench.trainer import Trainer
+    from workloads import build_workload
+
+    cfg = OmegaConf.merge(OmegaConf.structured(BenchConfig), cfg_dict)
+    cfg.trainer.progress = False
+    set_cpu_threads(1)
+    ctx = DistContext(rank=rank, world_size=world, local_rank=rank, local_world_size=world, master_port=port,
+                      backend="nccl" if torch.cuda.is_available() else "gloo")
+    init_process_group(ctx, 300)
+    device = ctx.device
+    workload = build_workload(cfg.workload, cfg.data)
+    train_set, _ = workload.datasets(local_rank=rank)
+    batch = cfg.trainer.batch_size
+
+    def endless_loader():
+        sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=cfg.trainer.seed, drop_last=True)
+        loader = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True)
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    # the bare loop: what a user writes by hand
+    torch.manual_seed(cfg.trainer.seed)
+    bare_model = DDP(workload.build_model().to(device))
+    bare_opt = build_optimizer(bare_model.parameters(), cfg.optimizer)
+    bare_data = endless_loader()
+
+    def bare_steps(n: int) -> None:
+        for _ in range(n):
+            x, y = next(bare_data)
+            x, y = x.to(device), y.to(device)
+            loss = workload.loss(bare_model(x), y)
+            loss.backward()
+            bare_opt.step()
+            bare_opt.zero_grad(set_to_none=False)
+
+    # the harness: the real adapter and the trainer's hot loop
+    torch.manual_seed(cfg.trainer.seed)
+    adapter = DDPAdapter(cfg, workload, ctx)
+    adapter.setup()
+    trainer = Trainer(cfg, ctx, adapter, workload, record=None)
+    harness_data = endless_loader()
+
+    def timed(fn) -> float:
+        dist.barrier()
+        if ctx.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if ctx.is_cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        return (time.perf_counter() - t0) / steps
+
+    timed(lambda: bare_steps(steps))  # warm-up, excluded
+    timed(lambda: trainer.train_steps(harness_data, steps))
+    rows = []
+    for b in range(blocks):  # alternate the order so neither always runs first
+        pair = [("bare", lambda: bare_steps(steps)), ("harness", lambda: trainer.train_steps(harness_data, steps))]
+        if b % 2:
+            pair.reverse()
+        rows.append({name: timed(fn) for name, fn in pair})
+    if rank == 0:
+        data_share = [s["data"] / s["step"] for s in trainer.timer.steps]
+        with open(out, "w") as f:
+            import json
+
+            json.dump({"rows": rows, "data_share": statistics.mean(data_share)}, f)
+    dist.destroy_process_group()
+
+
+def measure_startup(overrides: list[str]) -> float:
+    """Seconds from `python -m bench` starting to its first finished step (from the run's record)."""
+    import json
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "bench", "experiment=smoke", *overrides, f"results.root={tmp}"],
+                       check=True, capture_output=True)
+        summary = json.loads(next(Path(tmp).rglob("summary.json")).read_text())
+        return summary["startup_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch.multiprocessing as mp
+
+    from bench.dist import free_port
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10, help="steps per block")
+    p.add_argument("--nprocs", type=int, default=2)
+    p.add_argument("--startup", action="store_true", help="also measure launch-to-first-step of `python -m bench`")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=resnet50_tiny")
+    args = p.parse_args(argv)
+    cfg = _compose(args.overrides)
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        mp.start_processes(_rank, args=(cfg, args.nprocs, free_port(), args.blocks, args.steps, out.name),
+                           nprocs=args.nprocs, start_method="spawn")
+        import json
+
+        result = json.load(open(out.name))
+    rows = result["rows"]
+    print(f"{cfg['workload']['name']} on {args.nprocs} rank(s), batch {cfg['trainer']['batch_size']}/rank, "
+          f"{args.blocks} blocks x {args.steps} steps (1 warm-up block each excluded)")
+    print("block  bare s/step  harness s/step  ratio")
+    for i, r in enumerate(rows):
+        print(f"{i:5d}  {r['bare']:11.4f}  {r['harness']:14.4f}  {r['harness'] / r['bare']:.4f}")
+    bare = statistics.median(r["bare"] for r in rows)
+    harness = statistics.median(r["harness"] for r in rows)
+    print(f"median step time: bare {bare:.4f}s, harness {harness:.4f}s, ratio harness/bare = {harness / bare:.4f} (goal <= 1.02)")
+    print(f"data loading share of harness step time: {100 * result['data_share']:.1f}%")
+    if args.startup:
+        print(f"startup, launch to first finished step: {measure_startup(args.overrides):.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

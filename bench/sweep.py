@@ -1,0 +1,245 @@
+"""Sweep files: one benchmark point per line of Hydra overrides, run here or as a Slurm job array.
+
+    python -m bench.sweep grid adapter=ddp,zero workload=gpt2_small launcher.nprocs=1,2,4 -o sweep.txt
+    python -m bench.sweep run sweep.txt [--resume] [-- trainer.epochs=3 ...]   # here, one after another
+    python -m bench.sweep submit sweep.txt [--resume] [--gpus-per-node 4] [-- SBATCH ARGS]  # job arrays
+    python -m bench.sweep point sweep.txt 3      # "RANKS GPUS_PER_RANK overrides" of point 3 (array.sbatch)
+
+`grid` expands like `python -m bench -m` does (Hydra's own parser and cartesian product, so
+`a,b`, `range(1,4)` and quoting mean the same). Point i is the i-th line that is neither blank
+nor a comment, counted from 0 = SLURM_ARRAY_TASK_ID of `sbatch --array=0-N`.
+
+A point is identified by `point_id`: a hash of its command-line overrides, leaving out the ones
+that say where records go or how ranks start (results.*, hydra.*, launcher=..., master address
+and port), so the same line gives the same id whether it runs here, in a job array or in a Hydra
+multirun. Every record stores it as `point`; with `results.resume=true` (what `--resume` passes)
+a run whose point already has an ok record under results.root/results.experiment is skipped, so
+re-running a sweep re-runs only the points that failed, were preempted or never ran.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shlex
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+# Overrides that do not change what is measured: where records go, how ranks find each other.
+_NOT_PART_OF_POINT = ("results.", "hydra.", "hydra/")
+_NOT_PART_OF_POINT_KEYS = {"launcher", "launcher.master_addr", "launcher.master_port", "trainer.progress"}
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def point_id(overrides) -> str:
+    """Stable id of a point: sha1 of its sorted, relevant overrides (10 hex digits)."""
+    kept = sorted(o for o in overrides
+                  if not _key(o).startswith(_NOT_PART_OF_POINT) and _key(o) not in _NOT_PART_OF_POINT_KEYS)
+    return hashlib.sha1("\n".join(kept).encode()).hexdigest()[:10]
+
+
+def expand_grid(overrides: list[str]) -> list[list[str]]:
+    """Cartesian product of sweep overrides, exactly as Hydra's basic sweeper forms its jobs."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return BasicSweeper.split_arguments(parsed, None)[0]
+
+
+def read_points(path: Path) -> list[list[str]]:
+    points = []
+    for line in Path(path).read_text().splitlines():
+        args = shlex.split(line, comments=True)
+        if args:
+            points.append(args)
+    return points
+
+
+def write_points(path: Path, points: list[list[str]], header: str) -> None:
+    lines = [f"# {header}", f"# {len(points)} points; one line of Hydra overrides each (see bench/sweep.py)"]
+    lines += [shlex.join(p) for p in points]
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def layout(overrides: list[str]) -> tuple[int, int]:
+    """(ranks, devices per rank) of a point given as overrides: what Slurm must allocate."""
+    from hydra import compose, initialize_config_dir
+
+    from bench.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return layout_of(compose("config", overrides=list(overrides)))
+
+
+def layout_of(cfg) -> tuple[int, int]:
+    from adapters import get_adapter_class
+
+    cls = get_adapter_class(cfg.adapter.name)
+    return cls.processes(cfg), cls.devices_per_process(cfg)
+
+
+def slurm_shape(ranks: int, devices: int, gpus_per_node: int | None) -> tuple[int, int, int | None]:
+    """(nodes, tasks per node, GPUs per node) for one task per rank; no GPUs: one node."""
+    if not gpus_per_node:
+        return 1, ranks, None
+    per_node = max(1, gpus_per_node // devices)
+    nodes = -(-ranks // per_node)
+    if ranks % nodes:
+        from bench.errors import ConfigError
+
+        raise ConfigError(f"{ranks} ranks do not split evenly over {nodes} nodes of {gpus_per_node} GPUs; "
+                          "change gpus_per_node or the point's rank count")
+    return nodes, ranks // nodes, ranks // nodes * devices
+
+
+def ok_record(folders, point: str) -> Path | None:
+    """The first run folder under `folders` whose summary says this point finished ok."""
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("summary.json")) if Path(folder).is_dir() else []:
+            try:
+                s = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # a record being written: not ok yet
+            if s.get("point") == point and s.get("status") == "ok":
+                return path.parent
+    return None
+
+
+def apply_hydra_context(cfg) -> None:
+    """Inside `python -m bench`: name the point from its overrides; a multirun keeps its records in
+    its sweep folder (hydra.sweep.dir), so every point of one sweep lands in one place."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    if cfg.results.point is None:
+        cfg.results.point = point_id(hc.overrides.task)
+    if hc.mode.name == "MULTIRUN" and cfg.results.dir is None:
+        cfg.results.dir = str(hc.sweep.dir)
+
+
+# --- command line ----------------------------------------------------------------------------------
+def _grid(args) -> int:
+    points = expand_grid(args.overrides)
+    header = "python -m bench.sweep grid " + shlex.join(args.overrides)
+    if args.output == "-":
+        print("\n".join(shlex.join(p) for p in points))
+    else:
+        write_points(Path(args.output), points, header)
+        print(f"{len(points)} points -> {args.output}; run them here with `python -m bench.sweep run {args.output}`,"
+              f" or on Slurm with `python -m bench.sweep submit {args.output}`")
+    return 0
+
+
+def _point(args) -> int:
+    points = read_points(args.file)
+    if not 0 <= args.index < len(points):
+        print(f"error: {args.file} has {len(points)} points (0-{len(points) - 1}); there is no point {args.index}",
+              file=sys.stderr)
+        return 2
+    ranks, devices = layout([*points[args.index], *args.extra])
+    print(ranks, devices, shlex.join(points[args.index]))
+    return 0
+
+
+def _run(args) -> int:
+    points = read_points(args.file)
+    if not points:
+        print(f"error: {args.file} has no points", file=sys.stderr)
+        return 2
+    extra = [*args.extra, *(["results.resume=true"] if args.resume else [])]
+    failed = []
+    for i, point in enumerate(points):
+        cmd = [sys.executable, "-m", "bench", *point, *extra]
+        print(f"[{i + 1}/{len(points)}] point {point_id([*point, *args.extra])}: {shlex.join(point)}", flush=True)
+        if args.dry_run:
+            print("  " + shlex.join(cmd))
+            continue
+        code = subprocess.run(cmd, cwd=REPO).returncode
+        if code:
+            failed.append((i, code))
+    for i, code in failed:
+        print(f"point {i} ({shlex.join(points[i])}) exited {code}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _submit(args) -> int:
+    """One job array per allocation shape: Slurm gives every task of an array the same resources."""
+    points = read_points(args.file)
+    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, point in enumerate(points):
+        groups[layout([*point, *args.extra])].append(i)
+    script = Path(args.script)
+    code = 0
+    for (ranks, devices), indices in groups.items():
+        nodes, per_node, gpus = slurm_shape(ranks, devices, args.gpus_per_node)
+        shape = [f"--nodes={nodes}", f"--ntasks-per-node={per_node}", *([f"--gpus-per-node={gpus}"] if gpus else [])]
+        cmd = ["sbatch", "--parsable", f"--array={','.join(map(str, indices))}", *shape, *args.sbatch,
+               str(script), str(args.file), *(["--resume"] if args.resume else []), *args.extra]
+        print(shlex.join(cmd), flush=True)
+        if not args.dry_run:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            print(proc.stdout.strip() or proc.stderr.strip(), flush=True)
+            code = code or proc.returncode
+    return code
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--grid"]:  # `python -m bench.sweep --grid ...` reads naturally too
+        argv[0] = "grid"
+    extra = []
+    if "--" in argv:  # overrides after `--` go to every point (run) or to sbatch (submit)
+        argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    parser = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("grid", help="write the cartesian product of sweep overrides, one point per line")
+    g.add_argument("overrides", nargs="+", help="Hydra overrides, e.g. adapter=ddp,zero launcher.nprocs=1,2,4")
+    g.add_argument("-o", "--output", default="-", help="sweep file to write (default: print)")
+    r = sub.add_parser("run", help="run every point here, one after another (overrides after -- go to every point)")
+    r.add_argument("file", type=Path)
+    r.add_argument("--resume", action="store_true", help="skip points that already have an ok record")
+    r.add_argument("--dry-run", action="store_true", help="print the commands only")
+    s = sub.add_parser("submit", help="sbatch slurm/array.sbatch once per allocation shape (SBATCH args after --)")
+    s.add_argument("file", type=Path)
+    s.add_argument("--resume", action="store_true", help="array tasks skip points that already have an ok record")
+    s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node of your cluster (0: CPU, one node)")
+    s.add_argument("--script", default=str(REPO / "slurm" / "array.sbatch"))
+    s.add_argument("--override", dest="point_extra", action="append", default=[],
+                   help="an override for every point (repeatable)")
+    s.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
+    p = sub.add_parser("point", help="print RANKS GPUS_PER_RANK OVERRIDES of point INDEX (used by array.sbatch);"
+                                     " overrides after -- count for the layout")
+    p.add_argument("file", type=Path)
+    p.add_argument("index", type=int)
+    args = parser.parse_args(argv)
+    from bench.errors import ConfigError
+
+    try:
+        return _dispatch(args, extra)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args, extra: list[str]) -> int:
+    if args.cmd == "grid":
+        return _grid(args)
+    if args.cmd in ("point", "run"):
+        args.extra = extra
+        return _point(args) if args.cmd == "point" else _run(args)
+    args.sbatch, args.extra = extra, args.point_extra
+    return _submit(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Hydra launchers behind `python -m bench -m hydra/launcher=submitit_slurm|submitit_local ...`.
+
+Hydra only instantiates launchers from the `hydra_plugins` namespace package, hence this folder
+(no __init__.py: it merges with the installed hydra_plugins). conf/hydra/launcher/submitit_slurm.yaml
+names this class as `_target_`; its fields are the stock plugin's (Hydra checks them against the
+stock schema of the same name), with `gpus_per_node` meaning the GPUs of one node of the cluster.
+
+Why not the stock submitit Slurm launcher as is: it submits the whole sweep as one job array, and
+Slurm gives every task of an array the same resources, while benchmark points differ in rank
+count (the paper's 1..64 GPUs). This one composes each point's config, asks its adapter how many
+ranks it needs, and submits one array per allocation shape: one Slurm task per rank, spread over
+nodes by `gpus_per_node`. Every task runs the Hydra job (`python -m bench`'s task function), which
+sees SUBMITIT_EXECUTOR=slurm and becomes the rank SLURM_PROCID of the point (bench/run.py).
+"""
+import dataclasses
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+
+log = logging.getLogger(__name__)
+
+
+class BenchSlurmLauncher(SlurmLauncher):
+    def _shape(self, overrides: Sequence[str]) -> Tuple[int, int, Optional[int]]:
+        from bench.sweep import layout_of, slurm_shape
+
+        assert self.hydra_context is not None and self.config is not None
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        ranks, devices = layout_of(cfg)
+        return slurm_shape(ranks, devices, self.params.get("gpus_per_node"))
+
+    def _executor(self, nodes: int, tasks_per_node: int, gpus_per_node: Optional[int]) -> Any:
+        import submitit
+
+        params = dict(self.params)
+        folder = params.pop("submitit_folder")
+        executor = submitit.AutoExecutor(cluster="slurm", folder=folder,
+                                         slurm_max_num_timeout=params.pop("max_num_timeout", 0))
+        params.update(nodes=nodes, tasks_per_node=tasks_per_node, gpus_per_node=gpus_per_node)
+        shared = {f.name for f in dataclasses.fields(BaseQueueConf)}
+        executor.update_parameters(**{k if k in shared else f"slurm_{k}": v for k, v in params.items()})
+        return executor
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        assert self.config is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        log.info(f"submitit 'slurm' sweep output dir: {sweep_dir}")
+        by_shape: Dict[tuple, List[Tuple[int, List[str]]]] = defaultdict(list)
+        for num, overrides in enumerate(job_overrides, initial_job_idx):
+            by_shape[self._shape(overrides)].append((num, list(overrides)))
+        # Submit every shape's array first, then wait: the points run concurrently.
+        submitted = []
+        for (nodes, tasks, gpus), points in by_shape.items():
+            for num, overrides in points:
+                log.info(f"\t#{num} ({nodes} node(s) x {tasks} task(s)): {' '.join(filter_overrides(overrides))}")
+            nums = [num for num, _ in points]
+            jobs = self._executor(nodes, tasks, gpus).map_array(
+                self, [o for _, o in points], ["hydra.sweep.dir"] * len(points), nums,
+                [f"job_id_for_{n}" for n in nums], [Singleton.get_state()] * len(points))
+            submitted += zip(nums, jobs)
+        # Rank 0's return is the point's result (every task returns one).
+        return [job.results()[0] for _, job in sorted(submitted, key=lambda item: item[0])]
