@@ -157,7 +157,7 @@ class MegatronAdapter(Adapter):
         torch.manual_seed(t.seed)  # the embedding is built first on the first stage: same in every layout
         with self._compat():
             model = GPTModel(
-                self.config, _layout_invariant(self._layer_spec(), t.seed), vocab_size=self.vocab,
+                self.config, self._spec(), vocab_size=self.vocab,
                 max_sequence_length=w.seq_len, pre_process=ps.is_pipeline_first_stage(),
                 post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True,
                 position_embedding_type="learned_absolute",
@@ -189,13 +189,25 @@ class MegatronAdapter(Adapter):
         self.causal_mask = (None if cuda else
                             torch.triu(torch.ones(w.seq_len, w.seq_len, dtype=torch.bool, device=self.device), 1)[None, None])
 
-    def _layer_spec(self):
+    def _spec(self):
         from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                               get_gpt_layer_with_transformer_engine_spec)
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
         if self.layer_spec == "transformer_engine":
-            return get_gpt_layer_with_transformer_engine_spec()
-        return get_gpt_layer_local_spec()
+            spec = get_gpt_layer_with_transformer_engine_spec()
+        else:
+            spec = get_gpt_layer_local_spec()
+        spec = _layout_invariant(spec, self.cfg.trainer.seed)
+        if not (self.config.sequence_parallel and spec.submodules.input_layernorm is WrappedTorchNorm):
+            return spec
+        # Without Apex or TE the local spec's norm is megatron-core's torch LayerNorm, which refuses
+        # sequence parallelism: use one that marks its parameters, as the fused norms do.
+        layer = dataclasses.replace(spec, submodules=dataclasses.replace(
+            spec.submodules, input_layernorm=_SequenceParallelLayerNorm, pre_mlp_layernorm=_SequenceParallelLayerNorm))
+        return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(self.config),
+                                          layer_norm=_SequenceParallelLayerNorm)
 
     def _build_optimizer(self):
         o, clip = self.cfg.optimizer, self.cfg.trainer.grad_clip
@@ -378,6 +390,17 @@ def _layout_invariant(spec, seed: int):
 
     SeededLayer.__name__ = base.__name__  # module reprs and logs keep Megatron's name
     return dataclasses.replace(spec, module=SeededLayer)
+
+
+class _SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch LayerNorm whose parameters carry Megatron's `sequence_parallel` mark: with the sequence
+    split over TP ranks each rank's norm gradients are partial, and finalize_model_grads all-reduces
+    the marked ones over the TP group (what FusedLayerNorm and TENorm set up)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel
 
 
 class _PhaseTimers:

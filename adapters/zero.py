@@ -125,7 +125,7 @@ class ZeroAdapter(Adapter):
         )
         self.input_dtype = HALF.get(cfg.trainer.precision)  # DeepSpeed's bf16/fp16 modes hold half-precision weights
         self._probe_grads = True
-        self._grad_bytes = 0
+        self._grad_bytes = (0, 0)  # (when the optimizer step begins, most at once during backward)
 
     def modules(self):
         return [self.engine.module]
@@ -161,12 +161,14 @@ class ZeroAdapter(Adapter):
         """Bytes this rank holds, read from the engine's own tensors.
 
         params, optimizer (moments + DeepSpeed's fp32 master partition): held now, after a step.
-        grads: the most gradient bytes held at once during the first step's backward (DeepSpeed
-        frees them in step(); ZeRO-1 holds full gradients until its post-backward reduction, ZeRO-2
-        reduces as it goes). Communication buckets are buffers, not model state, and are left out.
+        grads: gradient bytes held when the optimizer step begins (after the engine's post-backward
+        reduction; step() frees them), read on the first step of the run. grads_peak_backward: the
+        most held at once during that backward, in-flight full-size gradients included (ZeRO-1 holds
+        every full gradient until its post-backward reduction; ZeRO-2/3 one tensor or bucket at a
+        time). Communication buckets are buffers, not model state, and are left out of both.
         """
         state = _engine_state(self.engine)
-        state["grads"] = self._grad_bytes
+        state["grads"], state["grads_peak_backward"] = self._grad_bytes
         return state
 
     def describe(self) -> dict:
@@ -307,11 +309,12 @@ class _GradientProbe:
     def _read(self, _param) -> None:
         self.peak = max(self.peak, _gradient_bytes(self.engine))
 
-    def close(self) -> int:
-        self._read(None)  # after the engine's post-backward reduction
+    def close(self) -> tuple[int, int]:
+        """(bytes held now, after the engine's post-backward reduction; the peak during backward)."""
         for h in self.handles:
             h.remove()
-        return self.peak
+        now = _gradient_bytes(self.engine)
+        return now, max(self.peak, now)
 
 
 ADAPTER = ZeroAdapter

@@ -47,6 +47,7 @@ CONFIG_FIELDS = {
     "optimizer.lr": "lr",
     "data.source": "data_source",
     "results.experiment": "experiment",
+    "results.point": "point",  # sweep point id (bench/sweep.py)
 }
 # settings that make two runs of one adapter different series when they differ (tp/pp are left out:
 # they usually follow the device count within one series)
@@ -138,7 +139,7 @@ def load_run(run_dir: str | Path) -> list[dict]:
             pass
 
     base = {col: cfg.get(key) for key, col in CONFIG_FIELDS.items()}
-    for col in ("adapter", "workload", "experiment"):
+    for col in ("adapter", "workload", "experiment", "point"):
         base[col] = summary.get(col) or base[col]
     world = summary.get("world_size") or base["nprocs"]
     base.update(

@@ -73,16 +73,18 @@ def _lines(ax, data: pd.DataFrame, x: str, y: str, by: str, colors: dict, sd: st
             ax.errorbar(sub[x], sub[y], yerr=sub[sd].fillna(0), fmt="none", ecolor=colors[name], capsize=3)
 
 
-def _mark_failed(ax, df: pd.DataFrame, workload: str, colors: dict) -> None:
-    """A red x at the bottom of the axes for every point that did not finish (oom, failed, ...)."""
+def _mark_failed(ax, df: pd.DataFrame, workload: str) -> list[int]:
+    """A red x at the bottom of the axes for every point that did not finish (oom, failed, ...);
+    returns their device counts."""
     r = runs(df)
     bad = r[(r["workload"] == workload) & ~r["status"].isin(["ok", "preempted"]) & r["devices"].notna()]
     if bad.empty:
-        return
+        return []
     for _, b in bad.iterrows():
         ax.plot([int(b["devices"])], [0.02], transform=ax.get_xaxis_transform(), marker="x", color="crimson",
                 markersize=9, linestyle="none", clip_on=False)
     ax.plot([], [], marker="x", color="crimson", linestyle="none", label="not finished (see report)")
+    return [int(d) for d in bad["devices"]]
 
 
 # --- Fig 5/6: epoch time vs devices ----------------------------------------------------------------
@@ -98,8 +100,8 @@ def epoch_time(df: pd.DataFrame, out=None, name: str = "epoch_time") -> Figure:
     for ax, wl in zip(axes[0], workloads):
         sub = data[data["workload"] == wl]
         _lines(ax, sub, "devices", "epoch_time_s", "label", colors, sd="epoch_time_sd")  # bars: sd over repeats
-        _mark_failed(ax, df, wl, colors)
-        _log2_devices(ax, sub["devices"])
+        failed = _mark_failed(ax, df, wl)
+        _log2_devices(ax, [*sub["devices"], *failed])
         ax.set_ylim(bottom=0)
         ax.set_ylabel("epoch time (s)")
         ax.set_title(f"{wl}: epoch time")

@@ -2,7 +2,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+
+# Hold preemption signals from the very start: they are unblocked where they can be honoured (the
+# local launcher forwards them to its ranks; a rank turns them into a graceful stop), so a signal
+# that arrives while Python is still importing torch is not fatal.
+signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGUSR1, signal.SIGTERM))
 
 # Before torch is imported anywhere: one thread per rank on CPU (ranks share the cores).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -14,7 +20,7 @@ import warnings  # noqa: E402
 
 # conf/hydra/launcher/submitit_*.yaml share their names with the plugin's schemas on purpose (Hydra
 # then type-checks them against those); Hydra 1.3 warns that this matching is deprecated.
-warnings.filterwarnings("ignore", message=".*validated against ConfigStore schema with the same name")
+warnings.filterwarnings("ignore", message=r"(?s).*validated against ConfigStore schema with the same name")
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

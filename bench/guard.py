@@ -19,9 +19,6 @@ import threading
 import time
 from typing import Callable
 
-import torch
-import torch.distributed as dist
-
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
@@ -36,6 +33,9 @@ class StopFlag:
             return
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
+        # the local launcher spawns ranks with these signals blocked, so one sent during start-up
+        # waits here instead of killing a rank that is still importing torch
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _handler(self, signum, frame) -> None:
         self.requested = True
@@ -43,6 +43,9 @@ class StopFlag:
 
     def agreed(self) -> bool:
         """True on every rank once any rank has been asked to stop (a collective: call on all ranks)."""
+        import torch
+        import torch.distributed as dist
+
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.requested
         if self._group is None:

@@ -156,6 +156,10 @@ def spawn_local(cfg_dict: dict, world: int, port: int, run_dir: Path) -> int:
 
     start = time.time()
     os.environ["BENCH_LAUNCH_T0"] = str(psutil.Process().create_time())  # inherited by the ranks
+    stop_signals = (signal.SIGUSR1, signal.SIGTERM)
+    # ranks inherit the blocked mask and unblock once their handlers are set (bench/guard.py), so a
+    # stop signal forwarded while they still import torch is held, not fatal
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     procs = mp.start_processes(_local_rank_main, args=(cfg_dict, world, port, str(run_dir)), nprocs=world,
                                start_method="spawn", join=False)
 
@@ -164,7 +168,8 @@ def spawn_local(cfg_dict: dict, world: int, port: int, run_dir: Path) -> int:
             if p.is_alive():
                 os.kill(p.pid, signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in stop_signals}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
     try:
         # join() ends the other ranks (SIGTERM, then SIGKILL) as soon as one fails: no orphans
         while not procs.join():

@@ -2,7 +2,7 @@
 
     python -m bench.sweep grid adapter=ddp,zero workload=gpt2_small launcher.nprocs=1,2,4 -o sweep.txt
     python -m bench.sweep run sweep.txt [--resume] [-- trainer.epochs=3 ...]   # here, one after another
-    python -m bench.sweep submit sweep.txt [--resume] [--gpus-per-node 4] [-- SBATCH ARGS]  # job arrays
+    python -m bench.sweep submit sweep.txt [--resume] [--gpus-per-node 8] [--sbatch=--partition=gpu]  # job arrays
     python -m bench.sweep point sweep.txt 3      # "RANKS GPUS_PER_RANK overrides" of point 3 (array.sbatch)
 
 `grid` expands like `python -m bench -m` does (Hydra's own parser and cartesian product, so
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -40,10 +41,21 @@ def _key(override: str) -> str:
 
 
 def point_id(overrides) -> str:
-    """Stable id of a point: sha1 of its sorted, relevant overrides (10 hex digits)."""
-    kept = sorted(o for o in overrides
-                  if not _key(o).startswith(_NOT_PART_OF_POINT) and _key(o) not in _NOT_PART_OF_POINT_KEYS)
-    return hashlib.sha1("\n".join(kept).encode()).hexdigest()[:10]
+    """Stable id of a point: sha1 of its sorted, relevant overrides (10 hex digits), each in the form
+    Hydra parses it to, so quoting and escaping (`a\\:b`, `'a:b'`) do not change the id."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    kept = []
+    for o in overrides:
+        if _key(o).startswith(_NOT_PART_OF_POINT) or _key(o) in _NOT_PART_OF_POINT_KEYS:
+            continue
+        try:
+            parsed = parser.parse_override(o)
+            kept.append(f"{parsed.get_key_element()}={parsed.value()!r}")
+        except Exception:  # not Hydra syntax: Hydra itself will reject the run; hash the text
+            kept.append(o)
+    return hashlib.sha1("\n".join(sorted(kept)).encode()).hexdigest()[:10]
 
 
 def expand_grid(overrides: list[str]) -> list[list[str]]:
@@ -187,7 +199,9 @@ def _submit(args) -> int:
                str(script), str(args.file), *(["--resume"] if args.resume else []), *args.extra]
         print(shlex.join(cmd), flush=True)
         if not args.dry_run:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            # the job finds this checkout and interpreter even when submitted from elsewhere
+            env = {"REPO": str(REPO), "PYTHON": sys.executable, **os.environ}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             print(proc.stdout.strip() or proc.stderr.strip(), flush=True)
             code = code or proc.returncode
     return code
@@ -198,7 +212,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["--grid"]:  # `python -m bench.sweep --grid ...` reads naturally too
         argv[0] = "grid"
     extra = []
-    if "--" in argv:  # overrides after `--` go to every point (run) or to sbatch (submit)
+    if "--" in argv:  # overrides after `--` go to every point
         argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     parser = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -209,13 +223,13 @@ def main(argv=None) -> int:
     r.add_argument("file", type=Path)
     r.add_argument("--resume", action="store_true", help="skip points that already have an ok record")
     r.add_argument("--dry-run", action="store_true", help="print the commands only")
-    s = sub.add_parser("submit", help="sbatch slurm/array.sbatch once per allocation shape (SBATCH args after --)")
+    s = sub.add_parser("submit", help="sbatch slurm/array.sbatch once per allocation shape (overrides after -- go to every point)")
     s.add_argument("file", type=Path)
     s.add_argument("--resume", action="store_true", help="array tasks skip points that already have an ok record")
     s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node of your cluster (0: CPU, one node)")
     s.add_argument("--script", default=str(REPO / "slurm" / "array.sbatch"))
-    s.add_argument("--override", dest="point_extra", action="append", default=[],
-                   help="an override for every point (repeatable)")
+    s.add_argument("--sbatch", action="append", default=[], metavar="ARG",
+                   help="an sbatch option for every array, e.g. --sbatch=--partition=gpu (repeatable)")
     s.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
     p = sub.add_parser("point", help="print RANKS GPUS_PER_RANK OVERRIDES of point INDEX (used by array.sbatch);"
                                      " overrides after -- count for the layout")
@@ -234,11 +248,8 @@ def main(argv=None) -> int:
 def _dispatch(args, extra: list[str]) -> int:
     if args.cmd == "grid":
         return _grid(args)
-    if args.cmd in ("point", "run"):
-        args.extra = extra
-        return _point(args) if args.cmd == "point" else _run(args)
-    args.sbatch, args.extra = extra, args.point_extra
-    return _submit(args)
+    args.extra = extra
+    return {"point": _point, "run": _run, "submit": _submit}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,10 @@ STEPS = ["trainer.max_steps=8", "trainer.epochs=1", "trainer.progress=false", "l
 TINY_GPT = ["workload=gpt2_tiny", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=64",
             "trainer.batch_size=4"]
 # BatchNorm + SGD with momentum and weight decay; 2 accumulated micro-batches per step exercise
-# Horovod's backward_passes_per_step
+# Horovod's backward_passes_per_step; clipping must see the averaged gradients (synchronize first)
 TINY_RESNET = ["workload=resnet50_tiny", "data=synthetic", "data.train_samples=256", "data.val_samples=32",
-               "optimizer=sgd", "optimizer.lr=0.05", "trainer.batch_size=4", "trainer.grad_accum=2"]
+               "optimizer=sgd", "optimizer.lr=0.05", "trainer.batch_size=4", "trainer.grad_accum=2",
+               "trainer.grad_clip=0.5"]
 
 
 @pytest.fixture(autouse=True)

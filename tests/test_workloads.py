@@ -262,19 +262,20 @@ def test_wikitext_workload_datasets(data_root, tokenizer_dir, tmp_path, monkeypa
     monkeypatch.delenv("BENCH_CACHE_DIR", raising=False)
     root = tmp_path / "wt"
     root.mkdir()
-    for name in ("train.txt", "valid.txt"):  # the small valid split stands in for both
-        os.symlink(data_root / "wikitext-2" / "valid.txt", root / name)
+    os.symlink(data_root / "wikitext-2" / "valid.txt", root / "valid.txt")
+    (root / "train.txt").write_text((data_root / "wikitext-2" / "valid.txt").read_text()[:60_000])  # small stand-in
     w = build_workload(wcfg("gpt2_tiny"), DataConfig(source="wikitext", root=str(root), tokenizer_dir=str(tokenizer_dir)))
     w.check_data()
     train, val = w.datasets()
     cache = root / ".bench_cache"  # the default cache location
     assert len(list(cache.glob("*.u16"))) == 2
-    assert len(train) == len(val) == 258_659 // 129
+    T = w.tokens_per_sample()
+    assert len(val) == 258_659 // (T + 1) and 0 < len(train) < len(val) // 10
     x, y = val[0]
-    assert x.shape == y.shape == (128,) and x.dtype == y.dtype == torch.int64
+    assert x.shape == y.shape == (T,) and x.dtype == y.dtype == torch.int64
     assert torch.equal(x[1:], y[:-1])
     all_ids = D.load_tokens(next(cache.glob("wt.valid.txt.*.u16")))
-    assert val[1][0].tolist() == all_ids[129:257].tolist()  # non-overlapping blocks of 129 tokens
+    assert val[1][0].tolist() == all_ids[T + 1 : 2 * T + 1].tolist()  # non-overlapping blocks of T + 1
     tok = D.gpt2_tokenizer(tokenizer_dir)
     text = (data_root / "wikitext-2" / "valid.txt").read_text(encoding="utf-8")
     assert text.startswith(tok.decode(x.tolist() + [int(y[-1])]))

@@ -1,0 +1,225 @@
+"""Model-state memory per rank: DDP, ZeRO-1/2/3 (DeepSpeed) and FSDP2 at several rank counts.
+
+    python -m analysis.memory_study                       # gpt2_tiny at 1, 2, 4 ranks
+    python -m analysis.memory_study --ranks 2 4 workload=resnet50_tiny
+    python -m analysis.memory_study --timing              # step-time ratios vs DDP at 2 ranks
+
+Runs `python -m bench` once per (variant, ranks) point, as a user would, then prints the bytes of
+parameters, gradients and optimizer state each rank reported (read from the framework's tensors, see
+adapters/zero.py and adapters/fsdp.py) beside two predictions for fp32 Adam (Ψ parameters, N ranks):
+
+- paper: the ZeRO paper's model-state formula. DDP 16Ψ; ZeRO-1 4Ψ+4Ψ+8Ψ/N; ZeRO-2 4Ψ+12Ψ/N;
+  ZeRO-3 16Ψ/N; FSDP (fully sharded, like ZeRO-3) 16Ψ/N. "+master" adds the fp32 copy of its
+  partition (4Ψ/N) that DeepSpeed keeps for stages >= 1 even when the model is fp32: its optimizer
+  steps that copy and copies the result back into the model's parameters.
+- expected: what the algorithm holds for this model's tensor shapes (`expected_state`): DeepSpeed
+  stages 1-2 cut one flat buffer of all parameters into N equal partitions but keep gradients for
+  whole tensors, so a tensor that straddles a partition edge keeps its full gradient on every rank it
+  touches (GPT-2's token embedding is ~94 % of gpt2_tiny: at 2 ranks both ranks keep its gradient);
+  stage 3 and FSDP split every tensor, so they follow the formula.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+VARIANTS = {
+    "ddp": ["adapter=ddp"],
+    "zero0": ["adapter=zero", "adapter.stage=0"],
+    "zero1": ["adapter=zero", "adapter.stage=1"],
+    "zero2": ["adapter=zero", "adapter.stage=2"],
+    # shard every parameter: DeepSpeed's default keeps tensors under 1e5 elements whole on every rank,
+    # which on the tiny CPU models is nearly all of them
+    "zero3": ["adapter=zero", "adapter.stage=3", "adapter.param_persistence_threshold=0"],
+    "fsdp": ["adapter=fsdp"],
+}
+MIB = 2**20
+
+
+# --- predictions -------------------------------------------------------------------------------
+def paper_formula(variant: str, psi: int, n: int) -> dict[str, float]:
+    """The ZeRO paper's model-state bytes per rank for fp32 Adam; `master` is DeepSpeed's extra fp32 partition."""
+    p, g, o = 4 * psi, 4 * psi, 8 * psi
+    parts = {
+        "ddp": (p, g, o), "zero0": (p, g, o),
+        "zero1": (p, g, o / n), "zero2": (p, g / n, o / n),
+        "zero3": (p / n, g / n, o / n), "fsdp": (p / n, g / n, o / n),
+    }[variant]
+    master = 4 * psi / n if variant in ("zero1", "zero2", "zero3") else 0.0
+    return {"total": sum(parts), "master": master}
+
+
+def param_numels(overrides: list[str]) -> list[tuple[int, ...]]:
+    """Shapes of the workload's unique parameters, in `model.parameters()` order (DeepSpeed's flat order)."""
+    from hydra import compose, initialize_config_dir
+
+    from bench.config import register_configs
+    from workloads import build_workload
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[o for o in overrides if o.split("=")[0].split(".")[0] in ("workload", "data")])
+    model = build_workload(cfg.workload, cfg.data).build_model()
+    return [tuple(p.shape) for p in model.parameters()]  # parameters() yields a tied tensor once
+
+
+def _numel(shape) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: int) -> dict[str, int]:
+    """Bytes rank `rank` of `n` should hold for fp32 Adam, from the tensor shapes and the partitioning rule.
+
+    DDP / ZeRO-0: everything whole. ZeRO-1/2: parameters whole (4Ψ); the optimizer holds exp_avg,
+    exp_avg_sq and the fp32 master for an equal 1/N slice of the flat buffer (12 bytes per element);
+    gradients, when the optimizer step begins, for every tensor overlapping that slice, whole (ZeRO-1
+    in DeepSpeed 0.19 reduces after backward and keeps the same partition as ZeRO-2; its full
+    gradients are transient, see `grads_peak_backward` in the record). ZeRO-3: each tensor split
+    into N flat pieces of ceil(numel/N); parameters, gradients, master (4 bytes each) and two moments.
+    FSDP2: each tensor split along dim 0 in torch.chunk pieces; no master copy.
+    """
+    numels = [_numel(s) for s in shapes]
+    psi = sum(numels)
+    if variant in ("ddp", "zero0"):
+        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+    if variant in ("zero1", "zero2"):
+        part = math.ceil(psi / n)
+        lo, hi = rank * part, (rank + 1) * part
+        start, overlap = 0, 0
+        for k in numels:
+            if start < hi and start + k > lo:
+                overlap += k
+            start += k
+        return {"params": 4 * psi, "grads": 4 * overlap, "optimizer": 12 * part}
+    if variant == "zero3":
+        local = sum(math.ceil(k / n) for k in numels)
+        return {"params": 4 * local, "grads": 4 * local, "optimizer": 12 * local}
+    if variant == "fsdp":
+        local = 0
+        for s in shapes:
+            rows = s[0] if s else 1
+            chunk = math.ceil(rows / n)
+            mine = max(0, min(chunk, rows - rank * chunk))
+            local += mine * (_numel(s) // rows if rows else 0)
+        return {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
+    raise ValueError(f"unknown variant {variant}")
+
+
+# --- running the points -----------------------------------------------------------------------------
+def run_point(variant: str, ranks: int, overrides: list[str], root: Path, stamp: str, steps: int, warmup: int,
+              timeout: int) -> dict:
+    run_id = f"{stamp}-{variant}-w{ranks}"
+    cmd = [sys.executable, "-m", "bench", *VARIANTS[variant], *overrides, f"launcher.nprocs={ranks}",
+           f"trainer.max_steps={steps}", f"trainer.warmup_steps={warmup}", "trainer.epochs=1",
+           "trainer.eval_every_epoch=false", "trainer.progress=false",
+           f"results.root={root}", "results.experiment=memory_study", f"results.run_id={run_id}"]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    summary_path = root / "memory_study" / run_id / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    if proc.returncode or summary.get("status") != "ok":
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        summary = {"status": summary.get("status", "failed"), "error": summary.get("error") or last}
+    summary["wall_s"] = time.time() - t0
+    return summary
+
+
+def _mib(v) -> str:
+    return "-" if v is None else f"{v / MIB:8.2f}"
+
+
+def memory_table(results: dict, shapes, ranks_list, variants) -> str:
+    psi = sum(_numel(s) for s in shapes)
+    head = (f"model-state bytes per rank (MiB; the rank holding the most), fp32 Adam, Ψ = {psi:,} parameters\n"
+            f"{'variant':<7} {'N':>2} {'params':>8} {'grads':>8} {'optim':>8} {'total':>8} | {'paper':>8} "
+            f"{'+master':>8} {'expected':>8} {'meas/exp':>8} | {'grads pk':>8} {'peak RSS':>9}")
+    lines = [head, "-" * len(head.splitlines()[-1])]
+    for n in ranks_list:
+        for v in variants:
+            s = results.get((v, n))
+            if s is None:
+                continue
+            f = paper_formula(v, psi, n)
+            if s.get("status") != "ok":
+                lines.append(f"{v:<7} {n:>2}  {s.get('status')}: {s.get('error')}")
+                continue
+            per_rank = s["state_bytes_per_rank"]
+            totals = [r["params"] + r["grads"] + r["optimizer"] for r in per_rank]
+            top = max(range(len(per_rank)), key=lambda i: totals[i])
+            r = per_rank[top]
+            exp = expected_state(v, shapes, n, top)
+            exp_total = sum(exp.values())
+            pk = max((x.get("grads_peak_backward") or 0) for x in per_rank) or None
+            lines.append(
+                f"{v:<7} {n:>2} {_mib(r['params'])} {_mib(r['grads'])} {_mib(r['optimizer'])} {_mib(totals[top])} | "
+                f"{_mib(f['total'])} {_mib(f['total'] + f['master'])} {_mib(exp_total)} {totals[top] / exp_total:8.3f} | "
+                f"{_mib(pk)} {_mib(s.get('peak_memory_max')):>9}")
+    lines.append("paper: ZeRO formula (fp32 Adam); +master: with DeepSpeed's fp32 partition copy (stages 1-3); "
+                 "expected: per-tensor partition rule (see module doc); grads pk: most gradient bytes held during "
+                 "backward (DeepSpeed, in-flight full-size gradients included); peak RSS: process high-water mark.")
+    return "\n".join(lines)
+
+
+def timing_table(results: dict, n: int, variants) -> str:
+    base = results.get(("ddp", n), {}).get("step_time_mean_s")
+    head = (f"CPU step time at {n} ranks, mean over the timed steps after warm-up (one thread per rank)\n"
+            f"{'variant':<7} {'step s':>8} {'vs ddp':>7} {'samples/s':>10} {'steps':>6}")
+    lines = [head, "-" * len(head.splitlines()[-1])]
+    for v in variants:
+        s = results.get((v, n))
+        if s is None:
+            continue
+        if s.get("status") != "ok":
+            lines.append(f"{v:<7}  {s.get('status')}: {s.get('error')}")
+            continue
+        t = s["step_time_mean_s"]
+        ratio = f"{t / base:7.2f}" if base else "      -"
+        lines.append(f"{v:<7} {t:8.4f} {ratio} {s['samples_per_s']:10.1f} {s['steps']:>6}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.memory_study", description=__doc__.split("\n\n")[0])
+    p.add_argument("overrides", nargs="*", help="bench overrides for every point, e.g. workload=resnet50_tiny")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--variants", nargs="+", default=["ddp", "zero1", "zero2", "zero3", "fsdp"], choices=list(VARIANTS))
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per point (memory mode)")
+    p.add_argument("--timing", action="store_true",
+                   help="time ddp, zero0-3 and fsdp instead: --timed-steps after --warmup, at the first of --ranks")
+    p.add_argument("--timed-steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--results", default="results", help="records go to RESULTS/memory_study/")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per point")
+    args = p.parse_args(argv)
+
+    overrides = ["workload=gpt2_tiny", "workload.seq_len=32", "trainer.batch_size=4", "data.train_samples=512"]
+    overrides += args.overrides  # later overrides win
+    root = Path(args.results).resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    results = {}
+    if args.timing:
+        variants = ["ddp", "zero0", "zero1", "zero2", "zero3", "fsdp"] if args.variants == p.get_default("variants") else args.variants
+        n = args.ranks[0] if args.ranks != p.get_default("ranks") else 2
+        for v in variants:
+            results[(v, n)] = run_point(v, n, overrides, root, stamp, args.warmup + args.timed_steps, args.warmup, args.timeout)
+            print(f"  {v} x {n} rank(s): {results[(v, n)].get('status')} in {results[(v, n)]['wall_s']:.0f}s", file=sys.stderr)
+        print(timing_table(results, n, variants))
+        return 0
+    shapes = param_numels(overrides)
+    for n in args.ranks:
+        for v in args.variants:
+            results[(v, n)] = run_point(v, n, overrides, root, stamp, args.steps, min(args.warmup, args.steps - 1), args.timeout)
+            print(f"  {v} x {n} rank(s): {results[(v, n)].get('status')} in {results[(v, n)]['wall_s']:.0f}s", file=sys.stderr)
+    print(memory_table(results, shapes, args.ranks, args.variants))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Sweeps and Slurm: sweep files and --resume here, then job arrays, preemption and a Hydra multirun
+through submitit against a real one-node Slurm cluster started by slurm/local_cluster.sh.
+
+The cluster tests need root on a Debian machine (apt-get installs Slurm, MariaDB for accounting);
+elsewhere they are skipped, except in CI (CI=true) where a cluster that cannot start fails them.
+The cluster is stopped at the end if these tests started it. Slurm environment parsing and
+per-job MASTER_PORT are tested in test_launch.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.errors import ConfigError
+from bench.sweep import expand_grid, point_id, read_points, slurm_shape
+from tests.helpers import REPO, bench, check_ok, run_dirs, summary
+
+CLUSTER = REPO / "slurm" / "local_cluster.sh"
+ARRAY = REPO / "slurm" / "array.sbatch"
+RUN = REPO / "slurm" / "run.sbatch"
+# Smallest real runs: tiny GPT-2, synthetic data, 2 steps.
+TINY = ["workload.vocab_size=256", "trainer.max_steps=2"]
+
+
+def sweep_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.sweep", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def records(root: Path) -> dict[Path, dict]:
+    """run dir -> summary, env.json and config.yaml of every record under root."""
+    return {d: {"summary": summary(d), "env": json.loads((d / "env.json").read_text()),
+                "config": yaml.safe_load((d / "config.yaml").read_text())} for d in run_dirs(root)}
+
+
+# --- sweep files, here (no Slurm) ------------------------------------------------------------------
+def test_point_id_names_what_is_measured_not_where_it_runs():
+    base = point_id(["adapter=ddp", "launcher.nprocs=2"])
+    same = point_id(["launcher.nprocs=2", "adapter=ddp", "results.root=/x", "results.resume=true", "launcher=slurm",
+                     "hydra.launcher.partition=gpu", "launcher.master_port=29999"])
+    assert base == same
+    assert point_id(["trainer.inject_fault=raise@0\\:0"]) == point_id(["trainer.inject_fault='raise@0:0'"])
+    assert base != point_id(["adapter=ddp", "launcher.nprocs=4"]) != point_id(["adapter=zero", "launcher.nprocs=2"])
+
+
+def test_grid_is_hydras_cartesian_product():
+    assert expand_grid(["adapter=ddp,zero", "launcher.nprocs=range(1,3)", "workload=gpt2_small"]) == [
+        ["adapter=ddp", "launcher.nprocs=1", "workload=gpt2_small"],
+        ["adapter=ddp", "launcher.nprocs=2", "workload=gpt2_small"],
+        ["adapter=zero", "launcher.nprocs=1", "workload=gpt2_small"],
+        ["adapter=zero", "launcher.nprocs=2", "workload=gpt2_small"],
+    ]
+
+
+def test_slurm_shape_one_task_per_rank_over_gpu_nodes():
+    assert slurm_shape(64, 1, 8) == (8, 8, 8)  # the paper's 64 GPUs on 8-GPU nodes
+    assert slurm_shape(4, 2, 8) == (1, 4, 8)  # a process driving 2 GPUs (GPipe): 4 per node
+    assert slurm_shape(3, 1, None) == (1, 3, None)  # CPU: one node
+    with pytest.raises(ConfigError, match="do not split evenly"):
+        slurm_shape(5, 1, 4)
+
+
+def test_submit_makes_one_array_per_point_size(tmp_path):
+    sweep = tmp_path / "sweep.txt"
+    check_ok(sweep_cli("--grid", "launcher.nprocs=1,2", "trainer.seed=1,2", "-o", str(sweep)))
+    proc = sweep_cli("submit", str(sweep), "--dry-run", "--resume", "--sbatch=--partition=p1", "--", "trainer.epochs=3")
+    check_ok(proc)
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2, proc.stdout
+    assert "--array=0,1 --nodes=1 --ntasks-per-node=1 --partition=p1" in lines[0]
+    assert "--array=2,3 --nodes=1 --ntasks-per-node=2 --partition=p1" in lines[1]
+    assert all(line.endswith(f"array.sbatch {sweep} --resume trainer.epochs=3") for line in lines)
+
+
+def test_sweep_run_and_resume_reruns_only_points_not_ok(tmp_path):
+    sweep, root = tmp_path / "sweep.txt", tmp_path / "results"
+    # one point that works and one that fails at its first step
+    check_ok(sweep_cli("grid", "experiment=smoke", "launcher.nprocs=1", "trainer.inject_fault=null,raise@0:0", "-o", str(sweep)))
+    points = read_points(sweep)
+    assert points == [["experiment=smoke", "launcher.nprocs=1", "trainer.inject_fault=null"],
+                      ["experiment=smoke", "launcher.nprocs=1", "trainer.inject_fault=raise@0\\:0"]]  # Hydra's escape
+    extra = [*TINY, f"results.root={root}"]
+    ids = [point_id([*p, *extra]) for p in points]
+    assert ids[0] != ids[1]
+
+    proc = sweep_cli("run", str(sweep), "--", *extra)
+    assert proc.returncode == 1, proc.stderr  # one point failed
+    first = {d: r["summary"] for d, r in records(root).items()}
+    assert sorted((s["point"], s["status"]) for s in first.values()) == sorted([(ids[0], "ok"), (ids[1], "failed")])
+
+    proc = sweep_cli("run", str(sweep), "--resume", "--", *extra)
+    assert proc.returncode == 1, proc.stderr
+    assert f"point {ids[0]} already ok" in proc.stdout
+    second = {d: r["summary"] for d, r in records(root).items()}
+    new = {d: s for d, s in second.items() if d not in first}
+    assert [(s["point"], s["status"]) for s in new.values()] == [(ids[1], "failed")]  # only the failed point ran again
+    assert all(second[d] == s for d, s in first.items())  # earlier records untouched
+
+
+# --- a real Slurm cluster ----------------------------------------------------------------------------
+def _unavailable(reason: str):
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI needs the local Slurm cluster: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if os.geteuid() != 0:
+        _unavailable("the local Slurm cluster needs root (slurm/local_cluster.sh)")
+    if not (Path("/etc/debian_version").exists() and shutil.which("apt-get")):
+        _unavailable("the local Slurm cluster needs a Debian machine with apt-get")
+    was_up = subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True).returncode == 0
+    proc = subprocess.run(["bash", str(CLUSTER), "start", "--accounting"], capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        _unavailable(f"slurm/local_cluster.sh start --accounting failed: {(proc.stderr or proc.stdout).strip()}")
+    yield
+    if not was_up:
+        subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=300)
+
+
+def job_env(results: Path, **more) -> dict:
+    # sbatch exports the caller's environment: the scripts read REPO/PYTHON/RESULTS/DATA from it
+    return {**os.environ, "REPO": str(REPO), "PYTHON": sys.executable, "RESULTS": str(results), **more}
+
+
+def sbatch(*args: str, cwd: Path, env: dict) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def queued(job: str) -> bool:
+    return bool(subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip())
+
+
+def wait_done(job: str, timeout: float, logs: Path) -> None:
+    """Poll squeue ourselves (sbatch --wait polls at 2, 10, 42, 74 s)."""
+    deadline = time.time() + timeout
+    while queued(job):
+        if time.time() > deadline:
+            subprocess.run(["scancel", job])
+            pytest.fail(f"job {job} still queued after {timeout}s\n{job_logs(logs)}")
+        time.sleep(1)
+
+
+def job_logs(folder: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(folder.glob("slurm-*.out")))
+
+
+def final_states(job: str, steps: bool = False) -> dict[str, tuple[str, str]]:
+    """JobID -> (State, ExitCode) from accounting, once it has caught up with the job's end."""
+    cmd = ["sacct", "-n", "-P", "-j", job, "-o", "JobID,State,ExitCode", *([] if steps else ["-X"])]
+    deadline = time.time() + 60
+    while True:
+        rows = [line.split("|") for line in subprocess.run(cmd, capture_output=True, text=True).stdout.split()]
+        states = {r[0]: (r[1].split()[0], r[2]) for r in rows if len(r) == 3}
+        if states and not any(s in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING") for s, _ in states.values()):
+            return states
+        if time.time() > deadline:
+            return states
+        time.sleep(1)
+
+
+def rank_processes(marker: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "bench" in line]
+
+
+@pytest.mark.slurm
+def test_job_array_runs_point_i_in_task_i_and_resume_reruns_only_missing(slurm, tmp_path):
+    sweep, results = tmp_path / "sweep.txt", tmp_path / "results"
+    check_ok(sweep_cli("grid", "experiment=smoke", "launcher.nprocs=2", "trainer.seed=1,2,3", "-o", str(sweep)))
+    points = read_points(sweep)
+    env = job_env(results)
+    job = sbatch("--array=0-2", str(ARRAY), str(sweep), *TINY, cwd=tmp_path, env=env)
+    wait_done(job, 300, tmp_path)
+    assert final_states(job) == {f"{job}_{i}": ("COMPLETED", "0:0") for i in range(3)}, job_logs(tmp_path)
+
+    first = records(results)
+    by_task = {int(r["env"]["slurm"]["SLURM_ARRAY_TASK_ID"]): (d, r) for d, r in first.items()}
+    assert sorted(by_task) == [0, 1, 2], job_logs(tmp_path)
+    for task, (run_dir, r) in by_task.items():
+        s = r["summary"]
+        assert r["env"]["slurm"]["SLURM_ARRAY_JOB_ID"] == job
+        assert f"-j{job}_{task}-" in s["run_id"]  # run ids carry array job and task, plus time and random
+        assert (s["status"], s["world_size"], s["launcher"]) == ("ok", 2, "slurm")
+        assert r["config"]["trainer"]["seed"] == task + 1  # task i ran line i of the sweep file
+        assert s["point"] == point_id([*points[task], *TINY])
+
+    # Point 1's record is lost (say, its node died): --resume runs it again and skips 0 and 2.
+    shutil.rmtree(by_task[1][0])
+    job2 = sbatch("--array=0-2", str(ARRAY), str(sweep), "--resume", *TINY, cwd=tmp_path, env=env)
+    wait_done(job2, 300, tmp_path)
+    assert final_states(job2) == {f"{job2}_{i}": ("COMPLETED", "0:0") for i in range(3)}, job_logs(tmp_path)
+    second = records(results)
+    new = [r for d, r in second.items() if d not in first]
+    assert len(second) == 3 and len(new) == 1, job_logs(tmp_path)
+    assert new[0]["env"]["slurm"]["SLURM_ARRAY_JOB_ID"] == job2 and new[0]["env"]["slurm"]["SLURM_ARRAY_TASK_ID"] == "1"
+    assert new[0]["summary"]["status"] == "ok" and new[0]["summary"]["point"] == by_task[1][1]["summary"]["point"]
+    for task in (0, 2):
+        assert "already ok" in (tmp_path / f"slurm-bench-sweep-{job2}_{task}.out").read_text()
+
+
+@pytest.mark.slurm
+def test_usr1_to_running_job_gives_preempted_record_and_no_orphans(slurm, tmp_path, data_root):
+    # A small real dataset to stage to node-local disk: the start of Wikitext-2 and the GPT-2 BPE files.
+    data, results = tmp_path / "data", tmp_path / "results"
+    (data / "wikitext-2").mkdir(parents=True)
+    for name in ("train.txt", "valid.txt"):
+        lines = (data_root / "wikitext-2" / name).read_text(encoding="utf-8").splitlines(keepends=True)
+        (data / "wikitext-2" / name).write_text("".join(lines[:1500]), encoding="utf-8")
+    shutil.copytree(data_root / "gpt2-tokenizer", data / "gpt2-tokenizer")
+
+    job = sbatch(str(RUN), "data=wikitext2", "workload.seq_len=32", "trainer.epochs=1000", "trainer.progress=false",
+                 f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path, env=job_env(results, DATA=str(data)))
+    # The record appears once every rank has its stop handler and joined the process group.
+    deadline = time.time() + 240
+    while not list(results.rglob("summary.json")):
+        assert queued(job), f"job {job} ended before it started training\n{job_logs(tmp_path)}"
+        assert time.time() < deadline, f"no record after 240 s\n{job_logs(tmp_path)}"
+        time.sleep(1)
+    assert rank_processes(str(results)), "the ranks should be running now"
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    wait_done(job, 180, tmp_path)
+
+    states = final_states(job, steps=True)
+    assert states[job] == ("COMPLETED", "0:0") and states[f"{job}.batch"] == ("COMPLETED", "0:0"), states
+    run_dir = run_dirs(results)[0]
+    s = summary(run_dir)
+    assert s["status"] == "preempted" and s["stop_signal"] == "SIGUSR1" and s["steps"] >= 1, s
+    assert s["world_size"] == 2 and s["launcher"] == "slurm"
+    # the ranks read the staged copy, and the copy is gone after the job
+    stage = Path(f"/tmp/bench-data-{job}")
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["data"]["root"] == f"{stage}/wikitext-2"
+    assert f"staged {data} -> " in job_logs(tmp_path) and not stage.exists()
+    assert rank_processes(str(results)) == [], "orphan rank processes after the job ended"
+
+
+@pytest.mark.slurm
+def test_hydra_multirun_through_submitit_slurm(slurm, tmp_path):
+    proc = bench("-m", "hydra/launcher=submitit_slurm", "experiment=smoke", "launcher.nprocs=1,2", *TINY,
+                 results=tmp_path, timeout=400)
+    check_ok(proc)
+    recs = records(tmp_path)
+    assert len(recs) == 2, proc.stderr
+    sweep_dirs = {d.parent for d in recs}
+    assert len(sweep_dirs) == 1 and next(iter(sweep_dirs)).name.startswith("multirun-")  # one sweep folder
+    sweep_dir = next(iter(sweep_dirs))
+    by_world = {r["summary"]["world_size"]: r for r in recs.values()}
+    assert sorted(by_world) == [1, 2]
+    for world, r in by_world.items():
+        assert r["summary"]["status"] == "ok" and r["summary"]["launcher"] == "slurm"
+        assert r["summary"]["point"] == point_id(["experiment=smoke", f"launcher.nprocs={world}", *TINY])
+        job = r["env"]["slurm"]["SLURM_JOB_ID"]
+        # each point was its own job with one Slurm task per rank
+        script = (sweep_dir / ".submitit" / job / f"{job}_submission.sh").read_text()
+        assert f"#SBATCH --ntasks-per-node={world}" in script and "#SBATCH --signal=USR1@120" in script
+        assert final_states(job)[job] == ("COMPLETED", "0:0")
