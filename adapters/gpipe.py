@@ -35,6 +35,7 @@ CHECKPOINT_MODES = ("always", "except_last", "never")
 class GPipeAdapter(Adapter):
     name = "gpipe"
     framework = "torchgpipe"
+    smoke_overrides = ("adapter.microbatches=4",)  # smoke/demo sizes: a mini-batch of 4 x the micro-batch
 
     # --- before launch ---------------------------------------------------------------------------
     @classmethod

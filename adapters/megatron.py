@@ -14,10 +14,13 @@ each other. The loss is Megatron's per-token vocab-parallel cross-entropy averag
 as the workload's loss, except that the softmax also spans the padded vocabulary rows.
 
 GPU: Transformer Engine layer spec when TE is installed (local spec otherwise), Megatron's
-distributed optimizer for sgd/adam/adamw (clip_grad always passed: its default is 1.0).
+distributed optimizer for sgd/adam/adamw (clip_grad always passed: its default is 1.0), bf16 as
+autocast around the forward (fp32 weights, gradients and optimizer state).
 CPU: local spec, `use_cpu_initialization`, fusions off, an explicit causal mask, gloo, a torch
-optimizer stepping Megatron's gradient buffers, and adapters/_megatron_cpu.py for the few CUDA-only
-calls. The schedule, DDP wrapper and gradient finalization are the same code on both.
+optimizer stepping Megatron's gradient buffers, fp32 only, and adapters/_megatron_cpu.py for the few
+CUDA-only calls. The schedule, DDP wrapper and gradient finalization are the same code on both.
+Sequence parallelism: without Apex or TE the local spec's norm refuses it, so the layer spec then
+uses a torch LayerNorm marked for Megatron's sequence-parallel gradient all-reduce.
 
 Initialization does not depend on the layout: every transformer layer reseeds the CPU generator
 from (seed, global layer number) before building, and `use_cpu_initialization` draws full weights
@@ -33,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import warnings
 from functools import partial
 from typing import Sequence
 
@@ -105,6 +109,10 @@ class MegatronAdapter(Adapter):
         if cfg.trainer.precision == "fp16":
             raise ConfigError("trainer.precision=fp16: adapter=megatron runs mixed precision as bf16 autocast (fp16 "
                               "would need Megatron's loss scaler); use trainer.precision=bf16 or fp32")
+        if cfg.trainer.precision == "bf16" and not torch.cuda.is_available():
+            raise ConfigError("trainer.precision=bf16 with adapter=megatron needs a GPU: Megatron's tensor-parallel "
+                              "linear layers register autocast for CUDA only, so their backward fails under CPU "
+                              "autocast; use trainer.precision=fp32 on CPU")
         check_microbatches(cls.local_batch_size(cfg, world_size), cls.microbatches(cfg, world_size),
                            "adapter=megatron: the per-replica batch")
 
@@ -121,10 +129,19 @@ class MegatronAdapter(Adapter):
 
     # --- on each rank -----------------------------------------------------------------------------
     def setup(self) -> None:
+        with warnings.catch_warnings():
+            # megatron-core warns at import and spec time that Apex/TE are absent (describe() states the
+            # layer spec and optimizer in use) and about a cuda-graph default it sets itself
+            warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed", category=UserWarning)
+            warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+            self._setup()
+
+    def _setup(self) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.models.gpt import GPTModel
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -181,6 +198,13 @@ class MegatronAdapter(Adapter):
             self.config.grad_sync_func = self.model.start_grad_sync
         self.forward_backward = get_forward_backward_func()
         self.optimizer = self._build_optimizer()
+        o = self.cfg.optimizer
+        # Megatron-LM's loop sets lr and weight decay (x each group's wd_mult) through this scheduler;
+        # constant here, as the harness's other adapters run
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=o.lr, max_lr=o.lr, min_lr=o.lr, lr_warmup_steps=0, lr_decay_steps=1,
+            lr_decay_style="constant", start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1,
+            wd_incr_style="constant")
 
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.vocab_start = ps.get_tensor_model_parallel_rank() * (self.vocab // self.tp)
@@ -218,14 +242,14 @@ class MegatronAdapter(Adapter):
                 optimizer="sgd" if o.name == "sgd" else "adam", lr=o.lr, weight_decay=o.weight_decay,
                 adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps, sgd_momentum=o.momentum,
                 decoupled_weight_decay=o.name != "adam",  # Megatron's "adam" is AdamW unless told otherwise
-                use_distributed_optimizer=True, clip_grad=clip,
+                use_distributed_optimizer=True, clip_grad=clip, min_lr=o.lr,
             )
             return get_megatron_optimizer(mcfg, [self.model])
-        # Megatron's weight-decay groups: none on biases and 1-D (norm) parameters
+        # Megatron's weight-decay groups (wd_mult read by the scheduler): none on biases and 1-D parameters
         decay, no_decay = [], []
         for name, p in self.model.module.named_parameters():
             (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-        return build_optimizer([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], o)
+        return build_optimizer([{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}], o)
 
     def _compat(self):
         if self.ctx.is_cuda:
@@ -293,6 +317,7 @@ class MegatronAdapter(Adapter):
         if self.megatron_optimizer:
             self.optimizer.step()  # clips (clip_grad), steps, gathers the updated shards
             self.optimizer.zero_grad()
+            self.scheduler.step(increment=1)
             return
         params = [p for p in self.model.module.parameters() if p.requires_grad]
         for p in params:  # Megatron's DDP accumulated and reduced the gradients in its main_grad buffers
@@ -302,6 +327,7 @@ class MegatronAdapter(Adapter):
         self.optimizer.step()
         for p in params:  # else the next backward accumulates into the buffer twice (grad, then main_grad)
             p.grad = None
+        self.scheduler.step(increment=1)
 
     def _clip(self, params):
         """Megatron's norm: the tied embedding copy and TP-duplicated parameters counted once,

@@ -44,6 +44,7 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
 
 class PipelineAdapter(Adapter):
     name = "pipeline"
+    smoke_overrides = ("adapter.microbatches=4",)  # smoke's batch of 4 splits into 4, not the default 8
 
     # --- before launch ---------------------------------------------------------------------------
     @classmethod

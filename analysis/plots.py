@@ -73,6 +73,16 @@ def _lines(ax, data: pd.DataFrame, x: str, y: str, by: str, colors: dict, sd: st
             ax.errorbar(sub[x], sub[y], yerr=sub[sd].fillna(0), fmt="none", ecolor=colors[name], capsize=3)
 
 
+def _legend(ax, **kw) -> None:
+    """Inside the axes when short, outside on the right when it would cover the data."""
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))  # repeats of one series share one entry
+    labels, handles = list(unique), list(unique.values())
+    if len(labels) > 4:
+        kw.update(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
+    ax.legend(handles, labels, fontsize=8, **kw)
+
+
 def _mark_failed(ax, df: pd.DataFrame, workload: str) -> list[int]:
     """A red x at the bottom of the axes for every point that did not finish (oom, failed, ...);
     returns their device counts."""
@@ -105,7 +115,7 @@ def epoch_time(df: pd.DataFrame, out=None, name: str = "epoch_time") -> Figure:
         ax.set_ylim(bottom=0)
         ax.set_ylabel("epoch time (s)")
         ax.set_title(f"{wl}: epoch time")
-        ax.legend(fontsize=8)
+        _legend(ax)
     fig.bench_data = data
     return save(fig, out, name)
 
@@ -160,7 +170,7 @@ def speedup(df: pd.DataFrame, out=None, baseline: str | None = None, name: str =
             _lines(ax, sub, "devices", col, "label", colors)
             _log2_devices(ax, devs)
             ax.set_ylim(bottom=0)
-            ax.legend(fontsize=8)
+            _legend(ax)
         row[0].set_ylabel("speedup")
         row[1].set_ylabel("scaling efficiency")
         base = sub["baseline"].iloc[0]
@@ -191,7 +201,7 @@ def val_metric(df: pd.DataFrame, out=None, x: str = "epoch", name: str | None = 
         for (series, _), run in sub.groupby(["series", "run_id"], sort=True):  # one line per run, repeats share a colour
             run = run.sort_values("epoch")
             ax.plot(run[x], run["val_metric"], marker="o", color=colors[series], label=series)
-        handles = {h.get_label(): h for h in ax.get_lines()}
+
         metric = sub["val_metric_name"].iloc[0]
         if metric == "val_perplexity":
             ax.set_yscale("log")
@@ -200,7 +210,7 @@ def val_metric(df: pd.DataFrame, out=None, x: str = "epoch", name: str | None = 
         if x == "epoch":
             ax.xaxis.set_major_locator(FixedLocator(sorted(sub["epoch"].unique())))
         ax.set_title(f"{wl}: {metric.replace('val_', 'validation ')} vs {'epoch' if x == 'epoch' else 'time'}")
-        ax.legend(handles.values(), handles.keys(), fontsize=8, title="series x devices", title_fontsize=8)
+        _legend(ax, title="series x devices", title_fontsize=8)
     fig.bench_data = d[["workload", "label", "devices", "run_id", "epoch", "wall_time_s", "val_metric", "val_metric_name"]]
     return save(fig, out, name or f"val_metric_vs_{'epoch' if x == 'epoch' else 'time'}")
 
@@ -226,29 +236,37 @@ def memory_table(df: pd.DataFrame) -> pd.DataFrame:
     return data
 
 
-def memory(df: pd.DataFrame, out=None, name: str = "memory") -> Figure:
-    """Stacked bars per series: peak memory of the busiest rank vs devices, model states vs the rest."""
+def memory(df: pd.DataFrame, out=None, name: str = "memory", max_cols: int = 4) -> Figure:
+    """Stacked bars per series: peak memory of the busiest rank vs devices, model states vs the rest.
+    One panel per (workload, series), `max_cols` to a row; panels of one workload share the y axis."""
     data = memory_table(df)
-    workloads = sorted(data["workload"].unique())
-    labels = sorted(data["label"].unique())
-    fig, axes = _grid(len(workloads), len(labels), w=3.6, h=3.4, sharey=True)
+    panels = [(wl, lab) for wl in sorted(data["workload"].unique())
+              for lab in sorted(data.loc[data["workload"] == wl, "label"].unique())]
+    rows = []  # workloads start on a new row
+    for wl in sorted(data["workload"].unique()):
+        mine = [p for p in panels if p[0] == wl]
+        rows += [mine[i:i + max_cols] for i in range(0, len(mine), max_cols)]
+    n_cols = max(len(r) for r in rows)
+    fig, axes = _grid(len(rows), n_cols, w=3.4, h=3.2)
     parts = [("params_mib", "parameters"), ("grads_mib", "gradients"), ("optimizer_mib", "optimizer state"),
              ("other_mib", "rest of peak")]
     colors = dict(zip([p for p, _ in parts], sns.color_palette("muted", 4)))
     metric = {"peak_rss": "peak RSS per process (MiB)", "peak_allocated": "peak allocated per GPU (MiB)"}.get(
         data["memory_metric"].iloc[0], "peak memory per rank (MiB)")
-    for row, wl in zip(axes, workloads):
-        for ax, lab in zip(row, labels):
+    first_of = {}
+    for ax_row, row in zip(axes, rows):
+        for ax in ax_row[len(row):]:
+            ax.set_axis_off()
+        for ax, (wl, lab) in zip(ax_row, row):
+            if wl in first_of:
+                ax.sharey(first_of[wl])
+            first_of.setdefault(wl, ax)
             sub = data[(data["workload"] == wl) & (data["label"] == lab)].sort_values("devices")
             ax.set_title(f"{wl}: {lab}", fontsize=10)
-            if sub.empty:
-                ax.set_axis_off()
-                continue
             xs = [str(d) for d in sub["devices"]]
             bottom = np.zeros(len(sub))
-            for col, text in parts:
-                vals = sub[col].fillna(0).to_numpy() if col != "other_mib" or sub["states_mib"].notna().any() \
-                    else sub["peak_mib"].to_numpy()
+            for col, text in parts:  # without recorded states the whole peak is "rest"
+                vals = sub[col].fillna(0).to_numpy()
                 ax.bar(xs, vals, bottom=bottom, color=colors[col], label=text, width=0.6)
                 bottom = bottom + vals
             # on CPU the process itself dwarfs the model states: state the split in numbers too
@@ -259,7 +277,7 @@ def memory(df: pd.DataFrame, out=None, name: str = "memory") -> Figure:
             ax.margins(y=0.1)
             ax.set_xlabel("devices")
             ax.set_ylabel(metric, fontsize=8)
-    handles, texts = next(ax for ax in axes.flat if ax.axison).get_legend_handles_labels()
+    handles, texts = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, texts, loc="outside right upper", fontsize=8)
     fig.bench_data = data
     return save(fig, out, name)
@@ -304,7 +322,7 @@ def breakdown(df: pd.DataFrame, out=None, name: str = "breakdown") -> Figure:
         ax.tick_params(axis="x", labelrotation=30)
         for t in ax.get_xticklabels():
             t.set_horizontalalignment("right")
-        ax.legend(fontsize=8)
+        _legend(ax)
     fig.bench_data = data
     return save(fig, out, name)
 

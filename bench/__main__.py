@@ -33,10 +33,13 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> int:
-    from bench.run import launch
-    from bench.sweep import apply_hydra_context
+    from bench.sweep import apply_hydra_context, skip_if_done
 
     apply_hydra_context(cfg)  # sweep point id; a multirun's records go to its sweep folder
+    if skip_if_done(cfg):
+        return 0
+    from bench.run import launch
+
     try:
         code = launch(cfg)
     except ConfigError as e:

@@ -8,6 +8,7 @@ still ends with a record (`summary.json` status failed, with the failing rank an
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import traceback
@@ -23,7 +24,6 @@ from bench.dist import (DistContext, context_from_env, default_backend, free_por
 from bench.errors import ConfigError
 from bench.precision import check_precision
 from bench.records import RunRecord, new_run_id
-from bench.sweep import ok_record
 from workloads import build_workload
 
 
@@ -64,6 +64,9 @@ def check_config(cfg: BenchConfig) -> None:
     if cfg.launcher.name not in ("local", "torchrun", "slurm"):
         raise ConfigError(f"launcher.name={cfg.launcher.name}: choose local, torchrun or slurm")
     check_precision(cfg.trainer.precision)
+    fault = cfg.trainer.inject_fault
+    if fault and not re.fullmatch(r"(raise|oom|hang|exit)@\d+:\d+", fault):
+        raise ConfigError(f"trainer.inject_fault={fault}: use KIND@RANK:STEP with KIND raise, oom, hang or exit")
     from bench.optim import OPTIMIZERS
 
     if cfg.optimizer.name not in OPTIMIZERS:
@@ -94,13 +97,6 @@ def prepare(cfg: BenchConfig, world_size: int):
 # --- the launcher ----------------------------------------------------------------------------------
 def launch(cfg: DictConfig) -> int:
     """Run one benchmark point; returns the process exit code (0 ok/preempted, 1 failed, 2 bad input)."""
-    if cfg.results.resume and cfg.results.point:
-        done = ok_record({Path(cfg.results.root) / cfg.results.experiment, Path(cfg.results.dir or cfg.results.root)},
-                         cfg.results.point)
-        if done:
-            if os.environ.get("SLURM_PROCID", "0") == "0":
-                print(f"point {cfg.results.point} already ok in {done}: skipped (results.resume=true)", flush=True)
-            return 0
     # A task of a submitit Slurm job (hydra/launcher=submitit_slurm) is one srun-started rank.
     submitit_slurm = os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
     launcher = "slurm" if submitit_slurm else cfg.launcher.name

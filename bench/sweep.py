@@ -139,6 +139,18 @@ def apply_hydra_context(cfg) -> None:
         cfg.results.dir = str(hc.sweep.dir)
 
 
+def skip_if_done(cfg) -> bool:
+    """results.resume=true and this point already has an ok record: say so and skip the run. Called
+    before torch is imported, so skipped points of a sweep or job array cost well under a second."""
+    if not (cfg.results.resume and cfg.results.point):
+        return False
+    folders = {Path(cfg.results.root) / cfg.results.experiment, Path(cfg.results.dir or cfg.results.root)}
+    done = ok_record(folders, cfg.results.point)
+    if done and os.environ.get("SLURM_PROCID", "0") == "0":  # one line per point, not per rank
+        print(f"point {cfg.results.point} already ok in {done}: skipped (results.resume=true)", flush=True)
+    return done is not None
+
+
 # --- command line ----------------------------------------------------------------------------------
 def _grid(args) -> int:
     points = expand_grid(args.overrides)

@@ -68,6 +68,13 @@ BAD = [
     (["trainer.precision=int3"], "trainer.precision=int3"),
     (["optimizer.name=adagrad"], "unknown optimizer.name 'adagrad'"),
     (["adapter.batch_policy=weird"], "adapter.batch_policy=weird"),
+    (["trainer.inject_fault=bogus@0:1"], "trainer.inject_fault=bogus@0:1"),
+    (["trainer.epochs=0"], "trainer.epochs=0 must be > 0"),
+    (["trainer.grad_accum=0"], "trainer.grad_accum=0 must be > 0"),
+    (["optimizer.lr=-0.1"], "optimizer.lr=-0.1 must be > 0"),
+    (["workload.seq_len=0"], "workload.seq_len=0 must be > 0"),
+    (["data=wikitext2", f"data.root={os.environ['BENCH_DATA_ROOT']}/wikitext-2", "data.tokenizer_dir=/nonexistent/tok"],
+     "data.tokenizer_dir: /nonexistent/tok has no"),
 ]
 
 

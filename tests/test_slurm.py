@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -132,10 +133,24 @@ def job_env(results: Path, **more) -> dict:
     return {**os.environ, "REPO": str(REPO), "PYTHON": sys.executable, "RESULTS": str(results), **more}
 
 
+_submitted: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def cancel_leftover_jobs():
+    """A failed test must not leave its job running into the next one."""
+    yield
+    for job in _submitted:
+        subprocess.run(["scancel", job], capture_output=True)
+    _submitted.clear()
+
+
 def sbatch(*args: str, cwd: Path, env: dict) -> str:
     proc = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().split(";")[0]
+    job = proc.stdout.strip().split(";")[0]
+    _submitted.append(job)
+    return job
 
 
 def queued(job: str) -> bool:
@@ -171,8 +186,13 @@ def final_states(job: str, steps: bool = False) -> dict[str, tuple[str, str]]:
 
 
 def rank_processes(marker: str) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if marker in line and "bench" in line]
+    """Command lines of live processes of `python -m bench` mentioning marker (the run's results root)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if marker in cmd and "bench" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(f"{p.pid} {cmd}")
+    return found
 
 
 @pytest.mark.slurm

@@ -1,0 +1,172 @@
+"""Sharded data parallelism: DeepSpeed ZeRO stages 0-3 (adapter=zero) and FSDP2 (adapter=fsdp).
+
+Each variant runs as a user would run it (`python -m bench`, 2 ranks on gloo) and must train exactly
+like 2-rank DDP: same seed, same data, clipping off. The same runs then answer the memory questions:
+the model-state bytes each rank reported (read from the engines' tensors) against the ZeRO formulas.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from analysis.memory_study import VARIANTS, expected_state, paper_formula, param_numels
+from tests.helpers import bench, check_ok, only_run, run_dirs, step_losses, summary
+
+STEPS = ["trainer.max_steps=8", "trainer.batch_size=4", "trainer.max_eval_batches=2", "trainer.progress=false",
+         "trainer.grad_clip=0", "launcher.nprocs=2"]
+WORKLOADS = {
+    "gpt2_tiny": ["workload=gpt2_tiny", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=32"],
+    # BatchNorm normalizes per replica in every variant (DDP only broadcasts running stats), so it compares
+    "resnet50_tiny": ["workload=resnet50_tiny", "data.train_samples=128", "data.val_samples=32"],
+}
+SHARDED = ("zero0", "zero1", "zero2", "zero3", "fsdp")
+
+
+def _run_all(tmp_path_factory, workload: str) -> dict:
+    out = {}
+    for variant in ("ddp", *SHARDED):
+        results = tmp_path_factory.mktemp(f"{workload}-{variant}")
+        proc = bench(*VARIANTS[variant], *WORKLOADS[workload], *STEPS, results=results)
+        check_ok(proc)
+        run = only_run(results)
+        out[variant] = {"losses": step_losses(run), "summary": summary(run)}
+    out["shapes"] = param_numels(WORKLOADS[workload])
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(tmp_path_factory):
+    return _run_all(tmp_path_factory, "gpt2_tiny")
+
+
+@pytest.fixture(scope="module")
+def vision_runs(tmp_path_factory):
+    return _run_all(tmp_path_factory, "resnet50_tiny")
+
+
+def _check_losses_equal_ddp(runs):
+    ref = runs["ddp"]["losses"]
+    assert len(ref) == 8
+    for variant in SHARDED:
+        got = runs[variant]["losses"]
+        assert len(got) == 8, variant
+        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0, err_msg=f"{variant} vs ddp")
+        settings = runs[variant]["summary"]["adapter_settings"]
+        if variant.startswith("zero"):
+            assert settings["stage"] == int(variant[-1])
+            assert settings["gradient_clipping"] == 0.0  # stated, not DeepSpeed's default of 1.0
+    assert ref[-1] < ref[0], "8 AdamW steps should lower the loss"
+
+
+def test_gpt2_zero_stages_and_fsdp_train_like_ddp(gpt_runs):
+    _check_losses_equal_ddp(gpt_runs)
+
+
+def test_resnet_zero_stages_and_fsdp_train_like_ddp(vision_runs):
+    _check_losses_equal_ddp(vision_runs)
+
+
+def _per_rank(runs, variant):
+    ranks = runs[variant]["summary"]["state_bytes_per_rank"]
+    assert len(ranks) == 2
+    return ranks
+
+
+def _total(r):
+    return r["params"] + r["grads"] + r["optimizer"]
+
+
+def test_zero_state_bytes_match_expected_at_two_ranks(gpt_runs, vision_runs):
+    """fp32 Adam, Ψ parameters, N = 2. What DeepSpeed 0.19 holds per rank (derivation in
+    analysis/memory_study.py): parameters 4Ψ (stages 1-2) or 4Ψ/N (stage 3); optimizer 8Ψ/N for the two
+    Adam moments plus 4Ψ/N for the fp32 master copy of the partition, which DeepSpeed keeps even for an
+    fp32 model (it steps the copy, then copies it back); gradients 4Ψ/N, except that stages 1-2 keep
+    whole tensors, so a tensor straddling the partition edge keeps its full gradient (gpt2_tiny's
+    embedding is 94 % of Ψ: both ranks keep it). ResNet's tensors are small, so there the ZeRO paper's
+    formula plus the master term holds as is."""
+    for runs in (gpt_runs, vision_runs):
+        shapes = runs["shapes"]
+        for variant in ("zero1", "zero2", "zero3"):
+            for rank, got in enumerate(_per_rank(runs, variant)):
+                want = expected_state(variant, shapes, 2, rank)
+                assert _total(got) == pytest.approx(sum(want.values()), rel=0.02), (variant, rank, got, want)
+                for part in ("params", "grads", "optimizer"):
+                    assert got[part] == pytest.approx(want[part], rel=0.02), (variant, rank, part, got, want)
+
+    psi = sum(math.prod(s) for s in vision_runs["shapes"])
+    for variant in ("zero2", "zero3"):
+        f = paper_formula(variant, psi, 2)
+        for got in _per_rank(vision_runs, variant):
+            assert _total(got) == pytest.approx(f["total"] + f["master"], rel=0.02), (variant, got)
+    # ZeRO-1 is ZeRO-2 once backward ends; the difference is that it holds every full gradient
+    # until its post-backward reduction: the paper's 4Ψ gradient term
+    for runs in (gpt_runs, vision_runs):
+        psi = sum(math.prod(s) for s in runs["shapes"])
+        for got in _per_rank(runs, "zero1"):
+            assert got["grads_peak_backward"] >= 0.98 * 4 * psi, got
+
+
+def test_fsdp_holds_half_the_parameters_of_ddp(gpt_runs, vision_runs):
+    for runs in (gpt_runs, vision_runs):
+        ddp = _per_rank(runs, "ddp")
+        for got in _per_rank(runs, "fsdp"):
+            for part in ("params", "grads"):
+                assert got[part] == pytest.approx(ddp[0][part] / 2, rel=0.01), (part, got, ddp[0])
+            assert got["optimizer"] == pytest.approx(ddp[0]["optimizer"] / 2, rel=0.01)
+        # ZeRO-0 replicates everything, like DDP
+        for got in _per_rank(runs, "zero0"):
+            assert {k: got[k] for k in ("params", "grads", "optimizer")} == ddp[0]
+
+
+def test_zero_clips_gradients_like_ddp(tmp_path):
+    """trainer.grad_clip reaches DeepSpeed: SGD steps (clipping changes them a lot) equal DDP's clipped steps."""
+    common = [*WORKLOADS["gpt2_tiny"], "trainer.max_steps=5", "trainer.batch_size=4", "trainer.progress=false",
+              "trainer.eval_every_epoch=false", "optimizer=sgd", "optimizer.lr=0.5", "trainer.grad_clip=0.05"]
+    ddp = bench("adapter=ddp", *common, results=tmp_path / "ddp")
+    zero = bench("adapter=zero2", *common, results=tmp_path / "zero")
+    check_ok(ddp)
+    check_ok(zero)
+    a, b = step_losses(only_run(tmp_path / "ddp")), step_losses(only_run(tmp_path / "zero"))
+    np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    assert summary(only_run(tmp_path / "zero"))["adapter_settings"]["gradient_clipping"] == 0.05
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["adapter=zero", "adapter.stage=4"], "adapter.stage=4: ZeRO stages are 0, 1, 2 or 3"),
+    (["adapter=zero1", "adapter.offload_optimizer=true"], "adapter.offload_optimizer=true moves state from GPU to CPU"),
+    (["adapter=zero3", "adapter.offload_params=true"], "adapter.offload_params=true moves state from GPU to CPU"),
+    (["adapter=zero2", "optimizer=lamb"], "optimizer.name=lamb: its per-layer trust ratio needs whole parameter tensors"),
+    (["adapter=zero", "adapter.stage=0", "trainer.precision=bf16", "optimizer=lars"], "with trainer.precision=bf16"),
+    (["adapter=fsdp", "adapter.offload_params=true"], "adapter=fsdp does not offload"),
+])
+def test_bad_input_fails_before_ranks_start(tmp_path, overrides, message):
+    proc = bench(*overrides, results=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, last
+    assert run_dirs(tmp_path) == []  # nothing launched, no record
+
+
+def test_deepspeed_config_for_gpu_only_settings():
+    """The GPU-only branches of the DeepSpeed config (offload, fp16) checked without a GPU."""
+    from omegaconf import OmegaConf
+
+    from adapters.zero import deepspeed_config
+    from bench.config import BenchConfig
+
+    cfg = OmegaConf.structured(BenchConfig)
+    cfg.adapter.stage, cfg.adapter.offload_optimizer, cfg.adapter.offload_params = 3, True, True
+    cfg.trainer.precision, cfg.trainer.grad_clip, cfg.trainer.grad_accum = "fp16", 1.5, 2
+    cfg.optimizer.name = "adam"
+    c = deepspeed_config(cfg, micro_batch=8, cuda=True)
+    z = c["zero_optimization"]
+    assert z["offload_optimizer"] == {"device": "cpu", "pin_memory": True} and z["offload_param"]["device"] == "cpu"
+    assert c["fp16"]["enabled"] and not c["bf16"]["enabled"]
+    assert c["gradient_clipping"] == 1.5 and c["gradient_accumulation_steps"] == 2
+    # DeepSpeed's "Adam" is AdamW unless told: plain Adam (L2 in the gradient) must say so
+    assert c["optimizer"]["type"] == "Adam" and c["optimizer"]["params"]["adam_w_mode"] is False
+    cfg.optimizer.name = "sgd"
+    c = deepspeed_config(cfg, micro_batch=8, cuda=True)
+    assert "optimizer" not in c and c["zero_force_ds_cpu_optimizer"] is False

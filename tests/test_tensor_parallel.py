@@ -1,0 +1,164 @@
+"""Tensor parallelism on CPU ranks: adapter=megatron (megatron-core) and adapter=tensor_parallel (torch).
+
+Megatron builds its own GPTModel (its init differs from the harness GPT-2), so Megatron layouts are
+compared with Megatron TP=1; torch tensor parallelism shards the harness GPT-2 itself, so it is
+compared with the single-process GPT-2 (adapter=ddp, one rank). Every pair trains on the same
+global batch of 8 sequences, sample for sample.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import bench, check_ok, events, only_run, step_losses, summary
+
+STEPS = 8
+COMMON = ["workload=gpt2_tiny", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=32",
+          f"trainer.max_steps={STEPS}", "trainer.progress=false",
+          # clipping on (it changes the losses at this setting) so the model-parallel gradient norm is tested
+          "trainer.grad_clip=0.5"]
+# GPT-2's 50257 padded to a multiple of 256: Megatron pads to a multiple of 128 x TP, so TP=1 and
+# TP=2 then hold the same vocabulary (with 50257 they would pad to 50304 and 50432: two models).
+MEGATRON = COMMON + ["adapter=megatron", "workload.vocab_size=50432"]
+VOCAB, WIDTH = 50432, 128
+
+
+def _run(tmp, *overrides):
+    proc = bench(*overrides, results=tmp)
+    check_ok(proc)
+    run = only_run(tmp)
+    return run, events(run)[-1]
+
+
+@pytest.fixture(scope="module")
+def megatron_tp1(tmp_path_factory):
+    """Megatron TP=1 PP=1 on one rank, batch 8 (batch_policy=linear: global batch = 8 x 1 rank)."""
+    return _run(tmp_path_factory.mktemp("megatron_tp1"), *MEGATRON, "launcher.nprocs=1", "trainer.batch_size=8")
+
+
+@pytest.fixture(scope="module")
+def gpt2_one_process(tmp_path_factory):
+    """The harness GPT-2 in one process, batch 8."""
+    return _run(tmp_path_factory.mktemp("ddp1"), *COMMON, "adapter=ddp", "launcher.nprocs=1", "trainer.batch_size=8")
+
+
+def _same_training(a, b, atol=1e-5):
+    (run_a, ev_a), (run_b, ev_b) = a, b
+    la, lb = step_losses(run_a), step_losses(run_b)
+    assert len(la) == len(lb) == STEPS
+    assert ev_a["global_batch"] == ev_b["global_batch"] == 8
+    np.testing.assert_allclose(la, lb, atol=atol, rtol=0)
+    assert la[-1] < la[0] - 0.3, la  # and it trains
+    assert ev_a["val_loss"] == pytest.approx(ev_b["val_loss"], abs=atol)
+    assert ev_a["val_token_accuracy"] == pytest.approx(ev_b["val_token_accuracy"], abs=1e-6)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sequence_parallel"])
+def test_megatron_tp2_matches_tp1_with_half_the_sharded_bytes(megatron_tp1, tmp_path, sequence_parallel):
+    tp2 = _run(tmp_path, *MEGATRON, "adapter.tensor_parallel=2", f"adapter.sequence_parallel={sequence_parallel}",
+               "launcher.nprocs=2", "trainer.batch_size=4")  # linear: 4 x 2 ranks = the same global batch of 8
+    _same_training(megatron_tp1, tp2)
+    s = summary(tp2[0])
+    assert s["adapter_settings"]["padded_vocab_size"] == VOCAB
+    assert s["adapter_settings"]["data_parallel"] == 1 and s["frameworks_imported"] == ["megatron"]
+
+    (one,) = [r["state_bytes"] for r in megatron_tp1[1]["ranks"]]
+    ranks = [r["state_bytes"] for r in tp2[1]["ranks"]]
+    assert len(ranks) == 2
+    for sb in ranks:
+        # the layers Megatron splits (vocab embedding, qkv, proj, fc1, fc2) hold exactly half per rank;
+        # stated tolerance 1 %; replicated parameters (LayerNorms, positions, row-parallel biases) stay whole
+        assert sb["params_tp_sharded"] == pytest.approx(one["params_tp_sharded"] / 2, rel=0.01)
+        assert sb["params"] - sb["params_tp_sharded"] == one["params"] - one["params_tp_sharded"]
+        assert sb["params_tp_sharded"] > 0.9 * sb["params"]  # at this size nearly everything is sharded
+        assert sb["grads"] == sb["params"]  # Megatron's fp32 gradient buffer
+        assert sb["optimizer"] == pytest.approx(2 * sb["params"], rel=0.01)  # AdamW's two moments
+
+
+def test_megatron_pipeline_pp2_matches_pp1(megatron_tp1, tmp_path):
+    """megatron-core's 1F1B schedule on 2 CPU ranks (4 x 2 = 8 micro-batches of 1 sequence)."""
+    pp2 = _run(tmp_path, *MEGATRON, "adapter.pipeline_parallel=2", "launcher.nprocs=2", "trainer.batch_size=4")
+    _same_training(megatron_tp1, pp2)
+    s = summary(pp2[0])["adapter_settings"]
+    assert (s["schedule"], s["microbatches"], s["pipeline_parallel"]) == ("1f1b", 8, 2)
+    ev = pp2[1]
+    assert ev["forward_time_mean_s"] > 0 and ev["backward_time_mean_s"] > 0  # Megatron's timers feed the phases
+    (one,) = [r["state_bytes"]["params"] for r in megatron_tp1[1]["ranks"]]
+    first, last = (r["state_bytes"]["params"] for r in ev["ranks"])
+    # the stages split the layers; the last stage keeps its own copy of the tied word embedding
+    assert first < one and last < one
+    assert first + last == one + VOCAB * WIDTH * 4
+
+
+def test_megatron_wikitext2_perplexity_falls(tmp_path, data_root):
+    """Megatron TP=1 on 2 ranks (DP=2 through Megatron's DDP), real Wikitext-2, 2 short epochs."""
+    proc = bench("adapter=megatron", "workload=gpt2_tiny", "workload.seq_len=64", "data=wikitext2",
+                 f"data.root={data_root}/wikitext-2", f"data.tokenizer_dir={data_root}/gpt2-tokenizer",
+                 f"data.cache_dir={tmp_path}/cache", "trainer.epochs=2", "trainer.max_steps=30",
+                 "trainer.batch_size=4", "trainer.max_eval_batches=8", "optimizer.lr=3e-3", "launcher.nprocs=2",
+                 "trainer.progress=false", results=tmp_path / "r")
+    check_ok(proc)
+    ev = events(only_run(tmp_path / "r"))
+    ppl = [e["val_perplexity"] for e in ev]
+    assert len(ppl) == 2 and ppl[1] < ppl[0] < 50304, ppl
+    assert ev[0]["global_batch"] == 8  # linear: 4 x 2 ranks, 4 per data-parallel rank
+    assert ev[0]["val_samples"] == 8 * 4 * 2  # 8 batches of 4 on each of the 2 data-parallel ranks, counted once
+
+
+def _sharded_and_total_bytes():
+    """Parameter bytes of the harness GPT-2 (this test's dimensions) that torch TP shards, and in all."""
+    from bench.config import DataConfig, WorkloadConfig
+    from workloads.gpt2 import GPT2Workload
+
+    cfg = WorkloadConfig(name="gpt2_tiny", kind="language", arch="gpt2", n_layer=2, n_head=4, n_embd=WIDTH, seq_len=32)
+    with torch.device("meta"):
+        model = GPT2Workload(cfg, DataConfig()).build_model()
+    split = ("wte.weight", "c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight")
+    sizes = {n: p.numel() * 4 for n, p in model.named_parameters()}
+    return sum(v for n, v in sizes.items() if n.endswith(split)), sum(sizes.values())
+
+
+def test_torch_tensor_parallel_matches_single_process(gpt2_one_process, tmp_path):
+    tp2 = _run(tmp_path, *COMMON, "adapter=tensor_parallel", "adapter.tensor_parallel=2", "launcher.nprocs=2",
+               "trainer.batch_size=8")  # per_device = per model replica: one TP group reads the batch of 8
+    _same_training(gpt2_one_process, tp2)
+    assert summary(tp2[0])["frameworks_imported"] == []
+
+    sharded, total = _sharded_and_total_bytes()
+    (one,) = [r["state_bytes"] for r in gpt2_one_process[1]["ranks"]]
+    assert one["params"] == total
+    ranks = [r["state_bytes"] for r in tp2[1]["ranks"]]
+    assert sum(sb["params_tp_sharded"] for sb in ranks) == sharded  # the slices partition the sharded layers
+    for sb in ranks:
+        # 50257 vocabulary rows split 25129 / 25128: half within the stated 1 %
+        assert sb["params_tp_sharded"] == pytest.approx(sharded / 2, rel=0.01)
+        assert sb["params"] - sb["params_tp_sharded"] == total - sharded  # replicated: norms, positions, biases
+        assert sb["grads"] == sb["params"] and sb["optimizer"] == pytest.approx(2 * sb["params"], rel=0.01)
+
+
+def test_torch_tensor_parallel_2d_tp2_x_dp2(gpt2_one_process, tmp_path):
+    """4 ranks as a (dp=2, tp=2) mesh, 4 sequences per replica: the same global batch of 8."""
+    tp2dp2 = _run(tmp_path, *COMMON, "adapter=tensor_parallel", "adapter.tensor_parallel=2", "launcher.nprocs=4",
+                  "trainer.batch_size=4")
+    _same_training(gpt2_one_process, tp2dp2)
+    assert summary(tp2dp2[0])["adapter_settings"]["mesh"] == {"dp": 2, "tp": 2}
+
+
+BAD = [
+    (["adapter=megatron", "workload=resnet50_tiny"], "adapter=megatron does not support workload=resnet50_tiny"),
+    (["adapter=megatron", "adapter.tensor_parallel=3"], "does not divide the 2 ranks"),
+    (["adapter=megatron", "adapter.sequence_parallel=true"], "needs adapter.tensor_parallel > 1"),
+    (["adapter=megatron", "adapter.pipeline_parallel=2", "adapter.microbatches=3"], "not divisible by 3 micro-batches"),
+    (["adapter=tensor_parallel", "adapter.tensor_parallel=2", "workload.n_head=3", "workload.n_embd=96"],
+     "workload.n_head=3 is not divisible by adapter.tensor_parallel=2"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_layout_is_one_line_before_launch(tmp_path, overrides, message):
+    proc = bench("trainer.max_steps=1", "launcher.nprocs=2", *overrides, results=tmp_path / "r")
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert not (tmp_path / "r").exists()
