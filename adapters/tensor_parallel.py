@@ -44,7 +44,6 @@ def _is_sharded(t: torch.Tensor) -> bool:
 class TensorParallelAdapter(Adapter):
     name = "tensor_parallel"
     kinds = ("language",)
-    smoke_overrides = ("adapter.tensor_parallel=2",)
 
     @classmethod
     def validate(cls, cfg, world_size):

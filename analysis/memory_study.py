@@ -74,8 +74,8 @@ def _numel(shape) -> int:
     return math.prod(shape) if shape else 1
 
 
-def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: int) -> dict[str, int]:
-    """Bytes rank `rank` of `n` should hold for fp32 Adam, from the tensor shapes and the partitioning rule.
+def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: int, precision: str = "fp32") -> dict[str, int]:
+    """Bytes rank `rank` of `n` should hold for Adam, from the tensor shapes and the partitioning rule.
 
     DDP / ZeRO-0: everything whole. ZeRO-1/2: parameters whole (4Ψ); the optimizer holds exp_avg,
     exp_avg_sq and the fp32 master for an equal 1/N slice of the flat buffer (12 bytes per element);
@@ -84,9 +84,15 @@ def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: in
     gradients are transient, see `grads_peak_backward` in the record). ZeRO-3: each tensor split
     into N flat pieces of ceil(numel/N); parameters, gradients, master (4 bytes each) and two moments.
     FSDP2: each tensor split along dim 0 in torch.chunk pieces; no master copy.
+    Mixed precision (bf16/fp16): DeepSpeed stages 1-3 hold parameters and gradients in 2 bytes and
+    keep the 12 bytes of master + moments per partition element (the paper's 2Ψ + 2Ψ + 12Ψ split);
+    FSDP2's MixedPrecisionPolicy and DDP's autocast keep fp32 state, so nothing changes for them.
     """
     numels = [_numel(s) for s in shapes]
     psi = sum(numels)
+    b = 2 if precision in ("bf16", "fp16") and variant in ("zero1", "zero2", "zero3") else 4
+    if variant == "zero0" and precision != "fp32":
+        raise ValueError("zero0 in half precision uses DeepSpeed's BF16/FP16 optimizer wrappers: not modelled")
     if variant in ("ddp", "zero0"):
         return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
     if variant in ("zero1", "zero2"):
@@ -97,10 +103,10 @@ def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: in
             if start < hi and start + k > lo:
                 overlap += k
             start += k
-        return {"params": 4 * psi, "grads": 4 * overlap, "optimizer": 12 * part}
+        return {"params": b * psi, "grads": b * overlap, "optimizer": 12 * part}
     if variant == "zero3":
         local = sum(math.ceil(k / n) for k in numels)
-        return {"params": 4 * local, "grads": 4 * local, "optimizer": 12 * local}
+        return {"params": b * local, "grads": b * local, "optimizer": 12 * local}
     if variant == "fsdp":
         local = 0
         for s in shapes:

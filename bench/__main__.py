@@ -16,6 +16,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # make that USR1, the signal the ranks turn into a graceful stop (read at submitit's import).
 os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", "USR1")
 
+# Hydra takes launchers only from the `hydra_plugins` namespace package; ours lives in
+# bench/plugins/hydra_plugins/ (no __init__.py, so it merges with the installed plugins).
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins"))
+
 import warnings  # noqa: E402
 
 # conf/hydra/launcher/submitit_*.yaml share their names with the plugin's schemas on purpose (Hydra
@@ -60,6 +64,9 @@ def _in_multirun() -> bool:
 
 
 def main() -> None:
+    if {"-m", "--multirun"} & set(sys.argv[1:]):
+        # a sweep's parent only submits and waits (its points block and unblock for themselves)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGUSR1, signal.SIGTERM))
     _hydra_main()
 
 

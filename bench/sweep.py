@@ -3,7 +3,7 @@
     python -m bench.sweep grid adapter=ddp,zero workload=gpt2_small launcher.nprocs=1,2,4 -o sweep.txt
     python -m bench.sweep run sweep.txt [--resume] [-- trainer.epochs=3 ...]   # here, one after another
     python -m bench.sweep submit sweep.txt [--resume] [--gpus-per-node 8] [--sbatch=--partition=gpu]  # job arrays
-    python -m bench.sweep point sweep.txt 3      # "RANKS GPUS_PER_RANK overrides" of point 3 (array.sbatch)
+    python -m bench.sweep point sweep.txt 3 [--resume] [-- overrides]  # "RANKS GPUS_PER_RANK overrides" or "skip"
 
 `grid` expands like `python -m bench -m` does (Hydra's own parser and cartesian product, so
 `a,b`, `range(1,4)` and quoting mean the same). Point i is the i-th line that is neither blank
@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from collections import defaultdict
@@ -84,13 +85,30 @@ def write_points(path: Path, points: list[list[str]], header: str) -> None:
 
 def layout(overrides: list[str]) -> tuple[int, int]:
     """(ranks, devices per rank) of a point given as overrides: what Slurm must allocate."""
+    return layout_of(compose_point(overrides))
+
+
+def compose_point(overrides: list[str]):
+    """The config `python -m bench <overrides>` would run, with its point id (no torch import)."""
     from hydra import compose, initialize_config_dir
 
     from bench.config import register_configs
 
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from bench.errors import ConfigError
+
     register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return layout_of(compose("config", overrides=list(overrides)))
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"point `{shlex.join(overrides)}`: {first}") from None
+    if cfg.results.point is None:
+        cfg.results.point = point_id(overrides)
+    return cfg
 
 
 def layout_of(cfg) -> tuple[int, int]:
@@ -139,15 +157,15 @@ def apply_hydra_context(cfg) -> None:
         cfg.results.dir = str(hc.sweep.dir)
 
 
-def skip_if_done(cfg) -> bool:
+def skip_if_done(cfg, out=sys.stdout) -> bool:
     """results.resume=true and this point already has an ok record: say so and skip the run. Called
-    before torch is imported, so skipped points of a sweep or job array cost well under a second."""
+    before torch is imported, so skipped points of a sweep or job array cost little."""
     if not (cfg.results.resume and cfg.results.point):
         return False
     folders = {Path(cfg.results.root) / cfg.results.experiment, Path(cfg.results.dir or cfg.results.root)}
     done = ok_record(folders, cfg.results.point)
     if done and os.environ.get("SLURM_PROCID", "0") == "0":  # one line per point, not per rank
-        print(f"point {cfg.results.point} already ok in {done}: skipped (results.resume=true)", flush=True)
+        print(f"point {cfg.results.point} already ok in {done}: skipped (results.resume=true)", file=out, flush=True)
     return done is not None
 
 
@@ -170,7 +188,13 @@ def _point(args) -> int:
         print(f"error: {args.file} has {len(points)} points (0-{len(points) - 1}); there is no point {args.index}",
               file=sys.stderr)
         return 2
-    ranks, devices = layout([*points[args.index], *args.extra])
+    cfg = compose_point([*points[args.index], *args.extra])
+    if args.resume:
+        cfg.results.resume = True
+        if skip_if_done(cfg, out=sys.stderr):
+            print("skip")  # array.sbatch: nothing to run, not even srun
+            return 0
+    ranks, devices = layout_of(cfg)
     print(ranks, devices, shlex.join(points[args.index]))
     return 0
 
@@ -188,7 +212,7 @@ def _run(args) -> int:
         if args.dry_run:
             print("  " + shlex.join(cmd))
             continue
-        code = subprocess.run(cmd, cwd=REPO).returncode
+        code = subprocess.run(cmd).returncode
         if code:
             failed.append((i, code))
     for i, code in failed:
@@ -198,6 +222,9 @@ def _run(args) -> int:
 
 def _submit(args) -> int:
     """One job array per allocation shape: Slurm gives every task of an array the same resources."""
+    if not args.dry_run and not shutil.which("sbatch"):
+        print("error: sbatch not found: run this on a Slurm login node (or add --dry-run)", file=sys.stderr)
+        return 2
     points = read_points(args.file)
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, point in enumerate(points):
@@ -244,9 +271,10 @@ def main(argv=None) -> int:
                    help="an sbatch option for every array, e.g. --sbatch=--partition=gpu (repeatable)")
     s.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
     p = sub.add_parser("point", help="print RANKS GPUS_PER_RANK OVERRIDES of point INDEX (used by array.sbatch);"
-                                     " overrides after -- count for the layout")
+                                     " overrides after -- are the run's other overrides")
     p.add_argument("file", type=Path)
     p.add_argument("index", type=int)
+    p.add_argument("--resume", action="store_true", help="print `skip` if the point already has an ok record")
     args = parser.parse_args(argv)
     from bench.errors import ConfigError
 

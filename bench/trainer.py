@@ -222,7 +222,7 @@ class Trainer:
             "ranks": per_rank,
             **val_metrics,
         }
-        if self.ctx.rank == 0 and self.cfg.trainer.progress:
+        if self.ctx.rank == 0:
             _print_epoch(event)
         return event
 

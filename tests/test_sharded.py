@@ -7,6 +7,7 @@ the model-state bytes each rank reported (read from the engines' tensors) agains
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -25,13 +26,16 @@ SHARDED = ("zero0", "zero1", "zero2", "zero3", "fsdp")
 
 
 def _run_all(tmp_path_factory, workload: str) -> dict:
-    out = {}
-    for variant in ("ddp", *SHARDED):
+    def one(variant):
         results = tmp_path_factory.mktemp(f"{workload}-{variant}")
         proc = bench(*VARIANTS[variant], *WORKLOADS[workload], *STEPS, results=results)
         check_ok(proc)
         run = only_run(results)
-        out[variant] = {"losses": step_losses(run), "summary": summary(run)}
+        return variant, {"losses": step_losses(run), "summary": summary(run)}
+
+    # two runs at a time: their serial parts (interpreter start, imports) overlap; results are exact anyway
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        out = dict(pool.map(one, ("ddp", *SHARDED)))
     out["shapes"] = param_numels(WORKLOADS[workload])
     return out
 
@@ -47,6 +51,7 @@ def vision_runs(tmp_path_factory):
 
 
 def _check_losses_equal_ddp(runs):
+    """Every sharded variant's 8 step losses equal DDP's within 1e-5."""
     ref = runs["ddp"]["losses"]
     assert len(ref) == 8
     for variant in SHARDED:
@@ -120,17 +125,43 @@ def test_fsdp_holds_half_the_parameters_of_ddp(gpt_runs, vision_runs):
             assert {k: got[k] for k in ("params", "grads", "optimizer")} == ddp[0]
 
 
+def test_bf16_mixed_precision_state_and_losses(gpt_runs, tmp_path):
+    """CPU twin of the GPU mixed-precision paths: DeepSpeed's bf16 mode (bf16 weights and gradients, fp32
+    master + moments: the paper's 2Ψ + 2Ψ/N + 12Ψ/N for ZeRO-2) and FSDP2's bf16 MixedPrecisionPolicy
+    (fp32 sharded state, bf16 compute). Both stay close to the fp32 DDP losses."""
+    common = [*WORKLOADS["gpt2_tiny"], *STEPS, "trainer.max_steps=4", "trainer.eval_every_epoch=false",
+              "trainer.precision=bf16"]
+
+    def one(variant):
+        proc = bench(*VARIANTS[variant], *common, results=tmp_path / variant)
+        check_ok(proc)
+        return variant, only_run(tmp_path / variant)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = dict(pool.map(one, ("zero2", "fsdp")))
+    ref = gpt_runs["ddp"]["losses"][:4]
+    for variant, run in runs.items():
+        np.testing.assert_allclose(step_losses(run), ref, atol=0.05, rtol=0, err_msg=variant)
+        s = summary(run)
+        for rank, got in enumerate(s["state_bytes_per_rank"]):
+            want = expected_state(variant, gpt_runs["shapes"], 2, rank, precision="bf16")
+            for part in ("params", "grads", "optimizer"):
+                assert got[part] == pytest.approx(want[part], rel=0.02), (variant, rank, part, got, want)
+    assert summary(runs["zero2"])["adapter_settings"]["mixed_precision"].startswith("deepspeed bf16")
+    assert summary(runs["fsdp"])["adapter_settings"]["param_dtype"] == "bfloat16"
+
+
 def test_zero_clips_gradients_like_ddp(tmp_path):
     """trainer.grad_clip reaches DeepSpeed: SGD steps (clipping changes them a lot) equal DDP's clipped steps."""
     common = [*WORKLOADS["gpt2_tiny"], "trainer.max_steps=5", "trainer.batch_size=4", "trainer.progress=false",
               "trainer.eval_every_epoch=false", "optimizer=sgd", "optimizer.lr=0.5", "trainer.grad_clip=0.05"]
-    ddp = bench("adapter=ddp", *common, results=tmp_path / "ddp")
-    zero = bench("adapter=zero2", *common, results=tmp_path / "zero")
-    check_ok(ddp)
-    check_ok(zero)
-    a, b = step_losses(only_run(tmp_path / "ddp")), step_losses(only_run(tmp_path / "zero"))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = list(pool.map(lambda a: bench(f"adapter={a}", *common, results=tmp_path / a), ("ddp", "zero2")))
+    for proc in procs:
+        check_ok(proc)
+    a, b = step_losses(only_run(tmp_path / "ddp")), step_losses(only_run(tmp_path / "zero2"))
     np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
-    assert summary(only_run(tmp_path / "zero"))["adapter_settings"]["gradient_clipping"] == 0.05
+    assert summary(only_run(tmp_path / "zero2"))["adapter_settings"]["gradient_clipping"] == 0.05
 
 
 @pytest.mark.parametrize("overrides, message", [

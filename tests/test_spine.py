@@ -40,9 +40,9 @@ def test_ddp_two_ranks_equal_one_rank_resnet50_cifar(tmp_path, data_root):
 
 
 def test_wikitext_two_epochs_perplexity_falls(tmp_path, data_root):
-    proc = bench("workload=gpt2_tiny", "workload.seq_len=64", "data=wikitext2", f"data.root={data_root}/wikitext-2",
+    proc = bench("workload=gpt2_tiny", "workload.seq_len=32", "data=wikitext2", f"data.root={data_root}/wikitext-2",
                  f"data.tokenizer_dir={data_root}/gpt2-tokenizer", f"data.cache_dir={tmp_path}/cache",
-                 "trainer.epochs=2", "trainer.max_steps=60", "trainer.batch_size=8", "trainer.max_eval_batches=8",
+                 "trainer.epochs=2", "trainer.max_steps=30", "trainer.batch_size=8", "trainer.max_eval_batches=8",
                  "optimizer.lr=3e-3", "launcher.nprocs=2", "trainer.progress=false", results=tmp_path / "r")
     check_ok(proc)
     ev = events(only_run(tmp_path / "r"))

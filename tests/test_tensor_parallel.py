@@ -162,3 +162,16 @@ def test_bad_layout_is_one_line_before_launch(tmp_path, overrides, message):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_megatron_cpu_compat_refuses_when_cuda_is_available(monkeypatch):
+    """The CPU stand-ins must never replace working CUDA calls."""
+    from adapters import _megatron_cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="refuses to act"):
+        _megatron_cpu.enable()
+    with pytest.raises(RuntimeError, match="refuses to act"):
+        with _megatron_cpu.cuda_to_cpu():
+            pass
+    assert not _megatron_cpu._enabled

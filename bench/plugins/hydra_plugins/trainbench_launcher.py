@@ -1,7 +1,8 @@
 """Hydra launchers behind `python -m bench -m hydra/launcher=submitit_slurm|submitit_local ...`.
 
 Hydra only instantiates launchers from the `hydra_plugins` namespace package, hence this folder
-(no __init__.py: it merges with the installed hydra_plugins). conf/hydra/launcher/submitit_slurm.yaml
+(no __init__.py: it merges with the installed hydra_plugins; bench/__main__.py puts bench/plugins
+on sys.path). conf/hydra/launcher/submitit_slurm.yaml
 names this class as `_target_`; its fields are the stock plugin's (Hydra checks them against the
 stock schema of the same name), with `gpus_per_node` meaning the GPUs of one node of the cluster.
 
