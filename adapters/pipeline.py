@@ -80,7 +80,8 @@ class PipelineAdapter(Adapter):
         if a.balance is not None:
             where = f"adapter.balance ({stages} entries)"
         else:
-            where = f"adapter.pipeline_parallel={a.pipeline_parallel}" + (f" (all {world_size} ranks)" if not a.pipeline_parallel else "")
+            where = f"adapter.pipeline_parallel={a.pipeline_parallel}"
+            where += "" if a.pipeline_parallel else f" (all {world_size} ranks)"
             where += " with 2 stages per rank (interleaved_1f1b)" if a.schedule == "interleaved_1f1b" else ""
         if a.schedule == "interleaved_1f1b":
             if stages % pp:

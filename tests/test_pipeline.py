@@ -124,7 +124,7 @@ def test_interleaved_1f1b_on_2x2_mesh_equals_unpipelined(tmp_path, reference):
 
 
 # --- in-process checks of the adapters themselves (no process group needed for GPipe) --------------------
-def _gpipe(workload: str, **adapter):
+def _gpipe(workload: str, trainer: dict | None = None, **adapter):
     from adapters.gpipe import GPipeAdapter
     from bench.config import BenchConfig
     from bench.dist import DistContext
@@ -133,7 +133,7 @@ def _gpipe(workload: str, **adapter):
     cfg = OmegaConf.structured(BenchConfig)
     cfg.workload = OmegaConf.merge(cfg.workload, OmegaConf.load(REPO / "conf/workload" / f"{workload}.yaml"))
     cfg.adapter = OmegaConf.merge(cfg.adapter, OmegaConf.load(REPO / "conf/adapter/gpipe.yaml"), adapter)
-    cfg.trainer.batch_size = 4
+    cfg.trainer = OmegaConf.merge(cfg.trainer, {"batch_size": 4, **(trainer or {})})
     wl = build_workload(cfg.workload, cfg.data)
     torch.manual_seed(0)
     reference = wl.build_model()
@@ -184,6 +184,22 @@ def test_deferred_batch_norm_keeps_full_batch_running_statistics():
     plain.train_step([(x, y)], PhaseTimer(cuda_sync=False))
     assert any(int(bn.num_batches_tracked) > 1 for bn in _batchnorms(plain.model))
     assert not all(torch.allclose(bn.running_var, var, rtol=1e-3) for bn, (_, var) in zip(_batchnorms(plain.model), expected))
+
+
+def test_bf16_autocast_reaches_every_stage(tmp_path, reference):
+    """Mixed precision, CPU twin of the GPU path (bf16 autocast). torchgpipe computes partitions in worker
+    threads and a pipelining schedule runs forward and backward in one call, so each stage enters autocast
+    itself: the arithmetic must change (not fp32 bit for bit) while training stays close to fp32."""
+    gp, _, _ = _gpipe("gpt2_tiny", trainer={"precision": "bf16"}, balance=[2, 2])
+    with torch.no_grad():
+        assert gp.model(torch.randint(0, 4096, (8, 16))).dtype == torch.bfloat16  # the last partition's head
+
+    proc = bench(*COMMON, *WORKLOADS["gpt2"], "adapter=pipeline", "launcher.nprocs=2", "trainer.batch_size=16",
+                 "trainer.precision=bf16", results=tmp_path)
+    check_ok(proc)
+    losses, ref = step_losses(only_run(tmp_path)), reference("gpt2")["losses"]
+    assert len(losses) == 8 and not np.allclose(losses, ref, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(losses, ref, atol=5e-2, rtol=0)
 
 
 def test_bad_input_is_one_line_before_launch(tmp_path):

@@ -52,13 +52,15 @@ def test_wikitext_two_epochs_perplexity_falls(tmp_path, data_root):
 
 
 def test_cifar_accuracy_rises_above_chance(tmp_path, data_root):
-    proc = bench("workload=resnet50_tiny", "data=cifar10", f"data.root={data_root}/cifar10-subset",
-                 "optimizer=adamw", "optimizer.lr=2e-3", "trainer.epochs=2", "trainer.max_steps=80",
-                 "trainer.batch_size=16", "launcher.nprocs=2", "trainer.progress=false", results=tmp_path / "r")
+    proc = bench("workload=vgg16_tiny", "data=cifar10", f"data.root={data_root}/cifar10-subset", "data.augment=false",
+                 "optimizer=adamw", "optimizer.lr=3e-4", "optimizer.weight_decay=1e-4", "trainer.epochs=2",
+                 "trainer.max_steps=100", "trainer.batch_size=16", "launcher.nprocs=2", "trainer.progress=false",
+                 results=tmp_path / "r")
     check_ok(proc)
     ev = events(only_run(tmp_path / "r"))
     assert ev[-1]["val_samples"] == 1000  # the whole val split, no padded duplicates
-    assert ev[-1]["val_accuracy"] > 0.2, [e["val_accuracy"] for e in ev]  # chance is 0.1
+    # chance is 0.10 and its standard deviation over 1000 samples 0.0095: 0.13 is > 3 sigma above it
+    assert ev[-1]["val_accuracy"] > 0.13, [e["val_accuracy"] for e in ev]
 
 
 def test_record_folder_and_summary(tmp_path):
