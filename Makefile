@@ -33,7 +33,7 @@ horovod: $(STAMP)
 
 # A real one-node Slurm cluster on this machine (Debian, as root) for trying slurm/ scripts
 slurm-up:
-	bash slurm/local_cluster.sh start
+	bash slurm/local_cluster.sh start --accounting
 slurm-down:
 	bash slurm/local_cluster.sh stop
 
