@@ -85,8 +85,8 @@ class AdapterConfig:
     checkpoint: str = "except_last"  # torchgpipe: always | except_last | never
     deferred_batch_norm: bool = True  # torchgpipe: BatchNorm running stats per mini-batch, not per micro-batch
     # horovod
-    fusion_threshold_mb: float = 64.0
-    cycle_time_ms: float = 5.0
+    fusion_threshold_mb: float = 128.0  # Horovod 0.28.1 defaults
+    cycle_time_ms: float = 1.0
     compression: str = "none"  # none | fp16
     backward_passes_per_step: int = 1
     # how the global batch follows the device count: per_device (DDP/ZeRO: fixed per-GPU batch),
