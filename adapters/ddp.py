@@ -12,7 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from adapters.base import Adapter, Batch
-from bench.optim import build_optimizer, clip_gradients
+from bench.optim import build_optimizer, optimizer_step
 from bench.precision import autocast, grad_scaler
 from bench.timing import PhaseTimer
 
@@ -52,14 +52,7 @@ class DDPAdapter(Adapter):
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
         with timer.phase("optimizer"):
-            if self.scaler:
-                self.scaler.unscale_(self.optimizer)
-            clip_gradients(self.model.parameters(), self.cfg.trainer.grad_clip)
-            if self.scaler:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
+            optimizer_step(self.optimizer, self.model.parameters(), self.cfg.trainer.grad_clip, self.scaler)
             # keep gradient buffers: they are DDP bucket views, held for the whole run anyway
             self.optimizer.zero_grad(set_to_none=False)
         return total

@@ -35,7 +35,7 @@ import torch
 from adapters.base import Adapter, Batch
 from bench.config import BenchConfig
 from bench.errors import ConfigError
-from bench.optim import build_optimizer, clip_gradients
+from bench.optim import build_optimizer, optimizer_step
 from bench.precision import autocast, grad_scaler
 from bench.timing import PhaseTimer
 
@@ -165,15 +165,8 @@ class HorovodAdapter(Adapter):
             # Horovod's pattern for anything that reads gradients before step(): wait for the
             # all-reduces, unscale/clip the averaged gradients, then step without syncing again
             self.optimizer.synchronize()
-            if self.scaler:
-                self.scaler.unscale_(self.optimizer)
-            clip_gradients(self.model.parameters(), self.cfg.trainer.grad_clip)
-            with self.optimizer.skip_synchronize():
-                if self.scaler:
-                    self.scaler.step(self.optimizer)
-                    self.scaler.update()
-                else:
-                    self.optimizer.step()
+            with self.optimizer.skip_synchronize():  # gradients were synchronized above
+                optimizer_step(self.optimizer, self.model.parameters(), self.cfg.trainer.grad_clip, self.scaler)
             self.optimizer.zero_grad()
         return total
 

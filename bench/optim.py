@@ -37,3 +37,15 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) 
 def clip_gradients(parameters, max_norm: float) -> None:
     if max_norm > 0:
         torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, parameters, max_norm: float, scaler=None) -> None:
+    """Unscale (fp16), clip, step: the order every torch-optimizer adapter needs."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    clip_gradients(parameters, max_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
