@@ -18,7 +18,10 @@ os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", "USR1")
 
 # Hydra takes launchers only from the `hydra_plugins` namespace package; ours lives in
 # bench/plugins/hydra_plugins/ (no __init__.py, so it merges with the installed plugins).
-sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins"))
+# PYTHONPATH too: submitit's job processes unpickle the launcher's callable and need the module.
+_PLUGINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins")
+sys.path.append(_PLUGINS)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _PLUGINS) if p)
 
 import warnings  # noqa: E402
 
