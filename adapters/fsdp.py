@@ -18,7 +18,7 @@ from torch import nn
 from adapters.base import Adapter, Batch
 from bench.config import BenchConfig
 from bench.errors import ConfigError
-from bench.optim import build_optimizer, clip_gradients
+from bench.optim import build_optimizer, optimizer_step
 from bench.timing import PhaseTimer
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -99,14 +99,8 @@ class FSDPAdapter(Adapter):
             self._grad_bytes = _local_bytes(p.grad for p in self.model.parameters())
             self._probe_grads = False
         with timer.phase("optimizer"):
-            if self.scaler:
-                self.scaler.unscale_(self.optimizer)
-            clip_gradients(self.model.parameters(), self.cfg.trainer.grad_clip)  # DTensor-aware global norm
-            if self.scaler:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
+            # clip_grad_norm_ on DTensor gradients computes the global norm across the shards
+            optimizer_step(self.optimizer, self.model.parameters(), self.cfg.trainer.grad_clip, self.scaler)
             self.optimizer.zero_grad()
         return total
 
