@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -145,8 +146,6 @@ def make_run_dir(cfg, world: int) -> Path:
 
 
 def spawn_local(cfg_dict: dict, world: int, port: int, run_dir: Path) -> int:
-    import signal
-
     import psutil
     import torch.multiprocessing as mp
 
@@ -185,7 +184,6 @@ def spawn_local(cfg_dict: dict, world: int, port: int, run_dir: Path) -> int:
 def run_with_launcher(command: list[str], addr: str, port: int, run_dir: Path) -> int:
     """Ranks started by the framework's own launcher (horovodrun); each runs `python -m bench.rank RUN_DIR`
     and reads the config this process wrote there. Our process group's address goes in the environment."""
-    import signal
     import subprocess
 
     import psutil

@@ -21,6 +21,7 @@ from bench.records import RunRecord, write_json
 from tests.helpers import REPO, bench, check_ok, run_dirs, summary
 
 SMALL = ["experiment=smoke", "trainer.progress=false"]
+LONG = ["data.train_samples=8192", "trainer.max_steps=1000"]  # minutes of steps: killed long before the end
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def test_hung_rank_times_out(results):
 
 def test_killed_rank_is_recorded(results):
     before = set(run_dirs(results))
-    proc = start(results, "trainer.max_steps=500", "trainer.hang_timeout_s=60")
+    proc = start(results, *LONG, "trainer.hang_timeout_s=60")
     ranks = ranks_of(proc)
     # wait until training runs (the run folder says running and a few seconds pass)
     deadline = time.time() + 120
@@ -110,7 +111,7 @@ def test_killed_rank_is_recorded(results):
 
 def test_preemption_signal_gives_preempted_record(results):
     before = set(run_dirs(results))
-    proc = start(results, "trainer.max_steps=500")
+    proc = start(results, *LONG)
     ranks = ranks_of(proc)
     deadline = time.time() + 120
     while time.time() < deadline and not [d for d in run_dirs(results) if d not in before]:
@@ -120,7 +121,7 @@ def test_preemption_signal_gives_preempted_record(results):
     finish(proc, ranks, timeout=120)
     s = new_run(results, before)
     assert proc.returncode == 0 and s["status"] == "preempted" and s["stop_signal"] == "SIGUSR1"
-    assert 0 < s["steps"] < 500
+    assert 0 < s["steps"] < 1000
 
 
 def test_atomic_writes_keep_the_previous_state(tmp_path):
