@@ -21,7 +21,8 @@ os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", "USR1")
 # PYTHONPATH too: submitit's job processes unpickle the launcher's callable and need the module.
 _PLUGINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins")
 sys.path.append(_PLUGINS)
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _PLUGINS) if p)
+_paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+os.environ["PYTHONPATH"] = os.pathsep.join(_paths if _PLUGINS in _paths else [*_paths, _PLUGINS])  # nested runs add it once
 
 import warnings  # noqa: E402
 
