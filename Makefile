@@ -9,10 +9,15 @@ export BENCH_DATA_ROOT ?= $(abspath ../shared/data)
 
 .PHONY: install demo test smoke horovod slurm-up slurm-down clean
 
-$(STAMP): pyproject.toml
+# Strict editable install: a tree of links under build/ that Hydra's plugin scan can list (the default
+# editable mode hides hydra_plugins.trainbench_launcher from it). Links are per file, so the install is
+# redone when a package folder changes (a module added or removed) as well as when pyproject.toml does.
+PKG_DIRS := $(shell find bench adapters workloads analysis conf -type d -not -name __pycache__ 2>/dev/null)
+
+$(STAMP): pyproject.toml $(PKG_DIRS)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev]" --config-settings editable_mode=strict
 	touch $@
 
 install: $(STAMP)
@@ -24,6 +29,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 	$(MAKE) smoke
 
+# every installed adapter on the visible GPUs (a one-GPU runner: world size 1), or 2 ranks on a CPU
 smoke: $(STAMP)
 	$(PY) -m bench.smoke
 

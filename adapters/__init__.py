@@ -2,23 +2,31 @@
 
 One file per framework, found by name, imported only when chosen: heavy frameworks (deepspeed,
 megatron, horovod, torchgpipe) are imported inside their own module, so `adapter=ddp` never pays
-for them (a test checks this). Modules starting with "_" are helpers, not adapters.
+for them (a test checks this). The names are the adapter schemas' (adapters/configs.py); modules
+starting with "_" are helpers shared by adapters, not adapters.
 """
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 
-from bench.errors import ConfigError
-
-_SKIP = {"__init__", "base"}
+from adapters.configs import SCHEMAS
+from bench.core.errors import ConfigError
 
 
 def available() -> list[str]:
-    return sorted(p.stem for p in Path(__file__).parent.glob("*.py") if p.stem not in _SKIP and not p.stem.startswith("_"))
+    return sorted(SCHEMAS)
 
 
 def get_adapter_class(name: str):
-    if name not in available():
+    if name not in SCHEMAS:
         raise ConfigError(f"unknown adapter '{name}': choose one of {', '.join(available())} (adapter=NAME)")
     return importlib.import_module(f"adapters.{name}").ADAPTER
+
+
+def frameworks() -> dict[str, str]:
+    """Distribution name -> import name of every adapter's framework (torch included)."""
+    out = {}
+    for name in available():
+        cls = get_adapter_class(name)
+        out[cls.framework] = cls.framework_module
+    return out

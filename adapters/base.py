@@ -18,10 +18,11 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
-from bench.config import BenchConfig
-from bench.dist import DistContext
-from bench.errors import ConfigError
-from bench.timing import PhaseTimer
+from bench.core.config import BenchConfig
+from bench.core.dist import DistContext
+from bench.core.environments import ClusterEnvironment
+from bench.core.errors import ConfigError
+from bench.core.timing import PhaseTimer
 from workloads.base import Workload
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -31,10 +32,16 @@ class Adapter(ABC):
     name: ClassVar[str]
     kinds: ClassVar[tuple[str, ...]] = ("vision", "language")  # workload kinds supported
     framework: ClassVar[str] = "torch"  # distribution name whose version the record states
-    # `make smoke`: overrides that give this adapter's smallest run (after experiment=smoke)
-    smoke_overrides: ClassVar[tuple[str, ...]] = ()
+    framework_module: ClassVar[str] = "torch"  # its import name (checked by `make smoke`, listed in the record)
+    # ways of starting ranks that only this framework has (bench/core/environments.py), e.g. horovodrun
+    environments: ClassVar[tuple[type[ClusterEnvironment], ...]] = ()
 
     # --- before launch (class methods: no process group yet) ------------------------------------
+    @classmethod
+    def smoke_overrides(cls, devices: int) -> list[str]:
+        """`make smoke` / `make demo`: overrides (after experiment=smoke) for a small run on `devices` devices."""
+        return [f"launcher.nprocs={devices}"]
+
     @classmethod
     def validate(cls, cfg: BenchConfig, world_size: int) -> None:
         if cfg.workload.kind not in cls.kinds:
@@ -50,7 +57,7 @@ class Adapter(ABC):
     @classmethod
     def launch_command(cls, cfg: BenchConfig, world_size: int) -> list[str] | None:
         """launcher=local: the framework's own launcher that starts the ranks (e.g. horovodrun), to which
-        the launcher appends `python -m bench.rank RUN_DIR`; None = the launcher spawns them itself."""
+        the launcher appends `python -m bench.runner.rank RUN_DIR`; None = the launcher spawns them itself."""
         return None
 
     @classmethod
@@ -182,7 +189,11 @@ def tensor_bytes(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer 
     return {"params": params, "grads": grads, "optimizer": opt}
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank holds: a DTensor's (FSDP2, tensor parallel) local shard, else `t`."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _nbytes(t: torch.Tensor) -> int:
-    # DTensor (FSDP2 / tensor parallel): count the local shard this rank holds
-    local = t.to_local() if hasattr(t, "to_local") else t
+    local = local_tensor(t)
     return local.numel() * local.element_size()

@@ -12,9 +12,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from adapters.base import Adapter, Batch
-from bench.optim import build_optimizer, optimizer_step
-from bench.precision import autocast, grad_scaler
-from bench.timing import PhaseTimer
+from bench.core.optim import build_optimizer, optimizer_step
+from bench.core.precision import autocast, grad_scaler
+from bench.core.timing import PhaseTimer
 
 
 class DDPAdapter(Adapter):

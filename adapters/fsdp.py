@@ -15,13 +15,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from adapters.base import Adapter, Batch
-from bench.config import BenchConfig
-from bench.errors import ConfigError
-from bench.optim import build_optimizer, optimizer_step
-from bench.timing import PhaseTimer
+from adapters.base import Adapter, Batch, local_tensor
+from bench.core.config import BenchConfig
+from bench.core.errors import ConfigError
+from bench.core.precision import HALF_DTYPES
+from bench.core.optim import build_optimizer, optimizer_step
+from bench.core.timing import PhaseTimer
 
-HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shard_units(workload, model: nn.Module) -> list[nn.Module]:
@@ -42,14 +42,6 @@ def shard_units(workload, model: nn.Module) -> list[nn.Module]:
 class FSDPAdapter(Adapter):
     name = "fsdp"
 
-    @classmethod
-    def validate(cls, cfg: BenchConfig, world_size: int) -> None:
-        super().validate(cfg, world_size)
-        a = cfg.adapter
-        if a.offload_optimizer or a.offload_params:
-            raise ConfigError("adapter=fsdp does not offload in this harness: set adapter.offload_optimizer=false "
-                              "and adapter.offload_params=false (use adapter=zero for CPU offload on GPU)")
-
     def setup(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -59,8 +51,8 @@ class FSDPAdapter(Adapter):
         model = self.workload.build_model().to(self.device)
         mesh = init_device_mesh(self.device.type, (self.ctx.world_size,))
         # compute in half precision, reduce gradients and keep the sharded master parameters in fp32
-        self.mp_policy = MixedPrecisionPolicy(param_dtype=HALF.get(precision),
-                                              reduce_dtype=torch.float32 if precision in HALF else None)
+        self.mp_policy = MixedPrecisionPolicy(param_dtype=HALF_DTYPES.get(precision),
+                                              reduce_dtype=torch.float32 if precision in HALF_DTYPES else None)
         reshard = cfg.adapter.reshard_after_forward
         self.units = shard_units(self.workload, model)
         for unit in self.units:
@@ -128,7 +120,7 @@ def _local_bytes(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
-        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's local shard
+        t = local_tensor(t)
         total += t.numel() * t.element_size()
     return total
 

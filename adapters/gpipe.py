@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from adapters.base import Adapter, Batch, tensor_bytes
-from bench import pipeline as P
-from bench.config import BenchConfig
-from bench.errors import ConfigError
-from bench.optim import build_optimizer, clip_gradients
-from bench.precision import AutocastModule, grad_scaler
-from bench.timing import PhaseTimer
+from adapters import _pipeline as P
+from bench.core.config import BenchConfig
+from bench.core.errors import ConfigError
+from bench.core.optim import build_optimizer, optimizer_step
+from bench.core.precision import AutocastModule, grad_scaler
+from bench.core.timing import PhaseTimer
 from workloads import build_workload
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -35,7 +35,12 @@ CHECKPOINT_MODES = ("always", "except_last", "never")
 class GPipeAdapter(Adapter):
     name = "gpipe"
     framework = "torchgpipe"
-    smoke_overrides = ("adapter.microbatches=4",)  # smoke/demo sizes: a mini-batch of 4 x the micro-batch
+    framework_module = "torchgpipe"
+
+    @classmethod
+    def smoke_overrides(cls, devices: int) -> list[str]:
+        # one process driving `devices` partitions; a mini-batch of 4 x the micro-batch
+        return ["launcher.nprocs=1", f"adapter.pipeline_parallel={devices}", "adapter.microbatches=4"]
 
     # --- before launch ---------------------------------------------------------------------------
     @classmethod
@@ -149,19 +154,16 @@ class GPipeAdapter(Adapter):
         with timer.phase("optimizer"):
             for t in self.ties:
                 t.sum_local_grads()
-            if self.scaler:
-                self.scaler.unscale_(self.optimizer)
-            clip_gradients(self.unique_params, self.cfg.trainer.grad_clip)  # the tied gradient counted once
-            for t in self.ties:
-                t.copy.grad.copy_(t.main.grad)
-            if self.scaler:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
+            # clip over the unique parameters (the tied gradient counted once), then give the copy its sum
+            optimizer_step(self.optimizer, self.unique_params, self.cfg.trainer.grad_clip, self.scaler,
+                           before_step=self._copy_tied_grads)
             self.optimizer.zero_grad(set_to_none=False)  # keep gradient buffers, as DDP does: counted in state bytes
             self._sync()
         return total
+
+    def _copy_tied_grads(self) -> None:
+        for t in self.ties:
+            t.copy.grad.copy_(t.main.grad)
 
     @torch.no_grad()
     def eval_step(self, inputs, targets, weight):

@@ -6,7 +6,7 @@ broadcast rank 0's parameters, shard the data by `hvd.rank()` / `hvd.size()`.
 
 How ranks start (install: `make horovod`):
 - `launcher=local`: the launcher runs `horovodrun -np N -H localhost:N --gloo` for the user
-  (`launch_command`); each rank then runs `python -m bench.rank RUN_DIR`.
+  (`launch_command`); each rank then runs `python -m bench.runner.rank RUN_DIR`.
 - a user's own `horovodrun -np N ... python -m bench adapter=horovod`: ranks read HOROVOD_RANK etc.
 - `srun` / torchrun without horovodrun: a Gloo-only Horovod cannot read Slurm's environment (that
   needs an MPI build), so rank 0 runs Horovod's own rendezvous server (the one horovodrun starts)
@@ -33,11 +33,13 @@ from typing import Sequence
 import torch
 
 from adapters.base import Adapter, Batch
-from bench.config import BenchConfig
-from bench.errors import ConfigError
-from bench.optim import build_optimizer, optimizer_step
-from bench.precision import autocast, grad_scaler
-from bench.timing import PhaseTimer
+from bench.core.config import BenchConfig
+from bench.core.dist import DistContext, default_backend
+from bench.core.environments import ClusterEnvironment
+from bench.core.errors import ConfigError
+from bench.core.optim import build_optimizer, optimizer_step
+from bench.core.precision import autocast, grad_scaler
+from bench.core.timing import PhaseTimer
 
 INSTALL_HINT = "adapter=horovod needs Horovod: run `make horovod`"
 COMPRESSIONS = ("none", "fp16")
@@ -51,9 +53,36 @@ def _import_horovod():
     return hvd
 
 
+class HorovodrunEnvironment(ClusterEnvironment):
+    """A rank started by horovodrun: HOROVOD_RANK / HOROVOD_SIZE / HOROVOD_LOCAL_RANK. horovodrun (Gloo)
+    gives no address for the harness's own process group: MASTER_ADDR/PORT if set (launcher=local
+    passes them), else the rendezvous host and the next port."""
+
+    name = "horovodrun"
+
+    @staticmethod
+    def detect(env, launcher):
+        return all(k in env for k in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK"))
+
+    @staticmethod
+    def context(env, backend, master_port=0):
+        return DistContext(
+            rank=int(env["HOROVOD_RANK"]),
+            world_size=int(env["HOROVOD_SIZE"]),
+            local_rank=int(env["HOROVOD_LOCAL_RANK"]),
+            local_world_size=int(env.get("HOROVOD_LOCAL_SIZE", env["HOROVOD_SIZE"])),
+            master_addr=env.get("MASTER_ADDR") or env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT") or master_port or int(env.get("HOROVOD_GLOO_RENDEZVOUS_PORT", 29499)) + 1),
+            backend=default_backend(backend),
+            launcher="horovodrun",
+        )
+
+
 class HorovodAdapter(Adapter):
     name = "horovod"
     framework = "horovod"
+    framework_module = "horovod"
+    environments = (HorovodrunEnvironment,)
 
     @classmethod
     def validate(cls, cfg: BenchConfig, world_size: int) -> None:

@@ -43,12 +43,12 @@ from typing import Sequence
 import torch
 
 from adapters.base import Adapter, Batch, tensor_bytes
-from bench import vocab_parallel
-from bench.errors import ConfigError
-from bench.optim import build_optimizer
-from bench.pipeline import check_microbatches
-from bench.precision import autocast
-from bench.timing import PhaseTimer
+from adapters import _vocab_parallel as vocab_parallel
+from bench.core.errors import ConfigError
+from bench.core.optim import build_optimizer
+from adapters._pipeline import check_microbatches
+from bench.core.precision import autocast
+from bench.core.timing import PhaseTimer
 
 # Megatron's timer names (config.timers) -> the harness's phases. Gradient reductions count as
 # backward, as DDP's all-reduce does; pipeline send/recv waits stay outside every phase.
@@ -72,7 +72,11 @@ class MegatronAdapter(Adapter):
     name = "megatron"
     kinds = ("language",)
     framework = "megatron-core"
-    smoke_overrides = ("adapter.tensor_parallel=2",)
+    framework_module = "megatron.core"
+
+    @classmethod
+    def smoke_overrides(cls, devices: int) -> list[str]:
+        return [f"launcher.nprocs={devices}", f"adapter.tensor_parallel={2 if devices % 2 == 0 else 1}"]
 
     # --- before launch ----------------------------------------------------------------------------
     @classmethod

@@ -31,12 +31,12 @@ import torch.distributed as dist
 from torch import nn
 
 from adapters.base import Adapter, Batch
-from bench import pipeline as P
-from bench.config import BenchConfig
-from bench.errors import ConfigError
-from bench.optim import build_optimizer
-from bench.precision import AutocastModule
-from bench.timing import PhaseTimer
+from adapters import _pipeline as P
+from bench.core.config import BenchConfig
+from bench.core.errors import ConfigError
+from bench.core.optim import build_optimizer
+from bench.core.precision import AutocastModule
+from bench.core.timing import PhaseTimer
 from workloads import build_workload
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
@@ -44,7 +44,11 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
 
 class PipelineAdapter(Adapter):
     name = "pipeline"
-    smoke_overrides = ("adapter.microbatches=4",)  # smoke's batch of 4 splits into 4, not the default 8
+
+    @classmethod
+    def smoke_overrides(cls, devices: int) -> list[str]:
+        # smoke's batch of 4 splits into 4 micro-batches, not the default 4 x stages
+        return [f"launcher.nprocs={devices}", "adapter.microbatches=4"]
 
     # --- before launch ---------------------------------------------------------------------------
     @classmethod

@@ -25,16 +25,12 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from adapters.base import Adapter, Batch, tensor_bytes
-from bench import vocab_parallel
-from bench.errors import ConfigError
-from bench.optim import build_optimizer
-from bench.precision import autocast
-from bench.timing import PhaseTimer
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from adapters.base import Adapter, Batch, local_tensor, tensor_bytes
+from adapters import _vocab_parallel as vocab_parallel
+from bench.core.errors import ConfigError
+from bench.core.optim import build_optimizer
+from bench.core.precision import autocast
+from bench.core.timing import PhaseTimer
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
@@ -58,14 +54,12 @@ class TensorParallelAdapter(Adapter):
         if w.n_head % tp:
             raise ConfigError(f"workload.n_head={w.n_head} is not divisible by adapter.tensor_parallel={tp}: each "
                               f"rank computes whole attention heads")
-        if a.pipeline_parallel != 1:
-            raise ConfigError(f"adapter.pipeline_parallel={a.pipeline_parallel}: adapter=tensor_parallel has no pipeline; "
-                              f"use adapter=megatron for TP x PP")
-        if a.sequence_parallel:
-            raise ConfigError("adapter.sequence_parallel=true is not implemented by adapter=tensor_parallel; "
-                              "use adapter=megatron")
         if cfg.trainer.precision == "fp16":
             raise ConfigError("trainer.precision=fp16 is not supported by adapter=tensor_parallel; use bf16 or fp32")
+
+    @classmethod
+    def smoke_overrides(cls, devices: int) -> list[str]:
+        return [f"launcher.nprocs={devices}", f"adapter.tensor_parallel={2 if devices % 2 == 0 else 1}"]
 
     @classmethod
     def data_parallel_size(cls, cfg, world_size):
@@ -98,7 +92,7 @@ class TensorParallelAdapter(Adapter):
         self.optimizer = build_optimizer(self.params, self.cfg.optimizer)
 
         # first vocabulary id of this rank's slice (DTensor splits uneven sizes like torch.chunk)
-        rows = torch.tensor([_local(model.wte.weight).shape[0]], device=self.device)
+        rows = torch.tensor([local_tensor(model.wte.weight).shape[0]], device=self.device)
         all_rows = [torch.zeros_like(rows) for _ in range(self.tp)]
         dist.all_gather(all_rows, rows, group=self.tp_group)
         self.vocab_start = int(sum(r.item() for r in all_rows[: self.mesh.get_local_rank("tp")]))
@@ -125,7 +119,7 @@ class TensorParallelAdapter(Adapter):
                 loss = self.workload.loss(self.model(x), y) / n
             with timer.phase("backward"), loss_parallel():
                 loss.backward()
-            total += _local(loss.detach())  # replicated over the TP group
+            total += local_tensor(loss.detach())  # replicated over the TP group
         if self.dp > 1:
             with timer.phase("backward"):  # counted like DDP's all-reduce, which runs inside backward
                 self._average_gradients()
@@ -137,7 +131,7 @@ class TensorParallelAdapter(Adapter):
         return total
 
     def _average_gradients(self) -> None:
-        grads = [_local(p.grad) for p in self.params]
+        grads = [local_tensor(p.grad) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)  # SUM: gloo has no AVG
         flat /= self.dp
@@ -149,7 +143,7 @@ class TensorParallelAdapter(Adapter):
         sharded = torch.zeros((), device=self.device)
         replicated = torch.zeros((), device=self.device)
         for p in self.params:
-            sq = _local(p.grad).float().pow(2).sum()
+            sq = local_tensor(p.grad).float().pow(2).sum()
             if _is_sharded(p.grad):
                 sharded += sq
             else:
@@ -157,17 +151,17 @@ class TensorParallelAdapter(Adapter):
         dist.all_reduce(sharded, group=self.tp_group)
         norm = (sharded + replicated).sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
-        torch._foreach_mul_([_local(p.grad) for p in self.params], scale)
+        torch._foreach_mul_([local_tensor(p.grad) for p in self.params], scale)
 
     @torch.no_grad()
     def eval_step(self, inputs, targets, weight):
         with autocast(self.cfg.trainer.precision, self.device):
             logits = self.model(inputs)
-        return vocab_parallel.eval_sums(_local(logits), self.vocab_start, targets, weight, self.tp_group)
+        return vocab_parallel.eval_sums(local_tensor(logits), self.vocab_start, targets, weight, self.tp_group)
 
     def state_bytes(self) -> dict[str, int]:
         out = tensor_bytes(self.modules(), self.optimizer)
-        out["params_tp_sharded"] = sum(_local(p).numel() * p.element_size() for p in self.params if _is_sharded(p))
+        out["params_tp_sharded"] = sum(local_tensor(p).numel() * p.element_size() for p in self.params if _is_sharded(p))
         return out
 
     def describe(self) -> dict:

@@ -20,13 +20,13 @@ from typing import Sequence
 
 import torch
 
-from adapters.base import Adapter, Batch
-from bench.config import BenchConfig
-from bench.errors import ConfigError
-from bench.optim import build_optimizer
-from bench.timing import PhaseTimer
+from adapters.base import Adapter, Batch, local_tensor
+from bench.core.config import BenchConfig
+from bench.core.errors import ConfigError
+from bench.core.precision import HALF_DTYPES
+from bench.core.optim import build_optimizer
+from bench.core.timing import PhaseTimer
 
-HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Optimizers whose update reads each parameter tensor whole (LAMB/LARS trust ratio = ||w|| / ||update||
 # per layer). DeepSpeed hands the optimizer flat partitions under ZeRO >= 1 and under its bf16/fp16
 # optimizers, so the ratio would be computed over arbitrary slices: a different algorithm.
@@ -80,6 +80,7 @@ def deepspeed_config(cfg: BenchConfig, micro_batch: int, cuda: bool) -> dict:
 class ZeroAdapter(Adapter):
     name = "zero"
     framework = "deepspeed"
+    framework_module = "deepspeed"
 
     @classmethod
     def validate(cls, cfg: BenchConfig, world_size: int) -> None:
@@ -123,7 +124,7 @@ class ZeroAdapter(Adapter):
             model=model, optimizer=optimizer, model_parameters=model.parameters(), config=self.ds_config,
             dist_init_required=False,
         )
-        self.input_dtype = HALF.get(cfg.trainer.precision)  # DeepSpeed's bf16/fp16 modes hold half-precision weights
+        self.input_dtype = HALF_DTYPES.get(cfg.trainer.precision)  # DeepSpeed's bf16/fp16 modes hold half-precision weights
         self._probe_grads = True
         self._grad_bytes = (0, 0)  # (when the optimizer step begins, most at once during backward)
 
@@ -228,7 +229,7 @@ def _storages(tensors, exclude: frozenset = frozenset()) -> dict[int, int]:
     """{storage address: bytes} behind `tensors`: views into one flat buffer count once."""
     out: dict[int, int] = {}
     for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
+        t = local_tensor(t)
         if t.numel() == 0 or t.device.type == "meta":
             continue
         s = t.untyped_storage()

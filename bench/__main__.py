@@ -12,41 +12,32 @@ signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGUSR1, signal.SIGTERM))
 
 # Before torch is imported anywhere: one thread per rank on CPU (ranks share the cores).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# submitit (hydra/launcher=submitit_*) asks Slurm for its time-limit signal and handles it itself;
-# make that USR1, the signal the ranks turn into a graceful stop (read at submitit's import).
+# submitit (hydra/launcher=submitit_* and bench_slurm) asks Slurm for its time-limit signal and
+# handles it itself; make that USR1, the signal the ranks turn into a graceful stop (read at import).
 os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", "USR1")
-
-# Hydra takes launchers only from the `hydra_plugins` namespace package; ours lives in
-# bench/plugins/hydra_plugins/ (no __init__.py, so it merges with the installed plugins).
-# PYTHONPATH too: submitit's job processes unpickle the launcher's callable and need the module.
-_PLUGINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins")
-sys.path.append(_PLUGINS)
-_paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-os.environ["PYTHONPATH"] = os.pathsep.join(_paths if _PLUGINS in _paths else [*_paths, _PLUGINS])  # nested runs add it once
-
-import warnings  # noqa: E402
-
-# conf/hydra/launcher/submitit_*.yaml share their names with the plugin's schemas on purpose (Hydra
-# then type-checks them against those); Hydra 1.3 warns that this matching is deprecated.
-warnings.filterwarnings("ignore", message=r"(?s).*validated against ConfigStore schema with the same name")
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from bench.config import register_configs  # noqa: E402
-from bench.errors import ConfigError  # noqa: E402
+from bench.core.errors import ConfigError  # noqa: E402
+from bench.runner.compose import compose, conf_dir, register_configs  # noqa: E402
 
 register_configs()
 
+# Hydra's own flags that print or inspect instead of running: Hydra handles them
+_HYDRA_FLAGS = {"-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package", "--resolve",
+                "--shell-completion", "-sc", "--version", "-cp", "--config-path", "-cn", "--config-name",
+                "-cd", "--config-dir", "--experimental-rerun"}
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 def _hydra_main(cfg: DictConfig) -> int:
     from bench.sweep import apply_hydra_context, skip_if_done
 
     apply_hydra_context(cfg)  # sweep point id; a multirun's records go to its sweep folder
     if skip_if_done(cfg):
         return 0
-    from bench.run import launch
+    from bench.runner.launch import launch
 
     try:
         code = launch(cfg)
@@ -67,10 +58,25 @@ def _in_multirun() -> bool:
         return False
 
 
+def _precheck(argv: list[str]) -> None:
+    """A single run's overrides composed first, so a bad key or value is one line (Hydra's own message
+    spans several, with a hint about stack traces) and exit 2, before Hydra or any rank starts."""
+    if set(argv) & _HYDRA_FLAGS or any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):
+        return
+    try:
+        compose(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> None:
-    if {"-m", "--multirun"} & set(sys.argv[1:]):
+    argv = sys.argv[1:]
+    if {"-m", "--multirun"} & set(argv):
         # a sweep's parent only submits and waits (its points block and unblock for themselves)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGUSR1, signal.SIGTERM))
+    else:
+        _precheck(argv)
     _hydra_main()
 
 

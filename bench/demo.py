@@ -2,7 +2,7 @@
 
 Each point is one `python -m bench ...` subprocess, as a user would run it, on a tiny GPT-2 with
 synthetic data: ddp at 1 and 2 ranks, every other installed adapter at 2 ranks (its
-`smoke_overrides` applied, e.g. a pipeline's schedule). A point that fails, times out or is
+`smoke_overrides` applied, e.g. a pipeline's micro-batches). A point that fails, times out or is
 refused before launch is recorded as such and the sweep goes on; the report shows it. Records go
 to RESULTS/demo/<run_id>/ (the previous demo's are removed first unless --keep), the report to
 RESULTS/demo/report/.
@@ -15,16 +15,15 @@ RESULTS/demo/report/.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from adapters import available, get_adapter_class
-from bench.records import RunRecord, new_run_id
+from bench.core.records import RunWriter, new_run_id
+from bench.invoke import run_bench
 from bench.smoke import framework_installed
 
 # Small enough that the default sweep takes a few minutes on 2 cores; full epochs (no max_steps), so
@@ -58,15 +57,12 @@ def parse_points(args) -> list[tuple[str, int]]:
     return default_points()
 
 
-def _record_not_run(root: Path, adapter: str, ranks: int, status: str, error: str, overrides: list[str]) -> Path:
+def _record_not_run(root: Path, adapter: str, ranks: int, status: str, error: str, overrides: list[str]) -> None:
     """A point that never produced a record of its own (refused, not installed): write one, so the
     report lists it with the reason."""
     run_dir = root / EXPERIMENT / new_run_id(adapter, "gpt2_tiny", ranks)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    RunRecord(run_dir).write_summary({"status": status, "run_id": run_dir.name, "experiment": EXPERIMENT,
-                                      "adapter": adapter, "workload": "gpt2_tiny", "world_size": ranks,
-                                      "error": error, "overrides": overrides})
-    return run_dir
+    RunWriter(run_dir, {"experiment": EXPERIMENT, "adapter": adapter, "workload": "gpt2_tiny", "world_size": ranks,
+                        "overrides": overrides}).fail(status, error)
 
 
 def run_point(root: Path, adapter: str, ranks: int, extra: list[str], timeout: float) -> tuple[str, str]:
@@ -77,44 +73,19 @@ def run_point(root: Path, adapter: str, ranks: int, extra: list[str], timeout: f
         _record_not_run(root, adapter, ranks, "failed", f"{type(e).__name__}: {e}", overrides)
         return "failed", str(e)
     if not framework_installed(cls):
-        msg = f"skipped: {cls.framework} is not installed"
-        _record_not_run(root, adapter, ranks, "failed", msg, overrides)
-        return "failed", msg
-    # adapter needs first, then the demo's sizes and rank count (later overrides win in Hydra)
-    overrides += [*getattr(cls, "smoke_overrides", ()), *COMMON, f"launcher.nprocs={ranks}", *extra]
-    run_id = new_run_id(adapter, "gpt2_tiny", ranks)
-    cmd = [sys.executable, "-m", "bench", *overrides, f"results.root={root}", f"results.experiment={EXPERIMENT}",
-           f"results.run_id={run_id}"]
-    run_dir = root / EXPERIMENT / run_id
-    # own session: on timeout the whole tree (launcher + ranks) is ended, nothing else
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        msg = f"demo: point exceeded --timeout {timeout:.0f}s"
-        record = RunRecord(run_dir)
-        summary = record.summary()
-        if summary is None:
-            _record_not_run(root, adapter, ranks, "timeout", msg, overrides)
-        elif summary.get("status") in ("running", "failed"):
-            summary.update(status="timeout", error=msg)
-            record.write_summary(summary)
-        return "timeout", msg
-    summary = RunRecord(run_dir).summary()
-    if summary is None:  # refused before launch (bad config for this adapter): one line on stderr
-        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-        msg = next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else f"exit {proc.returncode}")
-        _record_not_run(root, adapter, ranks, "failed", msg, overrides)
-        return "failed", msg
-    if summary.get("status") != "ok":
-        return summary.get("status", "failed"), summary.get("error") or f"exit {proc.returncode}"
-    return "ok", f"epoch {summary.get('epoch_time_mean_s', 0):.2f}s  step {summary.get('step_time_mean_s') or 0:.4f}s"
+        msg = f"{cls.framework} is not installed"
+        _record_not_run(root, adapter, ranks, "skipped", msg, overrides)
+        return "skipped", msg
+    # the adapter's layout first, then the demo's sizes (later overrides win in Hydra)
+    overrides += [*cls.smoke_overrides(ranks), *COMMON, *extra]
+    run = run_bench(overrides, root=root, experiment=EXPERIMENT, timeout=timeout, run_name=(adapter, "gpt2_tiny", ranks))
+    if run.run_dir is None:  # refused before launch (bad config for this adapter): one line on stderr
+        _record_not_run(root, adapter, ranks, "failed", run.error_line, overrides)
+        return "failed", run.error_line
+    if not run.ok:
+        return run.status, run.error_line
+    s = run.summary
+    return "ok", f"epoch {s.get('epoch_time_mean_s') or 0:.2f}s  step {s.get('step_time_mean_s') or 0:.4f}s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,13 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         results.append(status)
         print(f"  {adapter:<16} x{ranks}  {status:<8} {detail}  ({time.perf_counter() - t:.0f}s)", flush=True)
 
-    from analysis.report import write_report
-
-    report = write_report(folder, folder / "report")
+    # the report reads the records only: analysis runs as its own command
+    report = subprocess.run([sys.executable, "-m", "analysis", "report", str(folder), "--out", str(folder / "report")])
     ok = results.count("ok")
-    print(f"demo: {ok}/{len(points)} points ok in {time.perf_counter() - t0:.0f}s")
-    print(f"report: {report.resolve()}")
-    return 0 if ok else 1
+    print(f"demo: {ok}/{len(points)} points ok, {results.count('skipped')} skipped "
+          f"(framework not installed) in {time.perf_counter() - t0:.0f}s")
+    return 0 if ok and report.returncode == 0 else 1
 
 
 if __name__ == "__main__":

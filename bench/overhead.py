@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,34 +20,29 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
+def _compose(overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
 
-    from bench.config import BenchConfig, register_configs
+    from bench.runner.compose import compose, typed
 
-    register_configs()
-    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-    with initialize_config_dir(conf, version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(BenchConfig), cfg), resolve=True)
+    return OmegaConf.to_container(typed(compose(overrides)), resolve=True)
 
 
 def _rank(rank: int, cfg_dict: dict, world: int, port: int, blocks: int, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
     from adapters.ddp import DDPAdapter
-    from bench.config import BenchConfig
-    from bench.dist import DistContext, init_process_group, set_cpu_threads
-    from bench.optim import build_optimizer
-    from bench.trainer import Trainer
+    from bench.core.dist import DistContext, init_process_group, set_cpu_threads
+    from bench.core.optim import build_optimizer
+    from bench.runner.compose import typed
+    from bench.runner.plan import make_plan
+    from bench.runner.trainer import Trainer
     from workloads import build_workload
 
-    cfg = OmegaConf.merge(OmegaConf.structured(BenchConfig), cfg_dict)
+    cfg = typed(cfg_dict)
     cfg.trainer.progress = False
     set_cpu_threads(1)
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, local_world_size=world, master_port=port,
@@ -87,7 +81,7 @@ def _rank(rank: int, cfg_dict: dict, world: int, port: int, blocks: int, steps: 
     torch.manual_seed(cfg.trainer.seed)
     adapter = DDPAdapter(cfg, workload, ctx)
     adapter.setup()
-    trainer = Trainer(cfg, ctx, adapter, workload, record=None)
+    trainer = Trainer(cfg, make_plan(cfg, "local", world, check=False), ctx, adapter, workload, record=None)
     harness_data = endless_loader()
 
     def timed(fn) -> float:
@@ -120,20 +114,21 @@ def _rank(rank: int, cfg_dict: dict, world: int, port: int, blocks: int, steps: 
 
 def measure_startup(overrides: list[str]) -> float:
     """Seconds from `python -m bench` starting to its first finished step (from the run's record)."""
-    import json
     from pathlib import Path
 
+    from bench.invoke import run_bench
+
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "bench", "experiment=smoke", *overrides, f"results.root={tmp}"],
-                       check=True, capture_output=True)
-        summary = json.loads(next(Path(tmp).rglob("summary.json")).read_text())
-        return summary["startup_s"]
+        run = run_bench(["experiment=smoke", *overrides], root=Path(tmp), experiment="startup", timeout=600)
+        if not run.ok:
+            raise SystemExit(f"error: the startup run failed: {run.error_line}")
+        return run.summary["startup_s"]
 
 
 def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
-    from bench.dist import free_port
+    from bench.core.dist import free_port
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=6)

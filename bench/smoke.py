@@ -1,55 +1,90 @@
-"""`make smoke`: every installed adapter x its smallest workload for a few steps, one line each.
+"""`make smoke` / `python -m bench.smoke [--world-size N] [ADAPTER ...]`: every installed adapter for a
+few steps on the devices there are, one line each.
 
-Runs on whatever device is there (one GPU on a GPU CI runner, CPU here). Exit code 1 if any
-installed adapter fails; an adapter whose framework is not installed is listed as skipped.
+N defaults to the visible GPUs (a one-GPU CI runner: 1), or 2 on a CPU-only machine. Each adapter
+runs at the largest world size <= N that its layout allows (`Adapter.smoke_overrides`; at N=1:
+ddp, zero, fsdp, megatron TP=1, tensor_parallel 1, gpipe with one partition, horovod 1); an adapter
+that cannot run at any size <= N is *skipped with its reason*, as is one whose framework is not
+installed — except under CI=true, where a missing framework is a failure (CI installs them all).
+Exit 1 only on a real failure. Each run has a timeout (--timeout) that ends its launcher and ranks.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
-import json
-import subprocess
+import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from adapters import available, get_adapter_class
+from bench.core.errors import ConfigError
+from bench.invoke import run_bench
+from bench.runner.compose import compose, typed, visible_gpus
+from bench.runner.plan import make_plan
 
 
 def framework_installed(cls) -> bool:
-    module = {"megatron-core": "megatron.core"}.get(cls.framework, cls.framework)
-    return importlib.util.find_spec(module) is not None
+    return importlib.util.find_spec(cls.framework_module) is not None
 
 
-def run_one(name: str, root: Path) -> tuple[str, str]:
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def smoke_point(name: str, world_size: int, root: Path) -> tuple[list[str] | None, str]:
+    """The overrides of the largest valid smoke run of `name` on <= world_size devices, or (None, why)."""
+    cls = get_adapter_class(name)
+    why = ""
+    for devices in range(world_size, 0, -1):
+        overrides = ["experiment=smoke", f"adapter={name}", *cls.smoke_overrides(devices)]
+        try:
+            make_plan(typed(compose([*overrides, f"results.root={root}"])), "local")
+            return overrides, ""
+        except ConfigError as e:
+            why = why or str(e)
+    return None, f"cannot run on <= {world_size} device(s): {why}"
+
+
+def run_one(name: str, world_size: int, root: Path, timeout: float) -> tuple[str, str]:
     cls = get_adapter_class(name)
     if not framework_installed(cls):
-        return "skipped", f"{cls.framework} not installed"
-    cmd = [sys.executable, "-m", "bench", "experiment=smoke", f"adapter={name}", *cls.smoke_overrides,
-           f"results.root={root}", f"results.experiment=smoke-{name}"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    summaries = list((root / f"smoke-{name}").rglob("summary.json"))
-    s = json.loads(summaries[0].read_text()) if summaries else {}
-    if proc.returncode != 0 or s.get("status") != "ok":
-        err = s.get("error") or (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return "FAILED", f"{err} ({wall:.0f}s)"
-    step = s.get("step_time_mean_s")
-    return "ok", f"{s['workload']} x{s['world_size']}  step {step:.4f}s  loss {s.get('train_loss'):.3f}  ({wall:.0f}s)"
+        reason = f"{cls.framework} not installed"
+        return ("FAILED", f"{reason} (CI=true: CI must install every framework)") if in_ci() else ("skipped", reason)
+    overrides, why = smoke_point(name, world_size, root)
+    if overrides is None:
+        return "skipped", why
+    run = run_bench(overrides, root=root, experiment=f"smoke-{name}", timeout=timeout, run_name=(name, "smoke", world_size))
+    if not run.ok:
+        return "FAILED", f"{run.status}: {run.error_line} ({run.wall_s:.0f}s)"
+    s = run.summary
+    return "ok", (f"{s['workload']} x{s['devices']} device(s)  step {s['step_time_mean_s']:.4f}s  "
+                  f"loss {s['train_loss']:.3f}  ({run.wall_s:.0f}s)")
 
 
-def main(argv: list[str]) -> int:
-    names = argv or available()
-    failed = 0
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.smoke", description=__doc__.split("\n\n")[0])
+    p.add_argument("adapters", nargs="*", help=f"adapters to run (default: all of {', '.join(available())})")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="devices to use at most (default: the visible GPUs, or 2 on a CPU-only machine)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per adapter before its run is ended")
+    args = p.parse_args(argv)
+    world = args.world_size or visible_gpus() or 2
+    names = args.adapters or available()
+    unknown = [n for n in names if n not in available()]
+    if unknown or world < 1:
+        print(f"error: unknown adapter(s) {', '.join(unknown)}: choose from {', '.join(available())}" if unknown
+              else f"error: --world-size={world} must be >= 1", file=sys.stderr)
+        return 2
+    counts = {"ok": 0, "skipped": 0, "FAILED": 0}
     with tempfile.TemporaryDirectory(prefix="bench-smoke-") as tmp:
         for name in names:
-            status, detail = run_one(name, Path(tmp))
-            failed += status == "FAILED"
+            status, detail = run_one(name, world, Path(tmp), args.timeout)
+            counts[status] += 1
             print(f"smoke {name:<16} {status:<8} {detail}", flush=True)
-    print(f"smoke: {len(names) - failed} passed, {failed} failed")
-    return 1 if failed else 0
+    print(f"smoke (world size <= {world}): {counts['ok']} passed, {counts['skipped']} skipped, {counts['FAILED']} failed")
+    return 1 if counts["FAILED"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

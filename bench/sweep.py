@@ -29,8 +29,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
+from bench.invoke import run_bench
+
+REPO = Path(__file__).resolve().parents[1]  # a source checkout: slurm/ beside bench/
 
 # Overrides that do not change what is measured: where records go, how ranks find each other.
 _NOT_PART_OF_POINT = ("results.", "hydra.", "hydra/")
@@ -90,22 +91,13 @@ def layout(overrides: list[str]) -> tuple[int, int]:
 
 def compose_point(overrides: list[str]):
     """The config `python -m bench <overrides>` would run, with its point id (no torch import)."""
-    from hydra import compose, initialize_config_dir
+    from bench.core.errors import ConfigError
+    from bench.runner.compose import compose
 
-    from bench.config import register_configs
-
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from bench.errors import ConfigError
-
-    register_configs()
     try:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose("config", overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"point `{shlex.join(overrides)}`: {first}") from None
+        cfg = compose(list(overrides))
+    except ConfigError as e:
+        raise ConfigError(f"point `{shlex.join(overrides)}`: {e}") from None
     if cfg.results.point is None:
         cfg.results.point = point_id(overrides)
     return cfg
@@ -125,7 +117,7 @@ def slurm_shape(ranks: int, devices: int, gpus_per_node: int | None) -> tuple[in
     per_node = max(1, gpus_per_node // devices)
     nodes = -(-ranks // per_node)
     if ranks % nodes:
-        from bench.errors import ConfigError
+        from bench.core.errors import ConfigError
 
         raise ConfigError(f"{ranks} ranks do not split evenly over {nodes} nodes of {gpus_per_node} GPUs; "
                           "change gpus_per_node or the point's rank count")
@@ -207,14 +199,13 @@ def _run(args) -> int:
     extra = [*args.extra, *(["results.resume=true"] if args.resume else [])]
     failed = []
     for i, point in enumerate(points):
-        cmd = [sys.executable, "-m", "bench", *point, *extra]
         print(f"[{i + 1}/{len(points)}] point {point_id([*point, *args.extra])}: {shlex.join(point)}", flush=True)
         if args.dry_run:
-            print("  " + shlex.join(cmd))
+            print("  " + shlex.join([sys.executable, "-m", "bench", *point, *extra]))
             continue
-        code = subprocess.run(cmd).returncode
-        if code:
-            failed.append((i, code))
+        run = run_bench([*point, *extra], capture=False)  # output to the terminal; a failed point does not stop the sweep
+        if run.returncode:
+            failed.append((i, run.returncode))
     for i, code in failed:
         print(f"point {i} ({shlex.join(points[i])}) exited {code}", file=sys.stderr)
     return 1 if failed else 0
@@ -276,7 +267,7 @@ def main(argv=None) -> int:
     p.add_argument("index", type=int)
     p.add_argument("--resume", action="store_true", help="print `skip` if the point already has an ok record")
     args = parser.parse_args(argv)
-    from bench.errors import ConfigError
+    from bench.core.errors import ConfigError
 
     try:
         return _dispatch(args, extra)

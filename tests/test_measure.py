@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench import memory
-from bench.data import StepShardedSampler, eval_loader
-from bench.timing import PhaseTimer
+from bench.core import memory
+from bench.core.data import StepShardedSampler, eval_loader
+from bench.core.timing import PhaseTimer
 from tests.helpers import bench, check_ok, events, only_run, summary
 
 CPU = torch.device("cpu")

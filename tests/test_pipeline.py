@@ -126,14 +126,13 @@ def test_interleaved_1f1b_on_2x2_mesh_equals_unpipelined(tmp_path, reference):
 # --- in-process checks of the adapters themselves (no process group needed for GPipe) --------------------
 def _gpipe(workload: str, trainer: dict | None = None, **adapter):
     from adapters.gpipe import GPipeAdapter
-    from bench.config import BenchConfig
-    from bench.dist import DistContext
+    from bench.core.dist import DistContext
+    from bench.runner.compose import compose, typed
     from workloads import build_workload
 
-    cfg = OmegaConf.structured(BenchConfig)
-    cfg.workload = OmegaConf.merge(cfg.workload, OmegaConf.load(REPO / "conf/workload" / f"{workload}.yaml"))
-    cfg.adapter = OmegaConf.merge(cfg.adapter, OmegaConf.load(REPO / "conf/adapter/gpipe.yaml"), adapter)
-    cfg.trainer = OmegaConf.merge(cfg.trainer, {"batch_size": 4, **(trainer or {})})
+    cfg = typed(compose(["adapter=gpipe", f"workload={workload}", "trainer.batch_size=4",
+                         *(f"adapter.{k}={v}" for k, v in adapter.items()),
+                         *(f"trainer.{k}={v}" for k, v in (trainer or {}).items())]))
     wl = build_workload(cfg.workload, cfg.data)
     torch.manual_seed(0)
     reference = wl.build_model()
@@ -153,7 +152,7 @@ def test_deferred_batch_norm_keeps_full_batch_running_statistics():
     from the whole mini-batch of 32 inputs it saw (unbiased variance, as torch's BatchNorm keeps), not
     once per micro-batch. Expected values: a plain model run on the same micro-batches, with hooks
     collecting each BatchNorm's inputs."""
-    from bench.timing import PhaseTimer
+    from bench.core.timing import PhaseTimer
 
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
@@ -229,17 +228,11 @@ def test_bad_input_is_one_line_before_launch(tmp_path):
     (["adapter=gpipe", "adapter.checkpoint=sometimes"], "choose always, except_last, never"),
 ])
 def test_bad_pipeline_config_is_refused(tmp_path, overrides, message):
-    from hydra import compose, initialize_config_dir
+    from bench.core.errors import ConfigError
+    from bench.runner.compose import compose, typed
+    from bench.runner.plan import make_plan
 
-    from adapters import get_adapter_class
-    from bench.config import register_configs
-    from bench.errors import ConfigError
-    from bench.run import prepare
-
-    register_configs()
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*overrides, f"results.root={tmp_path}"])
-    world = get_adapter_class(cfg.adapter.name).processes(cfg)
+    cfg = typed(compose([*overrides, f"results.root={tmp_path}"]))
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")) as e:
-        prepare(cfg, world)
+        make_plan(cfg, "local")
     assert "\n" not in str(e.value)

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.records import RunRecord, write_json
+from bench.core.records import RunRecord, write_json
 from tests.helpers import REPO, bench, check_ok, run_dirs, summary
 
 SMALL = ["experiment=smoke", "trainer.progress=false"]

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from analysis.memory_study import VARIANTS, expected_state, paper_formula, param_numels
+from bench.memory_study import VARIANTS, expected_state, paper_formula, param_numels
 from tests.helpers import bench, check_ok, only_run, run_dirs, step_losses, summary
 
 STEPS = ["trainer.max_steps=8", "trainer.batch_size=4", "trainer.max_eval_batches=2", "trainer.progress=false",
@@ -176,7 +176,7 @@ def test_zero_and_fsdp_clip_gradients_like_ddp(tmp_path):
     (["adapter=zero3", "adapter.offload_params=true"], "adapter.offload_params=true moves state from GPU to CPU"),
     (["adapter=zero2", "optimizer=lamb"], "optimizer.name=lamb: its per-layer trust ratio needs whole parameter tensors"),
     (["adapter=zero", "adapter.stage=0", "trainer.precision=bf16", "optimizer=lars"], "with trainer.precision=bf16"),
-    (["adapter=fsdp", "adapter.offload_params=true"], "adapter=fsdp does not offload"),
+    (["adapter=fsdp", "adapter.offload_params=true"], "adapter.offload_params is not a key of adapter=fsdp"),
 ])
 def test_bad_input_fails_before_ranks_start(tmp_path, overrides, message):
     proc = bench(*overrides, results=tmp_path, timeout=120)
@@ -191,10 +191,9 @@ def test_deepspeed_config_for_gpu_only_settings():
     from omegaconf import OmegaConf
 
     from adapters.zero import deepspeed_config
-    from bench.config import BenchConfig
+    from bench.runner.compose import compose, typed
 
-    cfg = OmegaConf.structured(BenchConfig)
-    cfg.adapter.stage, cfg.adapter.offload_optimizer, cfg.adapter.offload_params = 3, True, True
+    cfg = typed(compose(["adapter=zero3", "adapter.offload_optimizer=true", "adapter.offload_params=true"]))
     cfg.trainer.precision, cfg.trainer.grad_clip, cfg.trainer.grad_accum = "fp16", 1.5, 2
     cfg.optimizer.name = "adam"
     c = deepspeed_config(cfg, micro_batch=8, cuda=True)

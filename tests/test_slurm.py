@@ -20,7 +20,7 @@ import psutil
 import pytest
 import yaml
 
-from bench.errors import ConfigError
+from bench.core.errors import ConfigError
 from bench.sweep import expand_grid, point_id, read_points, slurm_shape
 from tests.helpers import REPO, bench, check_ok, run_dirs, summary
 
@@ -268,7 +268,7 @@ def test_usr1_to_running_job_gives_preempted_record_and_no_orphans(slurm, tmp_pa
 
 @pytest.mark.slurm
 def test_hydra_multirun_through_submitit_slurm(slurm, tmp_path):
-    proc = bench("-m", "hydra/launcher=submitit_slurm", "experiment=smoke", "launcher.nprocs=1,2", *TINY,
+    proc = bench("-m", "hydra/launcher=bench_slurm", "experiment=smoke", "launcher.nprocs=1,2", *TINY,
                  results=tmp_path, timeout=400)
     check_ok(proc)
     recs = records(tmp_path)

@@ -108,7 +108,7 @@ def test_megatron_wikitext2_perplexity_falls(tmp_path, data_root):
 
 def _sharded_and_total_bytes():
     """Parameter bytes of the harness GPT-2 (this test's dimensions) that torch TP shards, and in all."""
-    from bench.config import DataConfig, WorkloadConfig
+    from bench.core.config import DataConfig, WorkloadConfig
     from workloads.gpt2 import GPT2Workload
 
     cfg = WorkloadConfig(name="gpt2_tiny", kind="language", arch="gpt2", n_layer=2, n_head=4, n_embd=WIDTH, seq_len=32)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.config import DataConfig, WorkloadConfig
-from bench.errors import ConfigError
+from bench.core.config import DataConfig, WorkloadConfig
+from bench.core.errors import ConfigError
 from workloads import build_workload
 from workloads import data as D
 from workloads.gpt2 import GPT2, CausalSelfAttention, GPT2Config, qkv_from_hf, qkv_to_hf

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from bench.config import DataConfig, WorkloadConfig
+from bench.core.config import DataConfig, WorkloadConfig
 
 
 class Workload(ABC):

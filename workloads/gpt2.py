@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.config import DataConfig, WorkloadConfig
-from bench.errors import ConfigError
+from bench.core.config import DataConfig, WorkloadConfig
+from bench.core.errors import ConfigError
 from workloads import data as D
 from workloads.base import Workload
 

@@ -22,8 +22,8 @@ from torch import nn
 from torchvision.models import resnet as tv_resnet
 from torchvision.models import vgg as tv_vgg
 
-from bench.config import DataConfig, WorkloadConfig
-from bench.errors import ConfigError
+from bench.core.config import DataConfig, WorkloadConfig
+from bench.core.errors import ConfigError
 from workloads import data as D
 from workloads.base import Workload
 

@@ -1,17 +1,18 @@
-"""Hydra launchers behind `python -m bench -m hydra/launcher=submitit_slurm|submitit_local ...`.
+"""The Hydra launcher behind `python -m bench -m hydra/launcher=bench_slurm ...`.
 
-Hydra only instantiates launchers from the `hydra_plugins` namespace package, hence this folder
-(no __init__.py: it merges with the installed hydra_plugins; bench/__main__.py puts bench/plugins
-on sys.path). conf/hydra/launcher/submitit_slurm.yaml
-names this class as `_target_`; its fields are the stock plugin's (Hydra checks them against the
-stock schema of the same name), with `gpus_per_node` meaning the GPUs of one node of the cluster.
+Hydra only instantiates launchers from the `hydra_plugins` namespace package: this package is
+installed as `hydra_plugins.trainbench_launcher` (pyproject.toml maps it from
+bench/plugins/hydra_plugins/), Hydra's documented plugin layout, so it is found with no
+sys.path or PYTHONPATH edits. conf/hydra/launcher/bench_slurm.yaml names this class as
+`_target_` and extends the stock plugin's schema (`submitit_slurm`) in its defaults list, with
+`gpus_per_node` meaning the GPUs of one node of the cluster.
 
 Why not the stock submitit Slurm launcher as is: it submits the whole sweep as one job array, and
 Slurm gives every task of an array the same resources, while benchmark points differ in rank
 count (the paper's 1..64 GPUs). This one composes each point's config, asks its adapter how many
 ranks it needs, and submits one array per allocation shape: one Slurm task per rank, spread over
 nodes by `gpus_per_node`. Every task runs the Hydra job (`python -m bench`'s task function), which
-sees SUBMITIT_EXECUTOR=slurm and becomes the rank SLURM_PROCID of the point (bench/run.py).
+sees SUBMITIT_EXECUTOR=slurm and becomes the rank SLURM_PROCID of the point (bench/runner/launch.py).
 """
 import dataclasses
 import logging

@@ -20,8 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-FRAMEWORKS = ("torch", "torchvision", "deepspeed", "megatron-core", "torchgpipe", "horovod", "hydra-core", "nvtx")
-STATUSES = ("running", "ok", "failed", "oom", "timeout", "preempted")
+# versions every record states; the runner adds each adapter's framework (from the adapter registry)
+BASE_PACKAGES = ("torch", "torchvision", "hydra-core", "nvtx")
+# skipped: a driver never ran the point (its framework is not installed); the rest are a run's own outcomes
+STATUSES = ("running", "ok", "failed", "oom", "timeout", "preempted", "skipped")
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -62,10 +64,10 @@ class RunRecord:
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir)
 
-    def create(self, config_yaml: str) -> None:
+    def create(self, config_yaml: str, packages: tuple[str, ...] = ()) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         atomic_write(self.dir / "config.yaml", config_yaml)
-        write_json(self.dir / "env.json", environment())
+        write_json(self.dir / "env.json", environment(packages))
 
     def append_event(self, event: dict) -> None:
         path = self.dir / "events.jsonl"
@@ -93,6 +95,34 @@ class RunRecord:
         return [read_json(p) for p in sorted(self.dir.glob("error-rank*.json"))]
 
 
+class RunWriter:
+    """The one writer of a run's summary.json: `start` (status running), `fail`, `finish`. Every summary
+    carries the run's identity (RunPlan.identity()) and run_id, whatever its status."""
+
+    def __init__(self, run_dir: Path, identity: dict):
+        self.record = RunRecord(run_dir)
+        self.identity = {"run_id": Path(run_dir).name, **identity}
+
+    @property
+    def dir(self) -> Path:
+        return self.record.dir
+
+    def start(self, config_yaml: str, packages: tuple[str, ...] = ()) -> None:
+        self.record.create(config_yaml, packages)
+        self.record.write_summary({"status": "running", **self.identity})
+
+    def fail(self, status: str, error: str, failed_rank: int | None = None, **extra) -> None:
+        """A failed outcome; the first word wins: an outcome already written (by rank 0) is kept."""
+        current = self.record.summary() or {}
+        if current.get("status") not in (None, "running"):
+            return
+        self.record.write_summary({**current, **self.identity, "status": status, "error": error,
+                                   "failed_rank": failed_rank, **extra})
+
+    def finish(self, summary: dict) -> None:
+        self.record.write_summary({**summary, **self.identity})
+
+
 def _git_sha() -> str | None:
     try:
         here = Path(__file__).resolve().parent
@@ -102,9 +132,9 @@ def _git_sha() -> str | None:
         return None
 
 
-def environment() -> dict:
+def environment(packages: tuple[str, ...] = ()) -> dict:
     versions = {}
-    for name in FRAMEWORKS:
+    for name in dict.fromkeys((*BASE_PACKAGES, *packages)):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

@@ -1,9 +1,10 @@
-"""Structured-config schema for the harness.
+"""Structured-config schema of the harness (plumbing: imports no workload, adapter or runner).
 
-Every group in conf/ has a dataclass here, registered in Hydra's ConfigStore as the group's
-schema, so a misspelt key or a wrong type fails in Hydra with its own clear message before any
-rank starts. Adapter knobs are flat fields of `AdapterConfig`: an adapter reads the fields it
-understands and its `validate()` refuses values it cannot honour.
+`BenchConfig` is the schema of the whole tree (conf/config.yaml). The `adapter` group is typed by
+the small base `AdapterConfig` (name, batch_policy); each adapter's own schema is a subclass that
+lives with the adapters (adapters/configs.py) and is stored in the ConfigStore under group
+`adapter`, so `adapter=ddp adapter.stage=3` fails in Hydra (DDPConfig has no `stage`) before any
+rank starts. The runner registers both (bench/runner/compose.py).
 """
 from __future__ import annotations
 
@@ -56,49 +57,22 @@ class DataConfig:
 
 @dataclass
 class AdapterConfig:
-    name: str = "ddp"
-    # data parallel (ddp)
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = True
-    sync_batchnorm: bool = False
-    # ZeRO (DeepSpeed) / FSDP
-    stage: int = 0
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
-    reduce_bucket_size: int = 5_000_000
-    allgather_bucket_size: int = 5_000_000
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    reshard_after_forward: bool = True
-    # ZeRO-3: parameters with fewer elements stay whole on every rank (DeepSpeed's default 1e5); 0 = shard all
-    param_persistence_threshold: int = 100_000
-    # model parallel (megatron, tensor_parallel, pipelines)
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    sequence_parallel: bool = False
-    # megatron: vocabulary padded to a multiple of this x tensor_parallel (Megatron-LM's flag of that name)
-    make_vocab_size_divisible_by: int = 128
-    schedule: str = "gpipe"  # pipeline: gpipe | 1f1b | interleaved_1f1b
-    microbatches: int = 0  # 0 = the adapter's policy (GPipe: 4 x partitions)
-    balance: Optional[List[int]] = None  # layers per pipeline stage
-    checkpoint: str = "except_last"  # torchgpipe: always | except_last | never
-    deferred_batch_norm: bool = True  # torchgpipe: BatchNorm running stats per mini-batch, not per micro-batch
-    # horovod
-    fusion_threshold_mb: float = 128.0  # Horovod 0.28.1 defaults
-    cycle_time_ms: float = 1.0
-    compression: str = "none"  # none | fp16
-    backward_passes_per_step: int = 1
+    """Base of every adapter's schema (adapters/configs.py holds one subclass per adapter)."""
+
+    name: str = MISSING
     # how the global batch follows the device count: per_device (DDP/ZeRO: fixed per-GPU batch),
     # linear (Megatron: batch grows with GPU count), fixed (PipeDream: fixed mini-batch),
     # per_microbatch (GPipe: batch_size is the micro-batch, replica batch = batch_size x microbatches)
     batch_policy: str = "per_device"
 
 
+BATCH_POLICIES = ("per_device", "linear", "fixed", "per_microbatch")
+
+
 @dataclass
 class LauncherConfig:
     name: str = "local"  # local | torchrun | slurm
-    nprocs: int = 2  # local only: ranks to spawn on this machine
+    nprocs: int = 2  # local only: ranks to spawn on this machine (conf/launcher/local.yaml: one per visible GPU)
     backend: str = "auto"  # auto = nccl on GPU, gloo on CPU
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port (local) / derive from the job id (slurm)
@@ -146,7 +120,7 @@ class ResultsConfig:
 @dataclass
 class BenchConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    adapter: AdapterConfig = MISSING  # one of the adapter schemas (adapters/configs.py)
     data: DataConfig = field(default_factory=DataConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -155,7 +129,6 @@ class BenchConfig:
     extra: Any = None  # free-form notes copied into the record
 
 
-def register_configs() -> None:
-    # One schema for the whole tree: the group files in conf/ merge into it, so an unknown key or a
-    # wrong type anywhere fails in Hydra with its own message.
-    ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+def store_schema(cs: ConfigStore) -> None:
+    """The whole tree's schema: conf/config.yaml names it first in its defaults list."""
+    cs.store(name="bench_schema", node=BenchConfig)

@@ -8,8 +8,8 @@ from typing import Iterable
 
 import torch
 
-from bench.config import OptimizerConfig
-from bench.errors import ConfigError
+from bench.core.config import OptimizerConfig
+from bench.core.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb", "lars")
 
@@ -39,11 +39,15 @@ def clip_gradients(parameters, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, parameters, max_norm: float, scaler=None) -> None:
-    """Unscale (fp16), clip, step: the order every torch-optimizer adapter needs."""
+def optimizer_step(optimizer: torch.optim.Optimizer, parameters, max_norm: float, scaler=None,
+                   before_step=None) -> None:
+    """Unscale (fp16), clip, step: the order every torch-optimizer adapter needs. `before_step` runs
+    between clipping and the step (gpipe copies a tied gradient to its second copy there)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     clip_gradients(parameters, max_norm)
+    if before_step is not None:
+        before_step()
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()

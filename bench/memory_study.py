@@ -1,8 +1,8 @@
 """Model-state memory per rank: DDP, ZeRO-1/2/3 (DeepSpeed) and FSDP2 at several rank counts.
 
-    python -m analysis.memory_study                       # gpt2_tiny at 1, 2, 4 ranks
-    python -m analysis.memory_study --ranks 2 4 workload=resnet50_tiny
-    python -m analysis.memory_study --timing              # step-time ratios vs DDP at 2 ranks
+    python -m bench.memory_study                       # gpt2_tiny at 1, 2, 4 ranks
+    python -m bench.memory_study --ranks 2 4 workload=resnet50_tiny
+    python -m bench.memory_study --timing              # step-time ratios vs DDP at 2 ranks
 
 Runs `python -m bench` once per (variant, ranks) point, as a user would, then prints the bytes of
 parameters, gradients and optimizer state each rank reported (read from the framework's tensors, see
@@ -21,14 +21,12 @@ adapters/zero.py and adapters/fsdp.py) beside two predictions for fp32 Adam (Ψ 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.invoke import run_bench
 
 VARIANTS = {
     "ddp": ["adapter=ddp"],
@@ -58,14 +56,10 @@ def paper_formula(variant: str, psi: int, n: int) -> dict[str, float]:
 
 def param_numels(overrides: list[str]) -> list[tuple[int, ...]]:
     """Shapes of the workload's unique parameters, in `model.parameters()` order (DeepSpeed's flat order)."""
-    from hydra import compose, initialize_config_dir
-
-    from bench.config import register_configs
+    from bench.runner.compose import compose
     from workloads import build_workload
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[o for o in overrides if o.split("=")[0].split(".")[0] in ("workload", "data")])
+    cfg = compose([o for o in overrides if o.split("=")[0].split(".")[0] in ("workload", "data")])
     model = build_workload(cfg.workload, cfg.data).build_model()
     return [tuple(p.shape) for p in model.parameters()]  # parameters() yields a tied tensor once
 
@@ -121,19 +115,12 @@ def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: in
 # --- running the points -----------------------------------------------------------------------------
 def run_point(variant: str, ranks: int, overrides: list[str], root: Path, stamp: str, steps: int, warmup: int,
               timeout: int) -> dict:
-    run_id = f"{stamp}-{variant}-w{ranks}"
-    cmd = [sys.executable, "-m", "bench", *VARIANTS[variant], *overrides, f"launcher.nprocs={ranks}",
-           f"trainer.max_steps={steps}", f"trainer.warmup_steps={warmup}", "trainer.epochs=1",
-           "trainer.eval_every_epoch=false", "trainer.progress=false",
-           f"results.root={root}", "results.experiment=memory_study", f"results.run_id={run_id}"]
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    summary_path = root / "memory_study" / run_id / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    if proc.returncode or summary.get("status") != "ok":
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        summary = {"status": summary.get("status", "failed"), "error": summary.get("error") or last}
-    summary["wall_s"] = time.time() - t0
+    run = run_bench([*VARIANTS[variant], *overrides, f"launcher.nprocs={ranks}", f"trainer.max_steps={steps}",
+                     f"trainer.warmup_steps={warmup}", "trainer.epochs=1", "trainer.eval_every_epoch=false",
+                     "trainer.progress=false"],
+                    root=root, experiment="memory_study", run_id=f"{stamp}-{variant}-w{ranks}", timeout=timeout)
+    summary = dict(run.summary) if run.ok else {"status": run.status, "error": run.error_line}
+    summary["wall_s"] = run.wall_s
     return summary
 
 
@@ -192,7 +179,7 @@ def timing_table(results: dict, n: int, variants) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis.memory_study", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.memory_study", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="bench overrides for every point, e.g. workload=resnet50_tiny")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--variants", nargs="+", default=["ddp", "zero1", "zero2", "zero3", "fsdp"], choices=list(VARIANTS))

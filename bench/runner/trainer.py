@@ -13,7 +13,7 @@ Stated conventions (also written into every record under "conventions"):
 """
 from __future__ import annotations
 
-import math
+import socket
 import time
 
 import numpy as np
@@ -21,15 +21,17 @@ import torch
 import torch.distributed as dist
 
 from adapters.base import Adapter
-from bench import memory
-from bench.config import BenchConfig
-from bench.data import eval_loader, train_loader
-from bench.dist import DistContext
-from bench.errors import ConfigError
-from bench.flops import peak_flops
-from bench.guard import StopFlag, Watchdog
-from bench.records import RunRecord
-from bench.timing import PHASES, PhaseTimer
+from bench.core import memory
+from bench.core.config import BenchConfig
+from bench.core.data import eval_loader, train_loader
+from bench.core.dist import DistContext
+from bench.core.errors import ConfigError
+from bench.core.flops import peak_flops
+from bench.core.guard import StopFlag, Watchdog
+from bench.core.records import RunRecord
+from bench.core.timing import PHASES, PhaseTimer
+from bench.runner.console import print_epoch
+from bench.runner.plan import RunPlan
 from workloads.base import Workload
 
 CONVENTIONS = {
@@ -43,9 +45,10 @@ CONVENTIONS = {
 
 
 class Trainer:
-    def __init__(self, cfg: BenchConfig, ctx: DistContext, adapter: Adapter, workload: Workload,
+    def __init__(self, cfg: BenchConfig, plan: RunPlan, ctx: DistContext, adapter: Adapter, workload: Workload,
                  record: RunRecord | None, stop: StopFlag | None = None, watchdog: Watchdog | None = None):
         self.cfg = cfg
+        self.plan = plan
         self.ctx = ctx
         self.adapter = adapter
         self.workload = workload
@@ -60,10 +63,9 @@ class Trainer:
     def _loaders(self):
         t = self.cfg.trainer
         train_set, val_set = self.workload.datasets(local_rank=self.ctx.local_rank)
-        batch = self.adapter.local_batch_size(self.cfg, self.ctx.world_size)
-        dp_size, dp_rank = self.adapter.dp_size, self.adapter.dp_rank
+        batch, dp_size, dp_rank = self.plan.local_batch, self.plan.dp_size, self.adapter.dp_rank
         self.local_batch = batch
-        self.global_batch = batch * t.grad_accum * dp_size
+        self.global_batch = self.plan.global_batch
         train, sampler = train_loader(train_set, dp_size, dp_rank, batch, t.grad_accum, t.seed, self.cfg.data.num_workers)
         if sampler.steps < 1:
             raise ConfigError(
@@ -177,7 +179,8 @@ class Trainer:
         times = torch.stack([g.cpu() for g in gathered]).numpy()
 
         per_rank = [None] * self.ctx.world_size
-        dist.all_gather_object(per_rank, {"rank": self.ctx.rank, "memory": mem, "state_bytes": state})
+        dist.all_gather_object(per_rank, {"rank": self.ctx.rank, "host": socket.gethostname(), "memory": mem,
+                                          "state_bytes": state})
 
         timed_from = max(0, self.cfg.trainer.warmup_steps - first_step)
         timed = times[:, timed_from:, :]
@@ -185,10 +188,10 @@ class Trainer:
         phase_means = {c: float(timed[:, :, i].mean()) if timed.shape[1] else None for i, c in enumerate(PHASES)}
         step_stats = _stats(step_times)
         samples_per_s = self.global_batch / step_stats["mean"] if step_stats["mean"] else None
-        flops_per_sample = self.workload.train_flops_per_sample()
+        flops_per_sample = self.plan.train_flops_per_sample
         flops_per_s = samples_per_s * flops_per_sample if samples_per_s else None
         peak = peak_flops(self.ctx.device, self.cfg.trainer.precision)
-        devices = self.ctx.world_size * self.adapter.devices_per_process(self.cfg)
+        devices = self.plan.devices
         mem_key = "peak_allocated" if self.ctx.is_cuda else "peak_rss"
         mem_values = [r["memory"][mem_key] for r in per_rank if r["memory"][mem_key] is not None]
         event = {
@@ -210,7 +213,7 @@ class Trainer:
             "data_share": phase_means["data"] / step_stats["mean"] if step_stats["mean"] else None,
             "samples_per_s": samples_per_s,
             "epoch_samples_per_s": self.global_batch * steps / epoch_time if epoch_time > 0 else None,
-            "tokens_per_s": samples_per_s * self.workload.tokens_per_sample() if samples_per_s else None,
+            "tokens_per_s": samples_per_s * self.plan.tokens_per_sample if samples_per_s else None,
             "train_flops_per_sample": flops_per_sample,
             "flops_per_s": flops_per_s,
             "mfu": flops_per_s / (peak * devices) if (flops_per_s and peak) else None,
@@ -223,7 +226,7 @@ class Trainer:
             **val_metrics,
         }
         if self.ctx.rank == 0:
-            _print_epoch(event)
+            print_epoch(event)
         return event
 
     def _summary(self, epochs: list[dict], total_time: float) -> dict:
@@ -243,9 +246,10 @@ class Trainer:
             "local_batch": self.local_batch,
             "step_time_mean_s": mean_step,
             "samples_per_s": self.global_batch / mean_step if mean_step else None,
-            "tokens_per_s": self.global_batch * self.workload.tokens_per_sample() / mean_step if mean_step else None,
+            "tokens_per_s": self.global_batch * self.plan.tokens_per_sample / mean_step if mean_step else None,
             "epoch_time_mean_s": float(np.mean([e["epoch_time_s"] for e in epochs])) if epochs else None,
             "state_bytes_per_rank": [r["state_bytes"] for r in last.get("ranks", [])],
+            "hosts": [r["host"] for r in last.get("ranks", [])],  # one per rank, in rank order
             **{k: last.get(k) for k in keys},
         }
 
@@ -296,19 +300,3 @@ def _stats(x: np.ndarray) -> dict:
         "p95": float(np.percentile(x, 95)),
         "cv": float(x.std() / mean) if mean > 0 else None,
     }
-
-
-def _fmt(v, spec: str) -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
-def _print_epoch(e: dict) -> None:
-    metric = (
-        f"val_acc {_fmt(e.get('val_accuracy'), '.3f')}" if "val_accuracy" in e else f"val_ppl {_fmt(e.get('val_perplexity'), '.2f')}"
-    )
-    print(
-        f"epoch {e['epoch']}: {e['steps']} steps in {e['epoch_time_s']:.2f}s  "
-        f"step {_fmt(e['step_time_mean_s'], '.4f')}s  {_fmt(e['samples_per_s'], '.1f')} samples/s  "
-        f"loss {_fmt(e['train_loss'], '.4f')}  val_loss {_fmt(e.get('val_loss'), '.4f')}  {metric}",
-        flush=True,
-    )

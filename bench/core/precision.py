@@ -9,9 +9,9 @@ import contextlib
 
 import torch
 
-from bench.errors import ConfigError
+from bench.core.errors import ConfigError
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # trainer.precision -> dtype, for every adapter
 
 
 def check_precision(precision: str) -> None:
@@ -24,7 +24,7 @@ def check_precision(precision: str) -> None:
 def autocast(precision: str, device: torch.device):
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+    return torch.autocast(device_type=device.type, dtype=HALF_DTYPES[precision])
 
 
 def grad_scaler(precision: str, device: torch.device):

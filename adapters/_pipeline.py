@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bench.errors import ConfigError
+from bench.core.errors import ConfigError
 from workloads.base import Workload
 
 

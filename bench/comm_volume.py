@@ -1,0 +1,245 @@
+"""Communication bytes per optimizer step per rank of each adapter: pure functions, no torch.
+
+`volume(adapter, params=..., world_size=..., ...)` returns the bytes one rank moves per optimizer
+step in each collective, and their total; `time_at(bytes, busbw_GBps)` turns bytes into seconds at
+a bus bandwidth measured by `python -m bench.comm`.
+
+Units. "Bytes" here are the per-rank bus volume of nccl-tests (doc/PERFORMANCE.md,
+https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): for a collective on a buffer
+of S bytes over n ranks a rank moves S * factor, with factor 2(n-1)/n for all-reduce, (n-1)/n for
+all-gather and reduce-scatter (S = the full, unsharded array), 1 for broadcast and send/recv. The
+same factor turns nccl-tests' algbw into busbw, so time = bytes / busbw holds for every op and
+`time_at` needs no per-op case. Values are floats: (n-1)/n is seldom an integer fraction.
+
+Symbols: Psi = parameters (elements), N = data-parallel group size, B = bytes per element,
+t = tensor-parallel size, p = pipeline stages, b = micro-batch size (sequences), s = sequence
+length, h = hidden size, L = transformer layers, m = micro-batches per optimizer step.
+
+Sources:
+- [ZeRO] Rajbhandari, Rasley, Ruwase, He, "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models", SC 2020, Section 7 "Communication analysis of ZeRO-DP" (7.1 data parallel:
+  all-reduce = reduce-scatter + all-gather, 2 Psi per rank; 7.2.1 P_os+g: reduce-scatter of
+  gradients Psi + all-gather of parameters Psi = 2 Psi; 7.2.2 P_os+g+p: parameter all-gather in
+  forward Psi, again in backward Psi, gradient reduce-scatter Psi = 3 Psi). The paper rounds
+  (N-1)/N to 1; here the exact ring factor is kept, so the numbers equal nccl-tests' bus volume.
+- [Megatron] Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using
+  Model Parallelism", 2019, Section 3 / Figure 4: per transformer layer 2 all-reduces in forward
+  (after the attention and the MLP row-parallel linears, operator g) and 2 in backward (operator
+  f), each on the b x s x h activation. Narayanan et al., "Efficient Large-Scale Language Model
+  Training on GPU Clusters Using Megatron-LM", SC 2021, Section 3.2 for the pipeline p2p message
+  (b x s x h per micro-batch between consecutive stages, forward activation and backward gradient)
+  and the t x p x d decomposition.
+- [nccl-tests] doc/PERFORMANCE.md for the ring factors above.
+
+Not modelled (the numbers are lower bounds of the traffic): embedding / vocab-parallel
+cross-entropy all-reduces, activation recomputation (which repeats the forward TP all-reduces in
+backward: 6 instead of 4 per layer), interleaved pipeline schedules (v x the p2p traffic), DDP's
+and ZeRO's bucketing (which changes message sizes, not volume), loss-scale / metric all-reduces.
+"""
+from __future__ import annotations
+
+import math
+
+# adapter name -> how gradients are synchronised across data-parallel ranks
+_DP_STYLE = {
+    "ddp": "all_reduce",
+    "horovod": "all_reduce",
+    "zero": None,  # by stage
+    "fsdp": "zero3",
+    "megatron": "all_reduce",
+    "tensor_parallel": "all_reduce",
+    "pipeline": "all_reduce",
+    "gpipe": "all_reduce",
+}
+ADAPTERS = tuple(_DP_STYLE) + ("zero0", "zero1", "zero2", "zero3")
+
+# ring factors of nccl-tests doc/PERFORMANCE.md (per-rank bus volume = S * factor)
+def ring_factor(op: str, n: int) -> float:
+    if n < 1:
+        raise ValueError(f"group size must be >= 1, got {n}")
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    if op in ("broadcast", "send_recv"):
+        return 1.0
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _item(name: str, op: str, group: str, group_size: int, message_bytes: float, calls: float,
+          bytes_: float, formula: str) -> dict:
+    return dict(name=name, op=op, group=group, group_size=group_size, message_bytes=message_bytes,
+                calls=calls, bytes=bytes_, formula=formula)
+
+
+def volume(
+    adapter: str,
+    *,
+    params: int,
+    world_size: int,
+    bytes_per_elem: int = 4,
+    dp: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    stage: int = 0,
+    layers: int = 0,
+    hidden: int = 0,
+    seq_len: int = 0,
+    micro_batch: int = 0,
+    microbatches: int = 1,
+    reshard_after_forward: bool = True,
+) -> dict:
+    """Per-rank communication bytes of one optimizer step of `adapter`.
+
+    adapter: ddp | horovod | zero (with stage=0..3) | zero0..zero3 | fsdp | megatron |
+             tensor_parallel | pipeline | gpipe.
+    params: Psi, all parameters of the model (elements). Model-parallel ranks hold Psi / (t p)
+            (replicated norms and biases are counted as sharded: a slight under-estimate).
+    world_size: devices in the job = dp * tp * pp (for gpipe, the devices the one process drives).
+    dp: data-parallel size; default world_size / (tp * pp).
+    layers, hidden, seq_len, micro_batch: needed when tp > 1 or pp > 1 (the b x s x h activation).
+    microbatches: micro-batches per optimizer step (pipeline micro-batches or gradient accumulation
+                  steps); scales the activation traffic, not the once-per-step gradient traffic.
+    reshard_after_forward: FSDP only; False keeps the gathered parameters from forward to
+                  backward, so the backward all-gather disappears.
+
+    Returns {adapter, stage, world_size, dp, tp, pp, bytes_per_elem, params_per_rank,
+    collectives: [{name, op, group, group_size, message_bytes, calls, bytes, formula}],
+    bytes: {name: bytes}, total: bytes}. `bytes` are per rank per step in nccl-tests' bus volume.
+    """
+    name = adapter.strip().lower()
+    if name not in ADAPTERS:
+        raise ValueError(f"unknown adapter {adapter!r}; known: {', '.join(ADAPTERS)}")
+    if name.startswith("zero") and name != "zero":
+        named_stage = int(name[4:])
+        if stage not in (0, named_stage):
+            raise ValueError(f"adapter {adapter!r} names stage {named_stage} but stage={stage} was given")
+        name, stage = "zero", named_stage
+    for key, val, lo in (("params", params, 0), ("world_size", world_size, 1), ("bytes_per_elem", bytes_per_elem, 1),
+                         ("tp", tp, 1), ("pp", pp, 1), ("microbatches", microbatches, 1), ("layers", layers, 0),
+                         ("hidden", hidden, 0), ("seq_len", seq_len, 0), ("micro_batch", micro_batch, 0)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < lo:
+            raise ValueError(f"{key} must be an integer >= {lo}, got {val!r}")
+    if name == "zero" and stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+    if name != "zero" and stage != 0:
+        raise ValueError(f"stage applies to zero only, got stage={stage} for {adapter!r}")
+    if name in ("ddp", "horovod", "zero", "fsdp") and (tp > 1 or pp > 1):
+        raise ValueError(f"{adapter} is pure data parallel here: tp and pp must be 1")
+    if name == "tensor_parallel" and pp > 1:
+        raise ValueError("tensor_parallel has no pipeline dimension: pp must be 1")
+    if name in ("pipeline", "gpipe"):
+        if tp > 1:
+            raise ValueError(f"{adapter} has no tensor-parallel dimension: tp must be 1")
+        if pp == 1:
+            pp = world_size  # one stage per device
+    if world_size % (tp * pp):
+        raise ValueError(f"world_size {world_size} is not a multiple of tp*pp = {tp * pp}")
+    if dp is None:
+        dp = world_size // (tp * pp)
+    if dp < 1 or dp * tp * pp != world_size:
+        raise ValueError(f"dp*tp*pp must equal world_size: {dp}*{tp}*{pp} != {world_size}")
+    if (tp > 1 or pp > 1) and not (hidden and seq_len and micro_batch):
+        raise ValueError("tp > 1 or pp > 1 needs hidden, seq_len and micro_batch (the b x s x h activation)")
+    if tp > 1 and not layers:
+        raise ValueError("tp > 1 needs layers (4 all-reduces per transformer layer)")
+
+    B = bytes_per_elem
+    psi_rank = params / (tp * pp)  # parameters this rank holds (and syncs with its DP peers)
+    full = psi_rank * B  # bytes of those parameters / gradients, unsharded
+    items: list[dict] = []
+
+    # --- data parallel: once per optimizer step, over the dp group -----------------------------
+    style = _DP_STYLE[name]
+    if name == "zero":
+        style = "all_reduce" if stage == 0 else ("zero12" if stage in (1, 2) else "zero3")
+    N = dp
+    if N > 1:
+        ar, g = ring_factor("all_reduce", N), ring_factor("all_gather", N)
+        if style == "all_reduce":
+            # [ZeRO] 7.1 / [nccl-tests]: ring all-reduce of the gradients, 2(N-1)/N * Psi * B per rank
+            items.append(_item("dp_grad_all_reduce", "all_reduce", "dp", N, full, 1, ar * full,
+                               "2(N-1)/N * Psi * B"))
+        elif style == "zero12":
+            # [ZeRO] 7.2.1 (P_os, P_os+g): reduce-scatter of gradients, then all-gather of the
+            # updated parameters, (N-1)/N * Psi * B each: the same total as DDP's all-reduce
+            items.append(_item("dp_grad_reduce_scatter", "reduce_scatter", "dp", N, full, 1, g * full,
+                               "(N-1)/N * Psi * B"))
+            items.append(_item("dp_param_all_gather", "all_gather", "dp", N, full, 1, g * full,
+                               "(N-1)/N * Psi * B"))
+        else:
+            # [ZeRO] 7.2.2 (P_os+g+p) and FSDP: all-gather the parameters in forward and again in
+            # backward, reduce-scatter the gradients: 3 (N-1)/N * Psi * B, 1.5x DDP
+            items.append(_item("dp_param_all_gather_fwd", "all_gather", "dp", N, full, 1, g * full,
+                               "(N-1)/N * Psi * B"))
+            if reshard_after_forward or name == "zero":
+                items.append(_item("dp_param_all_gather_bwd", "all_gather", "dp", N, full, 1, g * full,
+                                   "(N-1)/N * Psi * B"))
+            items.append(_item("dp_grad_reduce_scatter", "reduce_scatter", "dp", N, full, 1, g * full,
+                               "(N-1)/N * Psi * B"))
+
+    # --- tensor parallel: per layer, per micro-batch, over the tp group --------------------------
+    act = micro_batch * seq_len * hidden * B  # one b x s x h activation, bytes
+    if tp > 1:
+        layers_rank = math.ceil(layers / pp)  # layers on the busiest pipeline stage
+        calls = 4 * layers_rank * microbatches
+        # [Megatron] Sec. 3, Fig. 4: 2 all-reduces forward + 2 backward per layer on b*s*h,
+        # each 2(t-1)/t * b*s*h*B per rank ([nccl-tests] ring all-reduce factor)
+        items.append(_item("tp_activation_all_reduce", "all_reduce", "tp", tp, act, calls,
+                           calls * ring_factor("all_reduce", tp) * act,
+                           "4 * ceil(L/p) * m * 2(t-1)/t * b*s*h * B"))
+
+    # --- pipeline: per micro-batch, point to point between consecutive stages -------------------
+    if pp > 1:
+        # [Megatron] (Narayanan et al. 2021, Sec. 3.2): per micro-batch a stage sends its output
+        # activation (b*s*h) forward and the input gradient (b*s*h) backward. Reported for the
+        # busiest stage: an inner stage sends both (p > 2); with p = 2 each stage sends one of them.
+        items.append(_item("pp_activation_send", "send_recv", "pp", pp, act, microbatches,
+                           microbatches * act, "m * b*s*h * B"))
+        if pp > 2:
+            items.append(_item("pp_gradient_send", "send_recv", "pp", pp, act, microbatches,
+                               microbatches * act, "m * b*s*h * B"))
+
+    per = {it["name"]: it["bytes"] for it in items}
+    return dict(
+        adapter=adapter, stage=stage if name == "zero" else None, world_size=world_size, dp=dp, tp=tp, pp=pp,
+        bytes_per_elem=B, params_per_rank=psi_rank, collectives=items, bytes=per, total=sum(per.values()),
+    )
+
+
+def time_at(volume_bytes: float, busbw_GBps: float) -> float:
+    """Seconds to move `volume_bytes` (per-rank bus volume) at `busbw_GBps` (nccl-tests busbw, 1e9 B/s).
+
+    Because busbw = algbw * factor and bytes = S * factor, bytes / busbw = S / algbw = the time
+    nccl-tests measured for that op and size."""
+    if busbw_GBps <= 0 or not math.isfinite(busbw_GBps):
+        raise ValueError(f"busbw must be a positive finite number of GB/s, got {busbw_GBps!r}")
+    if volume_bytes < 0:
+        raise ValueError(f"volume must be >= 0 bytes, got {volume_bytes!r}")
+    return volume_bytes / (busbw_GBps * 1e9)
+
+
+def busbw_from_report(report: dict, op: str, message_bytes: float) -> float:
+    """The measured busbw (GB/s) of `op` at the size nearest to `message_bytes` (log scale) in a
+    `python -m bench.comm --json` report. Sizes outside the measured range take the end point,
+    so a message larger than the largest size measured gets that size's bandwidth."""
+    rows = [r for r in report.get("results", []) if r.get("op") == op and r.get("busbw_GBps")]
+    if not rows:
+        raise ValueError(f"no measured {op} in the report")
+    target = max(float(message_bytes), 1.0)
+    best = min(rows, key=lambda r: (abs(math.log(r["bytes"] / target)), -r["bytes"]))
+    return float(best["busbw_GBps"])
+
+
+def step_comm_time(vol: dict, report: dict) -> dict:
+    """Seconds per collective of `volume(...)` at the bandwidths of a bench.comm report, and the
+    total assuming no overlap with compute (an upper bound of the exposed communication)."""
+    out = {}
+    for it in vol["collectives"]:
+        if it["group_size"] != report.get("world_size"):
+            note = f" (measured at {report.get('world_size')} ranks, group has {it['group_size']})"
+        else:
+            note = ""
+        bw = busbw_from_report(report, it["op"], it["message_bytes"])
+        out[it["name"]] = dict(seconds=time_at(it["bytes"], bw), busbw_GBps=bw, note=note.strip())
+    return dict(per_collective=out, total_s=sum(v["seconds"] for v in out.values()))

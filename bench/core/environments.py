@@ -1,0 +1,121 @@
+"""Cluster environments: who started this process, and what its rank, world and address are.
+
+As in Lightning Fabric's `ClusterEnvironment`, each way of starting ranks is a class with
+`detect(env)` and `context(...)`; the runner asks them in order and the first that detects wins:
+- `TorchrunEnvironment`: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in the
+  environment (honoured under `launcher=local` too, so `torchrun -m bench` just works).
+- `SlurmEnvironment` (`launcher=slurm`: srun, one task per GPU): SLURM_PROCID / SLURM_NTASKS /
+  SLURM_LOCALID; the address is the first host of the step's node list, the port derived from the
+  job id.
+- adapters add their framework's own (Horovod's `horovodrun` in adapters/horovod.py).
+- `launcher=local` with none of these: the runner spawns `launcher.nprocs` ranks itself.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+from typing import ClassVar, Mapping
+
+from bench.core.dist import DistContext, default_backend
+from bench.core.errors import ConfigError
+
+
+class ClusterEnvironment:
+    """A launcher that started this process as one rank of a job."""
+
+    name: ClassVar[str]
+
+    @staticmethod
+    def detect(env: Mapping[str, str], launcher: str) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def context(env: Mapping[str, str], backend: str, master_port: int = 0) -> DistContext:
+        raise NotImplementedError
+
+
+class TorchrunEnvironment(ClusterEnvironment):
+    name = "torchrun"
+
+    @staticmethod
+    def detect(env, launcher):
+        return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+    @staticmethod
+    def context(env, backend, master_port=0):
+        return DistContext(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env["LOCAL_RANK"]),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            backend=default_backend(backend),
+            launcher="torchrun",
+        )
+
+
+class SlurmEnvironment(ClusterEnvironment):
+    name = "slurm"
+
+    @staticmethod
+    def detect(env, launcher):
+        # a task of a submitit Slurm job (hydra/launcher=submitit_slurm) is one srun-started rank
+        return launcher == "slurm" or env.get("SUBMITIT_EXECUTOR") == "slurm"
+
+    @staticmethod
+    def context(env, backend, master_port=0):
+        missing = [k for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID") if k not in env]
+        if missing:
+            raise ConfigError(f"launcher=slurm but {', '.join(missing)} not set: start ranks with srun inside an allocation")
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or socket.gethostname()
+        tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
+        local_world = int(re.match(r"\d+", tasks_per_node).group(0))  # '4(x2),3' -> 4; informative only
+        port = master_port or slurm_port(env["SLURM_JOB_ID"], env.get("SLURM_STEP_ID"))
+        return DistContext(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=local_world,
+            master_addr=env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
+            master_port=int(env.get("MASTER_PORT") or port),
+            backend=default_backend(backend),
+            launcher="slurm",
+        )
+
+
+BUILTIN = (TorchrunEnvironment, SlurmEnvironment)
+
+
+def in_srun_step(env: Mapping[str, str] = os.environ) -> int:
+    """Tasks of the srun step this process belongs to (0 outside one; a batch script is no step)."""
+    try:
+        return int(env.get("SLURM_STEP_NUM_TASKS", "0"))
+    except ValueError:
+        return 0
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """A Slurm hostlist ('gpu[001-004,010],rack[1-2]-n[01-02]') as host names, in Slurm's order:
+    `scontrol show hostnames` where Slurm's tools are installed, else submitit's parser."""
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=20)
+            hosts = out.stdout.split()
+            if out.returncode == 0 and hosts:
+                return hosts
+        except (OSError, subprocess.SubprocessError):
+            pass
+    from submitit.slurm.slurm import _parse_node_list
+
+    return _parse_node_list(nodelist)
+
+
+def slurm_port(job_id: str, step_id: str | None = None) -> int:
+    """A port in 20000-59999 derived from the job (and step) id: concurrent array tasks on one node
+    have different SLURM_JOB_IDs, so they get different ports."""
+    step = int(step_id) if step_id and step_id.isdigit() else 0
+    return 20000 + (int(job_id) * 31 + step) % 40000

@@ -1,0 +1,75 @@
+"""Checks before any rank starts: each raises ConfigError with one line naming the problem and the fix.
+
+Hydra's schema has already refused unknown keys and wrong types (bench/core/config.py,
+adapters/configs.py); these are the checks of values. Workloads check their own fields
+(workloads.check_config), adapters theirs (`Adapter.validate`).
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from bench.core.config import BATCH_POLICIES, BenchConfig
+from bench.core.errors import ConfigError
+from bench.core.optim import OPTIMIZERS
+from bench.core.precision import check_precision
+from workloads import check_config as check_workload
+
+LAUNCHERS = ("local", "torchrun", "slurm")
+
+
+def check_config(cfg: BenchConfig) -> None:
+    positive = {
+        "trainer.batch_size": cfg.trainer.batch_size,
+        "trainer.epochs": cfg.trainer.epochs,
+        "trainer.grad_accum": cfg.trainer.grad_accum,
+        "trainer.dist_timeout_s": cfg.trainer.dist_timeout_s,
+        "trainer.stop_check_every": cfg.trainer.stop_check_every,
+        "launcher.nprocs": cfg.launcher.nprocs,
+        "launcher.threads_per_rank": cfg.launcher.threads_per_rank,
+        "optimizer.lr": cfg.optimizer.lr,
+    }
+    for key, value in positive.items():
+        if value is None or value <= 0:
+            raise ConfigError(f"{key}={value} must be > 0")
+    for key in ("trainer.warmup_steps", "trainer.max_steps", "trainer.max_eval_batches"):
+        group, name = key.split(".")
+        if getattr(getattr(cfg, group), name) < 0:
+            raise ConfigError(f"{key}={getattr(getattr(cfg, group), name)} must be >= 0")
+    check_workload(cfg.workload, cfg.data)
+    if cfg.adapter.batch_policy not in BATCH_POLICIES:
+        raise ConfigError(f"adapter.batch_policy={cfg.adapter.batch_policy}: choose {', '.join(BATCH_POLICIES)}")
+    if cfg.launcher.name not in LAUNCHERS:
+        raise ConfigError(f"launcher.name={cfg.launcher.name}: choose {', '.join(LAUNCHERS)}")
+    check_precision(cfg.trainer.precision)
+    fault = cfg.trainer.inject_fault
+    if fault and not re.fullmatch(r"(raise|oom|hang|exit)@\d+:\d+", fault):
+        raise ConfigError(f"trainer.inject_fault={fault}: use KIND@RANK:STEP with KIND raise, oom, hang or exit")
+    if cfg.optimizer.name not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer.name '{cfg.optimizer.name}': choose one of {', '.join(OPTIMIZERS)}")
+
+
+def check_devices(world: int, devices_per_process: int, device_count: int) -> None:
+    """launcher=local on a GPU machine: one GPU per device a rank drives (NCCL refuses two ranks on one GPU)."""
+    need = world * devices_per_process
+    if device_count and need > device_count:
+        raise ConfigError(f"{world} rank(s) x {devices_per_process} device(s) need {need} GPUs but this node has "
+                          f"{device_count}: lower launcher.nprocs (or use launcher=slurm across nodes)")
+
+
+def check_results_dir(root: Path) -> None:
+    """Create and remove a probe folder in the nearest existing ancestor of `root`: the real test of
+    writability (os.access says yes to root on /proc, where nothing can be created), leaving nothing."""
+    root = Path(root)
+    probe = root.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    fix = "set results.root=<a writable folder>"
+    if not probe.is_dir():
+        raise ConfigError(f"results.root={root} is not writable ({probe} is a file); {fix}")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=probe, prefix=".bench-write-probe-"))
+    except OSError as e:
+        raise ConfigError(f"results.root={root} is not writable ({probe}: {e.strerror or type(e).__name__}); {fix}") from None

@@ -1,0 +1,167 @@
+"""From a composed config to finished ranks and a run record.
+
+`launch(cfg)` runs in the process the user started. It finds what started it (a cluster
+environment: torchrun, srun, a framework's launcher; else nothing), computes the run plan (every
+check, one line per problem, before any rank starts), then either becomes one rank of that job or
+starts the ranks itself: spawned processes, or the adapter's own launcher (horovodrun). A run that
+fails after it began still ends with a record (summary.json status failed, with the failing rank
+and its error).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from adapters import get_adapter_class
+from bench.core.dist import DistContext, default_backend, free_port
+from bench.core.environments import BUILTIN, ClusterEnvironment, SlurmEnvironment, TorchrunEnvironment, in_srun_step
+from bench.core.errors import ConfigError
+from bench.core.records import RunWriter
+from bench.runner.checks import check_devices
+from bench.runner.compose import typed
+from bench.runner.plan import RunPlan, make_plan, run_dir_of
+from bench.runner.rank import packages, run_rank
+
+
+def detect(adapter_cls, launcher: str, env=os.environ) -> type[ClusterEnvironment] | None:
+    """The environment that started this process (the adapter's own first), or None: we start the ranks."""
+    for environment in (*adapter_cls.environments, *BUILTIN):
+        if environment.detect(env, launcher):
+            return environment
+    return None
+
+
+def launch(cfg: DictConfig) -> int:
+    """Run one benchmark point; returns the process exit code (0 ok/preempted, 1 failed, 2 bad input)."""
+    cfg = typed(cfg)
+    adapter_cls = get_adapter_class(cfg.adapter.name)
+    environment = detect(adapter_cls, cfg.launcher.name)
+    if cfg.launcher.name == "torchrun" and environment is not TorchrunEnvironment:
+        raise ConfigError("launcher=torchrun but RANK/WORLD_SIZE/LOCAL_RANK are not set: start with `torchrun -m bench ...`")
+    if environment is None and in_srun_step() > 1:
+        raise ConfigError(f"this process is one of {in_srun_step()} srun tasks but launcher={cfg.launcher.name} would "
+                          "start its own ranks in every task: add launcher=slurm (one rank per task)")
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+
+    if environment is not None:  # this process is one rank of a job someone else started
+        ctx = environment.context(os.environ, cfg.launcher.backend, cfg.launcher.master_port)
+        if environment is SlurmEnvironment and os.environ.get("SUBMITIT_EXECUTOR") == "slurm" \
+                and ctx.world_size != adapter_cls.processes(cfg):
+            raise ConfigError(f"this submitit job has {ctx.world_size} task(s) but the point needs "
+                              f"{adapter_cls.processes(cfg)} ranks: use hydra/launcher=bench_slurm "
+                              "(conf/hydra/launcher/bench_slurm.yaml), which sizes each job")
+        plan = make_plan(cfg, environment.name, ctx.world_size)
+        return run_rank(cfg_dict, plan, ctx, run_dir=None)
+
+    plan = make_plan(cfg, "local")
+    import torch
+
+    if torch.cuda.is_available():
+        check_devices(plan.world_size, plan.devices_per_process, torch.cuda.device_count())
+    writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
+    writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
+    port = cfg.launcher.master_port or free_port()
+    print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {plan.world_size} rank(s)", flush=True)
+    command = adapter_cls.launch_command(cfg, plan.world_size)
+    if command:
+        return run_with_launcher(command, cfg.launcher.master_addr, port, writer)
+    return spawn_local(cfg_dict, plan, port, writer)
+
+
+def _launch_t0() -> str:
+    import psutil
+
+    return str(psutil.Process().create_time())  # startup_s counts from the user's command
+
+
+def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter) -> int:
+    import torch.multiprocessing as mp
+
+    start = time.time()
+    os.environ["BENCH_LAUNCH_T0"] = _launch_t0()  # inherited by the ranks
+    stop_signals = (signal.SIGUSR1, signal.SIGTERM)
+    # ranks inherit the blocked mask and unblock once their handlers are set (bench/core/guard.py), so
+    # a stop signal forwarded while they still import torch is held, not fatal
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    procs = mp.start_processes(_spawned_rank, args=(cfg_dict, plan, port, str(writer.dir)), nprocs=plan.world_size,
+                               start_method="spawn", join=False)
+
+    def forward(signum, frame):  # a preemption signal to the launcher reaches every rank
+        for p in procs.processes:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in stop_signals}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+    try:
+        # join() ends the other ranks (SIGTERM, then SIGKILL) as soon as one fails: no orphans
+        while not procs.join():
+            pass
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        record_failure(writer, e, time.time() - start)
+        return _exit_code(writer)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return _exit_code(writer)
+
+
+def run_with_launcher(command: list[str], addr: str, port: int, writer: RunWriter) -> int:
+    """Ranks started by the framework's own launcher (horovodrun); each runs
+    `python -m bench.runner.rank RUN_DIR` and reads the config this process wrote there. Our process
+    group's address goes in the environment."""
+    import subprocess
+
+    start = time.time()
+    env = {**os.environ, "MASTER_ADDR": addr, "MASTER_PORT": str(port), "BENCH_LAUNCH_T0": _launch_t0()}
+    proc = subprocess.Popen([*command, sys.executable, "-m", "bench.runner.rank", str(writer.dir)], env=env)
+
+    def forward(signum, frame):  # horovodrun stops its ranks on SIGTERM (SIGUSR1 would kill it outright)
+        proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code:
+        record_failure(writer, RuntimeError(f"{' '.join(command[:3])} exited with status {code}"), time.time() - start)
+    return _exit_code(writer)
+
+
+def _exit_code(writer: RunWriter) -> int:
+    summary = writer.record.summary() or {}
+    if summary.get("status") not in ("ok", "preempted"):
+        print(f"run {summary.get('status')}: rank {summary.get('failed_rank')}: {summary.get('error')}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def record_failure(writer: RunWriter, exc: Exception, elapsed: float) -> None:
+    """The launcher's word on a failed run: the earliest rank error is the cause; a rank killed by a
+    signal (it could write nothing) is named from the exit status."""
+    errors = sorted(writer.record.rank_errors(), key=lambda e: e.get("time", 0))
+    killed = getattr(exc, "signal_name", None)
+    if killed and not any(e.get("status") == "timeout" for e in errors):
+        cause = {"rank": exc.error_index, "status": "failed", "error": f"rank {exc.error_index} killed by {killed}"}
+    elif errors:
+        cause = errors[0]
+    else:
+        cause = {"rank": getattr(exc, "error_index", None), "status": "failed", "error": str(exc).strip().splitlines()[-1]}
+    writer.fail(cause["status"], cause["error"], cause["rank"], total_time_s=elapsed,
+                rank_errors=[{k: e.get(k) for k in ("rank", "status", "error")} for e in errors])
+
+
+def _spawned_rank(local_rank: int, cfg_dict: dict, plan: RunPlan, port: int, run_dir: str) -> None:
+    ctx = DistContext(rank=local_rank, world_size=plan.world_size, local_rank=local_rank,
+                      local_world_size=plan.world_size, master_port=port,
+                      backend=default_backend(cfg_dict["launcher"]["backend"]), launcher="local")
+    code = run_rank(cfg_dict, plan, ctx, Path(run_dir))
+    if code:
+        sys.exit(code)

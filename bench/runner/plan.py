@@ -1,0 +1,87 @@
+"""The run plan: everything about a point that is known before any rank starts, computed once.
+
+`make_plan` runs every check (generic, workload, adapter, data, results folder) and returns a
+`RunPlan` that the launcher, every rank and the trainer share: the adapter class, world size,
+devices, data-parallel size, local and global batch, the point id and the workload's facts. The
+record's identity fields come from here, so every summary (running, failed, ok) names a run alike.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from adapters import get_adapter_class
+from bench.core.config import BenchConfig
+from bench.core.records import new_run_id
+from bench.runner.checks import check_config, check_results_dir
+from workloads import build_workload
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    adapter: str
+    workload: str
+    kind: str  # vision | language
+    experiment: str
+    point: str | None  # sweep point id (bench/sweep.py): what --resume matches
+    environment: str  # what starts the ranks: local | torchrun | slurm | horovodrun ...
+    world_size: int  # processes
+    devices_per_process: int  # GPipe drives several devices from one process
+    dp_size: int  # model replicas reading different data
+    microbatches: int  # per replica batch, inside one train_step (pipelines); 1 otherwise
+    local_batch: int  # samples one replica loads per micro-step
+    grad_accum: int
+    batch_policy: str
+    precision: str
+    tokens_per_sample: int
+    train_flops_per_sample: float
+    adapter_cls: type = field(repr=False, compare=False)
+
+    @property
+    def devices(self) -> int:
+        return self.world_size * self.devices_per_process
+
+    @property
+    def global_batch(self) -> int:
+        return self.local_batch * self.grad_accum * self.dp_size
+
+    def identity(self) -> dict:
+        """The fields every summary of this run carries, whatever its status."""
+        return {"experiment": self.experiment, "point": self.point, "adapter": self.adapter, "workload": self.workload,
+                "world_size": self.world_size, "devices": self.devices}
+
+    def describe(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "adapter_cls"}
+        d.update(devices=self.devices, global_batch=self.global_batch)
+        return d
+
+
+def make_plan(cfg: BenchConfig, environment: str, world_size: int | None = None, check: bool = True) -> RunPlan:
+    """The plan of `cfg` on `world_size` processes (None: as many as the adapter launches).
+
+    check=True runs every check first; ranks started by the launcher (which checked) pass False."""
+    cls = get_adapter_class(cfg.adapter.name)
+    world = world_size if world_size is not None else cls.processes(cfg)
+    if check:
+        check_config(cfg)
+    workload = build_workload(cfg.workload, cfg.data)
+    if check:
+        cls.validate(cfg, world)
+    local = cls.local_batch_size(cfg, world)  # raises on a batch the layout cannot split
+    if check:
+        workload.check_data()
+        check_results_dir(Path(cfg.results.dir or cfg.results.root))
+    return RunPlan(
+        adapter=cfg.adapter.name, workload=cfg.workload.name, kind=cfg.workload.kind,
+        experiment=cfg.results.experiment, point=cfg.results.point, environment=environment,
+        world_size=world, devices_per_process=cls.devices_per_process(cfg),
+        dp_size=cls.data_parallel_size(cfg, world), microbatches=cls.microbatches(cfg, world),
+        local_batch=local, grad_accum=cfg.trainer.grad_accum, batch_policy=cfg.adapter.batch_policy,
+        precision=cfg.trainer.precision, tokens_per_sample=workload.tokens_per_sample(),
+        train_flops_per_sample=workload.train_flops_per_sample(), adapter_cls=cls,
+    )
+
+
+def run_dir_of(cfg: BenchConfig, plan: RunPlan) -> Path:
+    run_id = cfg.results.run_id or new_run_id(plan.adapter, plan.workload, plan.world_size)
+    return Path(cfg.results.dir or Path(cfg.results.root) / cfg.results.experiment) / run_id

@@ -1,0 +1,247 @@
+"""bench.comm (measured collectives, nccl-tests bandwidths) and bench.comm_volume (bytes per step).
+
+The measurement test runs the real CLI: 2 gloo ranks spawned by `python -m bench.comm`, and checks
+the JSON it writes; no assertion depends on how fast the machine is.
+"""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
+SIZES = [1 << k for k in range(10, 21)]  # 1K .. 1M, factor 2
+# nccl-tests doc/PERFORMANCE.md bus-bandwidth factors, written out independently of bench.comm
+FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send_recv": lambda n: 1.0,
+}
+
+
+def _run_comm(tmp_path, *extra):
+    out = tmp_path / "comm.json"
+    cmd = [sys.executable, "-m", "bench.comm", "--world-size", "2", "--max-bytes", "1M", "--iters", "3",
+           "--json", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def comm_run(tmp_path_factory):
+    return _run_comm(tmp_path_factory.mktemp("comm"))
+
+
+def test_json_has_every_op_at_every_size(comm_run):
+    report, _ = comm_run
+    assert report["backend"] == "gloo"
+    assert report["world_size"] == 2
+    assert report["device"] == "cpu"
+    assert report["hosts"] and all(isinstance(h, str) and h for h in report["hosts"])
+    assert report["torch_version"]
+    got = {(r["op"], r["bytes"]) for r in report["results"]}
+    assert got == {(op, s) for op in OPS for s in SIZES}
+    assert len(report["results"]) == len(OPS) * len(SIZES)  # no duplicates
+    for r in report["results"]:
+        assert not r.get("na"), r  # gloo here has every op (reduce-scatter natively or by the ring)
+        assert r["type"] == "float"
+
+
+def test_times_positive_finite_and_data_correct(comm_run):
+    report, _ = comm_run
+    for r in report["results"]:
+        assert math.isfinite(r["time_s"]) and r["time_s"] > 0, r
+        assert math.isfinite(r["algbw_GBps"]) and r["algbw_GBps"] > 0, r
+        assert r["wrong"] == 0, r
+        # time is the max over ranks of the per-rank mean, so never below the mean over ranks
+        assert r["time_s"] >= r["time_s_rank_mean"] * (1 - 1e-12), r
+
+
+def test_bandwidths_follow_nccl_tests(comm_run):
+    report, _ = comm_run
+    n = report["world_size"]
+    for r in report["results"]:
+        # count is the per-rank element count; S is the total array for all_gather/reduce_scatter
+        per_rank = r["count"] * 4
+        s = per_rank * n if r["op"] in ("all_gather", "reduce_scatter") else per_rank
+        assert s == r["bytes"], r
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9, rel=1e-9), r
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * FACTOR[r["op"]](n), rel=1e-9), r
+    # at n = 2 the factors are concrete numbers
+    by_op = {r["op"]: r for r in report["results"] if r["bytes"] == 1 << 20}
+    assert by_op["all_reduce"]["busbw_GBps"] == pytest.approx(by_op["all_reduce"]["algbw_GBps"])
+    assert by_op["all_gather"]["busbw_GBps"] == pytest.approx(by_op["all_gather"]["algbw_GBps"] / 2)
+    assert by_op["reduce_scatter"]["busbw_GBps"] == pytest.approx(by_op["reduce_scatter"]["algbw_GBps"] / 2)
+    assert by_op["broadcast"]["busbw_GBps"] == pytest.approx(by_op["broadcast"]["algbw_GBps"])
+
+
+def test_table_printed_like_nccl_tests(comm_run):
+    report, stdout = comm_run
+    assert "algbw" in stdout and "busbw" in stdout and "#wrong" in stdout
+    rows = [ln.split() for ln in stdout.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert len(rows) == len(report["results"])
+    first = report["results"][0]
+    assert rows[0][:4] == [str(first["bytes"]), str(first["count"]), "float", first["op"]]
+    assert "Out of bounds values : 0 OK" in stdout
+
+
+def test_ring_reduce_scatter_is_correct(tmp_path):
+    """The send/recv ring used where a backend lacks reduce_scatter gives the right sums."""
+    report, _ = _run_comm(tmp_path, "--ops", "reduce_scatter", "--reduce-scatter-impl", "ring", "--max-bytes", "64K")
+    assert report["reduce_scatter_impl"] == "ring"
+    rows = report["results"]
+    assert [r["bytes"] for r in rows] == SIZES[:7]
+    for r in rows:
+        assert r["impl"] == "ring_send_recv" and r["wrong"] == 0, r
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] / 2, rel=1e-9)
+
+
+def test_cli_rejects_bad_arguments():
+    for args in (["--ops", "all_reduce,alltoall"], ["--min-bytes", "2M", "--max-bytes", "1M"], ["--max-bytes", "12Q"]):
+        proc = subprocess.run([sys.executable, "-m", "bench.comm", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+
+
+def test_parse_size_and_sizes():
+    from bench.comm import parse_size, sizes
+
+    assert parse_size("1K") == 1024 and parse_size("256M") == 256 << 20 and parse_size("1G") == 1 << 30
+    assert parse_size("4096") == 4096 and parse_size("64KiB") == 65536
+    assert sizes(1024, 1 << 20, 4) == [1024, 4096, 16384, 65536, 262144, 1 << 20]
+    assert sizes(1024, 3000, 2) == [1024, 2048]
+
+
+# ---------------------------------------------------------------------------------------------
+# comm_volume: hand-computed numbers
+
+def test_comm_volume_has_no_torch_at_import():
+    code = "import sys, bench.comm_volume; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def test_ddp_horovod_zero0_all_reduce():
+    from bench.comm_volume import volume
+
+    # 2 (N-1)/N * Psi * B = 2 * 3/4 * 1e6 * 4 = 6e6
+    for adapter in ("ddp", "horovod", "zero0"):
+        v = volume(adapter, params=1_000_000, world_size=4)
+        assert v["total"] == pytest.approx(6e6)
+        assert v["bytes"] == {"dp_grad_all_reduce": pytest.approx(6e6)}
+    assert volume("zero", stage=0, params=1_000_000, world_size=4)["total"] == pytest.approx(6e6)
+    # fp16 gradients halve it; one rank moves nothing
+    assert volume("ddp", params=1_000_000, world_size=4, bytes_per_elem=2)["total"] == pytest.approx(3e6)
+    assert volume("ddp", params=1_000_000, world_size=1)["total"] == 0
+    # N = 8: 2 * 7/8 * 1e6 * 4 = 7e6
+    assert volume("ddp", params=1_000_000, world_size=8)["total"] == pytest.approx(7e6)
+
+
+def test_zero12_reduce_scatter_plus_all_gather():
+    from bench.comm_volume import volume
+
+    for stage in (1, 2):
+        v = volume("zero", stage=stage, params=1_000_000, world_size=4)
+        # (N-1)/N * Psi * B = 3/4 * 4e6 = 3e6 each, 6e6 together (= DDP, ZeRO paper 7.2.1)
+        assert v["bytes"] == {"dp_grad_reduce_scatter": pytest.approx(3e6), "dp_param_all_gather": pytest.approx(3e6)}
+        assert v["total"] == pytest.approx(6e6)
+        assert volume(f"zero{stage}", params=1_000_000, world_size=4)["total"] == pytest.approx(6e6)
+
+
+def test_zero3_and_fsdp_one_and_a_half_ddp():
+    from bench.comm_volume import volume
+
+    for adapter in ("zero3", "fsdp"):
+        v = volume(adapter, params=1_000_000, world_size=4)
+        assert v["total"] == pytest.approx(9e6)  # 3 * 3/4 * 4e6
+        assert sorted(v["bytes"]) == ["dp_grad_reduce_scatter", "dp_param_all_gather_bwd", "dp_param_all_gather_fwd"]
+    # FSDP without resharding after forward skips the backward all-gather
+    assert volume("fsdp", params=1_000_000, world_size=4, reshard_after_forward=False)["total"] == pytest.approx(6e6)
+    ddp = volume("ddp", params=10**9, world_size=64)["total"]
+    assert volume("zero3", params=10**9, world_size=64)["total"] == pytest.approx(1.5 * ddp)
+
+
+def test_tensor_parallel_megatron_layers():
+    from bench.comm_volume import volume
+
+    # b=2, s=1024, h=768 fp32: one activation = 2*1024*768*4 = 6,291,456 B; t=2: 2(t-1)/t = 1
+    # 4 all-reduces/layer * 12 layers * 1 micro-batch * 6,291,456 = 301,989,888 B
+    v = volume("tensor_parallel", params=124_000_000, world_size=2, tp=2, layers=12, hidden=768, seq_len=1024,
+               micro_batch=2)
+    assert v["dp"] == 1
+    assert v["bytes"] == {"tp_activation_all_reduce": pytest.approx(301_989_888)}
+    # t=4: factor 1.5; with 2 micro-batches x2
+    v4 = volume("tensor_parallel", params=124_000_000, world_size=4, tp=4, layers=12, hidden=768, seq_len=1024,
+                micro_batch=2, microbatches=2)
+    assert v4["total"] == pytest.approx(301_989_888 * 1.5 * 2)
+    # 2-D TP x DP: world 8 = tp 2 x dp 4; DP all-reduce of Psi/tp = 2 * 3/4 * 62e6 * 4
+    v8 = volume("tensor_parallel", params=124_000_000, world_size=8, tp=2, layers=12, hidden=768, seq_len=1024,
+                micro_batch=2)
+    assert v8["dp"] == 4
+    assert v8["bytes"]["dp_grad_all_reduce"] == pytest.approx(2 * 0.75 * 62e6 * 4)
+    assert v8["total"] == pytest.approx(2 * 0.75 * 62e6 * 4 + 301_989_888)
+
+
+def test_pipeline_and_megatron_3d():
+    from bench.comm_volume import volume
+
+    act = 4 * 512 * 1024 * 2  # b=4, s=512, h=1024, bf16 = 4,194,304 B
+    # 2 stages: each stage sends one direction, 8 micro-batches
+    v2 = volume("pipeline", params=10**8, world_size=2, hidden=1024, seq_len=512, micro_batch=4, microbatches=8,
+                bytes_per_elem=2)
+    assert v2["pp"] == 2 and v2["total"] == pytest.approx(8 * act)
+    # 4 stages: an inner stage sends activations forward and gradients back
+    v4 = volume("pipeline", params=10**8, world_size=4, hidden=1024, seq_len=512, micro_batch=4, microbatches=8,
+                bytes_per_elem=2)
+    assert v4["bytes"] == {"pp_activation_send": pytest.approx(8 * act), "pp_gradient_send": pytest.approx(8 * act)}
+    # megatron t=2 p=2 d=2, 24 layers -> 12 per stage, 4 micro-batches, fp16
+    v = volume("megatron", params=350_000_000, world_size=8, tp=2, pp=2, layers=24, hidden=1024, seq_len=512,
+               micro_batch=4, microbatches=4, bytes_per_elem=2)
+    assert (v["dp"], v["tp"], v["pp"]) == (2, 2, 2)
+    assert v["bytes"]["dp_grad_all_reduce"] == pytest.approx(1.0 * 350e6 / 4 * 2)  # 2(2-1)/2 * Psi/(t p) * B
+    assert v["bytes"]["tp_activation_all_reduce"] == pytest.approx(4 * 12 * 4 * 1.0 * act)
+    assert v["bytes"]["pp_activation_send"] == pytest.approx(4 * act)
+    assert v["total"] == pytest.approx(sum(v["bytes"].values()))
+
+
+def test_volume_rejects_inconsistent_inputs():
+    from bench.comm_volume import volume
+
+    with pytest.raises(ValueError):
+        volume("nope", params=1, world_size=2)
+    with pytest.raises(ValueError):
+        volume("ddp", params=1, world_size=4, tp=2)
+    with pytest.raises(ValueError):
+        volume("zero", params=1, world_size=4, stage=4)
+    with pytest.raises(ValueError):
+        volume("zero1", params=1, world_size=4, stage=3)
+    with pytest.raises(ValueError):
+        volume("megatron", params=1, world_size=6, tp=4, layers=2, hidden=8, seq_len=8, micro_batch=1)
+    with pytest.raises(ValueError):
+        volume("megatron", params=1, world_size=4, tp=2)  # no activation shape
+    with pytest.raises(ValueError):
+        volume("ddp", params=1, world_size=4, dp=2)
+
+
+def test_time_at_and_report_lookup():
+    from bench.comm_volume import busbw_from_report, step_comm_time, time_at, volume
+
+    assert time_at(6e6, 1.5) == pytest.approx(4e-3)  # 6 MB at 1.5 GB/s
+    assert time_at(0, 1.0) == 0
+    with pytest.raises(ValueError):
+        time_at(1e6, 0)
+    report = {"world_size": 4, "results": [
+        {"op": "all_reduce", "bytes": 1 << 20, "busbw_GBps": 2.0},
+        {"op": "all_reduce", "bytes": 4 << 20, "busbw_GBps": 3.0},
+    ]}
+    assert busbw_from_report(report, "all_reduce", 1 << 20) == 2.0
+    assert busbw_from_report(report, "all_reduce", 100 << 20) == 3.0  # beyond range: largest size
+    with pytest.raises(ValueError):
+        busbw_from_report(report, "all_gather", 1 << 20)
+    t = step_comm_time(volume("ddp", params=1_000_000, world_size=4), report)
+    assert t["total_s"] == pytest.approx(6e6 / 3e9)  # 4 MB gradient message -> the 4M row

@@ -1,0 +1,107 @@
+"""Imports run one way: plumbing -> workloads -> adapters -> runner -> drivers; analysis reads records only.
+
+Every import statement of every module is read (function-level, lazy imports included), so a
+driver-only helper that an adapter imports "just inside a function" still fails here.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = ("bench", "adapters", "workloads", "analysis", "hydra_plugins")
+LAYERS = {"plumbing": 0, "workloads": 1, "adapters": 2, "runner": 3, "drivers": 4}
+
+
+def layer(module: str) -> str | None:
+    """The layer of an importable module name of this project, None for anything else."""
+    parts = module.split(".")
+    if parts[0] == "bench":
+        if len(parts) == 1 or parts[1] == "core":
+            return "plumbing"  # bench/__init__.py is a docstring
+        return "runner" if parts[1] == "runner" else "drivers"
+    if parts[0] in ("workloads", "adapters", "analysis"):
+        return parts[0]
+    if parts[0] == "hydra_plugins" and len(parts) > 1 and parts[1] == "trainbench_launcher":
+        return "drivers"
+    return None
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    if rel.parts[:3] == ("bench", "plugins", "hydra_plugins"):
+        rel = Path(*rel.parts[2:])
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported(source: str, module: str, is_package: bool) -> list[tuple[int, list[str]]]:
+    """(line, names) per import statement; `from bench import sweep` names bench and bench.sweep."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, [a.name]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                name = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                name = node.module or ""
+            out.append((node.lineno, [name, *(f"{name}.{a.name}" for a in node.names)]))
+    return out
+
+
+def violations(module: str, source: str, is_package: bool = False) -> list[str]:
+    mine = layer(module)
+    found = []
+    for lineno, names in imported(source, module, is_package):
+        for name in names:
+            theirs = layer(name)
+            if theirs is None or mine is None or theirs == mine:
+                continue
+            if mine == "analysis" or theirs == "analysis":
+                found.append(f"{module}:{lineno} imports {name} ({mine} -> {theirs}: analysis reads records only)")
+                break
+            if LAYERS[theirs] > LAYERS[mine]:
+                found.append(f"{module}:{lineno} imports {name} ({mine} -> {theirs}: upward)")
+                break
+    return found
+
+
+def project_modules() -> list[Path]:
+    return sorted(p for root in ROOTS[:4] for p in (REPO / root).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_no_module_imports_upward():
+    found = []
+    for path in project_modules():
+        found += violations(module_name(path), path.read_text(), path.name == "__init__.py")
+    assert not found, "\n".join(found)
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in map(module_name, project_modules()) if layer(m) is None] == []
+    assert layer(module_name(REPO / "bench/plugins/hydra_plugins/trainbench_launcher/__init__.py")) == "drivers"
+
+
+@pytest.mark.parametrize("module, source", [
+    ("bench.core.records", "def f():\n    from workloads import build_workload\n"),  # plumbing -> workloads, lazily
+    ("workloads.gpt2", "import adapters.base\n"),
+    ("adapters.ddp", "from bench.runner.trainer import Trainer\n"),
+    ("adapters.zero", "from bench import sweep\n"),
+    ("bench.runner.launch", "from bench.smoke import run_one\n"),
+    ("analysis.plots", "from bench.core.records import RunRecord\n"),
+    ("bench.demo", "from analysis.report import write_report\n"),
+])
+def test_the_check_catches_upward_imports(module, source):
+    assert len(violations(module, source)) == 1
+
+
+def test_the_check_allows_downward_imports():
+    assert violations("bench.runner.launch", "from adapters import get_adapter_class\nfrom bench.core import dist\n") == []
+    assert violations("adapters.ddp", "from . import base\nfrom adapters._pipeline import x\n", False) == []
