@@ -16,8 +16,6 @@ import torch
 from torch import nn
 
 from adapters.base import Adapter, Batch, local_tensor
-from bench.core.config import BenchConfig
-from bench.core.errors import ConfigError
 from bench.core.precision import HALF_DTYPES
 from bench.core.optim import build_optimizer, optimizer_step
 from bench.core.timing import PhaseTimer

@@ -51,11 +51,13 @@ import sys
 import tempfile
 import time
 import warnings
-from contextlib import closing
 from dataclasses import dataclass, field, replace
+
 
 import torch
 import torch.distributed as dist
+
+from bench.core.dist import free_port
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 
@@ -143,46 +145,19 @@ def default_max_bytes(backend: str) -> int:
     return DEFAULT_MAX_BYTES_CUDA if backend == "nccl" else DEFAULT_MAX_BYTES_CPU
 
 
-def free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm hostlist ('gpu[003-004],cn7' -> 'gpu003')."""
-    first = re.match(r"[^,\[]+(?:\[[^\]]*\])?", nodelist).group(0)
-    m = re.fullmatch(r"(.*?)\[([^\],-]+)[^\]]*\](.*)", first)
-    return first if not m else f"{m.group(1)}{m.group(2)}{m.group(3)}"
-
-
 def external_launch(env=os.environ) -> dict | None:
-    """Rank/world/address when torchrun or srun started this process; None when we must spawn.
+    """Rank/world/address when torchrun or srun started this process (the harness's own cluster
+    environments, bench/core/environments.py); None when we must spawn."""
+    from bench.core.environments import SlurmEnvironment, TorchrunEnvironment
 
-    Same conventions as the harness launcher (torchrun variables first; under srun the first host
-    of the node list and a port derived from the job id, unless MASTER_ADDR/MASTER_PORT are set).
-    """
-    if all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        return dict(
-            rank=int(env["RANK"]),
-            world_size=int(env["WORLD_SIZE"]),
-            local_rank=int(env["LOCAL_RANK"]),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(env.get("MASTER_PORT", 29500)),
-            launcher="torchrun",
-        )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or socket.gethostname()
-        key = int(env.get("SLURM_JOB_ID", 0)) * 31 + int(env.get("SLURM_STEP_ID") or 0)
-        return dict(
-            rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            master_addr=env.get("MASTER_ADDR") or _first_slurm_host(nodelist),
-            master_port=int(env.get("MASTER_PORT") or 20000 + key % 40000),
-            launcher="srun",
-        )
-    return None
+    if TorchrunEnvironment.detect(env, "local"):
+        ctx = TorchrunEnvironment.context(env, "auto")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        ctx = SlurmEnvironment.context(env, "auto")
+    else:
+        return None
+    return dict(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank, master_addr=ctx.master_addr,
+                master_port=ctx.master_port, launcher=ctx.launcher)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,7 +182,7 @@ class _Op:
         else:
             self.count = count
             self.size = count * ELEM_BYTES
-        c, r = self.count, rank
+        c = self.count
         if op == "all_reduce":
             self.buf = torch.empty(c, device=device)
         elif op == "all_gather":

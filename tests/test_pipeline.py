@@ -9,10 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
-from tests.helpers import REPO, bench, check_ok, events, only_run, step_losses, summary
+from tests.helpers import bench, check_ok, events, only_run, step_losses, summary
 
 COMMON = ["trainer.max_steps=8", "trainer.progress=false", "trainer.warmup_steps=1", "data.train_samples=128",
           "data.val_samples=16"]

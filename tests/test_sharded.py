@@ -188,7 +188,6 @@ def test_bad_input_fails_before_ranks_start(tmp_path, overrides, message):
 
 def test_deepspeed_config_for_gpu_only_settings():
     """The GPU-only branches of the DeepSpeed config (offload, fp16) checked without a GPU."""
-    from omegaconf import OmegaConf
 
     from adapters.zero import deepspeed_config
     from bench.runner.compose import compose, typed

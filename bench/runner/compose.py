@@ -70,7 +70,6 @@ def one_line(e: BaseException) -> str:
     head = str(e).strip().splitlines()[0]
     if cause is e:
         if "Could not find" in head:  # an unknown group option: list the options, not the search path
-            group = head.split("'")[-2].split("/")[0] if head.count("'") >= 2 else ""
             options = [ln.strip() for ln in str(e).splitlines() if ln.startswith("\t") and "=" not in ln]
             options = [o for o in options if not o.endswith("_schema")]
             return f"{head}; choose one of: {', '.join(options)}" if options else head

@@ -1,0 +1,77 @@
+"""A non-editable install runs from any directory: conf/ ships in the wheel, the Hydra launcher plugin
+is found by Hydra's own plugin scan, and nothing needs PYTHONPATH.
+
+The wheel is built from this checkout and installed (no dependencies) into a fresh venv whose only
+link to the test venv is a .pth line naming its site-packages (for torch and the frameworks: a
+second 6 GB install would prove nothing more). The runs start in an empty folder, far from the
+checkout, with PYTHONPATH removed from the environment.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("pkg")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO),
+                    "-w", str(tmp / "dist")], check=True, capture_output=True, cwd=tmp, timeout=600)
+    wheel = next((tmp / "dist").glob("trainbench-*.whl"))
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = Path(subprocess.run([str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=600)
+    return venv / "bin/python"
+
+
+def _run(python: Path, cwd: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_installed_package_is_not_the_checkout(installed, tmp_path):
+    proc = _run(installed, tmp_path, "-c", "import bench, hydra_plugins.trainbench_launcher as p; print(bench.__file__, p.__file__)")
+    assert proc.returncode == 0, proc.stderr
+    assert str(REPO) not in proc.stdout and "site-packages" in proc.stdout, proc.stdout
+
+
+def test_smoke_run_from_any_directory(installed, tmp_path):
+    proc = _run(installed, tmp_path, "-m", "bench", "experiment=smoke", "launcher.nprocs=1", "results.root=out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list((tmp_path / "out").rglob("summary.json"))) == 1
+    assert '"status": "ok"' in next((tmp_path / "out").rglob("summary.json")).read_text()
+
+
+def test_submitit_local_multirun_without_pythonpath(installed, tmp_path):
+    proc = _run(installed, tmp_path, "-m", "bench", "-m", "hydra/launcher=submitit_local", "experiment=smoke",
+                "launcher.nprocs=1", "trainer.max_steps=2", "results.root=out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = list((tmp_path / "out").rglob("summary.json"))
+    assert len(summaries) == 1 and '"status": "ok"' in summaries[0].read_text()
+    assert "deprecated" not in proc.stderr.lower(), proc.stderr
+
+
+def test_plugin_is_scanned_and_its_config_typed(installed, tmp_path):
+    """Hydra's plugin scan finds the launcher (Hydra instantiates only scanned plugins), and
+    hydra/launcher=bench_slurm composes against the stock schema it extends: a misspelt field is refused."""
+    proc = _run(installed, tmp_path, "-c", "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import "
+                "Launcher; print([p.__name__ for p in Plugins.instance().discover(Launcher)])")
+    assert proc.returncode == 0 and "BenchSlurmLauncher" in proc.stdout, proc.stdout + proc.stderr
+    proc = _run(installed, tmp_path, "-m", "bench", "hydra/launcher=bench_slurm", "--cfg", "hydra", "-p", "hydra.launcher")
+    assert proc.returncode == 0 and "BenchSlurmLauncher" in proc.stdout and "signal_delay_s: 120" in proc.stdout, proc.stderr
+    proc = _run(installed, tmp_path, "-m", "bench", "hydra/launcher=bench_slurm", "hydra.launcher.gpus_per_nod=8",
+                "--cfg", "hydra")
+    assert proc.returncode != 0 and "gpus_per_nod" in proc.stderr, proc.stderr
