@@ -181,6 +181,10 @@ def load(*roots: str | Path) -> pd.DataFrame:
         df[col] = pd.to_numeric(df[col], errors="coerce")
     # records without a devices field (older ones): one device per rank
     df["devices"] = df["devices"].fillna(df["world_size"]).astype("Int64")
+    # an adapter without tensor/pipeline parallel keys (ddp, zero, fsdp, horovod) has TP = PP = 1
+    known = df["status"] != "missing" if "status" in df else True
+    for col in ("tp", "pp"):
+        df[col] = pd.to_numeric(df[col], errors="coerce").mask(known & df[col].isna(), 1)
     df["world_size"] = df["world_size"].astype("Int64")
     df["samples_per_epoch"] = df["steps"] * df["global_batch"]
     # epochs capped by trainer.max_steps hold different sample counts: compare time per sample

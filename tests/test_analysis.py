@@ -63,7 +63,8 @@ def test_loader_keeps_ok_failed_and_missing_runs(tree, df):
     # one row per run x epoch, config fields flattened
     assert sorted(okd.groupby("devices")["epoch"].apply(list).to_dict().items()) == [(1, [0.0, 1.0]), (2, [0.0, 1.0])]
     assert set(okd["adapter"]) == {"ddp"} and set(okd["workload"]) == {"gpt2_tiny"}
-    assert set(okd["batch_policy"]) == {"per_device"} and set(okd["stage"]) == {0}
+    # ddp has no ZeRO stage (each adapter has its own schema): the column is empty for it
+    assert set(okd["batch_policy"]) == {"per_device"} and okd["stage"].isna().all()
     assert set(okd["tp"]) == {1} and set(okd["pp"]) == {1} and set(okd["kind"]) == {"language"}
     assert okd.groupby("devices")["global_batch"].first().to_dict() == {1: 8, 2: 16}
     assert okd.groupby("devices")["world_size"].first().to_dict() == {1: 1, 2: 2}

@@ -1,10 +1,10 @@
 """Graceful stop on preemption signals, and a watchdog for hung collectives.
 
 Stop: SIGUSR1 (Slurm's `--signal=USR1@120`) or SIGTERM (scancel) sets a flag. Ranks may see the
-signal at different steps, so at every step boundary they agree through one tiny all-reduce on a
-CPU (gloo) group: a CPU tensor, so a GPU run is never forced to sync the device for it. The
-trainer then finishes the step, writes a record with status `preempted`, and exits 0 so Slurm can
-requeue the job.
+signal at different steps, so every `trainer.stop_check_every` steps (10 by default) they agree
+through one tiny all-reduce on a CPU (gloo) group: a CPU tensor, so a GPU run is never forced to
+sync the device for it. The trainer then finishes that step, writes a record with status
+`preempted`, and exits 0 so Slurm can requeue the job.
 
 Watchdog: a daemon thread watches a heartbeat that the loop beats at every step and validation
 batch. If no beat comes for `trainer.hang_timeout_s` seconds (a rank that stopped calling

@@ -1,8 +1,10 @@
 """The one training loop, shared by every adapter, and what it measures.
 
 Per epoch: set the sampler's epoch, reset peak memory, run the steps (each timed by phase), then
-validate, then gather per-rank numbers (one collective round per epoch, none per step: per-step
-losses stay on the device until the epoch ends, so the loop never forces a host sync).
+validate, then gather per-rank numbers (one collective round per epoch: per-step losses stay on the
+device until the epoch ends, so the loop never forces a host sync for them). Inside the epoch the
+only collective of the harness's own is the stop agreement, every `trainer.stop_check_every` steps
+on a CPU group (bench/core/guard.py).
 
 Stated conventions (also written into every record under "conventions"):
 - the first `trainer.warmup_steps` optimizer steps of the run are excluded from step statistics and
