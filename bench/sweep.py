@@ -221,11 +221,19 @@ def _submit(args) -> int:
     for i, point in enumerate(points):
         groups[layout([*point, *args.extra])].append(i)
     script = Path(args.script)
+    # job logs under the results root, never in the folder sbatch was called from (a later
+    # --sbatch=--output=... still wins: sbatch takes the last)
+    root = next((o.split("=", 1)[1] for o in reversed(args.extra) if o.startswith("results.root=")),
+                os.environ.get("RESULTS") or str(REPO / "results"))
+    logs = Path(root).absolute() / "slurm"
+    if not args.dry_run:
+        logs.mkdir(parents=True, exist_ok=True)
     code = 0
     for (ranks, devices), indices in groups.items():
         nodes, per_node, gpus = slurm_shape(ranks, devices, args.gpus_per_node)
         shape = [f"--nodes={nodes}", f"--ntasks-per-node={per_node}", *([f"--gpus-per-node={gpus}"] if gpus else [])]
-        cmd = ["sbatch", "--parsable", f"--array={','.join(map(str, indices))}", *shape, *args.sbatch,
+        cmd = ["sbatch", "--parsable", f"--output={logs}/%x-%A_%a.out", f"--array={','.join(map(str, indices))}",
+               *shape, *args.sbatch,
                str(script), str(args.file), *(["--resume"] if args.resume else []), *args.extra]
         print(shlex.join(cmd), flush=True)
         if not args.dry_run:
