@@ -33,6 +33,18 @@ class Adapter(ABC):
     kinds: ClassVar[tuple[str, ...]] = ("vision", "language")  # workload kinds supported
     framework: ClassVar[str] = "torch"  # distribution name whose version the record states
     framework_module: ClassVar[str] = "torch"  # its import name (checked by `make smoke`, listed in the record)
+    # What each timed phase holds for this adapter (recorded as `phase_semantics`; the breakdown figure
+    # shows it): frameworks put communication and pipeline bubbles in different phases.
+    phase_semantics: ClassVar[dict[str, str]] = {
+        "data": "host loading of the step's micro-batches and their copy to the device",
+        "forward": "forward of each micro-batch under autocast, loss included",
+        "backward": "backward of each micro-batch; the gradient all-reduce overlaps it and its exposed "
+                    "remainder ends this phase",
+        "optimizer": "unscale (fp16), clip over the global norm, optimizer step, zero the gradients",
+    }
+    # What trainer.precision=bf16/fp16 means for this adapter (recorded as `precision_semantics`)
+    precision_semantics: ClassVar[str] = ("autocast: fp32 weights, gradients and optimizer state; matmuls and "
+                                          "activations in bf16/fp16")
     # ways of starting ranks that only this framework has (bench/core/environments.py), e.g. horovodrun
     environments: ClassVar[tuple[type[ClusterEnvironment], ...]] = ()
 

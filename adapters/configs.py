@@ -31,8 +31,8 @@ class DDPConfig(AdapterConfig):
 class ZeroConfig(AdapterConfig):
     name: str = "zero"
     stage: int = 1  # 0-3; adapter=zero1..zero3 set it
-    # DeepSpeed's own default is True (stage 3) / False (stages 1-2, older releases); written out and recorded
-    overlap_comm: bool = False
+    # None = DeepSpeed's own default (0.19: true at stage 3, false below); the value used is recorded
+    overlap_comm: Optional[bool] = None
     contiguous_gradients: bool = True
     # elements; DeepSpeed's default 5e8 allocates ~2 GB per rank
     reduce_bucket_size: int = 5_000_000

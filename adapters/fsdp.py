@@ -17,7 +17,7 @@ from torch import nn
 
 from adapters.base import Adapter, Batch, local_tensor
 from bench.core.precision import HALF_DTYPES
-from bench.core.optim import build_optimizer, optimizer_step
+from bench.core.optim import build_optimizer, optimizer_step, refuse_layerwise
 from bench.core.timing import PhaseTimer
 
 
@@ -39,6 +39,19 @@ def shard_units(workload, model: nn.Module) -> list[nn.Module]:
 
 class FSDPAdapter(Adapter):
     name = "fsdp"
+    phase_semantics = {
+        **Adapter.phase_semantics,
+        "forward": "forward; each layer's parameters all-gathered first (prefetched, overlapped)",
+        "backward": "backward; parameters re-gathered (reshard_after_forward) and gradients reduce-scattered",
+        "optimizer": "clip over the global norm of the sharded gradients, step the local shards",
+    }
+    precision_semantics = ("FSDP2 MixedPrecisionPolicy: bf16/fp16 parameters for compute (param_dtype), fp32 "
+                           "sharded master parameters and fp32 gradient reduction")
+
+    @classmethod
+    def validate(cls, cfg, world_size: int) -> None:
+        super().validate(cfg, world_size)
+        refuse_layerwise(cfg.optimizer, "adapter=fsdp", "shards every tensor along dim 0 (DTensor shards)")
 
     def setup(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh

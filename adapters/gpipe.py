@@ -36,6 +36,12 @@ class GPipeAdapter(Adapter):
     name = "gpipe"
     framework = "torchgpipe"
     framework_module = "torchgpipe"
+    phase_semantics = {
+        **Adapter.phase_semantics,
+        "forward": "the pipelined forward of the mini-batch over all partitions, fill and drain bubbles included",
+        "backward": "the pipelined backward with recomputation (checkpoint), bubbles included",
+        "optimizer": "sum the tied gradients, clip over the global norm, step every partition",
+    }
 
     @classmethod
     def smoke_overrides(cls, devices: int) -> list[str]:

@@ -83,6 +83,12 @@ class HorovodAdapter(Adapter):
     framework = "horovod"
     framework_module = "horovod"
     environments = (HorovodrunEnvironment,)
+    phase_semantics = {
+        **Adapter.phase_semantics,
+        "backward": "backward; gradient hooks only start Horovod's all-reduces (background thread)",
+        "optimizer": "waits for the all-reduces (synchronize: the exposed communication is here, not in "
+                     "backward as for DDP), then unscale, clip, step",
+    }
 
     @classmethod
     def validate(cls, cfg: BenchConfig, world_size: int) -> None:
@@ -196,7 +202,11 @@ class HorovodAdapter(Adapter):
             self.optimizer.synchronize()
             with self.optimizer.skip_synchronize():  # gradients were synchronized above
                 optimizer_step(self.optimizer, self.model.parameters(), self.cfg.trainer.grad_clip, self.scaler)
-            self.optimizer.zero_grad()
+            # keep the gradient buffers, as DDP does (state bytes then count them): Horovod's zero_grad()
+            # takes no set_to_none and frees them
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
         return total
 
     @torch.no_grad()

@@ -44,8 +44,9 @@ import torch
 
 from adapters.base import Adapter, Batch, tensor_bytes
 from adapters import _vocab_parallel as vocab_parallel
+from bench.core.dist import dist_timeout_s
 from bench.core.errors import ConfigError
-from bench.core.optim import build_optimizer
+from bench.core.optim import build_optimizer, refuse_layerwise
 from adapters._pipeline import check_microbatches
 from bench.core.precision import autocast
 from bench.core.timing import PhaseTimer
@@ -73,6 +74,14 @@ class MegatronAdapter(Adapter):
     kinds = ("language",)
     framework = "megatron-core"
     framework_module = "megatron.core"
+    phase_semantics = {
+        **Adapter.phase_semantics,
+        "forward": "megatron-core forward steps (its timers): tensor-parallel all-reduces inside; with PP > 1 "
+                   "pipeline waits are outside every phase (in the step, not its parts)",
+        "backward": "megatron-core backward steps plus its gradient reductions (all-grads-sync, embedding "
+                    "and non-TP gradient all-reduces), as DDP's all-reduce counts as backward",
+        "optimizer": "clip over the TP x PP global norm, step (GPU: the distributed optimizer's gathers)",
+    }
 
     @classmethod
     def smoke_overrides(cls, devices: int) -> list[str]:
@@ -108,6 +117,9 @@ class MegatronAdapter(Adapter):
         if pp > 1 and a.schedule != "1f1b":
             raise ConfigError(f"adapter.schedule={a.schedule}: adapter=megatron pipelines with megatron-core's 1F1B "
                               f"schedule; set adapter.schedule=1f1b")
+        if tp > 1:
+            refuse_layerwise(cfg.optimizer, f"adapter=megatron with tensor_parallel={tp}",
+                             "gives each rank column/row slices of the weights")
         if a.make_vocab_size_divisible_by < 1:
             raise ConfigError(f"adapter.make_vocab_size_divisible_by={a.make_vocab_size_divisible_by} must be >= 1")
         if cfg.trainer.precision == "fp16":
@@ -153,7 +165,7 @@ class MegatronAdapter(Adapter):
         cuda = self.ctx.is_cuda
         self.tp, self.pp = a.tensor_parallel, a.pipeline_parallel
         ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                                     distributed_timeout_minutes=max(1, t.dist_timeout_s // 60))
+                                     distributed_timeout_minutes=max(1, dist_timeout_s(t) // 60))
         if not cuda:
             from adapters import _megatron_cpu
 

@@ -44,6 +44,12 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
 
 class PipelineAdapter(Adapter):
     name = "pipeline"
+    phase_semantics = {
+        **Adapter.phase_semantics,
+        "forward_backward": "the schedule's whole step: every micro-batch's forward and backward, stage-to-stage "
+                            "sends/receives, pipeline bubbles and the data-parallel gradient reduction",
+        "optimizer": "clip over the global norm (all stages), step this stage",
+    }
 
     @classmethod
     def smoke_overrides(cls, devices: int) -> list[str]:

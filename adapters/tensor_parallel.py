@@ -28,7 +28,7 @@ import torch.distributed as dist
 from adapters.base import Adapter, Batch, local_tensor, tensor_bytes
 from adapters import _vocab_parallel as vocab_parallel
 from bench.core.errors import ConfigError
-from bench.core.optim import build_optimizer
+from bench.core.optim import build_optimizer, refuse_layerwise
 from bench.core.precision import autocast
 from bench.core.timing import PhaseTimer
 
@@ -39,6 +39,11 @@ def _is_sharded(t: torch.Tensor) -> bool:
 
 class TensorParallelAdapter(Adapter):
     name = "tensor_parallel"
+    phase_semantics = {
+        **Adapter.phase_semantics,
+        "forward": "forward with the tensor-parallel all-reduces/all-gathers of activations inside",
+        "backward": "backward (TP collectives inside), then the data-parallel gradient all-reduce",
+    }
     kinds = ("language",)
 
     @classmethod
@@ -56,6 +61,9 @@ class TensorParallelAdapter(Adapter):
                               f"rank computes whole attention heads")
         if cfg.trainer.precision == "fp16":
             raise ConfigError("trainer.precision=fp16 is not supported by adapter=tensor_parallel; use bf16 or fp32")
+        if tp > 1:
+            refuse_layerwise(cfg.optimizer, f"adapter=tensor_parallel with tensor_parallel={tp}",
+                             "gives each rank column/row slices of the weights")
 
     @classmethod
     def smoke_overrides(cls, devices: int) -> list[str]:

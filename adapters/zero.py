@@ -24,13 +24,11 @@ from adapters.base import Adapter, Batch, local_tensor
 from bench.core.config import BenchConfig
 from bench.core.errors import ConfigError
 from bench.core.precision import HALF_DTYPES
-from bench.core.optim import build_optimizer
+from bench.core.optim import LAYERWISE, build_optimizer
 from bench.core.timing import PhaseTimer
 
-# Optimizers whose update reads each parameter tensor whole (LAMB/LARS trust ratio = ||w|| / ||update||
-# per layer). DeepSpeed hands the optimizer flat partitions under ZeRO >= 1 and under its bf16/fp16
-# optimizers, so the ratio would be computed over arbitrary slices: a different algorithm.
-LAYERWISE = ("lamb", "lars")
+# LAYERWISE (bench/core/optim.py): DeepSpeed hands the optimizer flat partitions under ZeRO >= 1 and
+# under its bf16/fp16 optimizers, so a LAMB/LARS trust ratio would be computed over arbitrary slices.
 
 
 def deepspeed_config(cfg: BenchConfig, micro_batch: int, cuda: bool) -> dict:
@@ -38,11 +36,12 @@ def deepspeed_config(cfg: BenchConfig, micro_batch: int, cuda: bool) -> dict:
     a, t = cfg.adapter, cfg.trainer
     zero: dict = {
         "stage": a.stage,
-        "overlap_comm": a.overlap_comm,
         "contiguous_gradients": a.contiguous_gradients,
         "reduce_bucket_size": a.reduce_bucket_size,
         "allgather_bucket_size": a.allgather_bucket_size,
     }
+    if a.overlap_comm is not None:  # else DeepSpeed's default for the stage (recorded from the engine)
+        zero["overlap_comm"] = a.overlap_comm
     if a.stage == 3:
         # stage 3 has its own prefetch bucket (default 5e7 elements): bound it by the same knob
         zero["stage3_prefetch_bucket_size"] = a.allgather_bucket_size
@@ -81,6 +80,14 @@ class ZeroAdapter(Adapter):
     name = "zero"
     framework = "deepspeed"
     framework_module = "deepspeed"
+    phase_semantics = {
+        **Adapter.phase_semantics,
+        "forward": "engine forward; stage 3 all-gathers each layer's parameters here (prefetched)",
+        "backward": "engine.backward: stage 3 re-gathers parameters; gradients are reduced (stage 0-1: "
+                    "all-reduce, 2-3: reduce-scatter into partitions), overlapped per overlap_comm",
+        "optimizer": "engine.step: clip, step the partition; stages 1-2 all-gather the updated parameters here",
+    }
+    precision_semantics = "DeepSpeed bf16/fp16 mode: bf16/fp16 model weights and gradients, fp32 master partition"
 
     @classmethod
     def validate(cls, cfg: BenchConfig, world_size: int) -> None:
@@ -179,7 +186,8 @@ class ZeroAdapter(Adapter):
         return {
             "deepspeed": deepspeed.__version__,
             "stage": a.stage,
-            "overlap_comm": a.overlap_comm,
+            "overlap_comm": self.engine.zero_overlap_comm(),  # as DeepSpeed resolved it
+            "overlap_comm_source": "deepspeed default" if a.overlap_comm is None else "adapter.overlap_comm",
             "contiguous_gradients": a.contiguous_gradients,
             "reduce_bucket_size": a.reduce_bucket_size,
             "allgather_bucket_size": a.allgather_bucket_size,

@@ -23,7 +23,7 @@ def check_config(cfg: WorkloadConfig, data: DataConfig) -> None:
     if data.source not in DATA_SOURCES[cfg.kind]:
         raise ConfigError(f"data.source={data.source} does not fit {cfg.kind} workload {cfg.name}; "
                           f"use one of {', '.join(DATA_SOURCES[cfg.kind])}")
-    if data.num_workers < 0:
+    if data.num_workers is not None and data.num_workers < 0:
         raise ConfigError(f"data.num_workers={data.num_workers} must be >= 0")
 
 

@@ -51,7 +51,9 @@ class DataConfig:
     cache_dir: Optional[str] = None  # token-id memmap cache; default <root>/.bench_cache
     train_samples: int = 2048  # synthetic only
     val_samples: int = 512  # synthetic only
-    num_workers: int = 0
+    # DataLoader workers per rank; None = from the CPUs per rank (SLURM_CPUS_PER_TASK, else the CPUs
+    # of the node shared by its ranks), minus the rank's own: min(8, cpus - 1)
+    num_workers: Optional[int] = None
     augment: bool = True  # vision: torchvision reference train transforms
 
 
@@ -90,14 +92,21 @@ class TrainerConfig:
     max_eval_batches: int = 0  # 0 = the whole validation set
     grad_clip: float = 0.0  # 0 = off; always passed explicitly to frameworks that clip by default
     precision: str = "fp32"  # fp32 | bf16 | fp16 (GPU only)
+    # CUDA: TF32 tensor cores for fp32 matmuls and convolutions (torch.backends.cuda.matmul / cudnn
+    # allow_tf32), applied on every rank and recorded; MFU then uses the TF32 peak
+    tf32: bool = False
     seed: int = 1234
-    dist_timeout_s: int = 300
+    # process-group timeout; 0 = trainer.hang_timeout_s + 60 s, so the watchdog (which writes the
+    # `timeout` record) always fires before the backend kills the ranks
+    dist_timeout_s: int = 0
     hang_timeout_s: float = 900.0  # watchdog: no step/eval progress this long = status timeout; 0 = off
     # steps between agreements on a preemption signal: each is a tiny CPU all-reduce that also
     # lines the ranks up; every step cost ~2-5 % on 50 ms CPU steps (bench.overhead), every 10 is noise
     stop_check_every: int = 10
-    sync_timing: bool = True  # CUDA only: synchronize at phase boundaries so phases are honest
-    progress: bool = True
+    # CUDA: phases are timed by CUDA events (no host sync); true adds a device sync at every phase end, a
+    # diagnostic that serialises host and device and slows frameworks that overlap host work (recorded)
+    sync_timing: bool = False
+    progress: Optional[bool] = None  # tqdm bars; None = only when stdout is a terminal (not in batch logs)
     log_step_losses: bool = True
     # Fault injection for resilience tests: "KIND@RANK:STEP", KIND = raise | oom | hang | exit
     inject_fault: Optional[str] = None

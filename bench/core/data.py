@@ -73,6 +73,18 @@ class StridedSampler(Sampler):
         return len(self.indices)
 
 
+def data_workers(requested: int | None, local_world_size: int, env=None) -> int:
+    """DataLoader workers per rank: `requested`, else from the CPUs this rank may use (Slurm's
+    SLURM_CPUS_PER_TASK, else the node's CPUs shared by its ranks) minus the rank's own, at most 8."""
+    import os
+
+    if requested is not None:
+        return requested
+    env = os.environ if env is None else env
+    cpus = int(env.get("SLURM_CPUS_PER_TASK") or 0) or (os.cpu_count() or 1) // max(1, local_world_size)
+    return max(0, min(8, cpus - 1))
+
+
 def train_loader(dataset: Dataset, replicas: int, rank: int, batch_size: int, grad_accum: int, seed: int, workers: int):
     sampler = StepShardedSampler(dataset, replicas, rank, batch_size, grad_accum, seed)
     loader = DataLoader(

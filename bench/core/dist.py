@@ -49,6 +49,14 @@ def default_backend(requested: str = "auto") -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def dist_timeout_s(trainer) -> int:
+    """The process-group timeout: trainer.dist_timeout_s, else 60 s after the watchdog's, so the watchdog
+    always fires first (30 min when the watchdog is off)."""
+    if trainer.dist_timeout_s:
+        return int(trainer.dist_timeout_s)
+    return int(trainer.hang_timeout_s + 60) if trainer.hang_timeout_s > 0 else 1800
+
+
 def set_cpu_threads(n: int) -> None:
     """One thread per rank on CPU: ranks share 2 cores here, and more threads thrash."""
     if not torch.cuda.is_available():

@@ -1,27 +1,60 @@
-"""Dense peak FLOP/s of known GPUs, for MFU. Unknown devices (and CPUs) give None: no MFU is better
-than a made-up one."""
+"""Dense peak FLOP/s per device and math mode, for MFU. Unknown devices (and CPUs) give None: no MFU
+is better than a made-up one.
+
+Keyed by (device, dtype) where dtype is what the matmuls really run in: bf16, fp16, tf32 (fp32
+inputs on TF32 tensor cores, `trainer.tf32=true`) or fp32 (no tensor cores on NVIDIA; AMD's fp32
+matrix cores). Values are the vendors' datasheet dense (no-sparsity) numbers per device as torch
+sees it: an MI250X module is two devices (GCDs), so its row is per GCD.
+"""
 from __future__ import annotations
 
 import torch
 
-# device-name substring -> {precision: dense peak FLOP/s per device} (vendor datasheets, no sparsity)
-PEAKS = {
-    "H100 SXM": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "A10G": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
-    "MI250X": {"bf16": 383e12, "fp16": 383e12, "fp32": 47.9e12},
-}
+T = 1e12
+# (device-name pattern, all substrings must appear) -> {dtype: dense peak FLOP/s}; most specific first
+PEAKS: list[tuple[tuple[str, ...], dict[str, float]]] = [
+    (("H200", "NVL"), {"fp32": 60 * T, "tf32": 417.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T}),
+    (("H200",), {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T}),  # SXM
+    (("H100", "NVL"), {"fp32": 60 * T, "tf32": 417.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T}),
+    (("H100", "PCIe"), {"fp32": 51 * T, "tf32": 378 * T, "bf16": 756 * T, "fp16": 756 * T}),
+    (("H100", "HBM3"), {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T}),  # SXM5
+    (("H100", "SXM"), {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T}),
+    (("A100",), {"fp32": 19.5 * T, "tf32": 156 * T, "bf16": 312 * T, "fp16": 312 * T}),
+    (("L40S",), {"fp32": 91.6 * T, "tf32": 183 * T, "bf16": 362 * T, "fp16": 362 * T}),
+    (("MI300X",), {"fp32": 163.4 * T, "tf32": 653.7 * T, "bf16": 1307.4 * T, "fp16": 1307.4 * T}),
+    # per GCD (torch sees each of the module's two GCDs as a device): half of 95.7 / 383 TFLOP/s
+    (("MI250X",), {"fp32": 47.9 * T, "bf16": 191.5 * T, "fp16": 191.5 * T}),
+]
 
 
-def peak_flops(device: torch.device, precision: str) -> float | None:
+def math_dtype(precision: str, tf32: bool) -> str:
+    """What the matmuls run in: the autocast dtype, else tf32 or fp32."""
+    if precision in ("bf16", "fp16"):
+        return precision
+    return "tf32" if tf32 else "fp32"
+
+
+def peak_for(name: str, dtype: str) -> float | None:
+    """The dense peak of a device called `name` in `dtype`, None if the device or mode is not known.
+    A bare "H100" (no SXM/PCIe/NVL in its name) is not guessed: its variants differ by 30 %."""
+    for keys, table in PEAKS:
+        if all(k in name for k in keys):
+            return table.get(dtype)
+    return None
+
+
+def peak_flops(device: torch.device, precision: str, tf32: bool = False) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, table in PEAKS.items():
-        if key in name:
-            return table.get(precision)
-    return None
+    return peak_for(torch.cuda.get_device_name(device), math_dtype(precision, tf32))
+
+
+def mfu(flops_per_s: float | None, peak: float | None, devices: int) -> tuple[float | None, str | None]:
+    """(MFU, None), or (None, why) when there is no peak or the ratio exceeds 1: a value above 1 means
+    the FLOP count or the peak is wrong for this device, and is never reported as MFU."""
+    if not flops_per_s or not peak:
+        return None, None
+    value = flops_per_s / (peak * devices)
+    if value > 1:
+        return None, f"computed MFU {value:.2f} > 1: the peak table or the workload's FLOP count is wrong here"
+    return value, None

@@ -47,16 +47,21 @@ def reset_peak(device: torch.device) -> None:
         pass  # not Linux, or not permitted: the peak then covers the whole run
 
 
+def rss() -> int | None:
+    """This process's resident bytes now (VmRSS)."""
+    kib = _status_kib("VmRSS")
+    return kib * 1024 if kib is not None else None
+
+
 def peak(device: torch.device) -> dict[str, int | None]:
-    """Bytes: `peak_allocated` (CUDA) or `peak_rss` (CPU), plus what else the device reports."""
-    if device.type == "cuda":
-        return {
-            "peak_allocated": int(torch.cuda.max_memory_allocated(device)),
-            "peak_reserved": int(torch.cuda.max_memory_reserved(device)),
-            "peak_rss": None,
-        }
+    """Bytes: `peak_allocated`/`peak_reserved` (CUDA) and always the process's `peak_rss` (VmHWM: host
+    memory, on CUDA runs too)."""
     hwm = _status_kib("VmHWM")
-    return {"peak_allocated": None, "peak_reserved": None, "peak_rss": hwm * 1024 if hwm is not None else None}
+    out = {"peak_allocated": None, "peak_reserved": None, "peak_rss": hwm * 1024 if hwm is not None else None}
+    if device.type == "cuda":
+        out.update(peak_allocated=int(torch.cuda.max_memory_allocated(device)),
+                   peak_reserved=int(torch.cuda.max_memory_reserved(device)))
+    return out
 
 
 def _unique(devices) -> list[torch.device]:

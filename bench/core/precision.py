@@ -21,6 +21,15 @@ def check_precision(precision: str) -> None:
         raise ConfigError("trainer.precision=fp16 needs a GPU; use trainer.precision=bf16 or fp32 on CPU")
 
 
+def apply_tf32(enabled: bool) -> dict:
+    """TF32 tensor cores for fp32 matmuls and convolutions, or not (trainer.tf32); returns the flags set.
+    torch's own defaults differ (cuDNN on, matmul off), which made "fp32" mean two things."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+    return {"matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32}
+
+
 def autocast(precision: str, device: torch.device):
     if precision == "fp32":
         return contextlib.nullcontext()

@@ -1,10 +1,16 @@
-"""Per-step phase timers: perf_counter plus an NVTX range per phase.
+"""Per-step phase timers: a clock mark at each phase boundary plus an NVTX range per phase.
+
+On CUDA the marks are CUDA events recorded on the current stream (`CudaEventClock`): they time
+the GPU's own timeline, cost no host sync, and are resolved once, when the trainer reads `steps`
+at the end of an epoch (one device sync there). Host work that the GPU hides (data loading while
+kernels run) therefore shows as the time the GPU actually waited for it. On CPU the marks are
+perf_counter readings (`HostClock`), the CPU twin of the same logic. `trainer.sync_timing=true`
+adds a device sync at every phase end: a diagnostic that serialises host and device (it slows the
+frameworks that overlap host work, e.g. DeepSpeed, Horovod, pipeline schedules), recorded as such.
 
 NVTX ranges (`nvtx` package) are no-ops costing ~0.1 µs when no profiler is attached, so they stay
 on always; Nsight Systems then shows the same data/forward/backward/optimizer phases we record.
-On CUDA the timer synchronizes at each phase boundary (`trainer.sync_timing`), otherwise kernels
-queued in one phase would be billed to the next. `torch.profiler.record_function` is kept out of
-this hot path (15-26 µs per call even idle).
+`torch.profiler.record_function` is kept out of this hot path (15-26 µs per call even idle).
 """
 from __future__ import annotations
 
@@ -19,41 +25,95 @@ PHASES = ("data", "forward", "backward", "forward_backward", "optimizer")
 _DOMAIN = nvtx.get_domain("trainbench")
 
 
-class PhaseTimer:
-    def __init__(self, cuda_sync: bool):
-        self.cuda_sync = cuda_sync and torch.cuda.is_available()
-        self.steps: list[dict[str, float]] = []
-        self._current: dict[str, float] = {}
-        self._step_start = 0.0
+class HostClock:
+    """perf_counter marks: the clock on CPU (and of the CPU twin tests)."""
 
-    def _sync(self) -> None:
-        if self.cuda_sync:
-            torch.cuda.synchronize()
+    name = "host_perf_counter"
+
+    def mark(self):
+        return time.perf_counter()
+
+    def elapsed(self, a, b) -> float:
+        return b - a
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CudaEventClock:
+    """CUDA events on the current stream: marks cost no host sync; `elapsed` needs the later one done."""
+
+    name = "cuda_events"
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3  # ms -> s
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
+def default_clock():
+    return CudaEventClock() if torch.cuda.is_available() else HostClock()
+
+
+class PhaseTimer:
+    """`start_step`, `phase(name)` (phases of one name add up within a step: micro-batches), `end_step`.
+    `steps` resolves the marks into one dict of seconds per step ({phase: s, "step": s})."""
+
+    def __init__(self, cuda_sync: bool = False, clock=None):
+        self.clock = clock or default_clock()
+        self.phase_sync = bool(cuda_sync) and torch.cuda.is_available()  # diagnostic only
+        self._pending: list[tuple] = []  # (start mark, end mark, [(phase, a, b), ...]) per step
+        self._resolved: list[dict[str, float]] = []
+        self._marks: list[tuple] = []
+        self._start = None
+
+    @property
+    def settings(self) -> dict:
+        return {"clock": self.clock.name, "phase_sync": self.phase_sync}
 
     def start_step(self) -> None:
-        self._sync()
-        self._current = {}
-        self._step_start = time.perf_counter()
+        self._marks = []
+        self._start = self.clock.mark()
         _DOMAIN.push_range(message="step")
 
     @contextmanager
     def phase(self, name: str):
-        """Time one phase; phases of the same name within a step add up (micro-batches)."""
         _DOMAIN.push_range(message=name)
-        t0 = time.perf_counter()
+        a = self.clock.mark()
         try:
             yield
         finally:
-            self._sync()
-            self._current[name] = self._current.get(name, 0.0) + time.perf_counter() - t0
+            if self.phase_sync:
+                torch.cuda.synchronize()
+            self._marks.append((name, a, self.clock.mark()))
             _DOMAIN.pop_range()
 
-    def end_step(self) -> dict[str, float]:
-        self._sync()
-        self._current["step"] = time.perf_counter() - self._step_start
+    def end_step(self) -> dict[str, float] | None:
+        """The step's times at once with the host clock; None with events (read `steps` later)."""
+        self._pending.append((self._start, self.clock.mark(), self._marks))
         _DOMAIN.pop_range()
-        self.steps.append(self._current)
-        return self._current
+        if isinstance(self.clock, HostClock):
+            return self.steps[-1]
+        return None
+
+    @property
+    def steps(self) -> list[dict[str, float]]:
+        if self._pending:
+            self.clock.synchronize()  # once for all pending steps: events are complete after it
+            for start, end, marks in self._pending:
+                step: dict[str, float] = {}
+                for name, a, b in marks:
+                    step[name] = step.get(name, 0.0) + self.clock.elapsed(a, b)
+                step["step"] = self.clock.elapsed(start, end)
+                self._resolved.append(step)
+            self._pending = []
+        return self._resolved
 
     def reset(self) -> None:
-        self.steps = []
+        self._pending, self._resolved = [], []

@@ -25,7 +25,6 @@ def check_config(cfg: BenchConfig) -> None:
         "trainer.batch_size": cfg.trainer.batch_size,
         "trainer.epochs": cfg.trainer.epochs,
         "trainer.grad_accum": cfg.trainer.grad_accum,
-        "trainer.dist_timeout_s": cfg.trainer.dist_timeout_s,
         "trainer.stop_check_every": cfg.trainer.stop_check_every,
         "launcher.nprocs": cfg.launcher.nprocs,
         "launcher.threads_per_rank": cfg.launcher.threads_per_rank,
@@ -34,7 +33,13 @@ def check_config(cfg: BenchConfig) -> None:
     for key, value in positive.items():
         if value is None or value <= 0:
             raise ConfigError(f"{key}={value} must be > 0")
-    for key in ("trainer.warmup_steps", "trainer.max_steps", "trainer.max_eval_batches"):
+    t = cfg.trainer
+    if t.dist_timeout_s and t.hang_timeout_s > 0 and t.dist_timeout_s <= t.hang_timeout_s:
+        raise ConfigError(f"trainer.dist_timeout_s={t.dist_timeout_s} must exceed trainer.hang_timeout_s="
+                          f"{t.hang_timeout_s:g}, or the backend kills hung ranks before the watchdog records the "
+                          "hang; leave it 0 (= hang_timeout_s + 60 s)")
+    for key in ("trainer.warmup_steps", "trainer.max_steps", "trainer.max_eval_batches", "trainer.dist_timeout_s",
+                "trainer.hang_timeout_s"):
         group, name = key.split(".")
         if getattr(getattr(cfg, group), name) < 0:
             raise ConfigError(f"{key}={getattr(getattr(cfg, group), name)} must be >= 0")

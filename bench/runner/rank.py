@@ -20,7 +20,8 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import adapters  # noqa: E402
-from bench.core.dist import DistContext, init_process_group, set_cpu_threads  # noqa: E402
+from bench.core.dist import DistContext, dist_timeout_s, init_process_group, set_cpu_threads  # noqa: E402
+from bench.core.precision import apply_tf32  # noqa: E402
 from bench.core.records import RunWriter  # noqa: E402
 from bench.runner.compose import typed  # noqa: E402
 from bench.runner.console import print_summary  # noqa: E402
@@ -43,13 +44,14 @@ def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | No
     """Everything one rank does. `run_dir` None: rank 0 creates the record and tells the others."""
     cfg = typed(cfg_dict)
     set_cpu_threads(cfg.launcher.threads_per_rank)
+    apply_tf32(cfg.trainer.tf32)
     import torch.distributed as dist
 
     from bench.core.guard import StopFlag, Watchdog
 
     stop = StopFlag()
     stop.install()
-    init_process_group(ctx, cfg.trainer.dist_timeout_s)
+    init_process_group(ctx, dist_timeout_s(cfg.trainer))
     adapter = None
     watchdog = None
     try:
@@ -73,6 +75,7 @@ def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | No
         summary = trainer.run()
         if ctx.rank == 0:
             summary.update(adapter_settings=adapter.describe(), plan=plan.describe(), precision=plan.precision,
+                           phase_semantics=adapter.phase_semantics, precision_semantics=adapter.precision_semantics,
                            batch_policy=plan.batch_policy, warmup_steps=cfg.trainer.warmup_steps,
                            launcher=ctx.launcher, conventions=CONVENTIONS, frameworks_imported=frameworks_imported())
             writer.finish(summary)

@@ -16,6 +16,7 @@ Stated conventions (also written into every record under "conventions"):
 from __future__ import annotations
 
 import socket
+import sys
 import time
 
 import numpy as np
@@ -25,10 +26,10 @@ import torch.distributed as dist
 from adapters.base import Adapter
 from bench.core import memory
 from bench.core.config import BenchConfig
-from bench.core.data import eval_loader, train_loader
+from bench.core.data import data_workers, eval_loader, train_loader
 from bench.core.dist import DistContext
 from bench.core.errors import ConfigError
-from bench.core.flops import peak_flops
+from bench.core.flops import math_dtype, mfu, peak_flops
 from bench.core.guard import StopFlag, Watchdog
 from bench.core.records import RunRecord
 from bench.core.timing import PHASES, PhaseTimer
@@ -55,7 +56,7 @@ class Trainer:
         self.adapter = adapter
         self.workload = workload
         self.record = record  # only on rank 0
-        self.timer = PhaseTimer(cuda_sync=cfg.trainer.sync_timing)
+        self.timer = PhaseTimer(cuda_sync=cfg.trainer.sync_timing)  # CUDA events; per-phase sync only as a diagnostic
         self.global_step = 0
         self.stop = stop or StopFlag()
         self.watchdog = watchdog or Watchdog(0, lambda idle: None)
@@ -68,19 +69,22 @@ class Trainer:
         batch, dp_size, dp_rank = self.plan.local_batch, self.plan.dp_size, self.adapter.dp_rank
         self.local_batch = batch
         self.global_batch = self.plan.global_batch
-        train, sampler = train_loader(train_set, dp_size, dp_rank, batch, t.grad_accum, t.seed, self.cfg.data.num_workers)
+        self.workers = data_workers(self.cfg.data.num_workers, self.ctx.local_world_size)
+        train, sampler = train_loader(train_set, dp_size, dp_rank, batch, t.grad_accum, t.seed, self.workers)
         if sampler.steps < 1:
             raise ConfigError(
                 f"the training set has {len(train_set)} samples, fewer than one global batch of "
                 f"{self.global_batch}; lower trainer.batch_size or add data"
             )
-        val = eval_loader(val_set, dp_size, dp_rank, batch, self.cfg.data.num_workers, t.max_eval_batches)
+        val = eval_loader(val_set, dp_size, dp_rank, batch, self.workers, t.max_eval_batches)
         return train, sampler, val
 
     def run(self) -> dict:
         t = self.cfg.trainer
         train, sampler, val = self._loaders()
         steps_per_epoch = sampler.steps if t.max_steps <= 0 else min(sampler.steps, t.max_steps)
+        self.full_epoch_steps = sampler.steps  # a whole pass over the data (incomplete last batch dropped)
+        self.samples_dropped = len(sampler.dataset) - sampler.steps * self.global_batch
         run_start = time.perf_counter()
         epochs = []
         for epoch in range(t.epochs):
@@ -98,23 +102,29 @@ class Trainer:
         self.adapter.train()
         self.timer.reset()
         memory.reset_peaks(self.adapter.devices())
+        rss_before = memory.rss()  # CPU: the interpreter and model states already resident
         first_step = self.global_step
         bar = self._progress(steps, epoch)
         t0 = time.perf_counter()
         losses = self.train_steps(iter(train), steps, bar)
-        if self.ctx.is_cuda:
-            torch.cuda.synchronize()
+        for d in self.adapter.devices():  # every device this process drives (GPipe: several)
+            if torch.device(d).type == "cuda":
+                torch.cuda.synchronize(d)
         epoch_time = time.perf_counter() - t0
         if bar is not None:
             bar.close()
         mem = memory.peak_over(self.adapter.devices())  # training peak, before validation allocates
+        if mem.get("peak_rss") is not None and rss_before is not None:
+            mem["peak_rss_delta"] = mem["peak_rss"] - rss_before  # what training added on top of the process
         state = self.adapter.state_bytes()
 
         tv = time.perf_counter()
         val_metrics = {} if self.stop_requested else self._validate(val)  # preempted: save the grace time
         val_time = time.perf_counter() - tv
 
-        return self._epoch_event(epoch, losses, first_step, epoch_time, val_time, mem, state, val_metrics, run_start)
+        partial = self.stop_requested or len(losses) < self.full_epoch_steps
+        return self._epoch_event(epoch, losses, first_step, epoch_time, val_time, mem, state, val_metrics, run_start,
+                                 partial)
 
     def train_steps(self, it, steps: int, bar=None) -> list[torch.Tensor]:
         """The hot loop: `steps` optimizer steps from iterator `it`, each timed by phase."""
@@ -160,7 +170,8 @@ class Trainer:
         self.adapter.train()
         return self.workload.metrics(sums.cpu())
 
-    def _epoch_event(self, epoch, losses, first_step, epoch_time, val_time, mem, state, val_metrics, run_start) -> dict:
+    def _epoch_event(self, epoch, losses, first_step, epoch_time, val_time, mem, state, val_metrics, run_start,
+                     partial: bool) -> dict:
         device = self.ctx.device
         steps = len(losses)
         # per-step losses: mean over the ranks that report them
@@ -182,7 +193,7 @@ class Trainer:
 
         per_rank = [None] * self.ctx.world_size
         dist.all_gather_object(per_rank, {"rank": self.ctx.rank, "host": socket.gethostname(), "memory": mem,
-                                          "state_bytes": state})
+                                          "state_bytes": state, "epoch_time_s": epoch_time})
 
         timed_from = max(0, self.cfg.trainer.warmup_steps - first_step)
         timed = times[:, timed_from:, :]
@@ -192,8 +203,12 @@ class Trainer:
         samples_per_s = self.global_batch / step_stats["mean"] if step_stats["mean"] else None
         flops_per_sample = self.plan.train_flops_per_sample
         flops_per_s = samples_per_s * flops_per_sample if samples_per_s else None
-        peak = peak_flops(self.ctx.device, self.cfg.trainer.precision)
+        peak = peak_flops(self.ctx.device, self.cfg.trainer.precision, self.cfg.trainer.tf32)
         devices = self.plan.devices
+        mfu_value, mfu_note = mfu(flops_per_s, peak, devices)
+        if self.ctx.is_cuda and peak is None:
+            mfu_note = (f"no MFU: no peak FLOP/s known for {torch.cuda.get_device_name(self.ctx.device)} in "
+                        f"{math_dtype(self.cfg.trainer.precision, self.cfg.trainer.tf32)} (bench/core/flops.py)")
         mem_key = "peak_allocated" if self.ctx.is_cuda else "peak_rss"
         mem_values = [r["memory"][mem_key] for r in per_rank if r["memory"][mem_key] is not None]
         event = {
@@ -204,7 +219,10 @@ class Trainer:
             "warmup_steps_excluded": int(steps - len(step_times)),
             "global_batch": self.global_batch,
             "devices": devices,  # world_size x devices per process (GPipe drives several from one)
-            "epoch_time_s": epoch_time,
+            # the slowest rank's: an epoch ends when its last rank does
+            "epoch_time_s": max(r["epoch_time_s"] for r in per_rank),
+            # cut short (trainer.max_steps, a stop signal): flagged, and left out of epoch-time means
+            "partial": partial,
             "val_time_s": val_time,
             "wall_time_s": time.perf_counter() - run_start,
             "step_time_mean_s": step_stats["mean"],
@@ -218,7 +236,8 @@ class Trainer:
             "tokens_per_s": samples_per_s * self.plan.tokens_per_sample if samples_per_s else None,
             "train_flops_per_sample": flops_per_sample,
             "flops_per_s": flops_per_s,
-            "mfu": flops_per_s / (peak * devices) if (flops_per_s and peak) else None,
+            "mfu": mfu_value,
+            "mfu_note": mfu_note,
             "train_loss": float(loss_vec.mean()) if len(loss_vec) else None,
             "train_losses": [float(v) for v in loss_vec] if self.cfg.trainer.log_step_losses else None,
             "memory_metric": mem_key,
@@ -236,7 +255,16 @@ class Trainer:
         timed = [e for e in epochs if e["timed_steps"]]
         total_timed = sum(e["timed_steps"] for e in timed)
         mean_step = sum(e["step_time_mean_s"] * e["timed_steps"] for e in timed) / total_timed if total_timed else None
-        keys = ("val_loss", "val_accuracy", "val_perplexity", "train_loss", "peak_memory_max", "peak_memory_min")
+        whole = [e["epoch_time_s"] for e in epochs if not e["partial"]]
+        steady = [e["epoch_time_s"] for e in epochs[1:] if not e["partial"]]  # epoch 0 holds the warm-up
+        data_share = [e["data_share"] for e in timed if e.get("data_share") is not None]
+        warnings = []
+        if data_share and max(data_share) > 0.10:
+            warnings.append(f"data loading is {100 * max(data_share):.0f}% of the step time (> 10%): the run is "
+                            f"input-bound; raise data.num_workers (now {self.workers}) or use faster storage")
+        if any(e.get("mfu_note") for e in epochs):
+            warnings.append(next(e["mfu_note"] for e in epochs if e.get("mfu_note")))
+        keys = ("val_loss", "val_accuracy", "val_perplexity", "train_loss", "peak_memory_max", "peak_memory_min", "mfu")
         return {
             "status": "preempted" if self.stop_requested else "ok",
             "startup_s": self.first_step_end - launch_time() if self.first_step_end else None,
@@ -246,17 +274,27 @@ class Trainer:
             "steps": self.global_step,
             "global_batch": self.global_batch,
             "local_batch": self.local_batch,
+            "samples_dropped_per_epoch": self.samples_dropped,  # the incomplete last global batch
+            "data_workers": self.workers,
             "step_time_mean_s": mean_step,
             "samples_per_s": self.global_batch / mean_step if mean_step else None,
             "tokens_per_s": self.global_batch * self.plan.tokens_per_sample / mean_step if mean_step else None,
-            "epoch_time_mean_s": float(np.mean([e["epoch_time_s"] for e in epochs])) if epochs else None,
+            # mean over whole epochs; over all epochs (flagged) when every epoch was cut short
+            "epoch_time_mean_s": float(np.mean(whole or [e["epoch_time_s"] for e in epochs])) if epochs else None,
+            "epoch_time_mean_includes_partial": not whole and bool(epochs),
+            # whole epochs after the first (warm-up, NCCL init, first-step probes): what speedup should use
+            "epoch_time_steady_s": float(np.mean(steady)) if steady else None,
+            "timing": self.timer.settings,
+            "tf32": self.cfg.trainer.tf32,
+            "warnings": warnings,
             "state_bytes_per_rank": [r["state_bytes"] for r in last.get("ranks", [])],
             "hosts": [r["host"] for r in last.get("ranks", [])],  # one per rank, in rank order
             **{k: last.get(k) for k in keys},
         }
 
     def _progress(self, steps: int, epoch: int):
-        if self.ctx.rank != 0 or not self.cfg.trainer.progress:
+        show = self.cfg.trainer.progress
+        if self.ctx.rank != 0 or not (sys.stdout.isatty() if show is None else show):
             return None
         from tqdm import tqdm
 
