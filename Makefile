@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Where the tests find real data (Wikitext-2, GPT-2 tokenizer, CIFAR-10 subset); see README.
 export BENCH_DATA_ROOT ?= $(abspath ../shared/data)
 
-.PHONY: install demo test smoke horovod slurm-up slurm-down clean
+.PHONY: install demo test smoke gpu-check horovod slurm-up slurm-down clean
 
 # Strict editable install: a tree of links under build/ that Hydra's plugin scan can list (the default
 # editable mode hides hydra_plugins.trainbench_launcher from it). Links are per file, so the install is
@@ -32,6 +32,10 @@ test: $(STAMP)
 # every installed adapter on the visible GPUs (a one-GPU runner: world size 1), or 2 ranks on a CPU
 smoke: $(STAMP)
 	$(PY) -m bench.smoke
+
+# With a GPU: the one-GPU smoke, then a short bf16 gpt2_small and resnet50 run per adapter, as a table
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check
 
 # Optional: build Horovod 0.28.1 for the installed torch (cached wheel; see adapters/horovod_build.sh)
 horovod: $(STAMP)

@@ -106,7 +106,11 @@ class HorovodAdapter(Adapter):
                 f"adapter.backward_passes_per_step={a.backward_passes_per_step} must equal trainer.grad_accum="
                 f"{cfg.trainer.grad_accum} (micro-batches per step); leave it unset to follow trainer.grad_accum"
             )
-        _import_horovod()  # last: the import costs seconds
+        hvd = _import_horovod()  # last: the import costs seconds
+        if torch.cuda.is_available() and not hvd.nccl_built():
+            # a Gloo-only build reduces GPU tensors through host memory, silently: not Horovod's GPU path
+            raise ConfigError("adapter=horovod on GPUs needs Horovod built with NCCL (this build has Gloo only); "
+                              "rebuild with `make horovod` where NCCL is installed (HOROVOD_GPU_OPERATIONS=NCCL)")
 
     @classmethod
     def launch_command(cls, cfg: BenchConfig, world_size: int) -> list[str]:

@@ -37,7 +37,9 @@ def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """The optimizer `cfg` names over `params`, with the one weight-decay rule (`param_groups`) and no
     clipping of its own: clipping is `trainer.grad_clip`'s, over the global norm, in every adapter."""
-    params = param_groups(list(params), cfg.weight_decay)
+    params = list(params)
+    if not (params and isinstance(params[0], dict)):  # param groups given (Megatron's wd_mult): the caller's rule
+        params = param_groups(params, cfg.weight_decay)
     betas = tuple(cfg.betas)
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)

@@ -156,10 +156,55 @@ def environment(packages: tuple[str, ...] = ()) -> dict:
         env["cuda_available"] = torch.cuda.is_available()
         env["cuda"] = torch.version.cuda
         if torch.cuda.is_available():
-            env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            env.update(gpu_environment(torch))
     except ImportError:
         pass
     return env
+
+
+def gpu_environment(torch) -> dict:
+    """What a GPU user needs to compare runs: versions (driver, CUDA, cuDNN, NCCL), the GPUs (name,
+    memory, count), the topology (`nvidia-smi topo -m`), NCCL_* / CUDA_* variables, TF32 flags."""
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
+    out = {
+        "gpus": [p.name for p in props],
+        "gpu_count": len(props),
+        "gpu_memory_bytes": [int(p.total_memory) for p in props],
+        "cudnn": torch.backends.cudnn.version(),
+        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+        "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
+        "gpu_env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "CUDA_"))},
+    }
+    out.update(nvidia_smi())
+    return out
+
+
+def nvidia_smi(run=None) -> dict:
+    """Driver version and GPU list from `nvidia-smi --query-gpu`, and the `topo -m` matrix (text), when
+    nvidia-smi is on PATH. `run(args) -> stdout` is injectable (tests feed recorded output)."""
+    import shutil
+
+    if run is None:
+        if not shutil.which("nvidia-smi"):
+            return {}
+
+        def run(args):
+            return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30).stdout
+
+    out: dict = {}
+    try:
+        rows = [r.split(", ") for r in run(["--query-gpu=driver_version,name,memory.total,pci.bus_id",
+                                            "--format=csv,noheader"]).strip().splitlines() if r.strip()]
+        if rows:
+            out["driver"] = rows[0][0]
+            out["nvidia_smi_gpus"] = [{"name": r[1], "memory": r[2], "bus_id": r[3]} for r in rows if len(r) >= 4]
+        topo = run(["topo", "-m"]).strip()
+        if topo:
+            out["topology"] = topo
+    except (OSError, subprocess.SubprocessError, IndexError):
+        pass
+    return out
 
 
 SLURM_KEYS = (

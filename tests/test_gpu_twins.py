@@ -1,0 +1,78 @@
+"""CPU twins of the one-GPU path (issue 15): device counts are injected, nvidia-smi output is recorded."""
+from __future__ import annotations
+
+import pytest
+
+from bench.core.errors import ConfigError
+from bench.core.records import nvidia_smi
+from bench.runner.checks import check_devices
+from bench.runner.compose import compose, typed
+from bench.smoke import smoke_point
+
+# `nvidia-smi --query-gpu=driver_version,name,memory.total,pci.bus_id --format=csv,noheader` and
+# `nvidia-smi topo -m` as printed on a 2 x H100 SXM node (driver 550.54.15)
+QUERY = """550.54.15, NVIDIA H100 80GB HBM3, 81559 MiB, 00000000:18:00.0
+550.54.15, NVIDIA H100 80GB HBM3, 81559 MiB, 00000000:2A:00.0
+"""
+TOPO = """\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV18\t0-55\t0
+GPU1\tNV18\t X \t0-55\t0
+"""
+
+
+def test_more_ranks_than_gpus_is_refused_before_launch():
+    with pytest.raises(ConfigError, match="3 rank\\(s\\) x 1 device\\(s\\) need 3 GPUs but this node has 2"):
+        check_devices(3, 1, 2)
+    with pytest.raises(ConfigError, match="need 2 GPUs but this node has 1"):  # gpipe: 2 partitions, 1 process
+        check_devices(1, 2, 1)
+    check_devices(2, 1, 2)  # one rank per GPU is fine
+    check_devices(4, 1, 0)  # no GPU: CPU ranks share the cores
+
+
+def test_cpu_default_is_two_ranks():
+    assert typed(compose([])).launcher.nprocs == 2  # ${visible_gpus_or:2}: no GPU here
+
+
+@pytest.mark.parametrize("adapter, world, expected", [
+    ("ddp", 1, ["launcher.nprocs=1"]),
+    ("zero", 1, ["launcher.nprocs=1"]),
+    ("fsdp", 1, ["launcher.nprocs=1"]),
+    ("megatron", 1, ["launcher.nprocs=1", "adapter.tensor_parallel=1"]),
+    ("megatron", 2, ["launcher.nprocs=2", "adapter.tensor_parallel=2"]),
+    ("tensor_parallel", 1, ["launcher.nprocs=1", "adapter.tensor_parallel=1"]),
+    ("gpipe", 1, ["launcher.nprocs=1", "adapter.pipeline_parallel=1"]),
+    ("gpipe", 2, ["launcher.nprocs=1", "adapter.pipeline_parallel=2"]),
+    ("pipeline", 2, ["launcher.nprocs=2"]),
+])
+def test_smoke_picks_the_largest_layout_that_fits(tmp_path, adapter, world, expected):
+    overrides, why = smoke_point(adapter, world, tmp_path)
+    assert overrides is not None, why
+    assert all(e in overrides for e in expected), overrides
+
+
+def test_smoke_skips_with_the_reason_when_nothing_fits(tmp_path, monkeypatch):
+    from adapters import get_adapter_class
+
+    cls = get_adapter_class("megatron")
+    # a layout that no world size <= 2 can take: TP=4 whatever the devices
+    monkeypatch.setattr(cls, "smoke_overrides", classmethod(lambda c, n: [f"launcher.nprocs={n}", "adapter.tensor_parallel=4"]))
+    overrides, why = smoke_point("megatron", 2, tmp_path)
+    assert overrides is None and "cannot run on <= 2 device(s)" in why and "tensor_parallel=4" in why
+
+
+def test_nvidia_smi_capture_from_recorded_output():
+    def run(args):
+        return QUERY if args[0].startswith("--query-gpu") else TOPO
+
+    env = nvidia_smi(run)
+    assert env["driver"] == "550.54.15"
+    assert [g["name"] for g in env["nvidia_smi_gpus"]] == ["NVIDIA H100 80GB HBM3"] * 2
+    assert env["nvidia_smi_gpus"][1] == {"name": "NVIDIA H100 80GB HBM3", "memory": "81559 MiB", "bus_id": "00000000:2A:00.0"}
+    assert "NV18" in env["topology"]
+
+
+def test_nvidia_smi_absent_or_broken_gives_nothing():
+    def broken(args):
+        raise OSError("no device")
+
+    assert nvidia_smi(broken) == {}
