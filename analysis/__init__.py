@@ -4,6 +4,6 @@
     df = load("results/demo")
     plots.speedup(df, out="figures")
 """
-from analysis.load import find_runs, load, ok, runs
+from analysis.load import find_runs, load, not_finished, ok, runs
 
-__all__ = ["find_runs", "load", "ok", "runs"]
+__all__ = ["find_runs", "load", "not_finished", "ok", "runs"]

@@ -3,14 +3,19 @@
 A run folder is any folder holding `summary.json` or `config.yaml` (see bench/records.py). Runs that
 produced no epoch (failed before the first epoch ended, still running, or missing: a folder with a
 config but no summary) still appear, as one row with `epoch` NaN, their `status` and `error`, so a
-sweep's holes stay visible instead of vanishing from the plots.
+sweep's holes stay visible instead of vanishing from the plots. Only `status == "ok"` counts as
+finished (`ok`); a preempted run keeps its own status and is listed with the runs that did not finish.
 
 Columns: identity (run_id, run_dir, experiment, adapter, workload, kind, label), layout (world_size,
 devices, stage, tp, pp, schedule, microbatches, batch_policy, global_batch, ...), outcome (status,
 error, failed_rank), every scalar of the epoch event (epoch_time_s, *_time_mean_s, samples_per_s,
-val_loss, ...), plus derived: `val_metric`/`val_metric_name` (accuracy for vision, perplexity for
-language), `samples_per_epoch`, and the model-state bytes of the rank with the highest peak memory
-(`state_params`, `state_grads`, `state_optimizer`, `state_bytes`, `mem_rank`).
+val_loss, partial, ...), the summary's `epoch_time_steady_s`, plus derived: `val_metric`/`val_metric_name`
+(accuracy for vision, perplexity for language), `samples_per_epoch`, and memory of the busiest rank
+(see `_memory_fields`).
+
+Series labels (`label`) come from each run's own record only: its adapter, the settings that make it
+a different series (ZeRO stage, schedule, offload, precision, optimizer, ...) and its global-batch
+rule, e.g. "zero stage=3 gb=8/replica". Adding runs to a folder never renames another run's series.
 """
 from __future__ import annotations
 
@@ -49,12 +54,27 @@ CONFIG_FIELDS = {
     "results.experiment": "experiment",
     "results.point": "point",  # sweep point id (bench/sweep.py)
 }
-# settings that make two runs of one adapter different series when they differ (tp/pp are left out:
-# they usually follow the device count within one series)
-LABEL_FIELDS = ("stage", "schedule", "microbatches", "sequence_parallel", "offload_optimizer", "offload_params",
-                "precision", "batch_policy", "batch_size", "grad_accum", "optimizer")
+# Settings that make two runs of one adapter different series, in label order, with the value at
+# which a setting is left out of the label (None: shown whenever the record has it). tp/pp are left
+# out: they usually follow the device count within one series. The batch policy, batch size and
+# grad accumulation make the label's "gb=" part (`batch_rule`).
+LABEL_SETTINGS = {
+    "stage": None,
+    "schedule": "1f1b",
+    "microbatches": 0,
+    "sequence_parallel": False,
+    "precision": "fp32",
+    "optimizer": "adamw",
+    "grad_accum": 1,
+}
+LABEL_ALWAYS = {"pipeline": ("schedule",)}  # shown even at the default value: it names the series
+LABEL_NAMES = {"sequence_parallel": "sp", "grad_accum": "accum"}
+# kept for callers of the old name: the fields a label may read
+LABEL_FIELDS = (*LABEL_SETTINGS, "offload_optimizer", "offload_params", "batch_policy", "batch_size")
 EVENT_SKIP = {"type", "ranks", "train_losses"}
 STATE_PARTS = ("params", "grads", "optimizer")
+# what a global batch of B follows, per adapter.batch_policy (global batch = B x that)
+BATCH_UNITS = {"per_device": "/replica", "linear": "/device", "fixed": "", "per_microbatch": "/microbatch"}
 
 
 class AnalysisError(ValueError):
@@ -95,27 +115,185 @@ def _read_events(path: Path) -> list[dict]:
     return [e for e in events if e.get("type", "epoch") == "epoch"]
 
 
-def _state_of_peak_rank(event: dict) -> dict:
-    """Model-state bytes of the rank whose peak memory is highest (the one a per-device budget must fit)."""
-    ranks = event.get("ranks") or []
+# --- memory ------------------------------------------------------------------------------------------
+def _is_host(device) -> bool:
+    return str(device).split(":")[0] == "cpu"
+
+
+def _per_device_states(s: dict) -> list[dict]:
+    """Per-device detail of one rank's states (gpipe: one entry per partition or device), [] if none."""
+    for key in ("per_device", "per_partition"):
+        entries = s.get(key)
+        if isinstance(entries, list) and entries and all(isinstance(e, dict) and "device" in e for e in entries):
+            return entries
+    return []
+
+
+def _sum_parts(entries: list[dict]) -> dict:
+    return {k: sum(e.get(k) or 0 for e in entries) if any(e.get(k) is not None for e in entries) else None
+            for k in STATE_PARTS}
+
+
+def _host_parts(s: dict, offload_optimizer, offload_params) -> set[str]:
+    """Parts of a GPU rank's states held in host memory: from the record's `device` tag where it has
+    one (a device string for all parts, or {part: device}), else from the ZeRO offload settings."""
+    tag = s.get("device")
+    flags = set()
+    if _true(offload_optimizer):
+        flags.add("optimizer")
+    if _true(offload_params):
+        flags.add("params")
+    if isinstance(tag, str):
+        return set(STATE_PARTS) if _is_host(tag) else set()
+    if isinstance(tag, dict):
+        return {k for k in STATE_PARTS if (_is_host(tag[k]) if k in tag else k in flags)}
+    return flags
+
+
+def _memory_fields(event: dict, offload_optimizer=None, offload_params=None) -> dict:
+    """Memory of the rank whose peak is highest (the one a per-device budget must fit), and the
+    model-state bytes to set against that peak.
+
+    The peak plotted (`mem_plot_metric`): CUDA `peak_allocated`; CPU `peak_rss_delta` (peak RSS minus
+    RSS before the first step) when every rank records it, else `peak_rss` (VmHWM, which holds the
+    whole interpreter). States set against it (`dev_state_*`): on a rank that drives several devices
+    (gpipe) the states on its busiest device when the record has per-device states; on a GPU run the
+    parts held in host memory (ZeRO offload, or a `device` tag saying cpu) are left out of the device
+    bar and reported as `host_state_bytes` / `host_state_parts`.
+    """
+    ranks = [r for r in (event.get("ranks") or []) if isinstance(r, dict)]
     if not ranks:
         return {}
     metric = event.get("memory_metric") or "peak_rss"
+    on_cpu = metric == "peak_rss"
+    plot_metric = metric
+    if on_cpu and all((r.get("memory") or {}).get("peak_rss_delta") is not None for r in ranks):
+        plot_metric = "peak_rss_delta"
 
     def peak(r):
-        v = (r.get("memory") or {}).get(metric)
+        v = (r.get("memory") or {}).get(plot_metric)
         return -1 if v is None else v
 
     top = max(ranks, key=peak)
+    mem = top.get("memory") or {}
     s = top.get("state_bytes") or {}
     parts = {f"state_{k}": s.get(k) for k in STATE_PARTS}
     known = [v for v in parts.values() if v is not None]
     # adapters may add detail (e.g. per pipeline partition) beside the three totals: sum only those
     totals = [sum((r.get("state_bytes") or {}).get(k) or 0 for k in STATE_PARTS) for r in ranks]
-    return {**parts, "state_bytes": sum(known) if known else None, "state_bytes_max": max(totals) if totals else None,
-            "mem_rank": top.get("rank"), "ranks_reported": len(ranks)}
+    out = {**parts, "state_bytes": sum(known) if known else None, "state_bytes_max": max(totals) if totals else None,
+           "mem_rank": top.get("rank"), "ranks_reported": len(ranks), "mem_plot_metric": plot_metric,
+           "mem_plot_bytes": mem.get(plot_metric), "mem_device": None, "mem_note": None}
+
+    device_parts = {k: s.get(k) for k in STATE_PARTS}
+    host = set() if on_cpu else _host_parts(s, offload_optimizer, offload_params)
+    per_dev = _per_device_states(s)
+    if per_dev and not on_cpu:  # on a CPU every device is the one process memory: the totals are right
+        readings = [d for d in (mem.get("per_device") or []) if isinstance(d, dict) and d.get(plot_metric) is not None]
+        gpu_devices = sorted({str(e["device"]) for e in per_dev if not _is_host(e["device"])})
+        if readings:
+            busiest = max(readings, key=lambda d: d[plot_metric])
+            device, out["mem_plot_bytes"] = str(busiest.get("device")), busiest[plot_metric]
+        elif len(gpu_devices) == 1:
+            device = gpu_devices[0]
+        else:
+            device = None
+        if device is not None:
+            device_parts = _sum_parts([e for e in per_dev if str(e["device"]) == device])
+            out["mem_device"] = device
+            out["mem_note"] = f"states of {device}, the busiest device of the rank"
+        else:
+            device_parts = _sum_parts([e for e in per_dev if not _is_host(e["device"])])
+            out["mem_note"] = "states summed over the rank's devices (no per-device peak recorded)"
+        hosted = _sum_parts([e for e in per_dev if _is_host(e["device"])])
+        out["host_state_bytes"] = sum(v for v in hosted.values() if v) or None
+        out["host_state_parts"] = ",".join(k for k in STATE_PARTS if hosted[k]) or None
+    else:
+        if len(mem.get("per_device") or []) > 1 and not on_cpu:
+            out["mem_note"] = "states of all the rank's devices against one device's peak (no per-device states)"
+        held = [k for k in STATE_PARTS if k in host and s.get(k)]
+        out["host_state_bytes"] = sum(s[k] for k in held) or None
+        out["host_state_parts"] = ",".join(held) or None
+        device_parts = {k: (0 if k in host and v is not None else v) for k, v in device_parts.items()}
+    out.update({f"dev_state_{k}": v for k, v in device_parts.items()})
+    return out
 
 
+def _state_of_peak_rank(event: dict) -> dict:  # the old name (notebooks, callers)
+    return _memory_fields(event)
+
+
+# --- labels ------------------------------------------------------------------------------------------
+def _true(v) -> bool:
+    return isinstance(v, (bool, np.bool_)) and bool(v)
+
+
+def _missing(v) -> bool:
+    return v is None or (isinstance(v, float) and np.isnan(v)) or v is pd.NA
+
+
+def _short(v) -> str:
+    if isinstance(v, (float, np.floating)) and float(v).is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b) or _short(a) == _short(b)
+    except (TypeError, ValueError):
+        return False
+
+
+def batch_rule(policy, batch_size, grad_accum=1, global_batch=None) -> str:
+    """The "gb=" part of a label: the global batch as the run's settings define it, so that one
+    series keeps one label at every device count: "gb=8/replica" (per_device: 8 x data-parallel
+    replicas), "gb=8/device" (linear), "gb=32" (fixed), "gb=4/microbatch" (per_microbatch: x micro-
+    batches x replicas). grad_accum multiplies all but per_microbatch's (shown as accum=N). Without
+    those settings in the record: the recorded global batch, else "gb=?"."""
+    if not _missing(batch_size) and isinstance(policy, str) and policy in BATCH_UNITS:
+        b = float(batch_size)
+        if policy != "per_microbatch" and not _missing(grad_accum):
+            b *= float(grad_accum)
+        return f"gb={_short(b)}{BATCH_UNITS[policy]}"
+    if not _missing(global_batch):
+        return f"gb={_short(float(global_batch))}"
+    return "gb=?"
+
+
+def run_label(fields: dict) -> str:
+    """A run's series label from its own record (adapter, settings, batch rule); a `label` the record
+    carries itself wins (with the batch rule added if it has none)."""
+    own = fields.get("record_label")
+    gb = batch_rule(fields.get("batch_policy"), fields.get("batch_size"), fields.get("grad_accum"),
+                    fields.get("global_batch"))
+    if isinstance(own, str) and own.strip():
+        return own if "gb=" in own else f"{own} {gb}"
+    adapter = fields.get("adapter")
+    label = "?" if _missing(adapter) else str(adapter)
+    always = LABEL_ALWAYS.get(label, ())
+    for key, default in LABEL_SETTINGS.items():
+        v = fields.get(key)
+        if _missing(v) or (key not in always and default is not None and _same(v, default)):
+            continue
+        if key == "sequence_parallel":
+            label += " sp" if _true(v) else ""
+            continue
+        label += f" {LABEL_NAMES.get(key, key)}={_short(v)}"
+    offload = [p for p, k in (("optimizer", "offload_optimizer"), ("params", "offload_params")) if _true(fields.get(k))]
+    if offload:
+        label += f" offload={'+'.join(offload)}"
+    return f"{label} {gb}"
+
+
+def series_labels(df: pd.DataFrame) -> pd.Series:
+    """Each row's label from that row's own fields (`run_label`): stable whatever else is loaded."""
+    cols = [c for c in dict.fromkeys(("adapter", "record_label", "batch_policy", "batch_size", "grad_accum", "global_batch",
+                        "offload_optimizer", "offload_params", *LABEL_SETTINGS)) if c in df]
+    return pd.Series([run_label(r) for r in df[cols].to_dict("records")], index=df.index, dtype=object)
+
+
+# --- loading -----------------------------------------------------------------------------------------
 def load_run(run_dir: str | Path) -> list[dict]:
     """Rows (one per epoch, or one if there is none) for one run folder."""
     run_dir = Path(run_dir)
@@ -151,6 +329,8 @@ def load_run(run_dir: str | Path) -> list[dict]:
         world_size=world,
         devices=summary.get("devices"),
         local_batch=summary.get("local_batch"),
+        epoch_time_steady_s=summary.get("epoch_time_steady_s"),
+        record_label=summary.get("label") or cfg.get("results.label"),
         host=env.get("host"),
         git_sha=env.get("git_sha"),
         torch=(env.get("versions") or {}).get("torch"),
@@ -163,7 +343,7 @@ def load_run(run_dir: str | Path) -> list[dict]:
     for e in events:
         row = dict(base)
         row.update({k: v for k, v in e.items() if k not in EVENT_SKIP and not isinstance(v, (list, dict))})
-        row.update(_state_of_peak_rank(e))
+        row.update(_memory_fields(e, base.get("offload_optimizer"), base.get("offload_params")))
         rows.append(row)
     return rows
 
@@ -174,11 +354,14 @@ def load(*roots: str | Path) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     if df.empty:
         return df
-    for col in ("epoch", "devices", "world_size", "global_batch", "steps", "stage", "tp", "pp"):
+    for col in ("epoch", "devices", "world_size", "global_batch", "steps", "stage", "tp", "pp", "epoch_time_s",
+                "epoch_time_steady_s"):
         if col not in df:
             df[col] = np.nan
-    for col in ("epoch", "devices", "world_size", "global_batch", "steps"):
+    for col in ("epoch", "devices", "world_size", "global_batch", "steps", "epoch_time_s", "epoch_time_steady_s"):
         df[col] = pd.to_numeric(df[col], errors="coerce")
+    # an epoch cut short (trainer.max_steps, preemption) says so; records without the flag: complete
+    df["partial"] = df["partial"].map(_true).astype(bool) if "partial" in df else False
     # records without a devices field (older ones): one device per rank
     df["devices"] = df["devices"].fillna(df["world_size"]).astype("Int64")
     # an adapter without tensor/pipeline parallel keys (ddp, zero, fsdp, horovod) has TP = PP = 1
@@ -188,7 +371,7 @@ def load(*roots: str | Path) -> pd.DataFrame:
     df["world_size"] = df["world_size"].astype("Int64")
     df["samples_per_epoch"] = df["steps"] * df["global_batch"]
     # epochs capped by trainer.max_steps hold different sample counts: compare time per sample
-    df["time_per_sample_s"] = df["epoch_time_s"] / df["samples_per_epoch"] if "epoch_time_s" in df else np.nan
+    df["time_per_sample_s"] = df["epoch_time_s"] / df["samples_per_epoch"]
     df["val_metric_name"] = np.where(df["kind"] == "vision", "val_accuracy", "val_perplexity")
     df["val_metric"] = np.nan
     for name in ("val_accuracy", "val_perplexity"):
@@ -201,31 +384,46 @@ def load(*roots: str | Path) -> pd.DataFrame:
     return df.sort_values(["workload", "label", "devices", "run_id", "epoch"], na_position="last").reset_index(drop=True)
 
 
-def series_labels(df: pd.DataFrame) -> pd.Series:
-    """One series per adapter, split by the settings that differ among its finished runs: "zero stage=2".
-    (Only finished runs decide the split, so a failed attempt with odd settings does not rename the series.)"""
-    labels = df["adapter"].fillna("?").astype(str)
-    for adapter, sub in df.groupby("adapter", dropna=False):
-        done = sub[sub["status"].isin(["ok", "preempted"])]
-        ref = done if len(done) else sub
-        varying = [f for f in LABEL_FIELDS if f in ref and ref[f].astype(str).nunique(dropna=False) > 1]
-        if not varying:
-            continue
-        idx = sub.index
-        labels.loc[idx] = labels.loc[idx] + sub[varying].apply(
-            lambda r: "".join(f" {k}={_short(v)}" for k, v in r.items()), axis=1)
-    return labels
+# --- per run -----------------------------------------------------------------------------------------
+EPOCH_TIME_SOURCES = {
+    "steady": "summary epoch_time_steady_s",
+    "after_first": "mean of the epochs after the first",
+    "first": "the first epoch only (includes warm-up)",
+}
 
 
-def _short(v) -> str:
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v))
-    return str(v)
+def _timing_of_run(sub: pd.DataFrame) -> dict:
+    """The epoch time a run's speedup uses, the samples it covers, and where it came from: the
+    summary's `epoch_time_steady_s` when present, else the mean over the epochs after the first
+    when there are two or more, else the first epoch. Partial epochs are left out unless every
+    epoch is partial (all capped by trainer.max_steps: time per sample still compares)."""
+    ep = sub[sub["epoch"].notna()].sort_values("epoch")
+    none = {"epoch_time_used_s": np.nan, "samples_per_epoch_used": np.nan, "time_per_sample_used_s": np.nan,
+            "epoch_time_source": None}
+    if ep.empty:
+        return none
+    complete = ep[~ep["partial"]]
+    pool, note = (complete, "") if len(complete) else (ep, ", every epoch partial")
+    after = pool[pool["epoch"] > ep["epoch"].min()]
+    steady = sub["epoch_time_steady_s"].dropna() if "epoch_time_steady_s" in sub else pd.Series(dtype=float)
+    if len(steady):
+        rows, time, source = (after if len(after) else pool), float(steady.iloc[0]), EPOCH_TIME_SOURCES["steady"]
+    elif len(pool) >= 2 and len(after):
+        rows, source = after, EPOCH_TIME_SOURCES["after_first"]
+        time = float(after["epoch_time_s"].mean())
+    else:
+        rows, source = pool.iloc[:1], EPOCH_TIME_SOURCES["first"]
+        time = float(rows["epoch_time_s"].iloc[0])
+    samples = float(rows["samples_per_epoch"].mean())
+    return {"epoch_time_used_s": time, "samples_per_epoch_used": samples,
+            "time_per_sample_used_s": time / samples if samples else np.nan, "epoch_time_source": source + note}
 
 
 def runs(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per run: means over its epochs for times and rates, the last epoch for metrics and
-    memory state, the highest per-rank peak memory over epochs."""
+    """One row per run: means over its complete epochs (partial ones are left out unless all are)
+    for times and rates, the last epoch for metrics and memory state, the highest per-rank peak
+    memory over epochs; plus the epoch time speedup uses (`epoch_time_used_s`,
+    `time_per_sample_used_s`, `epoch_time_source`, see `_timing_of_run`) and `partial_epochs`."""
     if df.empty:
         return df
     keys = ["run_dir"]
@@ -234,19 +432,45 @@ def runs(df: pd.DataFrame) -> pd.DataFrame:
         "epoch_samples_per_s", "tokens_per_s", "flops_per_s", "mfu", "val_time_s", "time_per_sample_s")]
     last_cols = [c for c in df.columns if c not in mean_cols and c not in keys]
     df = df.sort_values("epoch")
+    partial = df["partial"] if "partial" in df else pd.Series(False, index=df.index)
+    measured = df["epoch"].notna()
+    has_complete = (measured & ~partial).groupby(df["run_dir"]).transform("any")
+    use = measured & (~partial | ~has_complete)
     g = df.groupby(keys, sort=False, dropna=False)
     out = g[last_cols].last()  # last non-null per column: the final epoch's metrics and the run's identity
-    nums = df[mean_cols].apply(pd.to_numeric, errors="coerce")  # all-None columns (e.g. mfu on CPU) are object
+    nums = df[mean_cols].apply(pd.to_numeric, errors="coerce").where(use, np.nan)  # all-None columns are object
     out[mean_cols] = nums.groupby(df["run_dir"], sort=False).mean()
-    if "peak_memory_max" in df:
-        out["peak_memory_max"] = g["peak_memory_max"].max()
+    for col in ("peak_memory_max", "mem_plot_bytes"):
+        if col in df:
+            out[col] = pd.to_numeric(df[col], errors="coerce").groupby(df["run_dir"], sort=False).max()
     out["epochs"] = g["epoch"].count()
+    out["partial_epochs"] = (partial & measured).groupby(df["run_dir"], sort=False).sum().astype(int)
+    if "partial" in out:
+        out = out.drop(columns="partial")
+    timing = pd.DataFrame({run: _timing_of_run(sub) for run, sub in
+                           df.assign(partial=partial).groupby("run_dir", sort=False)}).T
+    for col in timing.columns:
+        out[col] = timing[col].reindex(out.index)
+    for col in ("epoch_time_used_s", "samples_per_epoch_used", "time_per_sample_used_s"):
+        out[col] = pd.to_numeric(out[col], errors="coerce")
     out = out.reset_index()
     return out.sort_values(["workload", "label", "devices", "run_id"]).reset_index(drop=True)
 
 
 def ok(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows of finished runs with measurements."""
+    """Rows of finished runs (status ok; preempted, failed, oom, timeout, ... are not) with measurements."""
     if df.empty:
         return df
-    return df[(df["status"].isin(["ok", "preempted"])) & df["epoch"].notna()]
+    return df[(df["status"] == "ok") & df["epoch"].notna()]
+
+
+def not_finished(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per run that did not finish (any status but ok: failed, oom, timeout, preempted,
+    missing, ...), with what a figure needs to mark it: workload, label, devices, status."""
+    if df.empty:
+        return df
+    r = runs(df)
+    bad = r[r["status"] != "ok"]
+    cols = [c for c in ("workload", "label", "adapter", "devices", "status", "run_id", "error", "global_batch")
+            if c in bad]
+    return bad[cols].reset_index(drop=True)

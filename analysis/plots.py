@@ -1,9 +1,11 @@
 """The paper's figures from the tidy frame of `analysis.load.load`.
 
-Each function takes that frame (one row per run x epoch; failed runs are left out of the curves
-and marked where it helps), returns a matplotlib Figure, and, given `out`, saves it there as PNG
-and SVG. The table each figure draws is attached as `fig.bench_data`, so a notebook or a test can
-check the picture against the numbers.
+Each function takes that frame (one row per run x epoch), returns a matplotlib Figure, and, given
+`out`, saves it there as PNG and SVG. Only finished runs (status ok) make the curves and bars; every
+point that did not finish (failed, oom, timeout, preempted, missing, ...) is marked on every figure
+with a red x and its status. The table each figure draws is attached as `fig.bench_data` and the
+points it marks as not finished as `fig.bench_failed`, so a notebook or a test can check the picture
+against the numbers.
 
 Figures are built on `matplotlib.figure.Figure` directly (no pyplot state): the CLI needs no
 display and no figure is left open; Jupyter still renders a returned Figure inline.
@@ -18,7 +20,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-from analysis.load import AnalysisError, ok, runs
+from analysis.load import AnalysisError, not_finished, ok, runs
 
 PHASES = ("data", "forward", "forward_backward", "backward", "optimizer")  # stacking order, bottom up
 MIB = 2**20
@@ -77,106 +79,186 @@ def _legend(ax, **kw) -> None:
     """Inside the axes when short, outside on the right when it would cover the data."""
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))  # repeats of one series share one entry
-    labels, handles = list(unique), list(unique.values())
+    labels = sorted(unique, key=lambda t: t == FAILED_LEGEND)  # the red x's entry last
+    handles = [unique[t] for t in labels]
     if len(labels) > 4:
         kw.update(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
     ax.legend(handles, labels, fontsize=8, **kw)
 
 
-def _mark_failed(ax, df: pd.DataFrame, workload: str) -> list[int]:
-    """A red x at the bottom of the axes for every point that did not finish (oom, failed, ...);
-    returns their device counts."""
-    r = runs(df)
-    bad = r[(r["workload"] == workload) & ~r["status"].isin(["ok", "preempted"]) & r["devices"].notna()]
+FAILED_LEGEND = "not finished (see report)"
+
+
+def _failed_points(df: pd.DataFrame, workload: str, label: str | None = None) -> pd.DataFrame:
+    """The runs of `workload` (and series `label`) that did not finish and have a device count
+    (`skipped` points, whose framework is not installed, were never attempted: the report lists them)."""
+    bad = not_finished(df)
     if bad.empty:
-        return []
+        return bad
+    bad = bad[(bad["workload"] == workload) & bad["devices"].notna() & (bad["status"] != "skipped")]
+    if label is not None:
+        bad = bad[bad["label"] == label]
+    return bad
+
+
+def _mark_failed(ax, df: pd.DataFrame, workload: str, label: str | None = None, x_of=None) -> pd.DataFrame:
+    """A red x at the bottom of the axes for every point that did not finish (oom, failed, timeout,
+    preempted, ...), at its device count (`x_of(label, devices)` gives the x where the axis is not
+    the device count), with its status written above it; returns the points marked."""
+    bad = _failed_points(df, workload, label)
+    if bad.empty:
+        return bad.assign(x=[])
+    bad = bad.assign(x=[int(d) if x_of is None else x_of(lab, int(d)) for lab, d in zip(bad["label"], bad["devices"])])
+    for x, grp in bad.groupby("x", sort=True):
+        ax.plot([x], [0.02], transform=ax.get_xaxis_transform(), marker="x", color="crimson", markersize=9,
+                linestyle="none", clip_on=False)
+        text = "\n".join(sorted(set(grp["status"].astype(str))))
+        ax.annotate(text, (x, 0.02), xycoords=ax.get_xaxis_transform(), xytext=(0, 7), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=7, color="crimson")
+    ax.plot([], [], marker="x", color="crimson", linestyle="none", label=FAILED_LEGEND)
+    return bad
+
+
+def _list_failed(ax, df: pd.DataFrame, workload: str) -> pd.DataFrame:
+    """For axes whose x is not the device count: one legend entry (a red x) per point that did not
+    finish, "series xN: status"."""
+    bad = _failed_points(df, workload)
     for _, b in bad.iterrows():
-        ax.plot([int(b["devices"])], [0.02], transform=ax.get_xaxis_transform(), marker="x", color="crimson",
-                markersize=9, linestyle="none", clip_on=False)
-    ax.plot([], [], marker="x", color="crimson", linestyle="none", label="not finished (see report)")
-    return [int(d) for d in bad["devices"]]
+        ax.plot([], [], marker="x", color="crimson", linestyle="none",
+                label=f"{b['label']} x{int(b['devices'])}: {b['status']} (not finished)")
+    return bad
 
 
 # --- Fig 5/6: epoch time vs devices ----------------------------------------------------------------
 def epoch_time(df: pd.DataFrame, out=None, name: str = "epoch_time") -> Figure:
-    """Mean epoch time per run vs number of devices (log2 axis), one line per adapter series."""
+    """Epoch time per run vs number of devices (log2 axis), one line per series: the epoch time
+    speedup uses (`epoch_time_used_s`: the summary's steady epoch time, else the mean of the complete
+    epochs after the first, else the first epoch; partial epochs left out), bars = sd over repeats."""
     r = _ok_runs(df)
     data = r.groupby(["workload", "label", "devices"], as_index=False).agg(
-        epoch_time_s=("epoch_time_s", "mean"), epoch_time_sd=("epoch_time_s", "std"), runs=("run_id", "count"),
-        samples_per_epoch=("samples_per_epoch", "mean"))
+        epoch_time_s=("epoch_time_used_s", "mean"), epoch_time_sd=("epoch_time_used_s", "std"),
+        runs=("run_id", "count"), samples_per_epoch=("samples_per_epoch_used", "mean"),
+        epoch_time_source=("epoch_time_source", _join))
     workloads = sorted(data["workload"].unique())
     fig, axes = _grid(1, len(workloads))
     colors = _palette(data["label"])
+    failed = []
     for ax, wl in zip(axes[0], workloads):
         sub = data[data["workload"] == wl]
         _lines(ax, sub, "devices", "epoch_time_s", "label", colors, sd="epoch_time_sd")  # bars: sd over repeats
-        failed = _mark_failed(ax, df, wl)
-        _log2_devices(ax, [*sub["devices"], *failed])
+        bad = _mark_failed(ax, df, wl)
+        failed.append(bad)
+        _log2_devices(ax, [*sub["devices"], *bad["devices"]])
         ax.set_ylim(bottom=0)
-        ax.set_ylabel("epoch time (s)")
+        ax.set_ylabel("epoch time (s), steady")
         ax.set_title(f"{wl}: epoch time")
         _legend(ax)
     fig.bench_data = data
+    fig.bench_failed = _concat(failed)
     return save(fig, out, name)
 
 
+def _join(values) -> str | None:
+    """The distinct values of a group, as one string ("a; b"), None if none."""
+    vals = {v for v in values if v is not None and v is not pd.NA and not (isinstance(v, float) and np.isnan(v))}
+    nums = all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in vals)
+    text = [str(int(v)) if nums and float(v).is_integer() else str(v) for v in (sorted(vals) if nums else vals)]
+    return "; ".join(text if nums else sorted(text)) if text else None
+
+
+def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
+    parts = [p for p in parts if len(p)]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(
+        columns=["workload", "label", "devices", "status", "run_id", "x"])
+
+
 # --- Fig 10: speedup and scaling efficiency ----------------------------------------------------------
-def speedup_table(df: pd.DataFrame, baseline: str | None = None) -> pd.DataFrame:
+BASELINES = ("best", "per-series")
+
+
+def speedup_table(df: pd.DataFrame, baseline: str | None = "best") -> pd.DataFrame:
     """Speedup and scaling efficiency of every (workload, series, devices) point.
 
-    Time is per training sample (epoch time / samples in the epoch), which is the epoch-time ratio
-    when epochs hold the same samples and stays fair when trainer.max_steps caps them. Baseline per
-    workload: by default the fastest single-device point of any series, as the paper does; else the
-    named series (`label`) at its fewest devices. Without a single-device point the fastest point at
-    the fewest devices is used, and efficiency is relative to that device count.
+    Time is per training sample (the run's epoch time / the samples in that epoch), which is the
+    epoch-time ratio when epochs hold the same samples and stays fair when trainer.max_steps caps
+    them or the global batch grows with the devices. The epoch time is the run's steady one
+    (`epoch_time_used_s`, see analysis.load.runs; `epoch_time_source` says which was used).
+
+    baseline: "best" (or None): per workload the fastest single-device point of any series, as the
+    paper does (without a single-device point: the fastest point at the fewest devices, and
+    efficiency is relative to that device count); "per-series": each series against its own point
+    at its fewest devices; any other string: that series (`label`) at its fewest devices, for every
+    series of the workload.
     """
+    mode = "best" if baseline in (None, "best") else baseline
     r = _ok_runs(df)
     pts = r.groupby(["workload", "label", "devices"], as_index=False).agg(
-        time_per_sample_s=("time_per_sample_s", "mean"), epoch_time_s=("epoch_time_s", "mean"))
+        time_per_sample_s=("time_per_sample_used_s", "mean"), epoch_time_s=("epoch_time_used_s", "mean"),
+        global_batch=("global_batch", _join), epoch_time_source=("epoch_time_source", _join))
     parts = []
     for wl, sub in pts.groupby("workload"):
-        if baseline is None:
-            fewest = sub[sub["devices"] == sub["devices"].min()]
-            base = fewest.loc[fewest["time_per_sample_s"].idxmin()]
-        else:
-            mine = sub[sub["label"] == baseline]
-            if mine.empty:
-                raise AnalysisError(f"baseline '{baseline}' has no finished run for workload {wl}; "
-                                 f"choose one of: {', '.join(sorted(sub['label'].unique()))}")
-            base = mine.loc[mine["devices"].idxmin()]
         sub = sub.copy()
-        sub["speedup"] = base["time_per_sample_s"] / sub["time_per_sample_s"]
-        sub["efficiency"] = sub["speedup"] * base["devices"] / sub["devices"]
-        sub["baseline"] = f"{base['label']} on {int(base['devices'])} device{'s' if base['devices'] > 1 else ''}"
-        sub["baseline_label"] = base["label"]
-        sub["baseline_devices"] = int(base["devices"])
-        sub["baseline_epoch_time_s"] = base["epoch_time_s"]
+        if mode == "per-series":
+            bases = {lab: s.loc[s["devices"].idxmin()] for lab, s in sub.groupby("label")}
+        else:
+            if mode == "best":
+                fewest = sub[sub["devices"] == sub["devices"].min()]
+                base = fewest.loc[fewest["time_per_sample_s"].idxmin()]
+            else:
+                mine = sub[sub["label"] == mode]
+                if mine.empty:
+                    raise AnalysisError(f"baseline '{mode}' has no finished run for workload {wl}; choose "
+                                        f"{' or '.join(BASELINES)}, or a series: {', '.join(sorted(sub['label'].unique()))}")
+                base = mine.loc[mine["devices"].idxmin()]
+            bases = {lab: base for lab in sub["label"].unique()}
+        b = pd.DataFrame([bases[lab] for lab in sub["label"]], index=sub.index)
+        sub["speedup"] = b["time_per_sample_s"] / sub["time_per_sample_s"]
+        sub["efficiency"] = sub["speedup"] * b["devices"] / sub["devices"]
+        sub["baseline"] = [f"{lab} on {int(d)} device{'s' if d > 1 else ''}" for lab, d in zip(b["label"], b["devices"])]
+        sub["baseline_mode"] = mode if mode in BASELINES else "series"
+        sub["baseline_label"] = b["label"]
+        sub["baseline_devices"] = b["devices"].astype(int)
+        sub["baseline_epoch_time_s"] = b["epoch_time_s"]
+        sub["baseline_time_per_sample_s"] = b["time_per_sample_s"]
         parts.append(sub)
     return pd.concat(parts, ignore_index=True)
 
 
-def speedup(df: pd.DataFrame, out=None, baseline: str | None = None, name: str = "speedup") -> Figure:
-    """Speedup (left) and scaling efficiency (right) vs devices against the named baseline."""
+def speedup(df: pd.DataFrame, out=None, baseline: str | None = "best", name: str = "speedup") -> Figure:
+    """Speedup (left) and scaling efficiency (right) vs devices against the baseline (see
+    `speedup_table`); points that did not finish are marked on both."""
     data = speedup_table(df, baseline)
     workloads = sorted(data["workload"].unique())
     fig, axes = _grid(len(workloads), 2)
     colors = _palette(data["label"])
+    failed = []
     for row, wl in zip(axes, workloads):
         sub = data[data["workload"] == wl]
-        devs = sorted(sub["devices"].unique())
-        b0 = sub["baseline_devices"].iloc[0]
-        for ax, col, ideal in ((row[0], "speedup", [d / b0 for d in devs]), (row[1], "efficiency", [1.0] * len(devs))):
-            ax.plot(devs, ideal, color="grey", linestyle="--", linewidth=1, label="ideal")
+        per_series = (sub["baseline_mode"] == "per-series").all()
+        for ax, col in ((row[0], "speedup"), (row[1], "efficiency")):
+            bad = _mark_failed(ax, df, wl)
+            devs = sorted({*sub["devices"], *bad["devices"].astype(int)})
+            for b0 in sorted(sub["baseline_devices"].unique()):  # one ideal line per baseline device count
+                mine = [d for d in devs if d >= b0]
+                ax.plot(mine, [d / b0 for d in mine] if col == "speedup" else [1.0] * len(mine), color="grey",
+                        linestyle="--", linewidth=1, label="ideal")
             _lines(ax, sub, "devices", col, "label", colors)
             _log2_devices(ax, devs)
             ax.set_ylim(bottom=0)
             _legend(ax)
+        failed.append(bad)
         row[0].set_ylabel("speedup")
         row[1].set_ylabel("scaling efficiency")
-        base = sub["baseline"].iloc[0]
-        row[0].set_title(f"{wl}: speedup vs {base}\n({sub['baseline_epoch_time_s'].iloc[0]:.3g} s/epoch)", fontsize=10)
-        row[1].set_title(f"{wl}: efficiency vs {base}", fontsize=10)
+        if per_series:
+            row[0].set_title(f"{wl}: speedup vs each series' fewest-device point", fontsize=10)
+            row[1].set_title(f"{wl}: efficiency vs each series' fewest-device point", fontsize=10)
+        else:
+            base = sub["baseline"].iloc[0]
+            row[0].set_title(f"{wl}: speedup vs {base}\n({sub['baseline_epoch_time_s'].iloc[0]:.3g} s/epoch)",
+                             fontsize=10)
+            row[1].set_title(f"{wl}: efficiency vs {base}", fontsize=10)
     fig.bench_data = data
+    fig.bench_failed = _concat(failed)
     return save(fig, out, name)
 
 
@@ -196,12 +278,14 @@ def val_metric(df: pd.DataFrame, out=None, x: str = "epoch", name: str | None = 
     workloads = sorted(d["workload"].unique())
     fig, axes = _grid(1, len(workloads))
     colors = _palette(d["series"])
+    failed = []
     for ax, wl in zip(axes[0], workloads):
         sub = d[d["workload"] == wl]
         for (series, _), run in sub.groupby(["series", "run_id"], sort=True):  # one line per run, repeats share a colour
             run = run.sort_values("epoch")
             ax.plot(run[x], run["val_metric"], marker="o", color=colors[series], label=series)
 
+        failed.append(_list_failed(ax, df, wl))  # x here is not the device count: a legend entry each
         metric = sub["val_metric_name"].iloc[0]
         if metric == "val_perplexity":
             ax.set_yscale("log")
@@ -212,36 +296,66 @@ def val_metric(df: pd.DataFrame, out=None, x: str = "epoch", name: str | None = 
         ax.set_title(f"{wl}: {metric.replace('val_', 'validation ')} vs {'epoch' if x == 'epoch' else 'time'}")
         _legend(ax, title="series x devices", title_fontsize=8)
     fig.bench_data = d[["workload", "label", "devices", "run_id", "epoch", "wall_time_s", "val_metric", "val_metric_name"]]
+    fig.bench_failed = _concat(failed)
     return save(fig, out, name or f"val_metric_vs_{'epoch' if x == 'epoch' else 'time'}")
 
 
 # --- Fig 12: memory per rank vs devices --------------------------------------------------------------
+MEMORY_METRICS = {
+    "peak_rss_delta": "peak RSS - RSS before step 1, per process (MiB)",
+    "peak_rss": "peak RSS per process (MiB)",
+    "peak_allocated": "peak allocated per GPU (MiB)",
+}
+
+
 def memory_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per point: the highest per-rank peak memory, split into model states (params, grads, optimizer
-    of that rank) and the rest (activations, buffers, and on CPU the process itself), in MiB."""
+    """Per point: the highest per-rank (per-device for gpipe) peak memory, split into the model states
+    held on that device (params, grads, optimizer of that rank) and the rest (activations, buffers,
+    and with CPU `peak_rss` the process itself), in MiB. The peak is `mem_plot_metric`: on CPU
+    `peak_rss_delta` when the records have it, else `peak_rss`. States held in host memory on a GPU
+    run (ZeRO offload) are not device memory: `host_mib` and `offload`, not in the stack."""
     r = _ok_runs(df)
-    cols = ["peak_memory_max", "state_params", "state_grads", "state_optimizer"]
+    cols = ["peak_memory_max", "mem_plot_bytes", "state_params", "state_grads", "state_optimizer",
+            "dev_state_params", "dev_state_grads", "dev_state_optimizer", "host_state_bytes"]
     for c in cols:
+        r[c] = pd.to_numeric(r[c], errors="coerce") if c in r else np.nan
+    for c in ("mem_plot_metric", "host_state_parts", "mem_note", "memory_metric"):
         if c not in r:
-            r[c] = np.nan
-    data = r.groupby(["workload", "label", "devices"], as_index=False)[cols].mean()
-    data["peak_mib"] = data["peak_memory_max"] / MIB
+            r[c] = None
+    peak = r["mem_plot_bytes"].fillna(r["peak_memory_max"])
+    r["peak_used"] = peak
+    # records before the plotted-metric field: the event's own metric
+    r["mem_plot_metric"] = r["mem_plot_metric"].where(r["mem_plot_metric"].notna(), r["memory_metric"])
     for part in ("params", "grads", "optimizer"):
-        data[f"{part}_mib"] = data[f"state_{part}"] / MIB
+        r[f"dev_state_{part}"] = r[f"dev_state_{part}"].fillna(r[f"state_{part}"])
+    keys = ["workload", "label", "devices"]
+    g = r.groupby(keys, as_index=False)
+    data = g[["peak_memory_max", "peak_used", "dev_state_params", "dev_state_grads", "dev_state_optimizer",
+              "host_state_bytes"]].mean()
+    text = g.agg(memory_metric=("mem_plot_metric", _join), offload=("host_state_parts", _join),
+                 mem_note=("mem_note", _join))
+    data = data.merge(text, on=keys)
+    data["peak_mib"] = data["peak_used"] / MIB
+    for part in ("params", "grads", "optimizer"):
+        data[f"{part}_mib"] = data[f"dev_state_{part}"] / MIB
     states = data[["params_mib", "grads_mib", "optimizer_mib"]].sum(axis=1, min_count=1)
     data["states_mib"] = states
     data["other_mib"] = (data["peak_mib"] - states.fillna(0)).clip(lower=0)
-    metric = r["memory_metric"].dropna()
-    data["memory_metric"] = metric.iloc[0] if len(metric) else None
-    return data
+    data["host_mib"] = data["host_state_bytes"] / MIB
+    return data.drop(columns=["peak_used"])
 
 
 def memory(df: pd.DataFrame, out=None, name: str = "memory", max_cols: int = 4) -> Figure:
     """Stacked bars per series: peak memory of the busiest rank vs devices, model states vs the rest.
-    One panel per (workload, series), `max_cols` to a row; panels of one workload share the y axis."""
+    One panel per (workload, series), `max_cols` to a row; panels of one workload share the y axis.
+    A series whose runs all failed gets a panel too, holding its red x marks."""
     data = memory_table(df)
-    panels = [(wl, lab) for wl in sorted(data["workload"].unique())
-              for lab in sorted(data.loc[data["workload"] == wl, "label"].unique())]
+    bad_all = not_finished(df)
+    panels = []
+    for wl in sorted(data["workload"].unique()):
+        drawn = sorted(data.loc[data["workload"] == wl, "label"].unique())
+        only_failed = sorted(set(_failed_points(df, wl)["label"]) - set(drawn)) if len(bad_all) else []
+        panels += [(wl, lab) for lab in [*drawn, *only_failed]]
     rows = []  # workloads start on a new row
     for wl in sorted(data["workload"].unique()):
         mine = [p for p in panels if p[0] == wl]
@@ -251,9 +365,10 @@ def memory(df: pd.DataFrame, out=None, name: str = "memory", max_cols: int = 4) 
     parts = [("params_mib", "parameters"), ("grads_mib", "gradients"), ("optimizer_mib", "optimizer state"),
              ("other_mib", "rest of peak")]
     colors = dict(zip([p for p, _ in parts], sns.color_palette("muted", 4)))
-    metric = {"peak_rss": "peak RSS per process (MiB)", "peak_allocated": "peak allocated per GPU (MiB)"}.get(
-        data["memory_metric"].iloc[0], "peak memory per rank (MiB)")
-    first_of = {}
+    metrics = sorted({m for ms in data["memory_metric"].dropna() for m in ms.split("; ")})
+    ylabel = MEMORY_METRICS.get(metrics[0], "peak memory per rank (MiB)") if len(metrics) == 1 else \
+        "peak memory per rank (MiB): " + ", ".join(metrics)
+    first_of, failed = {}, []
     for ax_row, row in zip(axes, rows):
         for ax in ax_row[len(row):]:
             ax.set_axis_off()
@@ -262,24 +377,44 @@ def memory(df: pd.DataFrame, out=None, name: str = "memory", max_cols: int = 4) 
                 ax.sharey(first_of[wl])
             first_of.setdefault(wl, ax)
             sub = data[(data["workload"] == wl) & (data["label"] == lab)].sort_values("devices")
-            ax.set_title(f"{wl}: {lab}", fontsize=10)
-            xs = [str(d) for d in sub["devices"]]
+            bad = _failed_points(df, wl, lab) if len(bad_all) else pd.DataFrame(columns=["devices"])
+            devs = sorted({*sub["devices"].astype(int), *bad["devices"].astype(int)})
+            pos = {d: i for i, d in enumerate(devs)}
+            offload = _join(sub["offload"])
+            ax.set_title(f"{wl}: {lab}" + (f"\n[{offload} held on CPU: not in the bars]" if offload else ""),
+                         fontsize=9 if offload else 10)
+            xs = [pos[int(d)] for d in sub["devices"]]
             bottom = np.zeros(len(sub))
             for col, text in parts:  # without recorded states the whole peak is "rest"
                 vals = sub[col].fillna(0).to_numpy()
                 ax.bar(xs, vals, bottom=bottom, color=colors[col], label=text, width=0.6)
                 bottom = bottom + vals
             # on CPU the process itself dwarfs the model states: state the split in numbers too
-            for x, st, top in zip(xs, sub["states_mib"], bottom):
-                if not np.isnan(st):
-                    ax.annotate(f"states {st:.3g}", (x, top), ha="center", va="bottom", fontsize=7,
+            for x, st, top, host in zip(xs, sub["states_mib"], bottom, sub["host_mib"]):
+                note = [] if np.isnan(st) else [f"states {st:.3g}"]
+                if not np.isnan(host):
+                    note.append(f"+{host:.3g} on CPU")
+                if note:
+                    ax.annotate("\n".join(note), (x, top), ha="center", va="bottom", fontsize=7,
                                 xytext=(0, 2), textcoords="offset points")
+            if len(sub):  # the stack's top is the peak unless the states exceed it (a CPU delta without params)
+                ax.plot(xs, sub["peak_mib"], marker="_", markersize=22, markeredgewidth=1.5, color="black",
+                        linestyle="none", label="measured peak")
+            failed.append(_mark_failed(ax, df, wl, lab, x_of=lambda _lab, d, pos=pos: pos[d]) if len(bad) else bad)
+            ax.set_xticks(range(len(devs)), [str(d) for d in devs])
+            ax.set_xlim(-0.6, len(devs) - 0.4)
             ax.margins(y=0.1)
             ax.set_xlabel("devices")
-            ax.set_ylabel(metric, fontsize=8)
-    handles, texts = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, texts, loc="outside right upper", fontsize=8)
+            ax.set_ylabel(ylabel, fontsize=8)
+    handles = {}
+    for ax in axes.flat:
+        for h, t in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(t, h)
+    order = [t for _, t in parts] + ["measured peak", FAILED_LEGEND]  # the stack's parts bottom up, then marks
+    texts = sorted(handles, key=lambda t: order.index(t) if t in order else len(order))
+    fig.legend([handles[t] for t in texts], texts, loc="outside right upper", fontsize=8)
     fig.bench_data = data
+    fig.bench_failed = _concat(failed)
     return save(fig, out, name)
 
 
@@ -301,22 +436,34 @@ def breakdown_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def breakdown(df: pd.DataFrame, out=None, name: str = "breakdown") -> Figure:
-    """Stacked bars: data / forward / backward / optimizer (and other) time per step, per point."""
+    """Stacked bars: data / forward / backward / optimizer (and other) time per step, per point;
+    points that did not finish get a place of their own with a red x and their status."""
     data = breakdown_table(df)
     phases = data.attrs["phases"] + ["other"]
     workloads = sorted(data["workload"].unique())
-    n = max(len(data[data["workload"] == w]) for w in workloads)
-    fig, axes = _grid(1, len(workloads), w=max(4.0, 0.9 * n + 2), h=3.8)
+    bad_all = not_finished(df)
+    n = max(len(data[data["workload"] == w]) for w in workloads) + (len(bad_all) if len(bad_all) else 0)
+    fig, axes = _grid(1, len(workloads), w=min(max(4.0, 0.9 * n + 2), 30), h=3.8)
     colors = dict(zip(phases, sns.color_palette("deep", len(phases))))
+    failed = []
     for ax, wl in zip(axes[0], workloads):
         sub = data[data["workload"] == wl].sort_values(["label", "devices"])
+        bad = _failed_points(df, wl) if len(bad_all) else pd.DataFrame(columns=["label", "devices"])
+        points = sorted({*zip(sub["label"], sub["devices"].astype(int)),
+                         *zip(bad["label"], bad["devices"].astype(int))})
+        pos = {p: i for i, p in enumerate(points)}
+        xs = [pos[(lab, int(d))] for lab, d in zip(sub["label"], sub["devices"])]
         bottom = np.zeros(len(sub))
         for p in phases:
             vals = sub[f"{p}_ms"].fillna(0).to_numpy()
             if not vals.any():
                 continue
-            ax.bar(sub["point"], vals, bottom=bottom, color=colors[p], label=p, width=0.6)
+            ax.bar(xs, vals, bottom=bottom, color=colors[p], label=p, width=0.6)
             bottom = bottom + vals
+        if len(bad):
+            failed.append(_mark_failed(ax, df, wl, x_of=lambda lab, d, pos=pos: pos[(lab, d)]))
+        ax.set_xticks(range(len(points)), [f"{lab} x{d}" for lab, d in points])
+        ax.set_xlim(-0.6, len(points) - 0.4)
         ax.set_ylabel("time per step (ms)")
         ax.set_title(f"{wl}: time per step by phase")
         ax.tick_params(axis="x", labelrotation=30)
@@ -324,10 +471,11 @@ def breakdown(df: pd.DataFrame, out=None, name: str = "breakdown") -> Figure:
             t.set_horizontalalignment("right")
         _legend(ax)
     fig.bench_data = data
+    fig.bench_failed = _concat(failed)
     return save(fig, out, name)
 
 
-def all_figures(df: pd.DataFrame, out, baseline: str | None = None) -> tuple[dict[str, Figure], dict[str, str]]:
+def all_figures(df: pd.DataFrame, out, baseline: str | None = "best") -> tuple[dict[str, Figure], dict[str, str]]:
     """Every figure above, and {name: reason} for those whose data are absent (skipped)."""
     makers = {
         "epoch_time": lambda: epoch_time(df, out),
