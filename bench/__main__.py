@@ -10,8 +10,9 @@ import sys
 # that arrives while Python is still importing torch is not fatal.
 signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGUSR1, signal.SIGTERM))
 
-# Before torch is imported anywhere: one thread per rank on CPU (ranks share the cores).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Before torch is imported anywhere: the CPUs Slurm gave this task, else one thread per rank (ranks
+# share the cores); each rank sets launcher.threads_per_rank once it runs (bench/core/dist.py).
+os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK") or "1")
 # submitit (hydra/launcher=submitit_* and bench_slurm) asks Slurm for its time-limit signal and
 # handles it itself; make that USR1, the signal the ranks turn into a graceful stop (read at import).
 os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", "USR1")

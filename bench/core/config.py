@@ -78,7 +78,9 @@ class LauncherConfig:
     backend: str = "auto"  # auto = nccl on GPU, gloo on CPU
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port (local) / derive from the job id (slurm)
-    threads_per_rank: int = 1  # CPU only: more threads slowed 2-rank runs 5-50x here
+    # CPU threads per rank; 0 = SLURM_CPUS_PER_TASK under Slurm, else 1 (ranks sharing a small box's
+    # cores: more threads slowed 2-rank runs 5-50x on 2 cores)
+    threads_per_rank: int = 0
 
 
 @dataclass

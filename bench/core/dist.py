@@ -57,11 +57,18 @@ def dist_timeout_s(trainer) -> int:
     return int(trainer.hang_timeout_s + 60) if trainer.hang_timeout_s > 0 else 1800
 
 
-def set_cpu_threads(n: int) -> None:
-    """One thread per rank on CPU: ranks share 2 cores here, and more threads thrash."""
+def cpu_threads(requested: int, env=os.environ) -> int:
+    """launcher.threads_per_rank, else the CPUs Slurm gave the task, else 1."""
+    return requested or int(env.get("SLURM_CPUS_PER_TASK") or 0) or 1
+
+
+def set_cpu_threads(requested: int) -> int:
+    """Intra-op threads of this rank on CPU (OMP_NUM_THREADS too, for libraries that read it later)."""
+    n = cpu_threads(requested)
     if not torch.cuda.is_available():
         os.environ["OMP_NUM_THREADS"] = str(n)
         torch.set_num_threads(n)
+    return n
 
 
 def init_process_group(ctx: DistContext, timeout_s: int) -> None:

@@ -27,7 +27,6 @@ def check_config(cfg: BenchConfig) -> None:
         "trainer.grad_accum": cfg.trainer.grad_accum,
         "trainer.stop_check_every": cfg.trainer.stop_check_every,
         "launcher.nprocs": cfg.launcher.nprocs,
-        "launcher.threads_per_rank": cfg.launcher.threads_per_rank,
         "optimizer.lr": cfg.optimizer.lr,
     }
     for key, value in positive.items():
@@ -39,7 +38,7 @@ def check_config(cfg: BenchConfig) -> None:
                           f"{t.hang_timeout_s:g}, or the backend kills hung ranks before the watchdog records the "
                           "hang; leave it 0 (= hang_timeout_s + 60 s)")
     for key in ("trainer.warmup_steps", "trainer.max_steps", "trainer.max_eval_batches", "trainer.dist_timeout_s",
-                "trainer.hang_timeout_s"):
+                "trainer.hang_timeout_s", "launcher.threads_per_rank"):
         group, name = key.split(".")
         if getattr(getattr(cfg, group), name) < 0:
             raise ConfigError(f"{key}={getattr(getattr(cfg, group), name)} must be >= 0")

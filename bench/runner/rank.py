@@ -14,7 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: one thread per rank on CPU
+os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK") or "1")  # before torch: see bench/__main__.py
 
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
@@ -43,7 +43,7 @@ def frameworks_imported() -> list[str]:
 def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | None) -> int:
     """Everything one rank does. `run_dir` None: rank 0 creates the record and tells the others."""
     cfg = typed(cfg_dict)
-    set_cpu_threads(cfg.launcher.threads_per_rank)
+    threads = set_cpu_threads(cfg.launcher.threads_per_rank)
     apply_tf32(cfg.trainer.tf32)
     import torch.distributed as dist
 
@@ -77,7 +77,8 @@ def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | No
             summary.update(adapter_settings=adapter.describe(), plan=plan.describe(), precision=plan.precision,
                            phase_semantics=adapter.phase_semantics, precision_semantics=adapter.precision_semantics,
                            batch_policy=plan.batch_policy, warmup_steps=cfg.trainer.warmup_steps,
-                           launcher=ctx.launcher, conventions=CONVENTIONS, frameworks_imported=frameworks_imported())
+                           launcher=ctx.launcher, conventions=CONVENTIONS, frameworks_imported=frameworks_imported(),
+                           cpu_threads_per_rank=threads)
             writer.finish(summary)
             print_summary({**summary, **writer.identity})
         return 0
