@@ -9,10 +9,11 @@
 `a,b`, `range(1,4)` and quoting mean the same). Point i is the i-th line that is neither blank
 nor a comment, counted from 0 = SLURM_ARRAY_TASK_ID of `sbatch --array=0-N`.
 
-A point is identified by `point_id`: a hash of its command-line overrides, leaving out the ones
-that say where records go or how ranks start (results.*, hydra.*, launcher=..., master address
-and port), so the same line gives the same id whether it runs here, in a job array or in a Hydra
-multirun. Every record stores it as `point`; with `results.resume=true` (what `--resume` passes)
+A point is identified by `point_id`: a hash of the config its overrides resolve to plus its world
+size, leaving out where records go, how ranks find each other and where the data lives (results.*,
+hydra.*, launcher=..., master address and port, data paths), so the same line gives the same id
+whether it runs here, in a job array or in a Hydra multirun, and a changed default or another rank
+count is another point. Every record stores it as `point`; with `results.resume=true` (what `--resume` passes)
 a run whose point already has an ok record under results.root/results.experiment is skipped, so
 re-running a sweep re-runs only the points that failed, were preempted or never ran.
 """
@@ -33,31 +34,47 @@ from bench.invoke import run_bench
 
 REPO = Path(__file__).resolve().parents[1]  # a source checkout: slurm/ beside bench/
 
-# Overrides that do not change what is measured: where records go, how ranks find each other.
-_NOT_PART_OF_POINT = ("results.", "hydra.", "hydra/")
-_NOT_PART_OF_POINT_KEYS = {"launcher", "launcher.master_addr", "launcher.master_port", "trainer.progress"}
+# Keys of the resolved config that do not change what is measured: where records go, how ranks find
+# each other, where the data lives, progress bars.
+_NOT_PART_OF_POINT = {"results": None, "hydra": None,
+                      "launcher": ("name", "master_addr", "master_port"),
+                      "data": ("root", "tokenizer_dir", "cache_dir"),
+                      "trainer": ("progress",)}
 
 
 def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def point_id(overrides) -> str:
-    """Stable id of a point: sha1 of its sorted, relevant overrides (10 hex digits), each in the form
-    Hydra parses it to, so quoting and escaping (`a\\:b`, `'a:b'`) do not change the id."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+def point_id_of(cfg, env=os.environ) -> str:
+    """Stable id of a point: sha1 of its *resolved* config (so a changed default is another point) and
+    its world size (launcher.nprocs, or the srun task count under launcher=slurm), leaving out where
+    records go, how ranks find each other and where the data lives (10 hex digits)."""
+    from omegaconf import OmegaConf
 
-    parser = OverridesParser.create()
-    kept = []
-    for o in overrides:
-        if _key(o).startswith(_NOT_PART_OF_POINT) or _key(o) in _NOT_PART_OF_POINT_KEYS:
-            continue
-        try:
-            parsed = parser.parse_override(o)
-            kept.append(f"{parsed.get_key_element()}={parsed.value()!r}")
-        except Exception:  # not Hydra syntax: Hydra itself will reject the run; hash the text
-            kept.append(o)
-    return hashlib.sha1("\n".join(sorted(kept)).encode()).hexdigest()[:10]
+    d = OmegaConf.to_container(cfg, resolve=True)
+    for group, keys in _NOT_PART_OF_POINT.items():
+        if keys is None:
+            d.pop(group, None)
+        else:
+            for k in keys:
+                d.get(group, {}).pop(k, None)
+    if cfg.launcher.name == "slurm" and env.get("SLURM_NTASKS"):
+        d["launcher"]["nprocs"] = int(env["SLURM_NTASKS"])  # srun decides the world, not nprocs
+    return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def point_id(overrides) -> str:
+    """`point_id_of` the config these overrides compose to (Hydra's own parsing: quoting and order do
+    not matter); overrides that do not compose are hashed as text (the run itself will be refused)."""
+    from bench.core.errors import ConfigError
+    from bench.runner.compose import compose
+
+    kept = [o for o in overrides if not _key(o).startswith(("hydra.", "hydra/"))]
+    try:
+        return point_id_of(compose(kept))
+    except ConfigError:
+        return hashlib.sha1("\n".join(sorted(kept)).encode()).hexdigest()[:10]
 
 
 def expand_grid(overrides: list[str]) -> list[list[str]]:
@@ -99,7 +116,7 @@ def compose_point(overrides: list[str]):
     except ConfigError as e:
         raise ConfigError(f"point `{shlex.join(overrides)}`: {e}") from None
     if cfg.results.point is None:
-        cfg.results.point = point_id(overrides)
+        cfg.results.point = point_id_of(cfg)
     return cfg
 
 
@@ -144,7 +161,7 @@ def apply_hydra_context(cfg) -> None:
 
     hc = HydraConfig.get()
     if cfg.results.point is None:
-        cfg.results.point = point_id(hc.overrides.task)
+        cfg.results.point = point_id_of(cfg)
     if hc.mode.name == "MULTIRUN" and cfg.results.dir is None:
         cfg.results.dir = str(hc.sweep.dir)
 
