@@ -221,6 +221,10 @@ def _run(args) -> int:
             print("  " + shlex.join([sys.executable, "-m", "bench", *point, *extra]))
             continue
         run = run_bench([*point, *extra], capture=False)  # output to the terminal; a failed point does not stop the sweep
+        retry = oom_retry([*point, *extra]) if run.status == "oom" else None
+        if retry:  # the paper halved the per-GPU batch by hand where a point ran out of memory
+            print(f"  point {i} ran out of memory: once more with trainer.batch_size={retry[-2].split('=')[1]}", flush=True)
+            run = run_bench(retry, capture=False)
         if run.returncode:
             failed.append((i, run.returncode))
     for i, code in failed:
@@ -228,37 +232,59 @@ def _run(args) -> int:
     return 1 if failed else 0
 
 
+def oom_retry(overrides: list[str]) -> list[str] | None:
+    """The overrides of the point once more with half its per-device batch, recorded as its own point
+    (`extra.batch_reduced_from`); None when the batch cannot be halved."""
+    b = compose_point(overrides).trainer.batch_size
+    if b < 2:
+        return None
+    return [*overrides, f"trainer.batch_size={b // 2}", f"++extra.batch_reduced_from={b}"]
+
+
+def submit_arrays(file: Path, extra: list[str], *, gpus_per_node: int = 0, sbatch: list[str] = (),
+                  resume: bool = False, script: Path | None = None, dry_run: bool = False,
+                  out=sys.stdout) -> tuple[int, list[str]]:
+    """sbatch slurm/array.sbatch once per allocation shape (Slurm gives every task of an array the same
+    resources); returns (exit code, job ids). `sbatch` options such as --dependency=afterok:ID go to
+    every array. Dry run: the commands are printed and the ids are placeholders."""
+    points = read_points(file)
+    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, point in enumerate(points):
+        groups[layout([*point, *extra])].append(i)
+    script = Path(script or REPO / "slurm" / "array.sbatch")
+    # job logs under the results root, never in the folder sbatch was called from (a later
+    # --sbatch=--output=... still wins: sbatch takes the last)
+    root = next((o.split("=", 1)[1] for o in reversed(extra) if o.startswith("results.root=")),
+                os.environ.get("RESULTS") or str(REPO / "results"))
+    logs = Path(root).absolute() / "slurm"
+    if not dry_run:
+        logs.mkdir(parents=True, exist_ok=True)
+    code, ids = 0, []
+    for n, ((ranks, devices), indices) in enumerate(groups.items()):
+        nodes, per_node, gpus = slurm_shape(ranks, devices, gpus_per_node)
+        shape = [f"--nodes={nodes}", f"--ntasks-per-node={per_node}", *([f"--gpus-per-node={gpus}"] if gpus else [])]
+        cmd = ["sbatch", "--parsable", f"--output={logs}/%x-%A_%a.out", f"--array={','.join(map(str, indices))}",
+               *shape, *sbatch, str(script), str(file), *(["--resume"] if resume else []), *extra]
+        print(shlex.join(cmd), file=out, flush=True)
+        if dry_run:
+            ids.append(f"<{Path(file).stem}-{n}>")
+            continue
+        # the job finds this checkout and interpreter even when submitted from elsewhere
+        env = {"REPO": str(REPO), "PYTHON": sys.executable, **os.environ}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        print(proc.stdout.strip() or proc.stderr.strip(), file=out, flush=True)
+        code = code or proc.returncode
+        if proc.returncode == 0 and proc.stdout.strip():
+            ids.append(proc.stdout.strip().split(";")[0])
+    return code, ids
+
+
 def _submit(args) -> int:
-    """One job array per allocation shape: Slurm gives every task of an array the same resources."""
     if not args.dry_run and not shutil.which("sbatch"):
         print("error: sbatch not found: run this on a Slurm login node (or add --dry-run)", file=sys.stderr)
         return 2
-    points = read_points(args.file)
-    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for i, point in enumerate(points):
-        groups[layout([*point, *args.extra])].append(i)
-    script = Path(args.script)
-    # job logs under the results root, never in the folder sbatch was called from (a later
-    # --sbatch=--output=... still wins: sbatch takes the last)
-    root = next((o.split("=", 1)[1] for o in reversed(args.extra) if o.startswith("results.root=")),
-                os.environ.get("RESULTS") or str(REPO / "results"))
-    logs = Path(root).absolute() / "slurm"
-    if not args.dry_run:
-        logs.mkdir(parents=True, exist_ok=True)
-    code = 0
-    for (ranks, devices), indices in groups.items():
-        nodes, per_node, gpus = slurm_shape(ranks, devices, args.gpus_per_node)
-        shape = [f"--nodes={nodes}", f"--ntasks-per-node={per_node}", *([f"--gpus-per-node={gpus}"] if gpus else [])]
-        cmd = ["sbatch", "--parsable", f"--output={logs}/%x-%A_%a.out", f"--array={','.join(map(str, indices))}",
-               *shape, *args.sbatch,
-               str(script), str(args.file), *(["--resume"] if args.resume else []), *args.extra]
-        print(shlex.join(cmd), flush=True)
-        if not args.dry_run:
-            # the job finds this checkout and interpreter even when submitted from elsewhere
-            env = {"REPO": str(REPO), "PYTHON": sys.executable, **os.environ}
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            print(proc.stdout.strip() or proc.stderr.strip(), flush=True)
-            code = code or proc.returncode
+    code, _ = submit_arrays(args.file, args.extra, gpus_per_node=args.gpus_per_node, sbatch=args.sbatch,
+                            resume=args.resume, script=Path(args.script), dry_run=args.dry_run)
     return code
 
 

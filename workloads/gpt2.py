@@ -91,6 +91,43 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class _TiedLinear(torch.autograd.Function):
+    """x @ w.T (what F.linear computes without bias, the same matmul) whose weight gradient is one
+    fresh contiguous tensor, g^T x. F.linear's comes back as a transposed view of that product, and
+    autograd then sums a tied weight's two gradients (this one and the embedding's) out of place:
+    one more [vocab, d] tensor per step. With this one it adds the embedding's gradient in place."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = (g2 @ w).view(x.shape) if ctx.needs_input_grad[0] else None
+        gw = g2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+class LMHead(nn.Linear):
+    """nn.Linear without bias (the adapters' plans see an nn.Linear named lm_head) that computes
+    plain-tensor, autocast-off forwards through `_TiedLinear`: same logits, same gradients, one
+    [vocab, d] temporary fewer per step. DTensor weights (tensor parallel) or inputs and autocast
+    take nn.Linear's own forward."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (type(w) is nn.Parameter and type(x) is torch.Tensor and self.bias is None
+                and not torch.is_autocast_enabled(x.device.type)):
+            return _TiedLinear.apply(x, w)
+        return super().forward(x)
+
+
 class Embedding(nn.Module):
     """Token + position embedding and dropout (the model's own modules, shared)."""
 
@@ -106,7 +143,7 @@ class Embedding(nn.Module):
 class Head(nn.Module):
     """Final LayerNorm and the language-model head (whose weight is wte.weight)."""
 
-    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear):
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: LMHead):
         super().__init__()
         self.ln_f, self.lm_head = ln_f, lm_head
 
@@ -127,7 +164,7 @@ class GPT2(nn.Module):
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
         self.ln_f = nn.LayerNorm(c.n_embd, eps=1e-5)
-        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.lm_head = LMHead(c.n_embd, c.vocab_size)
         self.lm_head.weight = self.wte.weight  # tied
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
@@ -149,6 +186,78 @@ class GPT2(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+# --- loss: mean token cross-entropy without materialising [N, vocab] temporaries -------------------
+# F.cross_entropy on [N, V] logits allocates three more [N, V] tensors per train step (log_softmax
+# output, nll_loss's zero-filled gradient, log_softmax's backward output). On CPU every fresh tensor
+# that large is new pages from the kernel (page faults + zeroing), which cost more than the
+# arithmetic. `_CrossEntropy` computes the same loss with one [N, V] tensor (the gradient), working
+# through the logits a few rows at a time so that each chunk's temporaries stay in cache.
+_CE_CHUNK_BYTES = 1 << 20  # fp32 bytes of logits per chunk
+
+
+def _chunks(n: int, v: int):
+    step = max(1, _CE_CHUNK_BYTES // (4 * v))
+    return ((s, min(s + step, n)) for s in range(0, n, step))
+
+
+def _row_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 logsumexp of each row of [N, V] logits (any float dtype), chunk by chunk."""
+    n, v = logits.shape
+    out = torch.empty(n, dtype=torch.float32, device=logits.device)
+    for s, e in _chunks(n, v):
+        torch.logsumexp(logits[s:e].float(), -1, out=out[s:e])
+    return out
+
+
+def _token_losses(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token cross-entropy [N] fp32, row logsumexp [N] fp32) of [N, V] logits and [N] targets."""
+    lse = _row_logsumexp(logits)
+    return lse - logits.gather(1, target[:, None]).squeeze(1).float(), lse
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """mean_i(logsumexp(z_i) - z_i[t_i]) of [N, V] logits z, computed in fp32 whatever z's dtype;
+    gradient (softmax(z_i) - onehot(t_i)) * grad / N in z's dtype, written chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        losses, lse = _token_losses(logits, target)
+        ctx.save_for_backward(logits, target, lse)
+        return losses.mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, target, lse = ctx.saved_tensors
+        n, v = logits.shape
+        scale = grad.float() / n
+        if torch.is_grad_enabled():  # backward(create_graph=True): the same gradient, differentiably
+            p = torch.softmax(logits.float(), -1)
+            p = p - torch.zeros_like(p).scatter_(1, target[:, None], 1.0)
+            return (p * scale).to(logits.dtype), None
+        # softmax * scale = exp(z - lse + log(scale)): one pass fewer when scale > 0 (loss.backward())
+        fold = bool(scale > 0)
+        shift = lse - scale.log() if fold else lse
+        out = torch.empty_like(logits)
+        rows = torch.arange(n, device=logits.device)
+        for s, e in _chunks(n, v):
+            g = out[s:e] if out.dtype == torch.float32 else torch.empty((e - s, v), device=out.device)
+            torch.sub(logits[s:e], shift[s:e, None], out=g).exp_()
+            if not fold:
+                g.mul_(scale)
+            g[rows[: e - s], target[s:e]] -= scale
+            if g is not out[s:e]:
+                out[s:e].copy_(g)
+        return out, None
+
+
+def _fused_loss_applies(output: torch.Tensor, target: torch.Tensor) -> bool:
+    """The chunked loss runs on plain CPU tensors with class-index targets (no ignore_index);
+    anything else (DTensor logits under loss_parallel, CUDA) takes the generic F.cross_entropy."""
+    return (type(output) is torch.Tensor and output.device.type == "cpu" and output.is_floating_point()
+            and type(target) is torch.Tensor and target.dtype == torch.int64 and target.numel() > 0
+            and bool(target.min() >= 0))
 
 
 def qkv_to_hf(t: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -203,6 +312,26 @@ class GPT2Workload(Workload):
 
     def tokens_per_sample(self) -> int:
         return self.gpt.seq_len
+
+    # --- loss and metrics: Workload's definitions, computed without [N, vocab] temporaries ---
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean token cross-entropy in fp32, as `Workload.loss` (F.cross_entropy on `output.float()`)
+        computes it, equal to it within fp32 rounding; see `_CrossEntropy`."""
+        if not _fused_loss_applies(output, target):
+            return super().loss(output, target)
+        return _CrossEntropy.apply(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+    def eval_sums(self, output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`Workload.eval_sums` (per-sample mean token loss and next-token hit rate), chunked."""
+        if not _fused_loss_applies(output, target):
+            return super().eval_sums(output, target, weight)
+        logits = output.reshape(-1, output.shape[-1])
+        per_elem, _ = _token_losses(logits, target.reshape(-1))
+        hits = (logits.argmax(-1) == target.reshape(-1)).float()
+        per_sample_loss = per_elem.view(target.shape[0], -1).mean(1)
+        per_sample_hit = hits.view(target.shape[0], -1).mean(1)
+        w = weight.to(per_sample_loss.dtype)
+        return torch.stack([(per_sample_loss * w).sum(), (per_sample_hit * w).sum(), w.sum()]).double()
 
     # --- data --------------------------------------------------------------------------------
     def check_data(self) -> None:
