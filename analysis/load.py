@@ -334,6 +334,11 @@ def load_run(run_dir: str | Path) -> list[dict]:
         host=env.get("host"),
         git_sha=env.get("git_sha"),
         torch=(env.get("versions") or {}).get("torch"),
+        # GPU runs: which GPU and which NCCL/driver (env.json), so runs of two clusters are told apart
+        gpu=(env.get("gpus") or [None])[0],
+        gpu_count=env.get("gpu_count"),
+        nccl=env.get("nccl"),
+        driver=env.get("driver"),
     )
     events = _read_events(run_dir / "events.jsonl")
     if not events:

@@ -4,6 +4,7 @@ interleaved blocks inside one run so both see the same machine state.
 
     python -m bench.overhead                    # gpt2_tiny, synthetic data, 2 ranks
     python -m bench.overhead --blocks 8 --steps 10 workload=resnet50_tiny
+    python -m bench.overhead --models           # harness GPT-2 vs Megatron's GPT (and HF's), then data shares
 
 Prints the per-block step times and the ratio harness/bare (goal <= 1.02), plus the time from
 launch to the first finished step of a normal `python -m bench` run when `--startup` is given.
@@ -11,6 +12,7 @@ launch to the first finished step of a normal `python -m bench` run when `--star
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -125,6 +127,37 @@ def measure_startup(overrides: list[str]) -> float:
         return run.summary["startup_s"]
 
 
+# the bundled CPU workloads, each on its default data (ImageFolder JPEGs where BENCH_DATA_ROOT has them)
+DATA_SHARE_POINTS = {
+    "gpt2_tiny (synthetic)": ["workload=gpt2_tiny", "data=synthetic"],
+    "gpt2_tiny (wikitext2)": ["workload=gpt2_tiny", "data=wikitext2"],
+    "resnet50_tiny (cifar10 JPEG)": ["workload=resnet50_tiny", "data=cifar10"],
+    "vgg16_tiny (cifar10 JPEG)": ["workload=vgg16_tiny", "data=cifar10"],
+}
+
+
+def data_shares(nprocs: int, steps: int = 12, warmup: int = 2) -> str:
+    """Share of the step spent loading data (after warm-up), per bundled workload, from real runs."""
+    from pathlib import Path
+
+    from bench.invoke import run_bench
+
+    lines = [f"data loading share of the step, {nprocs} rank(s), {steps} steps ({warmup} warm-up excluded)",
+             f"{'workload':<30} {'data share':>10} {'workers':>8} {'step s':>8}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, overrides in DATA_SHARE_POINTS.items():
+            run = run_bench([*overrides, f"launcher.nprocs={nprocs}", "trainer.epochs=1", f"trainer.max_steps={steps}",
+                             f"trainer.warmup_steps={warmup}", "trainer.eval_every_epoch=false", "trainer.progress=false"],
+                            root=Path(tmp), experiment="data-share", timeout=900)
+            if not run.ok:
+                lines.append(f"{name:<30} {run.status}: {run.error_line[:70]}")
+                continue
+            s = run.summary
+            ev = json.loads((run.run_dir / "events.jsonl").read_text().splitlines()[0])
+            lines.append(f"{name:<30} {100 * ev['data_share']:9.1f}% {s['data_workers']:>8} {s['step_time_mean_s']:8.4f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
@@ -135,8 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="steps per block")
     p.add_argument("--nprocs", type=int, default=2)
     p.add_argument("--startup", action="store_true", help="also measure launch-to-first-step of `python -m bench`")
+    p.add_argument("--models", action="store_true",
+                   help="instead: the harness GPT-2, Megatron's GPT and Hugging Face's GPT-2 of one size stepped in "
+                        "interleaved blocks (bench/model_speed.py), then the data-loading share per bundled workload")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=resnet50_tiny")
     args = p.parse_args(argv)
+    if args.models:
+        from bench.model_speed import main as model_speed
+
+        code = model_speed(["--blocks", str(max(args.blocks, 5))])
+        print()
+        print(data_shares(args.nprocs))
+        return code
     cfg = _compose(args.overrides)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         mp.start_processes(_rank, args=(cfg, args.nprocs, free_port(), args.blocks, args.steps, out.name),
