@@ -1,8 +1,14 @@
-"""Shared test setup: the repo on sys.path, and data roots from the environment.
+"""Shared test setup: the repo on sys.path, data roots from the environment, and the one rule for
+missing prerequisites.
 
 BENCH_DATA_ROOT defaults to <repo>/../shared/data (the offline data next to the repo); CI or a
 user points it elsewhere. BENCH_CACHE_DIR defaults to <repo>/.pytest_cache/bench_cache so that
-token caches built by tests never land inside the data folder (git ignores .pytest_cache).
+token caches built by tests never land inside the data folder (git ignores .pytest_cache): every
+test that reads WikiText shares that one cache, so the corpus is tokenized once per checkout.
+
+A test that cannot run because something outside the repo is missing (the data, Horovod, a Slurm
+cluster) calls `require_or_skip(what, reason)`: it skips with the reason, except under CI (CI set
+to 1, true, yes or on, any case), where the prerequisite must be there and its absence fails.
 """
 import os
 import sys
@@ -17,11 +23,27 @@ if str(REPO) not in sys.path:
 os.environ.setdefault("BENCH_DATA_ROOT", str((REPO.parent / "shared" / "data").resolve()))
 os.environ.setdefault("BENCH_CACHE_DIR", str(REPO / ".pytest_cache" / "bench_cache"))
 
+_TRUTHY = ("1", "true", "yes", "on")
+
+
+def in_ci(env=None) -> bool:
+    """CI is set to a truthy value (1/true/yes/on, case and surrounding blanks ignored)."""
+    return (os.environ if env is None else env).get("CI", "").strip().lower() in _TRUTHY
+
+
+def require_or_skip(what: str, reason: str):
+    """`what` (a prerequisite) is missing because of `reason`: fail under CI, skip otherwise. Never returns."""
+    if in_ci():
+        pytest.fail(f"CI needs {what}: {reason}", pytrace=False)
+    pytest.skip(f"{what} unavailable: {reason}")
+
 
 @pytest.fixture(scope="session")
 def data_root() -> Path:
-    """The folder holding wikitext-2/, gpt2-tokenizer/, cifar10-subset/ (skips if absent)."""
+    """The folder holding wikitext-2/, gpt2-tokenizer/, cifar10-subset/ (skip if absent; fail under CI)."""
     root = Path(os.environ["BENCH_DATA_ROOT"])
-    if not root.is_dir():
-        pytest.skip(f"BENCH_DATA_ROOT={root} does not exist")
+    missing = [p for p in ("wikitext-2/train.txt", "gpt2-tokenizer/vocab.json", "cifar10-subset/val")
+               if not (root / p).exists()]
+    if missing:
+        require_or_skip("the test data (BENCH_DATA_ROOT)", f"{root} lacks {', '.join(missing)}")
     return root

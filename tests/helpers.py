@@ -1,20 +1,59 @@
-"""Run the harness as a user would (`python -m bench ...` in a subprocess) and read its records."""
+"""Run the harness as a user would (`python -m bench ...` in a subprocess), read its records, and
+compare losses without letting garbage pass.
+
+Every run starts in its own session (process group): on a timeout the whole group is killed, the
+launcher and the ranks it spawned, so a hung test leaves nothing running into the next one.
+"""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group `proc` leads (it was started with start_new_session=True)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """subprocess.run in a new session; on timeout the whole group dies (not just the launcher)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    except BaseException:  # pytest's own timeout or Ctrl-C interrupting the wait: leave nothing running
+        kill_group(proc)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def bench(*overrides: str, results: Path, timeout: int = 600, env: dict | None = None, module: str = "bench"):
     """Run `python -m bench` with overrides; returns the CompletedProcess. Records go under `results`."""
     cmd = [sys.executable, "-m", module, *overrides, f"results.root={results}"]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return run(cmd, timeout, full_env)
+
+
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    """Popen in a new session (stop it with kill_group); for tests that signal a running run."""
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
 
 
 def run_dirs(results: Path) -> list[Path]:
@@ -41,3 +80,27 @@ def step_losses(run_dir: Path) -> list[float]:
 
 def check_ok(proc) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}"
+
+
+# --- losses ------------------------------------------------------------------------------------------
+def finite(losses, what: str = "losses") -> np.ndarray:
+    """The losses as a 1-D float array; fails on an empty series or any NaN / inf."""
+    arr = np.asarray(losses, dtype=np.float64)
+    assert arr.ndim == 1 and arr.size > 0, f"{what}: expected a non-empty series, got {losses!r}"
+    assert np.isfinite(arr).all(), f"{what}: not finite: {arr.tolist()}"
+    return arr
+
+
+def assert_losses_close(actual, expected, atol: float, rtol: float = 0.0, what: str = "losses") -> None:
+    """Same length, both finite, equal within atol + rtol * |expected| (NaN is never equal to NaN)."""
+    a, b = finite(actual, f"{what} (actual)"), finite(expected, f"{what} (expected)")
+    assert a.shape == b.shape, f"{what}: {a.size} steps vs {b.size}"
+    np.testing.assert_allclose(a, b, atol=atol, rtol=rtol, equal_nan=False, err_msg=what)
+
+
+def assert_loss_falls(losses, by: float, what: str = "losses") -> None:
+    """Training is claimed: the series is finite and its last value is at least `by` (> 0) below its first."""
+    assert by > 0, "a loss that must fall by 0 or less checks nothing"
+    arr = finite(losses, what)
+    assert arr.size >= 2, f"{what}: one step cannot show a fall"
+    assert arr[-1] <= arr[0] - by, f"{what}: fell by {arr[0] - arr[-1]:.4g}, less than {by}: {arr.tolist()}"

@@ -1,4 +1,4 @@
-"""bench.comm (measured collectives, nccl-tests bandwidths) and bench.comm_volume (bytes per step).
+"""bench.comm (measured collectives, nccl-tests bandwidths) and bench.core.comm_volume (bytes per step).
 
 The measurement test runs the real CLI: 2 gloo ranks spawned by `python -m bench.comm`, and checks
 the JSON it writes; no assertion depends on how fast the machine is.
@@ -122,12 +122,12 @@ def test_parse_size_and_sizes():
 # comm_volume: hand-computed numbers
 
 def test_comm_volume_has_no_torch_at_import():
-    code = "import sys, bench.comm_volume; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, bench.core.comm_volume; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
 def test_ddp_horovod_zero0_all_reduce():
-    from bench.comm_volume import volume
+    from bench.core.comm_volume import volume
 
     # 2 (N-1)/N * Psi * B = 2 * 3/4 * 1e6 * 4 = 6e6
     for adapter in ("ddp", "horovod", "zero0"):
@@ -143,7 +143,7 @@ def test_ddp_horovod_zero0_all_reduce():
 
 
 def test_zero12_reduce_scatter_plus_all_gather():
-    from bench.comm_volume import volume
+    from bench.core.comm_volume import volume
 
     for stage in (1, 2):
         v = volume("zero", stage=stage, params=1_000_000, world_size=4)
@@ -154,7 +154,7 @@ def test_zero12_reduce_scatter_plus_all_gather():
 
 
 def test_zero3_and_fsdp_one_and_a_half_ddp():
-    from bench.comm_volume import volume
+    from bench.core.comm_volume import volume
 
     for adapter in ("zero3", "fsdp"):
         v = volume(adapter, params=1_000_000, world_size=4)
@@ -167,7 +167,7 @@ def test_zero3_and_fsdp_one_and_a_half_ddp():
 
 
 def test_tensor_parallel_megatron_layers():
-    from bench.comm_volume import volume
+    from bench.core.comm_volume import volume
 
     # b=2, s=1024, h=768 fp32: one activation = 2*1024*768*4 = 6,291,456 B; t=2: 2(t-1)/t = 1
     # 4 all-reduces/layer * 12 layers * 1 micro-batch * 6,291,456 = 301,989,888 B
@@ -188,7 +188,7 @@ def test_tensor_parallel_megatron_layers():
 
 
 def test_pipeline_and_megatron_3d():
-    from bench.comm_volume import volume
+    from bench.core.comm_volume import volume
 
     act = 4 * 512 * 1024 * 2  # b=4, s=512, h=1024, bf16 = 4,194,304 B
     # 2 stages: each stage sends one direction, 8 micro-batches
@@ -210,7 +210,7 @@ def test_pipeline_and_megatron_3d():
 
 
 def test_volume_rejects_inconsistent_inputs():
-    from bench.comm_volume import volume
+    from bench.core.comm_volume import volume
 
     with pytest.raises(ValueError):
         volume("nope", params=1, world_size=2)
@@ -229,7 +229,7 @@ def test_volume_rejects_inconsistent_inputs():
 
 
 def test_time_at_and_report_lookup():
-    from bench.comm_volume import busbw_from_report, step_comm_time, time_at, volume
+    from bench.core.comm_volume import busbw_from_report, step_comm_time, time_at, volume
 
     assert time_at(6e6, 1.5) == pytest.approx(4e-3)  # 6 MB at 1.5 GB/s
     assert time_at(0, 1.0) == 0

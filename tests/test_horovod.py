@@ -9,19 +9,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.helpers import REPO, bench, check_ok, only_run, step_losses, summary
+from tests.conftest import require_or_skip
+from tests.helpers import REPO, assert_loss_falls, assert_losses_close, bench, check_ok, only_run, run, step_losses, summary
 
 pytestmark = pytest.mark.horovod
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 STEPS = ["trainer.max_steps=8", "trainer.epochs=1", "trainer.progress=false", "launcher.nprocs=2"]
 TINY_GPT = ["workload=gpt2_tiny", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=64",
@@ -35,11 +33,8 @@ TINY_RESNET = ["workload=resnet50_tiny", "data=synthetic", "data.train_samples=2
 
 @pytest.fixture(autouse=True)
 def horovod_installed():
-    if HAVE_HOROVOD:
-        return
-    if IN_CI:
-        pytest.fail("Horovod is not installed but CI is set: CI must run `make horovod` before the tests")
-    pytest.skip("Horovod not installed: run `make horovod`")
+    if not HAVE_HOROVOD:
+        require_or_skip("Horovod", "not installed: run `make horovod` (CI must build or reuse its cached wheel first)")
 
 
 def _free_port() -> int:
@@ -59,18 +54,20 @@ def test_gpt2_horovodrun_and_srun_style_equal_ddp(tmp_path):
     ddp = bench(*common, "adapter=ddp", results=tmp_path / "ddp")
     hvd = bench(*common, "adapter=horovod", "adapter.fusion_threshold_mb=32", "adapter.cycle_time_ms=2.5",
                 results=tmp_path / "hvd")
-    ext = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(_free_port()), "-m", "bench", *common, "adapter=horovod", "launcher=torchrun",
-                          f"results.root={tmp_path / 'ext'}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    ext = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), "-m", "bench", *common, "adapter=horovod", "launcher=torchrun",
+               f"results.root={tmp_path / 'ext'}"], timeout=600)
     for proc in (ddp, hvd, ext):
         check_ok(proc)
     ref = step_losses(only_run(tmp_path / "ddp"))
-    assert len(ref) == 8 and ref[-1] < ref[0]
+    assert len(ref) == 8
+    # measured (2026-11-23, CPU): 10.841 -> 9.622 over these 8 AdamW steps; required: a third of the fall
+    assert_loss_falls(ref, by=0.4)
     for name in ("hvd", "ext"):
-        run = only_run(tmp_path / name)
-        np.testing.assert_allclose(step_losses(run), ref, atol=1e-5, rtol=0, err_msg=name)
-        assert summary(run)["val_loss"] == pytest.approx(summary(only_run(tmp_path / "ddp"))["val_loss"], abs=1e-5)
-        s = _settings(run)
+        run_dir = only_run(tmp_path / name)
+        assert_losses_close(step_losses(run_dir), ref, atol=1e-5, what=name)
+        assert summary(run_dir)["val_loss"] == pytest.approx(summary(only_run(tmp_path / "ddp"))["val_loss"], abs=1e-5)
+        s = _settings(run_dir)
         # rank 1 built different weights (seed + rank); after hvd.broadcast_parameters all ranks hold rank 0's
         assert s["broadcast"] == {"init_differed": True, "equal_after": True, "root_unchanged": True}, s
         assert s["horovod_version"] == "0.28.1" and s["controller"] == "gloo" and s["size"] == 2
@@ -89,7 +86,7 @@ def test_resnet_with_accumulation_equals_ddp(tmp_path):
     check_ok(hvd)
     a, b = step_losses(only_run(tmp_path / "ddp")), step_losses(only_run(tmp_path / "hvd"))
     assert len(a) == len(b) == 8
-    np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    assert_losses_close(b, a, atol=1e-5)  # finite and equal (8 noisy batch losses need not fall)
     s = _settings(only_run(tmp_path / "hvd"))
     assert s["backward_passes_per_step"] == 2  # followed trainer.grad_accum
     assert s["broadcast"]["init_differed"] and s["broadcast"]["equal_after"]
@@ -124,7 +121,6 @@ def test_bad_input_one_line(tmp_path):
 
 def test_build_script_reuses_installed_horovod():
     """`make horovod` on a machine that has it: no rebuild, and it prints horovodrun --check-build."""
-    proc = subprocess.run(["bash", str(REPO / "adapters" / "horovod_build.sh"), sys.executable],
-                          capture_output=True, text=True, timeout=300)
+    proc = run(["bash", str(REPO / "adapters" / "horovod_build.sh"), sys.executable], timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "already installed" in proc.stdout and "[X] PyTorch" in proc.stdout and "[X] Gloo" in proc.stdout

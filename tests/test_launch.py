@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from bench.core.environments import SlurmEnvironment, TorchrunEnvironment, expand_nodelist, slurm_port
-from tests.helpers import REPO, bench, check_ok, only_run, summary
+from bench.core.errors import ConfigError
+from bench.runner.compose import compose, typed
+from bench.runner.plan import make_plan
+from tests.helpers import assert_losses_close, bench, check_ok, only_run, run, step_losses, summary
 
 SMALL = ["experiment=smoke", "trainer.max_steps=3"]
 
@@ -42,19 +45,31 @@ def test_torchrun_env_is_honoured():
     assert ctx.launcher == "torchrun"
 
 
-def test_run_under_torchrun(tmp_path):
+@pytest.fixture(scope="module")
+def local_small(tmp_path_factory):
+    """The SMALL run started the ordinary way (local spawn, 2 ranks): the reference for torchrun."""
+    root = tmp_path_factory.mktemp("local")
+    check_ok(bench(*SMALL, results=root))
+    return only_run(root)
+
+
+def test_run_under_torchrun_equals_local_run(local_small, tmp_path):
+    """torchrun starting the ranks changes who starts them, not the training: the same per-step losses."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "bench", "launcher=torchrun", *SMALL, f"results.root={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run(cmd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     check_ok(proc)
     s = summary(only_run(tmp_path))
     assert s["status"] == "ok" and s["world_size"] == 2 and s["launcher"] == "torchrun"
+    assert summary(local_small)["launcher"] == "local"
+    local = step_losses(local_small)
+    assert len(local) == 3
+    assert_losses_close(step_losses(only_run(tmp_path)), local, atol=1e-6)
+    assert s["val_loss"] == pytest.approx(summary(local_small)["val_loss"], abs=1e-6)
 
 
-def test_ddp_imports_no_other_framework(tmp_path):
-    check_ok(bench(*SMALL, results=tmp_path))
-    assert summary(only_run(tmp_path))["frameworks_imported"] == []
+def test_ddp_imports_no_other_framework(local_small):
+    assert summary(local_small)["frameworks_imported"] == []
 
 
 BAD = [
@@ -66,8 +81,6 @@ BAD = [
     (["data=cifar10"], "does not fit language workload"),
     (["data=wikitext2", "data.root=/nonexistent/wt2"], "/nonexistent/wt2"),
     (["workload=resnet50_tiny", "data=cifar10", "data.root=/nonexistent/c10"], "/nonexistent/c10"),
-    (["launcher=torchrun"], "launcher=torchrun but RANK/WORLD_SIZE/LOCAL_RANK are not set"),
-    (["trainer.precision=fp16"], "trainer.precision=fp16 needs a GPU"),
     (["trainer.precision=int3"], "trainer.precision=int3"),
     (["optimizer.name=adagrad"], "unknown optimizer.name 'adagrad'"),
     (["adapter.batch_policy=weird"], "adapter.batch_policy=weird"),
@@ -81,14 +94,43 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
-def test_bad_input_is_one_line_before_launch(tmp_path, overrides, message):
-    proc = bench(*SMALL, *overrides, results=tmp_path / "r", env={"BENCH_DATA_ROOT": "/nonexistent"})
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert message in lines[0]
+def _refused(overrides: list[str], tmp_path) -> str:
+    """The one-line message the pre-launch checks give (what `python -m bench` prints after `error: `)."""
+    with pytest.raises(ConfigError) as e:
+        make_plan(typed(compose([*SMALL, *overrides, f"results.root={tmp_path / 'r'}"])), "local")
+    msg = str(e.value)
+    assert "\n" not in msg and msg
     assert not (tmp_path / "r").exists(), "nothing may be written for a run that never started"
+    return msg
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_input_is_refused_by_the_checks(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setenv("BENCH_DATA_ROOT", "/nonexistent")
+    assert message in _refused(overrides, tmp_path)
+
+
+# End to end, as a user sees it: exit 2, one line on stderr, no record. A torchrun launcher without
+# torchrun's environment (checked by the launcher, not the plan); fp16 on a machine without a GPU (no
+# visible GPU, so it holds on a GPU runner too); a Hydra schema error (`python -m bench` pre-composes, so
+# it is one line too); another adapter's key.
+CLI = [
+    (["launcher=torchrun"], "launcher=torchrun but RANK/WORLD_SIZE/LOCAL_RANK are not set", ""),
+    (["trainer.precision=fp16"], "trainer.precision=fp16 needs a GPU", ""),
+    (["trainer.batchsize=3"], "trainer.batchsize: Key 'batchsize' not in 'TrainerConfig'", "python -m bench --cfg job"),
+    (["adapter=ddp", "adapter.stage=3"], "adapter.stage is not a key of adapter=ddp", "adapter=zero"),
+]
+
+
+@pytest.mark.parametrize("overrides, message, fix", CLI, ids=[" ".join(o) for o, _, _ in CLI])
+def test_refused_with_one_line_and_nothing_running(tmp_path, overrides, message, fix):
+    proc = bench(*SMALL, *overrides, results=tmp_path / "r", timeout=120,
+                 env={"BENCH_DATA_ROOT": "/nonexistent", "CUDA_VISIBLE_DEVICES": ""})
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and message in lines[0] and fix in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "r").exists(), "a refused run leaves no record, so none is left `running`"
 
 
 def test_unwritable_results_dir(tmp_path):
@@ -98,41 +140,33 @@ def test_unwritable_results_dir(tmp_path):
     if os.access(ro, os.W_OK):  # root ignores permissions: use a path under a file instead
         ro = tmp_path / "file"
         ro.write_text("x")
-    proc = bench(*SMALL, results=ro / "sub")
-    assert proc.returncode == 2 and "results.root" in proc.stderr and "not writable" in proc.stderr, proc.stderr
+    for root in (ro / "sub", Path("/proc/forbidden")):
+        with pytest.raises(ConfigError, match="not writable") as e:
+            make_plan(typed(compose([*SMALL, f"results.root={root}"])), "local")
+        assert str(e.value).startswith(f"results.root={root} is not writable")
+        assert "set results.root=" in str(e.value) and "\n" not in str(e.value)
+    assert not Path("/proc/forbidden").exists()
 
 
-def test_schema_rejects_unknown_key_and_wrong_type(tmp_path):
-    for override, message in [("trainer.batchsize=3", "trainer.batchsize: Key 'batchsize' not in 'TrainerConfig'"),
-                              ("trainer.batch_size=abc", "trainer.batch_size=abc: Value 'abc'"),
-                              ("adapter=nosuch", "Could not find 'adapter/nosuch'; choose one of: ddp, fsdp"),
-                              ("workload=nosuch", "Could not find 'workload/nosuch'"),
-                              ("experiment=nosuch", "Could not find 'experiment/nosuch'")]:
-        proc = bench(override, results=tmp_path)
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+@pytest.mark.parametrize("override, message", [
+    ("trainer.batch_size=abc", "trainer.batch_size=abc: Value 'abc'"),
+    ("adapter=nosuch", "Could not find 'adapter/nosuch'; choose one of: ddp, fsdp"),
+    ("workload=nosuch", "Could not find 'workload/nosuch'"),
+    ("experiment=nosuch", "Could not find 'experiment/nosuch'"),
+])
+def test_schema_rejects_unknown_key_and_wrong_type(override, message):
+    with pytest.raises(ConfigError) as e:
+        compose([override])
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-# Each adapter owns its schema: another adapter's key is refused by Hydra, naming the key and its adapter;
-# an unwritable results root is refused before launch. One line each, no traceback, no record left.
-REFUSED = [
-    (["adapter=ddp", "adapter.stage=3"], "adapter.stage is not a key of adapter=ddp", "adapter=zero"),
-    (["adapter=ddp", "adapter.fusion_threshold_mb=64"], "adapter.fusion_threshold_mb is not a key of adapter=ddp",
-     "adapter=horovod"),
-    (["adapter=fsdp", "adapter.tensor_parallel=2"], "adapter.tensor_parallel is not a key of adapter=fsdp",
-     "adapter=megatron / adapter=tensor_parallel"),
-    (["results.root=/proc/forbidden"], "results.root=/proc/forbidden is not writable", "set results.root="),
-]
-
-
-@pytest.mark.parametrize("overrides, message, fix", REFUSED, ids=[" ".join(o) for o, _, _ in REFUSED])
-def test_refused_with_one_line_and_nothing_running(tmp_path, overrides, message, fix):
-    cmd = [sys.executable, "-m", "bench", *SMALL, *overrides]
-    if not any(o.startswith("results.root=") for o in overrides):
-        cmd.append(f"results.root={tmp_path}")
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error: ") and message in lines[0] and fix in lines[0], lines[0]
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert not list(tmp_path.rglob("summary.json")), "a refused run leaves no record, so none is left `running`"
+def test_key_of_another_adapter_names_its_owner():
+    for overrides, message, owner in [
+        (["adapter=ddp", "adapter.fusion_threshold_mb=64"], "adapter.fusion_threshold_mb is not a key of adapter=ddp",
+         "adapter=horovod"),
+        (["adapter=fsdp", "adapter.tensor_parallel=2"], "adapter.tensor_parallel is not a key of adapter=fsdp",
+         "adapter=megatron / adapter=tensor_parallel"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            compose(overrides)
+        assert message in str(e.value) and owner in str(e.value), str(e.value)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from bench.core import memory
 from bench.core.data import StepShardedSampler, eval_loader
 from bench.core.timing import PhaseTimer
-from tests.helpers import bench, check_ok, events, only_run, summary
+from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, events, only_run, summary
 
 CPU = torch.device("cpu")
 
@@ -65,13 +64,18 @@ def test_eval_loader_counts_every_sample_once():
 
 
 def test_bf16_autocast_cpu_twin_trains_close_to_fp32(tmp_path):
+    # the CPU twin: no visible GPU even on a GPU runner (the bounds below were measured on CPU)
     common = ["experiment=smoke", "trainer.max_steps=4", "launcher.nprocs=1"]
-    fp32 = bench(*common, results=tmp_path / "fp32")
-    bf16 = bench(*common, "trainer.precision=bf16", results=tmp_path / "bf16")
+    cpu = {"CUDA_VISIBLE_DEVICES": ""}
+    fp32 = bench(*common, results=tmp_path / "fp32", env=cpu)
+    bf16 = bench(*common, "trainer.precision=bf16", results=tmp_path / "bf16", env=cpu)
     check_ok(fp32)
     check_ok(bf16)
     a, b = only_run(tmp_path / "fp32"), only_run(tmp_path / "bf16")
     assert summary(b)["precision"] == "bf16"
     la, lb = events(a)[0]["train_losses"], events(b)[0]["train_losses"]
     assert la != lb  # autocast really ran in bf16
-    np.testing.assert_allclose(la, lb, rtol=0.02)
+    # measured (2026-11-23, CPU): fp32 10.8455 -> 10.3803 over 4 steps (a fall of 0.465); bf16 differs
+    # by at most 2.5e-4 (step 2). Bound: 1e-3, ~4x the measured deviation and < 1/400 of the fall
+    assert_loss_falls(la, by=0.3)
+    assert_losses_close(lb, la, atol=1e-3)

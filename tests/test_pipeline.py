@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import bench, check_ok, events, only_run, step_losses, summary
+from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, events, only_run, step_losses, summary
 
 COMMON = ["trainer.max_steps=8", "trainer.progress=false", "trainer.warmup_steps=1", "data.train_samples=128",
           "data.val_samples=16"]
@@ -24,6 +24,9 @@ WORKLOADS = {
     # normalised step turns summation-order noise in VGG-tiny's near-zero gradients into 3e-4 by step 8
     "vgg": ["workload=vgg16_tiny", "workload.dropout=0", "optimizer=sgd", "optimizer.lr=0.05"],
 }
+# measured (2026-11-23, CPU): the gpt2 reference falls 8.321 -> 7.015 (1.31) over its 8 steps; the VGG one
+# does not fall at all in 8 SGD steps (2.3026 ... 2.3253), so only GPT-2's comparisons also check training
+REF_DROP = {"gpt2": 0.4, "vgg": None}
 LAYERS = {"gpt2": 4, "vgg": 40}  # layers of the sequential forms: embed + 2 blocks + head; VGG 31 + 2 + 7
 WTE_BYTES = 4096 * 128 * 4  # gpt2_tiny's tied embedding: held twice when embedding and head are apart
 
@@ -40,6 +43,8 @@ def reference(tmp_path_factory):
                            results=out))
             run = only_run(out)
             runs[workload] = {"losses": step_losses(run), "event": events(run)[0], "summary": summary(run)}
+            if REF_DROP[workload]:
+                assert_loss_falls(runs[workload]["losses"], by=REF_DROP[workload], what=f"reference {workload}")
         return runs[workload]
 
     return get
@@ -48,7 +53,7 @@ def reference(tmp_path_factory):
 def assert_same_training(run, ref: dict) -> None:
     losses = step_losses(run)
     assert len(losses) == len(ref["losses"]) == 8
-    np.testing.assert_allclose(losses, ref["losses"], atol=1e-5, rtol=0)
+    assert_losses_close(losses, ref["losses"], atol=1e-5)
     ev = events(run)[0]
     # validation runs through the pipeline too and counts every sample once
     assert ev["val_samples"] == ref["event"]["val_samples"] == 16
@@ -197,7 +202,9 @@ def test_bf16_autocast_reaches_every_stage(tmp_path, reference):
     check_ok(proc)
     losses, ref = step_losses(only_run(tmp_path)), reference("gpt2")["losses"]
     assert len(losses) == 8 and not np.allclose(losses, ref, atol=1e-6, rtol=0)
-    np.testing.assert_allclose(losses, ref, atol=5e-2, rtol=0)
+    # measured (2026-11-23, CPU): bf16 differs from fp32 by at most 1.4e-4 over 8 steps in which the loss falls
+    # by 1.31; bound 5e-4 (~3.7x the measured deviation)
+    assert_losses_close(losses, ref, atol=5e-4)
 
 
 def test_bad_input_is_one_line_before_launch(tmp_path):

@@ -1,7 +1,9 @@
 """Failures become records: raise, OOM, hang, kill -9 on one of 2 CPU ranks.
 
-Each case checks the status written, that every rank of the run is gone (no orphans), that the
-run ended within its timeout, and that an earlier run's record is untouched.
+Each case checks the status written, that every rank of the run is gone (no orphans), and that an
+earlier run's record is untouched. No wall-clock bounds: a timeout is told from the collective
+timeout by its message, a kill from the watchdog by its status. Every run starts in its own
+session and its process group is killed at teardown, so a failing case leaves nothing running.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import psutil
 import pytest
 
 from bench.core.records import RunRecord, write_json
-from tests.helpers import REPO, bench, check_ok, run_dirs, summary
+from tests.helpers import bench, check_ok, kill_group, run_dirs, summary
+from tests.helpers import start as start_process
 
 SMALL = ["experiment=smoke", "trainer.progress=false"]
 LONG = ["data.train_samples=8192", "trainer.max_steps=1000"]  # minutes of steps: killed long before the end
@@ -36,9 +39,21 @@ def digest(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+_started: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """Whatever a case started dies with it, even when the case fails halfway."""
+    yield
+    while _started:
+        kill_group(_started.pop())
+
+
 def start(results: Path, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "bench", *SMALL, *overrides, f"results.root={results}"]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_process([sys.executable, "-m", "bench", *SMALL, *overrides, f"results.root={results}"])
+    _started.append(proc)
+    return proc
 
 
 def ranks_of(proc: subprocess.Popen, count: int = 2, timeout: float = 120) -> list[psutil.Process]:
@@ -53,12 +68,10 @@ def ranks_of(proc: subprocess.Popen, count: int = 2, timeout: float = 120) -> li
 
 
 def finish(proc: subprocess.Popen, ranks: list[psutil.Process], timeout: float):
-    t0 = time.time()
     out, err = proc.communicate(timeout=timeout)
-    elapsed = time.time() - t0
     gone, alive = psutil.wait_procs(ranks, timeout=10)
     assert not alive, f"orphan rank processes: {alive}"
-    return out, err, elapsed
+    return out, err
 
 
 def new_run(results: Path, before: set) -> dict:
@@ -72,7 +85,7 @@ def test_rank_failure_is_recorded(results, fault, status, rank):
     before, files = set(run_dirs(results)), digest(results)
     proc = start(results, "trainer.max_steps=50", f"trainer.inject_fault={fault}")
     ranks = ranks_of(proc)
-    _, err, _ = finish(proc, ranks, timeout=180)
+    _, err = finish(proc, ranks, timeout=180)
     assert proc.returncode == 1
     s = new_run(results, before)
     assert s["status"] == status and s["failed_rank"] == rank
@@ -82,13 +95,14 @@ def test_rank_failure_is_recorded(results, fault, status, rank):
 
 def test_hung_rank_times_out(results):
     before = set(run_dirs(results))
-    proc = start(results, "trainer.max_steps=50", "trainer.inject_fault=hang@1:2", "trainer.hang_timeout_s=8")
+    # the collective timeout is an hour: only the watchdog (8 s without progress) can end this run in time
+    proc = start(results, "trainer.max_steps=50", "trainer.inject_fault=hang@1:2", "trainer.hang_timeout_s=8",
+                 "trainer.dist_timeout_s=3600")
     ranks = ranks_of(proc)
-    _, _, elapsed = finish(proc, ranks, timeout=180)
+    finish(proc, ranks, timeout=300)
     s = new_run(results, before)
     assert proc.returncode == 1 and s["status"] == "timeout"
-    assert "no progress" in s["error"]
-    assert elapsed < 8 + 60  # watchdog timeout + start-up, not the 300 s collective timeout
+    assert "no progress" in s["error"] and s["failed_rank"] == 1, s
 
 
 def test_killed_rank_is_recorded(results):
@@ -102,14 +116,19 @@ def test_killed_rank_is_recorded(results):
     time.sleep(8)
     victim = ranks[1]
     os.kill(victim.pid, signal.SIGKILL)
-    _, _, elapsed = finish(proc, ranks, timeout=120)
+    finish(proc, ranks, timeout=300)
     s = new_run(results, before)
+    # failed, not timeout: the launcher saw the death, the 60 s watchdog did not have to
     assert proc.returncode == 1 and s["status"] == "failed"
     assert "SIGKILL" in s["error"] or "killed" in s["error"] or "closed" in s["error"], s["error"]
-    assert elapsed < 60
 
 
-def test_preemption_signal_gives_preempted_record(results):
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM],
+                         ids=["SIGUSR1", "SIGTERM"])
+def test_preemption_signal_gives_preempted_record(results, sig):
+    """Slurm's --signal=USR1@120 and scancel's SIGTERM both end the run gracefully: preempted, exit 0."""
     before = set(run_dirs(results))
     proc = start(results, *LONG)
     ranks = ranks_of(proc)
@@ -117,10 +136,10 @@ def test_preemption_signal_gives_preempted_record(results):
     while time.time() < deadline and not [d for d in run_dirs(results) if d not in before]:
         time.sleep(0.5)
     time.sleep(5)
-    proc.send_signal(signal.SIGUSR1)
-    finish(proc, ranks, timeout=120)
+    proc.send_signal(sig)  # to the launcher only, as scancel / Slurm signal the batch step's process
+    finish(proc, ranks, timeout=180)
     s = new_run(results, before)
-    assert proc.returncode == 0 and s["status"] == "preempted" and s["stop_signal"] == "SIGUSR1"
+    assert proc.returncode == 0 and s["status"] == "preempted" and s["stop_signal"] == sig.name, s
     assert 0 < s["steps"] < 1000
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 
+from bench.core.errors import ConfigError
 from bench.memory_study import VARIANTS, expected_state, paper_formula, param_numels
-from tests.helpers import bench, check_ok, only_run, run_dirs, step_losses, summary
+from bench.runner.compose import compose, typed
+from bench.runner.plan import make_plan
+from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, only_run, run_dirs, step_losses, summary
 
 STEPS = ["trainer.max_steps=8", "trainer.batch_size=4", "trainer.max_eval_batches=2", "trainer.progress=false",
          "trainer.grad_clip=0", "launcher.nprocs=2"]
@@ -55,9 +57,7 @@ def _check_losses_equal_ddp(runs):
     ref = runs["ddp"]["losses"]
     assert len(ref) == 8
     for variant in SHARDED:
-        got = runs[variant]["losses"]
-        assert len(got) == 8, variant
-        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0, err_msg=f"{variant} vs ddp")
+        assert_losses_close(runs[variant]["losses"], ref, atol=1e-5, what=f"{variant} vs ddp")
         settings = runs[variant]["summary"]["adapter_settings"]
         if variant.startswith("zero"):
             assert settings["stage"] == int(variant[-1])
@@ -66,12 +66,15 @@ def _check_losses_equal_ddp(runs):
 
 def test_gpt2_zero_stages_and_fsdp_train_like_ddp(gpt_runs):
     _check_losses_equal_ddp(gpt_runs)
-    losses = gpt_runs["ddp"]["losses"]
-    assert losses[-1] < losses[0] - 0.1, "8 AdamW steps should lower the loss (the runs compared really train)"
+    # 8 AdamW steps lower the loss (the runs compared really train); measured (2026-11-23, CPU):
+    # 10.841 -> 9.622, a fall of 1.22; required: a third of it
+    assert_loss_falls(gpt_runs["ddp"]["losses"], by=0.4)
 
 
 def test_resnet_zero_stages_and_fsdp_train_like_ddp(vision_runs):
     _check_losses_equal_ddp(vision_runs)
+    # No fall is required here: measured (2026-11-23, CPU) the 8 batch losses of this setting go 2.42, 2.98,
+    # 2.57, 2.67, 3.16, 2.43, 2.41, 2.92 (batches of 8, noisy); the comparison is exact and finite-only.
 
 
 def _per_rank(runs, variant):
@@ -142,7 +145,9 @@ def test_bf16_mixed_precision_state_and_losses(gpt_runs, tmp_path):
         runs = dict(pool.map(one, ("zero2", "fsdp")))
     ref = gpt_runs["ddp"]["losses"][:4]
     for variant, run in runs.items():
-        np.testing.assert_allclose(step_losses(run), ref, atol=0.05, rtol=0, err_msg=variant)
+        # measured (2026-11-23, CPU): bf16 vs fp32 DDP at most 1.4e-3 (zero2, step 1) and 7e-4 (fsdp) over 4
+        # steps in which the loss falls by 0.58; bound 5e-3 (~3.5x the measured deviation, < 1 % of the fall)
+        assert_losses_close(step_losses(run), ref, atol=5e-3, what=variant)
         s = summary(run)
         for rank, got in enumerate(s["state_bytes_per_rank"]):
             want = expected_state(variant, gpt_runs["shapes"], 2, rank, precision="bf16")
@@ -165,25 +170,36 @@ def test_zero_and_fsdp_clip_gradients_like_ddp(tmp_path):
         check_ok(proc)
     losses = {k: step_losses(only_run(tmp_path / k)) for k in runs}
     for k in ("zero2", "fsdp"):
-        np.testing.assert_allclose(losses[k], losses["ddp"], atol=1e-5, rtol=0, err_msg=k)
+        assert_losses_close(losses[k], losses["ddp"], atol=1e-5, what=k)
     assert abs(losses["unclipped"][-1] - losses["ddp"][-1]) > 1e-2, losses
     assert summary(only_run(tmp_path / "zero2"))["adapter_settings"]["gradient_clipping"] == 0.05
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["adapter=zero", "adapter.stage=4"], "adapter.stage=4: ZeRO stages are 0, 1, 2 or 3"),
-    (["adapter=zero1", "adapter.offload_optimizer=true"], "adapter.offload_optimizer=true moves state from GPU to CPU"),
-    (["adapter=zero3", "adapter.offload_params=true"], "adapter.offload_params=true moves state from GPU to CPU"),
     (["adapter=zero2", "optimizer=lamb"], "optimizer.name=lamb: its per-layer trust ratio needs whole parameter tensors"),
     (["adapter=zero", "adapter.stage=0", "trainer.precision=bf16", "optimizer=lars"], "with trainer.precision=bf16"),
     (["adapter=fsdp", "adapter.offload_params=true"], "adapter.offload_params is not a key of adapter=fsdp"),
 ])
 def test_bad_input_fails_before_ranks_start(tmp_path, overrides, message):
-    proc = bench(*overrides, results=tmp_path, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and message in last, last
+    """Through the pre-launch checks in this process (what `python -m bench` prints after `error: `)."""
+    with pytest.raises(ConfigError) as e:
+        make_plan(typed(compose([*overrides, f"results.root={tmp_path}"])), "local")
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert run_dirs(tmp_path) == []  # nothing launched, no record
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["adapter=zero1", "adapter.offload_optimizer=true"], "adapter.offload_optimizer=true moves state from GPU to CPU"),
+    (["adapter=zero3", "adapter.offload_params=true"], "adapter.offload_params=true moves state from GPU to CPU"),
+])
+def test_offload_without_gpu_is_one_line(tmp_path, overrides, message):
+    """A CPU-only refusal, end to end with no visible GPU (so it holds on a GPU runner too)."""
+    proc = bench(*overrides, results=tmp_path, timeout=120, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert run_dirs(tmp_path) == []
 
 
 def test_deepspeed_config_for_gpu_only_settings():
@@ -205,3 +221,44 @@ def test_deepspeed_config_for_gpu_only_settings():
     cfg.optimizer.name = "sgd"
     c = deepspeed_config(cfg, micro_batch=8, cuda=True)
     assert "optimizer" not in c and c["zero_force_ds_cpu_optimizer"] is False
+
+
+# --- the memory formulas at 1 and 4 ranks (python -m bench.memory_study's other rank counts) --------------
+SCALED = [*WORKLOADS["gpt2_tiny"], "workload.vocab_size=1024",  # a small head: 4 DeepSpeed ranks on 2 cores
+          "trainer.max_steps=2", "trainer.batch_size=4", "trainer.eval_every_epoch=false", "trainer.progress=false",
+          "trainer.grad_clip=0"]
+SCALED_POINTS = [("zero3", 1), ("fsdp", 1), ("zero2", 4), ("zero3", 4), ("fsdp", 4)]
+
+
+@pytest.fixture(scope="module")
+def scaled_runs(tmp_path_factory):
+    def one(point):
+        variant, n = point
+        results = tmp_path_factory.mktemp(f"scaled-{variant}-{n}")
+        check_ok(bench(*VARIANTS[variant], *SCALED, f"launcher.nprocs={n}", results=results, timeout=900))
+        return point, summary(only_run(results))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(one, SCALED_POINTS))
+
+
+@pytest.mark.parametrize("variant, n", SCALED_POINTS, ids=[f"{v}-{n}rank" for v, n in SCALED_POINTS])
+def test_state_bytes_match_the_formulas_at_1_and_4_ranks(scaled_runs, variant, n):
+    """Each rank's reported model-state bytes against `expected_state` (the partition rule per tensor,
+    bench/memory_study.py) and, for fully sharded variants, the ZeRO paper's 16Ψ/N (+ DeepSpeed's 4Ψ/N
+    master copy): at 1 rank nothing is sharded, at 4 every rank holds about a quarter."""
+    shapes = param_numels(SCALED)
+    psi = sum(math.prod(s) for s in shapes)
+    s = scaled_runs[(variant, n)]
+    assert s["status"] == "ok" and s["world_size"] == n
+    ranks = s["state_bytes_per_rank"]
+    assert len(ranks) == n
+    for rank, got in enumerate(ranks):
+        want = expected_state(variant, shapes, n, rank)
+        for part in ("params", "grads", "optimizer"):
+            assert got[part] == pytest.approx(want[part], rel=0.02), (variant, n, rank, part, got, want)
+        if variant in ("zero3", "fsdp"):
+            f = paper_formula(variant, psi, n)
+            assert _total(got) == pytest.approx(f["total"] + f["master"], rel=0.02), (variant, n, rank, got)
+    if n == 1:  # one rank: the whole model, like DDP (fp32 Adam: 4 + 4 + 8 bytes per parameter, + master)
+        assert ranks[0]["params"] == 4 * psi

@@ -2,7 +2,9 @@
 through submitit against a real one-node Slurm cluster started by slurm/local_cluster.sh.
 
 The cluster tests need root on a Debian machine (apt-get installs Slurm, MariaDB for accounting);
-elsewhere they are skipped, except in CI (CI=true) where a cluster that cannot start fails them.
+elsewhere they are skipped, except in CI (CI=1/true/yes) where a cluster that cannot start fails them
+(tests/conftest.py require_or_skip). Jobs are submitted from each test's tmp_path, so their
+slurm-*.out logs land there, never in the checkout.
 The cluster is stopped at the end if these tests started it. Slurm environment parsing and
 per-job MASTER_PORT are tested in test_launch.py.
 """
@@ -22,7 +24,8 @@ import yaml
 
 from bench.core.errors import ConfigError
 from bench.sweep import expand_grid, point_id, read_points, slurm_shape
-from tests.helpers import REPO, bench, check_ok, run_dirs, summary
+from tests.conftest import require_or_skip
+from tests.helpers import REPO, assert_losses_close, bench, check_ok, run, run_dirs, step_losses, summary
 
 CLUSTER = REPO / "slurm" / "local_cluster.sh"
 ARRAY = REPO / "slurm" / "array.sbatch"
@@ -32,8 +35,7 @@ TINY = ["workload.vocab_size=256", "trainer.max_steps=2"]
 
 
 def sweep_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.sweep", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return run([sys.executable, "-m", "bench.sweep", *args], timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def records(root: Path) -> dict[Path, dict]:
@@ -108,9 +110,7 @@ def test_sweep_run_and_resume_reruns_only_points_not_ok(tmp_path):
 
 # --- a real Slurm cluster ----------------------------------------------------------------------------
 def _unavailable(reason: str):
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI needs the local Slurm cluster: {reason}")
-    pytest.skip(reason)
+    require_or_skip("the local Slurm cluster", reason)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def slurm():
     if not (Path("/etc/debian_version").exists() and shutil.which("apt-get")):
         _unavailable("the local Slurm cluster needs a Debian machine with apt-get")
     was_up = subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True).returncode == 0
-    proc = subprocess.run(["bash", str(CLUSTER), "start", "--accounting"], capture_output=True, text=True, timeout=900)
+    proc = run(["bash", str(CLUSTER), "start", "--accounting"], timeout=900)
     if proc.returncode:
         _unavailable(f"slurm/local_cluster.sh start --accounting failed: {(proc.stderr or proc.stdout).strip()}")
     yield
@@ -286,3 +286,8 @@ def test_hydra_multirun_through_submitit_slurm(slurm, tmp_path):
         script = (sweep_dir / ".submitit" / job / f"{job}_submission.sh").read_text()
         assert f"#SBATCH --ntasks-per-node={world}" in script and "#SBATCH --signal=USR1@120" in script
         assert final_states(job)[job] == ("COMPLETED", "0:0")
+    # Slurm starting the ranks changes who starts them, not the training: the 2-rank point equals a local run
+    local = tmp_path / "local"
+    check_ok(bench("experiment=smoke", "launcher.nprocs=2", *TINY, results=local))
+    slurm_two = next(d for d, r in recs.items() if r["summary"]["world_size"] == 2)
+    assert_losses_close(step_losses(slurm_two), step_losses(run_dirs(local)[0]), atol=1e-6)

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
+import math
 
-import numpy as np
 import pytest
+import torch
 
-from tests.helpers import bench, check_ok, events, only_run, step_losses, summary
+from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, events, only_run, step_losses, summary
 
 TINY_GPT = ["workload=gpt2_tiny", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=64"]
 
@@ -20,8 +21,9 @@ def test_ddp_two_ranks_equal_one_rank_same_global_batch_gpt2(tmp_path):
     check_ok(two)
     a, b = step_losses(only_run(tmp_path / "one")), step_losses(only_run(tmp_path / "two"))
     assert len(a) == len(b) == 8
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    assert a[-1] < a[0], "loss should fall over 8 Adam steps"
+    assert_losses_close(b, a, atol=1e-5)
+    # measured (2026-11-23, CPU): 10.841 -> 9.622 over these 8 AdamW steps; required: a third of the fall
+    assert_loss_falls(a, by=0.4)
 
 
 def test_ddp_two_ranks_equal_one_rank_resnet50_cifar(tmp_path, data_root):
@@ -36,18 +38,23 @@ def test_ddp_two_ranks_equal_one_rank_resnet50_cifar(tmp_path, data_root):
     check_ok(two)
     a, b = step_losses(only_run(tmp_path / "one")), step_losses(only_run(tmp_path / "two"))
     assert len(a) == len(b) == 8
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert_losses_close(b, a, atol=1e-5)  # finite and equal; 8 batch losses of 8 images are too noisy to
+    # show a fall (the resnet50_tiny twin in test_sharded measured 2.42 ... 2.92, up and down)
 
 
 def test_wikitext_two_epochs_perplexity_falls(tmp_path, data_root):
     proc = bench("workload=gpt2_tiny", "workload.seq_len=32", "data=wikitext2", f"data.root={data_root}/wikitext-2",
-                 f"data.tokenizer_dir={data_root}/gpt2-tokenizer", f"data.cache_dir={tmp_path}/cache",
+                 f"data.tokenizer_dir={data_root}/gpt2-tokenizer",  # the shared token cache (BENCH_CACHE_DIR)
                  "trainer.epochs=2", "trainer.max_steps=30", "trainer.batch_size=8", "trainer.max_eval_batches=8",
                  "optimizer.lr=3e-3", "launcher.nprocs=2", "trainer.progress=false", results=tmp_path / "r")
     check_ok(proc)
     ev = events(only_run(tmp_path / "r"))
     ppl = [e["val_perplexity"] for e in ev]
-    assert len(ppl) == 2 and ppl[1] < ppl[0] < 50257, ppl
+    # a uniform guess over GPT-2's vocabulary scores 50257. Measured (2026-11-23, this config, CPU):
+    # 1302 after epoch 0, 1039 after epoch 1 (ratio 0.80); the run is seeded, so the bounds only leave
+    # room for other hardware's arithmetic: 1.5x the measured values and a 10 % fall between epochs
+    assert len(ppl) == 2 and ppl[0] < 2000 and ppl[1] < 1500 and ppl[1] < 0.9 * ppl[0], ppl
+    assert ev[1]["val_loss"] == pytest.approx(math.log(ppl[1]), rel=1e-6)
     assert ev[0]["val_samples"] == 8 * 8 * 2  # every validation sample counted exactly once
 
 
@@ -63,6 +70,27 @@ def test_cifar_accuracy_rises_above_chance(tmp_path, data_root):
     assert ev[-1]["val_accuracy"] > 0.13, [e["val_accuracy"] for e in ev]
 
 
+def gpt2_tiny_forward_flops(seq_len: int) -> float:
+    """Forward FLOPs of one gpt2_tiny sequence counted by torch's own FlopCounterMode (every matmul:
+    the four linear layers of each block and the LM head), plus attention's two T x T x d products per
+    layer (QK^T and AV, 2 FLOPs per multiply-add, the full square as FlashAttention counts it), which the
+    counter does not see inside CPU scaled_dot_product_attention. Independent of workloads/flops."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from bench.runner.compose import compose, typed
+    from workloads import build_workload
+
+    cfg = typed(compose(["workload=gpt2_tiny", f"workload.seq_len={seq_len}"]))
+    model = build_workload(cfg.workload, cfg.data).build_model()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, seq_len, dtype=torch.long))
+    counted = counter.get_total_flops()
+    # anchor: 2 FLOPs per matmul weight per token: lm_head 50257 x 128 and 2 blocks of 12 d^2 (biases uncounted)
+    assert counted == 2 * seq_len * (50257 * 128 + 2 * 12 * 128**2)
+    attention = cfg.workload.n_layer * 2 * (2 * seq_len * seq_len * cfg.workload.n_embd)
+    return counted + attention
+
+
 def test_record_folder_and_summary(tmp_path):
     proc = bench(*TINY_GPT, "trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.epochs=2", "launcher.nprocs=2",
                  "results.experiment=recordtest", results=tmp_path)
@@ -73,10 +101,17 @@ def test_record_folder_and_summary(tmp_path):
     s = summary(run)
     assert s["status"] == "ok" and s["world_size"] == 2 and s["adapter"] == "ddp"
     assert s["global_batch"] == 16 and s["steps"] == 12 and s["epochs_completed"] == 2
-    assert s["step_time_mean_s"] > 0 and s["samples_per_s"] > 0 and s["tokens_per_s"] == pytest.approx(s["samples_per_s"] * 32)
+    # throughput from what the test knows, not from the trainer's fields: global batch 2 ranks x 8 = 16
+    # sequences of 32 tokens per step
+    assert s["step_time_mean_s"] > 0
+    assert s["samples_per_s"] == pytest.approx(16 / s["step_time_mean_s"], rel=1e-9)
+    assert s["tokens_per_s"] == pytest.approx(16 * 32 / s["step_time_mean_s"], rel=1e-9)
+    train_flops = 3 * gpt2_tiny_forward_flops(seq_len=32)  # training = forward + 2 x forward for backward
     ev = events(run)
     assert ev[0]["warmup_steps_excluded"] == 2 and ev[0]["timed_steps"] == 4
     assert ev[1]["warmup_steps_excluded"] == 0 and ev[1]["timed_steps"] == 6
+    # the run's mean step time weighs each epoch by its timed steps
+    assert s["step_time_mean_s"] == pytest.approx((4 * ev[0]["step_time_mean_s"] + 6 * ev[1]["step_time_mean_s"]) / 10)
     for e in ev:
         assert e["step_time_p50_s"] <= e["step_time_p95_s"]
         assert [r["rank"] for r in e["ranks"]] == [0, 1]
@@ -85,7 +120,15 @@ def test_record_folder_and_summary(tmp_path):
             # DDP keeps full parameters, gradients and (Adam) 2 moments per rank
             sb = r["state_bytes"]
             assert sb["grads"] == sb["params"] and sb["optimizer"] >= 2 * sb["params"]
-        assert e["flops_per_s"] == pytest.approx(e["samples_per_s"] * e["train_flops_per_sample"])
+        assert e["samples_per_s"] == pytest.approx(16 / e["step_time_mean_s"], rel=1e-9)
+        # an epoch ends when its slowest rank does; the whole epoch's throughput, warm-up included, is global
+        # batch x steps over an epoch time: at most over the slowest rank's, at least over the fastest's
+        rank_times = [r["epoch_time_s"] for r in e["ranks"]]
+        assert e["epoch_time_s"] == max(rank_times)
+        assert 16 * e["steps"] / max(rank_times) * (1 - 1e-9) <= e["epoch_samples_per_s"] \
+            <= 16 * e["steps"] / min(rank_times) * (1 + 1e-9), (e["epoch_samples_per_s"], rank_times)
+        assert e["train_flops_per_sample"] == pytest.approx(train_flops, rel=1e-9)
+        assert e["flops_per_s"] == pytest.approx(train_flops * 16 / e["step_time_mean_s"], rel=1e-9)
         assert e["mfu"] is None  # no peak known for a CPU
     env = json.loads((run / "env.json").read_text())
     assert env["versions"]["torch"] and env["python"]
@@ -99,4 +142,7 @@ def test_default_run_needs_no_arguments(tmp_path):
     check_ok(proc)
     s = summary(only_run(tmp_path))
     assert s["status"] == "ok" and s["world_size"] == 2 and s["workload"] == "gpt2_tiny"
-    assert s["val_perplexity"] < 50257  # learned something from the synthetic Markov chain
+    # the synthetic Markov chain uses at most 256 distinct tokens (test_workloads): a model that only learned
+    # which tokens occur scores 256, a uniform guess over the vocabulary 50257. Measured (2026-11-23, CPU):
+    # 138.8 after the default epoch of 32 steps
+    assert s["val_perplexity"] < 256, s["val_perplexity"]

@@ -7,21 +7,28 @@ global batch of 8 sequences, sample for sample.
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from tests.helpers import bench, check_ok, events, only_run, step_losses, summary
+from bench.core.errors import ConfigError
+from bench.runner.compose import compose, typed
+from bench.runner.plan import make_plan
+from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, events, only_run, step_losses, summary
 
 STEPS = 8
-COMMON = ["workload=gpt2_tiny", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=32",
-          f"trainer.max_steps={STEPS}", "trainer.progress=false",
+# A 4096-token vocabulary: the vocabulary size is not what these tests test, and GPT-2's 50257 rows made
+# the LM head most of every step. 4096 is a multiple of 128 x TP (Megatron pads the vocabulary to that),
+# so Megatron TP=1 and TP=2 hold the same vocabulary, and torch TP splits it evenly.
+VOCAB, WIDTH = 4096, 128
+COMMON = ["workload=gpt2_tiny", "workload.seq_len=32", f"workload.vocab_size={VOCAB}", "data.train_samples=256",
+          "data.val_samples=32", f"trainer.max_steps={STEPS}", "trainer.progress=false",
           # clipping on (it changes the losses at this setting) so the model-parallel gradient norm is tested
           "trainer.grad_clip=0.5"]
-# GPT-2's 50257 padded to a multiple of 256: Megatron pads to a multiple of 128 x TP, so TP=1 and
-# TP=2 then hold the same vocabulary (with 50257 they would pad to 50304 and 50432: two models).
-MEGATRON = COMMON + ["adapter=megatron", "workload.vocab_size=50432"]
-VOCAB, WIDTH = 50432, 128
+MEGATRON = COMMON + ["adapter=megatron"]
+# Not measured for Megatron (adapter=megatron fails at HEAD 3112584, see the report of issue 20): the DDP
+# twin in test_spine (same tokens per step) measured 1302 and 1039; 5000 / 3000 leave ~3x, and are 10x
+# below what a uniform guess over the padded vocabulary scores (50304)
+MEGATRON_PPL = (5000, 3000)
 
 
 def _run(tmp, *overrides):
@@ -48,8 +55,8 @@ def _same_training(a, b, atol=1e-5):
     la, lb = step_losses(run_a), step_losses(run_b)
     assert len(la) == len(lb) == STEPS
     assert ev_a["global_batch"] == ev_b["global_batch"] == 8
-    np.testing.assert_allclose(la, lb, atol=atol, rtol=0)
-    assert la[-1] < la[0] - 0.3, la  # and it trains
+    assert_losses_close(lb, la, atol=atol)
+    assert_loss_falls(la, by=0.3)  # and it trains (the bound this file always had; passes at vocabulary 4096)
     assert ev_a["val_loss"] == pytest.approx(ev_b["val_loss"], abs=atol)
     assert ev_a["val_token_accuracy"] == pytest.approx(ev_b["val_token_accuracy"], abs=1e-6)
 
@@ -95,13 +102,13 @@ def test_megatron_wikitext2_perplexity_falls(tmp_path, data_root):
     """Megatron TP=1 on 2 ranks (DP=2 through Megatron's DDP), real Wikitext-2, 2 short epochs."""
     proc = bench("adapter=megatron", "workload=gpt2_tiny", "workload.seq_len=64", "data=wikitext2",
                  f"data.root={data_root}/wikitext-2", f"data.tokenizer_dir={data_root}/gpt2-tokenizer",
-                 f"data.cache_dir={tmp_path}/cache", "trainer.epochs=2", "trainer.max_steps=30",
+                 "trainer.epochs=2",  # the shared token cache (BENCH_CACHE_DIR) "trainer.max_steps=30",
                  "trainer.batch_size=4", "trainer.max_eval_batches=8", "optimizer.lr=3e-3", "launcher.nprocs=2",
                  "trainer.progress=false", results=tmp_path / "r")
     check_ok(proc)
     ev = events(only_run(tmp_path / "r"))
     ppl = [e["val_perplexity"] for e in ev]
-    assert len(ppl) == 2 and ppl[1] < ppl[0] < 50304, ppl
+    assert len(ppl) == 2 and ppl[0] < MEGATRON_PPL[0] and ppl[1] < MEGATRON_PPL[1] and ppl[1] < 0.95 * ppl[0], ppl
     assert ev[0]["global_batch"] == 8  # linear: 4 x 2 ranks, 4 per data-parallel rank
     assert ev[0]["val_samples"] == 8 * 4 * 2  # 8 batches of 4 on each of the 2 data-parallel ranks, counted once
 
@@ -111,7 +118,8 @@ def _sharded_and_total_bytes():
     from bench.core.config import DataConfig, WorkloadConfig
     from workloads.gpt2 import GPT2Workload
 
-    cfg = WorkloadConfig(name="gpt2_tiny", kind="language", arch="gpt2", n_layer=2, n_head=4, n_embd=WIDTH, seq_len=32)
+    cfg = WorkloadConfig(name="gpt2_tiny", kind="language", arch="gpt2", n_layer=2, n_head=4, n_embd=WIDTH, seq_len=32,
+                         vocab_size=VOCAB)
     with torch.device("meta"):
         model = GPT2Workload(cfg, DataConfig()).build_model()
     split = ("wte.weight", "c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight")
@@ -131,7 +139,7 @@ def test_torch_tensor_parallel_matches_single_process(gpt2_one_process, tmp_path
     ranks = [r["state_bytes"] for r in tp2[1]["ranks"]]
     assert sum(sb["params_tp_sharded"] for sb in ranks) == sharded  # the slices partition the sharded layers
     for sb in ranks:
-        # 50257 vocabulary rows split 25129 / 25128: half within the stated 1 %
+        # the 4096 vocabulary rows split 2048 / 2048; the rest of the sharded layers exactly in half
         assert sb["params_tp_sharded"] == pytest.approx(sharded / 2, rel=0.01)
         assert sb["params"] - sb["params_tp_sharded"] == total - sharded  # replicated: norms, positions, biases
         assert sb["grads"] == sb["params"] and sb["optimizer"] == pytest.approx(2 * sb["params"], rel=0.01)
@@ -157,10 +165,11 @@ BAD = [
 
 @pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
 def test_bad_layout_is_one_line_before_launch(tmp_path, overrides, message):
-    proc = bench("trainer.max_steps=1", "launcher.nprocs=2", *overrides, results=tmp_path / "r")
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    """Through the pre-launch checks in this process (`python -m bench` prints the same line after `error: `)."""
+    with pytest.raises(ConfigError) as e:
+        make_plan(typed(compose(["trainer.max_steps=1", "launcher.nprocs=2", *overrides,
+                                 f"results.root={tmp_path / 'r'}"])), "local")
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not (tmp_path / "r").exists()
 
 

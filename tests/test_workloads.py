@@ -285,16 +285,28 @@ def test_wikitext_workload_datasets(data_root, tokenizer_dir, tmp_path, monkeypa
 
 
 def test_cache_falls_back_to_user_cache_when_root_not_writable(tmp_path, tokenizer_dir, monkeypatch):
+    """Two data roots where <root>/.bench_cache cannot be made, for real (the tests run as root, which
+    ignores permission bits): /proc, and a folder where a regular file already holds that name."""
     monkeypatch.delenv("BENCH_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    real = D._writable_dir
-    monkeypatch.setattr(D, "_writable_dir", lambda d: d.name != ".bench_cache" and real(d))
-    text = tmp_path / "train.txt"
+    user_cache = tmp_path / "xdg" / "trainbench"
+    assert not D._writable_dir(Path("/proc/.bench_cache")) and D._writable_dir(tmp_path / "fine")
+
+    path = D.token_cache("/proc/version", tokenizer_dir)  # a readable text in a read-only file system
+    assert path.parent == user_cache and D.load_tokens(path).size > 0
+    assert not Path("/proc/.bench_cache").exists()
+
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / ".bench_cache").write_text("not a folder")
+    text = root / "train.txt"
     text.write_text(" = Title = \n \n Some words here . \n")
     path = D.token_cache(text, tokenizer_dir)
-    assert path.parent == tmp_path / "xdg" / "trainbench"
+    assert path.parent == user_cache
+    assert D.load_tokens(path).tolist() == D.gpt2_tokenizer(tokenizer_dir).encode(text.read_text()).ids
     text.write_text(" = Title = \n \n Other words . \n")  # a changed file gets a new cache entry
     assert D.token_cache(text, tokenizer_dir) != path
+    assert (root / ".bench_cache").read_text() == "not a folder"
 
 
 def test_other_ranks_wait_for_the_builder(tmp_path, tokenizer_dir):

@@ -85,19 +85,32 @@ def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter) -> 
     start = time.time()
     os.environ["BENCH_LAUNCH_T0"] = _launch_t0()  # inherited by the ranks
     stop_signals = (signal.SIGUSR1, signal.SIGTERM)
+    started: list = []  # the ranks, once spawned
+    pending: list[int] = []  # stop signals that came before them
+
+    def forward(signum, frame):  # a preemption signal to the launcher reaches every rank
+        if not started:
+            pending.append(signum)
+            return
+        for p in started[0].processes:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in stop_signals}
+    # multiprocessing's resource tracker, started by the first spawn, *unblocks* SIGINT and SIGTERM in
+    # this process as a side effect: start it first (a signal meanwhile is caught and kept), then block
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     # ranks inherit the blocked mask and unblock once their handlers are set (bench/core/guard.py), so
     # a stop signal forwarded while they still import torch is held, not fatal
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     procs = mp.start_processes(_spawned_rank, args=(cfg_dict, plan, port, str(writer.dir)), nprocs=plan.world_size,
                                start_method="spawn", join=False)
-
-    def forward(signum, frame):  # a preemption signal to the launcher reaches every rank
-        for p in procs.processes:
-            if p.is_alive():
-                os.kill(p.pid, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in stop_signals}
+    started.append(procs)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+    for signum in pending:
+        forward(signum, None)
     try:
         # join() ends the other ranks (SIGTERM, then SIGKILL) as soon as one fails: no orphans
         while not procs.join():

@@ -1,0 +1,75 @@
+"""The test helpers themselves: a missing prerequisite fails under CI and skips otherwise; the loss
+checks refuse NaN, inf and flat series; a timed-out run dies with everything it started."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import in_ci, require_or_skip
+from tests.helpers import assert_loss_falls, assert_losses_close, finite, run
+
+
+@pytest.mark.parametrize("value", ["true", "TRUE", "True", "1", "yes", "Yes", " on "])
+def test_require_or_skip_fails_under_ci(monkeypatch, value):
+    monkeypatch.setenv("CI", value)
+    assert in_ci()
+    with pytest.raises(pytest.fail.Exception, match="CI needs Horovod: not installed"):
+        require_or_skip("Horovod", "not installed")
+
+
+@pytest.mark.parametrize("value", [None, "", "false", "0", "no"])
+def test_require_or_skip_skips_outside_ci(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", value)
+    assert not in_ci()
+    with pytest.raises(pytest.skip.Exception, match="Horovod unavailable: not installed"):
+        require_or_skip("Horovod", "not installed")
+
+
+def test_loss_helpers_reject_nan_and_inf():
+    good = [2.0, 1.5, 1.2]
+    assert_losses_close(good, good, atol=0)
+    with pytest.raises(AssertionError, match="not finite"):
+        assert_losses_close([2.0, float("nan"), 1.2], [2.0, float("nan"), 1.2], atol=1)  # NaN == NaN would pass allclose
+    with pytest.raises(AssertionError, match="not finite"):
+        assert_losses_close(good, [2.0, float("inf"), 1.2], atol=1)
+    with pytest.raises(AssertionError, match="not finite"):
+        assert_loss_falls([3.0, float("nan"), 1.0], by=0.5)
+    with pytest.raises(AssertionError, match="non-empty"):
+        finite([])
+    with pytest.raises(AssertionError):
+        assert_losses_close(good, [2.0, 1.5, 1.3], atol=0.05)  # a real difference
+    with pytest.raises(AssertionError, match="steps"):
+        assert_losses_close(good, good[:2], atol=1)
+
+
+def test_loss_falls_rejects_a_flat_or_rising_series():
+    assert_loss_falls([3.0, 2.5, 2.0], by=0.9)
+    with pytest.raises(AssertionError, match="fell by 0"):
+        assert_loss_falls([2.0, 2.0, 2.0], by=0.1)  # flat
+    with pytest.raises(AssertionError, match="fell by"):
+        assert_loss_falls([2.0, 2.1, 2.2], by=0.1)  # rising
+    with pytest.raises(AssertionError, match="fell by"):
+        assert_loss_falls([3.0, 2.5, 2.95], by=0.1)  # fell, then came back
+    with pytest.raises(AssertionError, match="checks nothing"):
+        assert_loss_falls([3.0, 2.0], by=0)
+
+
+def test_timeout_kills_the_whole_process_group(tmp_path):
+    """A run that outlives its timeout takes its children with it (ranks of a hung run must not linger)."""
+    pid_file = tmp_path / "child.pid"
+    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run([sys.executable, "-c", script], timeout=5)
+    child = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, "grandchild survived"
