@@ -9,10 +9,20 @@ Class-level hooks run before any rank starts, so bad input fails in the parent w
   - `processes(cfg)`: how many processes to launch (GPipe drives several devices from one)
   - `launch_command(cfg, world_size)`: a framework launcher that must start the ranks (horovodrun)
   - `local_batch_size(cfg, world_size)`: the batch one data-parallel replica loads per step
+
+Checkpoints (bench/core/checkpoint.py; the trainer decides when): `save_checkpoint(path)` and
+`load_checkpoint(path)` write and read this rank's part of the model and optimizer state into a
+folder every rank shares. The default is torch.distributed.checkpoint (DCP) through
+`get_state_dict`/`set_state_dict` on `checkpoint_module()` and `self.optimizer`: it handles DDP
+wrappers, FSDP2 and tensor-parallel DTensors (each rank writes its shards, replicated tensors once).
+Adapters whose framework has its own API override both (DeepSpeed, Horovod, GPipe). An adapter
+declares that its state is checkpointed correctly with `checkpoint_unsupported = None`; the
+default is a reason, so a new adapter never writes a checkpoint nobody has checked.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import ClassVar, Sequence
 
 import torch
@@ -47,6 +57,10 @@ class Adapter(ABC):
                                           "activations in bf16/fp16")
     # ways of starting ranks that only this framework has (bench/core/environments.py), e.g. horovodrun
     environments: ClassVar[tuple[type[ClusterEnvironment], ...]] = ()
+    # None: save_checkpoint/load_checkpoint restore this adapter's full training state (checked by
+    # tests/test_checkpoint.py); else why not, and trainer.checkpoint_every > 0 is refused before launch
+    checkpoint_unsupported: ClassVar[str | None] = "no checkpoint support written and tested for this adapter"
+    checkpoint_format: ClassVar[str] = "torch.distributed.checkpoint (get_state_dict/set_state_dict)"
 
     # --- before launch (class methods: no process group yet) ------------------------------------
     @classmethod
@@ -61,6 +75,14 @@ class Adapter(ABC):
                 f"adapter={cls.name} does not support {cfg.workload.kind} workloads "
                 f"(workload={cfg.workload.name}); it supports: {', '.join(cls.kinds)}"
             )
+        cls.check_checkpointing(cfg)
+
+    @classmethod
+    def check_checkpointing(cls, cfg: BenchConfig) -> None:
+        """The trainer's checkpoint fields, and checkpoint_every > 0 refused where this adapter cannot."""
+        from bench.core.checkpoint import check_config
+
+        check_config(cfg, cls.name, cls.checkpoint_unsupported)
 
     @classmethod
     def processes(cls, cfg: BenchConfig) -> int:
@@ -177,8 +199,58 @@ class Adapter(ABC):
         """Settings worth stating in the record (framework defaults change across versions)."""
         return {}
 
+    # --- checkpoints (every rank calls these with the same folder) ---------------------------------
+    def checkpoint_module(self) -> nn.Module:
+        """The module whose state a checkpoint holds (DDP: the wrapper; get_state_dict strips it)."""
+        return self.model
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Write this rank's part of the model and optimizer state into folder `path` (a collective)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.checkpoint_module(), self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        if getattr(self, "scaler", None) is not None:
+            state["scaler"] = self.scaler.state_dict()
+        dcp.save(state, checkpoint_id=str(Path(path) / "dcp"))
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Read what `save_checkpoint` wrote into this rank's model and optimizer (a collective)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        module = self.checkpoint_module()
+        model_state, optim_state = get_state_dict(module, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        scaler = getattr(self, "scaler", None)
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+        dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))  # in place, into this rank's shards
+        set_state_dict(module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if scaler is not None:
+            scaler.load_state_dict(state["scaler"])
+
     def close(self) -> None:
         """Release framework resources before the process group is destroyed."""
+
+
+def save_rank0_state(path: Path, model, optimizer, scaler=None, rank: int = 0) -> None:
+    """Replicated state (Horovod, one-process GPipe): rank 0 torch.saves model + optimizer (+ scaler)."""
+    if rank == 0:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+        torch.save(state, Path(path) / "state.pt")
+
+
+def load_rank0_state(path: Path, model, optimizer, scaler=None) -> None:
+    """Every rank reads rank 0's file (the record folder is on a file system all ranks share)."""
+    state = torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])  # moves the state to the parameters' devices
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
 
 
 def tensor_bytes(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None) -> dict[str, int]:

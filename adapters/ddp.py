@@ -19,6 +19,9 @@ from bench.core.timing import PhaseTimer
 
 class DDPAdapter(Adapter):
     name = "ddp"
+    # checkpoints: the base's DCP get_state_dict/set_state_dict on the DDP wrapper (replicated tensors
+    # written once across ranks) and the optimizer
+    checkpoint_unsupported = None
 
     def setup(self) -> None:
         cfg = self.cfg.adapter

@@ -45,6 +45,9 @@ class FSDPAdapter(Adapter):
         "backward": "backward; parameters re-gathered (reshard_after_forward) and gradients reduce-scattered",
         "optimizer": "clip over the global norm of the sharded gradients, step the local shards",
     }
+    # checkpoints: the base's DCP get_state_dict/set_state_dict: each rank writes and reads its own
+    # DTensor shards of parameters and optimizer state (a sharded state dict, never gathered)
+    checkpoint_unsupported = None
     precision_semantics = ("FSDP2 MixedPrecisionPolicy: bf16/fp16 parameters for compute (param_dtype), fp32 "
                            "sharded master parameters and fp32 gradient reduction")
 

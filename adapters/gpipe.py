@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from adapters.base import Adapter, Batch, tensor_bytes
+from adapters.base import Adapter, Batch, load_rank0_state, save_rank0_state, tensor_bytes
 from adapters import _pipeline as P
 from bench.core.config import BenchConfig
 from bench.core.errors import ConfigError
@@ -36,6 +36,11 @@ class GPipeAdapter(Adapter):
     name = "gpipe"
     framework = "torchgpipe"
     framework_module = "torchgpipe"
+    # checkpoints: one process holds every partition: torch.save of the layers' state_dict under the names
+    # of the unsplit sequential model (balance_by_time may split a resumed run differently; the tied head
+    # copy and deferred BatchNorm buffers included) and the optimizer's (parameters in layer order)
+    checkpoint_unsupported = None
+    checkpoint_format = "rank 0 torch.save of model and optimizer state_dict"
     phase_semantics = {
         **Adapter.phase_semantics,
         "forward": "the pipelined forward of the mini-batch over all partitions, fill and drain bubbles included",
@@ -184,6 +189,12 @@ class GPipeAdapter(Adapter):
         ]
         return total
 
+    def save_checkpoint(self, path) -> None:
+        save_rank0_state(path, _LayerState(self.model), self.optimizer, self.scaler, self.ctx.rank)
+
+    def load_checkpoint(self, path) -> None:
+        load_rank0_state(path, _LayerState(self.model), self.optimizer, self.scaler)
+
     def describe(self) -> dict:
         a = self.cfg.adapter
         return {
@@ -198,6 +209,27 @@ class GPipeAdapter(Adapter):
             "tied_weights": [f"{t.copy_name} = copy of {t.main_name}, gradients summed each step" for t in self.ties],
             "partition_param_bytes": [tensor_bytes([p], None)["params"] for p in self.model.partitions],
         }
+
+
+class _LayerState:
+    """The GPipe module's state keyed by layer name, without the partition index: independent of the balance."""
+
+    def __init__(self, model):
+        self.parts = [getattr(p, "module", p) for p in model.partitions]  # AutocastModule wraps a partition
+
+    def state_dict(self) -> dict:
+        out = {}
+        for part in self.parts:
+            out.update(part.state_dict())
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        expected = set(self.state_dict())
+        if expected != set(state):
+            raise RuntimeError(f"checkpoint layers differ from this model's: missing {sorted(expected - set(state))[:5]}, "
+                               f"unexpected {sorted(set(state) - expected)[:5]}")
+        for part in self.parts:
+            part.load_state_dict({k: state[k] for k in part.state_dict()})
 
 
 class _OptimizerView:

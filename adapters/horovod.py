@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from adapters.base import Adapter, Batch
+from adapters.base import Adapter, Batch, load_rank0_state, save_rank0_state
 from bench.core.config import BenchConfig
 from bench.core.dist import DistContext, default_backend
 from bench.core.environments import ClusterEnvironment
@@ -83,6 +83,10 @@ class HorovodAdapter(Adapter):
     framework = "horovod"
     framework_module = "horovod"
     environments = (HorovodrunEnvironment,)
+    # checkpoints: every replica is equal (broadcast at start, averaged gradients), so rank 0 torch.saves
+    # the model and the optimizer's state_dict; every rank loads that file
+    checkpoint_unsupported = None
+    checkpoint_format = "rank 0 torch.save of model and optimizer state_dict"
     phase_semantics = {
         **Adapter.phase_semantics,
         "backward": "backward; gradient hooks only start Horovod's all-reduces (background thread)",
@@ -218,6 +222,12 @@ class HorovodAdapter(Adapter):
         with autocast(self.cfg.trainer.precision, self.device):
             out = self.model(inputs)
         return self.workload.eval_sums(out, targets, weight)
+
+    def save_checkpoint(self, path) -> None:
+        save_rank0_state(path, self.model, self.optimizer, self.scaler, self.hvd.rank())
+
+    def load_checkpoint(self, path) -> None:
+        load_rank0_state(path, self.model, self.optimizer, self.scaler)
 
     def describe(self) -> dict:
         import horovod

@@ -90,6 +90,7 @@ class MegatronAdapter(Adapter):
     # --- before launch ----------------------------------------------------------------------------
     @classmethod
     def validate(cls, cfg, world_size):
+        cls.check_checkpointing(cfg)  # this validate does not call the base one
         w, a = cfg.workload, cfg.adapter
         if w.kind != "language" or w.arch != "gpt2":
             raise ConfigError(f"adapter=megatron does not support workload={w.name}: megatron-core builds GPT models "

@@ -45,6 +45,9 @@ class TensorParallelAdapter(Adapter):
         "backward": "backward (TP collectives inside), then the data-parallel gradient all-reduce",
     }
     kinds = ("language",)
+    # checkpoints: the base's DCP get_state_dict/set_state_dict: the TP-sharded DTensors (tied wte/lm_head
+    # included) are written as shards, the replicated parameters once per data-parallel group
+    checkpoint_unsupported = None
 
     @classmethod
     def validate(cls, cfg, world_size):
@@ -64,6 +67,7 @@ class TensorParallelAdapter(Adapter):
         if tp > 1:
             refuse_layerwise(cfg.optimizer, f"adapter=tensor_parallel with tensor_parallel={tp}",
                              "gives each rank column/row slices of the weights")
+        cls.check_checkpointing(cfg)
 
     @classmethod
     def smoke_overrides(cls, devices: int) -> list[str]:

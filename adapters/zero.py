@@ -87,6 +87,10 @@ class ZeroAdapter(Adapter):
                     "all-reduce, 2-3: reduce-scatter into partitions), overlapped per overlap_comm",
         "optimizer": "engine.step: clip, step the partition; stages 1-2 all-gather the updated parameters here",
     }
+    # checkpoints: DeepSpeed's own engine.save_checkpoint / load_checkpoint (module states, every rank's
+    # ZeRO partitions of the fp32 master and optimizer state, loss scaler), tag "deepspeed"
+    checkpoint_unsupported = None
+    checkpoint_format = "deepspeed engine.save_checkpoint/load_checkpoint"
     precision_semantics = "DeepSpeed bf16/fp16 mode: bf16/fp16 model weights and gradients, fp32 master partition"
 
     @classmethod
@@ -178,6 +182,16 @@ class ZeroAdapter(Adapter):
         state = _engine_state(self.engine)
         state["grads"], state["grads_peak_backward"] = self._grad_bytes
         return state
+
+    def save_checkpoint(self, path) -> None:
+        # a collective: every rank writes its partitions under PATH/deepspeed/
+        self.engine.save_checkpoint(str(path), tag="deepspeed", save_latest=False)
+
+    def load_checkpoint(self, path) -> None:
+        loaded, _ = self.engine.load_checkpoint(str(path), tag="deepspeed", load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {path}/deepspeed")
 
     def describe(self) -> dict:
         import deepspeed

@@ -8,6 +8,7 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from analysis import plots
@@ -151,6 +152,198 @@ def _memory_lines(df: pd.DataFrame) -> list[str]:
     return lines
 
 
+# --- which adapter ----------------------------------------------------------------------------------
+CLOSE = 0.05  # a winner less than 5 % ahead of the next is called close (run-to-run noise is of that order)
+
+
+def _point(label, devices) -> str:
+    return f"`{label}` x{int(devices)}"
+
+
+def _ids(ids) -> str:
+    ids = sorted(set(ids))
+    return ", ".join(ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
+
+
+def _runner_up(values: list[tuple[float, str]], lower_is_better: bool, unit: str, fmt=lambda v: f"{v:.4g}") -> str:
+    """ " (next: X, N % behind)" from [(value, name)] sorted best first, and "close" when within CLOSE."""
+    if len(values) < 2:
+        return ""
+    (best, _), (nxt, who) = values[0], values[1]
+    gap = (nxt - best) / best if lower_is_better and best else (best - nxt) / nxt if nxt else float("inf")
+    close = " (close: under 5 %, within run-to-run noise)" if gap < CLOSE else ""
+    return f"; next {who} {fmt(nxt)}{unit}, {100 * gap:.1f} % behind{close}"
+
+
+def time_to_target(df: pd.DataFrame) -> pd.DataFrame:
+    """Per workload: the target validation metric (the best value every finished run with validation
+    reached: the largest of the runs' lowest perplexities, the smallest of their highest accuracies) and,
+    per run, the wall time (`wall_time_s` of the first epoch whose metric reached it; time since the first
+    epoch began, validation included) and that epoch. Columns: workload, metric, target, run_id, label,
+    devices, time_s, epoch, best."""
+    e = ok(df)
+    if e.empty or "wall_time_s" not in e:
+        return pd.DataFrame()
+    e = e[e["val_metric"].notna()]
+    rows = []
+    for wl, sub in e.groupby("workload"):
+        metric = sub["val_metric_name"].iloc[0]
+        lower = metric == "val_perplexity"
+        best = sub.groupby("run_id")["val_metric"].agg("min" if lower else "max")
+        target = best.max() if lower else best.min()
+        tol = 1e-9 * abs(target)
+        for run_id, r in sub.sort_values("epoch").groupby("run_id"):
+            hit = r[(r["val_metric"] <= target + tol) if lower else (r["val_metric"] >= target - tol)]
+            first = hit.iloc[0]
+            rows.append(dict(workload=wl, metric=metric, target=target, run_id=run_id, label=first["label"],
+                             devices=int(first["devices"]), time_s=float(first["wall_time_s"]),
+                             epoch=int(first["epoch"]) + 1, best=float(best[run_id])))
+    return pd.DataFrame(rows)
+
+
+def which_adapter(df: pd.DataFrame, baseline: str | None = "best") -> dict:
+    """The "Which adapter" verdicts per workload, computed from the finished runs:
+    {workload: {"fastest": {...} | None, "memory": [{devices, label, mib, states_mib, metric, runs}],
+    "scaling": {...} | None, "undecided": [reasons]}}."""
+    out: dict = {}
+    per_run = runs(ok(df)) if len(ok(df)) else pd.DataFrame()
+    if per_run.empty:
+        return out
+    ttt = time_to_target(df)
+    try:
+        sp = plots.speedup_table(df, baseline)
+    except Exception:  # noqa: BLE001 - a baseline this workload lacks: scaling undecided below
+        sp = pd.DataFrame()
+    for wl, r in per_run.groupby("workload"):
+        v: dict = {"fastest": None, "memory": [], "scaling": None, "undecided": []}
+        # fastest to the target
+        t = ttt[ttt["workload"] == wl].sort_values(["time_s", "run_id"]) if len(ttt) else pd.DataFrame()
+        if t.empty or t["time_s"].isna().all():
+            v["undecided"].append("time to a target metric: no finished run recorded a validation metric "
+                                  "(trainer.eval_every_epoch=false?)")
+        else:
+            w = t.iloc[0]
+            v["fastest"] = dict(metric=w["metric"], target=float(w["target"]), label=w["label"],
+                                devices=int(w["devices"]), time_s=float(w["time_s"]), epoch=int(w["epoch"]),
+                                run_id=w["run_id"], ranking=[(float(x.time_s), _point(x.label, x.devices), x.run_id)
+                                                             for x in t.itertuples()])
+            without = sorted(set(r["run_id"]) - set(t["run_id"]))
+            if without:
+                v["undecided"].append(f"time to target leaves out runs without a validation metric: {_ids(without)}")
+        # lowest memory per rank, per device count (points: mean over their runs)
+        mem = r.copy()
+        nan = pd.Series(np.nan, index=mem.index)
+        mem["mem"] = pd.to_numeric(mem["mem_plot_bytes"], errors="coerce") if "mem_plot_bytes" in mem else nan
+        if "peak_memory_max" in mem:
+            mem["mem"] = mem["mem"].fillna(pd.to_numeric(mem["peak_memory_max"], errors="coerce"))
+        mem = mem[mem["mem"].notna()]
+        if mem.empty:
+            v["undecided"].append("memory per rank: no run recorded a memory peak")
+        else:
+            unknown = pd.Series("?", index=mem.index)
+            metrics = mem["mem_plot_metric"] if "mem_plot_metric" in mem else unknown
+            if "memory_metric" in mem:
+                metrics = metrics.fillna(mem["memory_metric"])
+            mem["metric"] = metrics.fillna("?")
+            common = mem["metric"].value_counts().index[0]
+            if mem["metric"].nunique() > 1:
+                v["undecided"].append(f"memory: the runs measured different peaks ({', '.join(sorted(mem['metric'].unique()))}); "
+                                      f"only `{common}` runs are compared")
+                mem = mem[mem["metric"] == common]
+            mem["states"] = pd.to_numeric(mem["state_bytes_max"], errors="coerce") if "state_bytes_max" in mem \
+                else np.nan
+            pts = mem.groupby(["label", "devices"], as_index=False).agg(
+                mem=("mem", "mean"), states=("states", "mean"), runs=("run_id", list))
+            for d, sub in pts.groupby("devices"):
+                sub = sub.sort_values(["mem", "label"])
+                best = sub.iloc[0]
+                v["memory"].append(dict(devices=int(d), label=best["label"], mib=best["mem"] / 2**20,
+                                        states_mib=best["states"] / 2**20 if pd.notna(best["states"]) else None,
+                                        metric=common, runs=best["runs"],
+                                        ranking=[(x.mem / 2**20, _point(x.label, x.devices)) for x in sub.itertuples()]))
+        # best scaling efficiency at the largest device count
+        devices = sorted(int(d) for d in r["devices"].dropna().unique())
+        if len(devices) < 2:
+            v["undecided"].append(f"scaling efficiency: only {devices[0] if devices else '?'} device(s) measured, "
+                                  "so no speedup to compare")
+        elif not sp.empty and (sp["workload"] == wl).any():
+            s = sp[(sp["workload"] == wl) & (sp["devices"] == devices[-1])].sort_values(["efficiency", "label"],
+                                                                                       ascending=[False, True])
+            s = s[s["efficiency"].notna()]
+            if s.empty:
+                v["undecided"].append(f"scaling efficiency: no finished point at {devices[-1]} devices")
+            else:
+                b = s.iloc[0]
+                ids = r[(r["label"] == b["label"]) & (r["devices"] == devices[-1])]["run_id"].tolist()
+                base_ids = r[(r["label"] == b["baseline_label"]) & (r["devices"] == b["baseline_devices"])]["run_id"]
+                v["scaling"] = dict(devices=devices[-1], label=b["label"], efficiency=float(b["efficiency"]),
+                                    speedup=float(b["speedup"]), baseline=b["baseline"], runs=ids,
+                                    baseline_runs=base_ids.tolist(),
+                                    ranking=[(float(x.efficiency), _point(x.label, x.devices)) for x in s.itertuples()])
+                missing = sorted(set(r["label"]) - set(s["label"]))
+                if missing:
+                    v["undecided"].append(f"scaling at {devices[-1]} devices leaves out series not measured there: "
+                                          + ", ".join(f"`{m}`" for m in missing))
+        else:
+            v["undecided"].append("scaling efficiency: no speedup could be computed (baseline missing)")
+        gbs = sorted({int(g) for g in pd.to_numeric(r["global_batch"], errors="coerce").dropna()}) \
+            if "global_batch" in r else []
+        if len(gbs) > 1:
+            v["undecided"].append(f"the ranked runs differ in global batch ({', '.join(map(str, gbs))}): time to target "
+                                  "and memory compare different batches (and optimizer steps per epoch)")
+        counts = r.groupby(["label", "devices"])["run_id"].count()
+        if (counts == 1).all():
+            v["undecided"].append("spread: every point is a single run, so differences smaller than run-to-run "
+                                  "variation (not measured here) cannot be told apart; repeat points to see it")
+        elif (counts == 1).any():
+            v["undecided"].append(f"spread: {int((counts == 1).sum())} of {len(counts)} points are single runs")
+        out[wl] = v
+    return out
+
+
+def which_adapter_lines(df: pd.DataFrame, baseline: str | None = "best") -> list[str]:
+    """The report's closing "Which adapter" section (markdown lines)."""
+    lines = ["## Which adapter", "",
+             "Computed from the finished runs of this folder only; each answer names the runs it came from.", ""]
+    verdicts = which_adapter(df, baseline)
+    if not verdicts:
+        return lines + ["No finished run: nothing to compare.", ""]
+    bad = not_finished(df)
+    for wl, v in verdicts.items():
+        lines += [f"### {wl}", ""]
+        f = v["fastest"]
+        if f:
+            name = "perplexity" if f["metric"] == "val_perplexity" else "accuracy"
+            rel = "≤" if name == "perplexity" else "≥"
+            rank = [(tm, who) for tm, who, _ in f["ranking"]]
+            lines.append(f"- **Fastest to the target**: validation {name} {rel} {f['target']:.4g} (the best value every "
+                         f"finished run with validation reached): **{_point(f['label'], f['devices'])}** after "
+                         f"{f['time_s']:.4g} s of wall time (epoch {f['epoch']}; run {f['run_id']})"
+                         + _runner_up(rank, True, " s") + ". Wall time counts from the first epoch's start, "
+                         "includes validation, and is known only at epoch ends (validation once per epoch).")
+        for m in v["memory"]:
+            rank = [(x, who) for x, who in m["ranking"]]
+            states = f", model states {m['states_mib']:.4g} MiB" if m["states_mib"] is not None else ""
+            lines.append(f"- **Lowest memory per rank at {m['devices']} device{'s' if m['devices'] > 1 else ''}** "
+                         f"(`{m['metric']}`, busiest rank): **{_point(m['label'], m['devices'])}** {m['mib']:.4g} MiB"
+                         f"{states} (run {_ids(m['runs'])})" + _runner_up(rank, True, " MiB") + ".")
+        sc = v["scaling"]
+        if sc:
+            rank = [(x, who) for x, who in sc["ranking"]]
+            lines.append(f"- **Best scaling efficiency at {sc['devices']} devices**: **{_point(sc['label'], sc['devices'])}** "
+                         f"efficiency {sc['efficiency']:.3g} (speedup {sc['speedup']:.3g} against {sc['baseline']}; "
+                         f"runs {_ids(sc['runs'])}, baseline {_ids(sc['baseline_runs'])})"
+                         + _runner_up(rank, False, "", fmt=lambda x: f"{x:.3g}") + ".")
+        wl_bad = bad[bad["workload"] == wl] if len(bad) and "workload" in bad else bad.iloc[:0]
+        undecided = list(v["undecided"])
+        if len(wl_bad):
+            undecided.append(f"{len(wl_bad)} run(s) did not finish and are not ranked: "
+                             + ", ".join(f"{_point(x.label, x.devices)} {x.status}" for x in wl_bad.itertuples()))
+        lines.append("- **Could not decide**: " + ("; ".join(undecided) if undecided else "nothing left open") + ".")
+        lines.append("")
+    return lines
+
+
 def write_report(results_dir: str | Path, out: str | Path, baseline: str | None = "best") -> Path:
     """Figures into out/figures, tables into out/*.csv, and out/report.md; returns report.md's path."""
     results_dir, out = Path(results_dir), Path(out)
@@ -212,6 +405,7 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
             lines += [f"### {title}", "", f"![{title}](figures/{key}.png)", "", f"[SVG](figures/{key}.svg)", ""]
         else:
             lines += [f"### {title}", "", f"_not drawn: {skipped.get(key)}_", ""]
+    lines += which_adapter_lines(df, baseline)
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path

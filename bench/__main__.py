@@ -71,8 +71,40 @@ def _precheck(argv: list[str]) -> None:
         sys.exit(2)
 
 
+def _plan(argv: list[str]) -> int:
+    """`python -m bench --plan <overrides>`: the run plan and the predicted memory per rank
+    (bench/core/memory_model.py) against this machine's device memory; no rank starts."""
+    from bench.core.memory_model import GIB, device_bytes, fits, predict_run, table
+    from bench.runner.compose import typed
+    from bench.runner.plan import make_plan
+    from workloads import build_workload
+
+    try:
+        cfg = typed(compose(argv))
+        plan = make_plan(cfg, "local", check=False)
+        pred = predict_run(cfg, plan, build_workload(cfg.workload, cfg.data).build_model)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    d = plan.describe()
+    print(f"plan: adapter={d['adapter']} workload={d['workload']} ranks={d['world_size']} devices={d['devices']} "
+          f"dp={d['dp_size']} microbatches={d['microbatches']} local_batch={d['local_batch']} "
+          f"global_batch={d['global_batch']} precision={d['precision']}")
+    print(table(pred))
+    cap, what = device_bytes(plan.world_size)
+    if cap is None:
+        print("device memory: unknown (no check)")
+    else:
+        verdict = "fits" if fits(pred["total"], cap) else "does NOT fit (the run would be refused)"
+        print(f"device memory: {cap / GIB:.2f} GiB ({what}); predicted {pred['total'] / GIB:.3f} GiB per rank "
+              f"{verdict} within 90 %")
+    return 0
+
+
 def main() -> None:
     argv = sys.argv[1:]
+    if "--plan" in argv:
+        sys.exit(_plan([a for a in argv if a != "--plan"]))
     if {"-m", "--multirun"} & set(argv):
         # a sweep's parent only submits and waits (its points block and unblock for themselves)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGUSR1, signal.SIGTERM))

@@ -3,6 +3,8 @@
     python -m bench.memory_study                       # gpt2_tiny at 1, 2, 4 ranks
     python -m bench.memory_study --ranks 2 4 workload=resnet50_tiny
     python -m bench.memory_study --timing              # step-time ratios vs DDP at 2 ranks
+    python -m bench.memory_study --variants ddp zero3 tensor_parallel pipeline --ranks 2 4
+    python -m bench.memory_study --records results/memory_study   # the tables again from records, no run
 
 Runs `python -m bench` once per (variant, ranks) point, as a user would, then prints the bytes of
 parameters, gradients and optimizer state each rank reported (read from the framework's tensors, see
@@ -17,6 +19,14 @@ adapters/zero.py and adapters/fsdp.py) beside two predictions for fp32 Adam (Ψ 
   whole tensors, so a tensor that straddles a partition edge keeps its full gradient on every rank it
   touches (GPT-2's token embedding is ~94 % of gpt2_tiny: at 2 ranks both ranks keep its gradient);
   stage 3 and FSDP split every tensor, so they follow the formula.
+
+A second table sets bench/core/memory_model.py's prediction (what `python -m bench --plan` prints
+and the runner checks before launch) against the record, per variant and rank count, with the
+error of the model-state bytes of the busiest rank: "formula" uses Ψ/N, "model" the per-tensor
+partition rule. The model-parallel variants (tensor_parallel, megatron: TP = N; pipeline: N stages;
+gpipe: one process, N partitions) are predicted by the same module. ΔRSS (CPU: peak RSS minus RSS
+before the first step, the busiest rank) is set beside the predicted activations + transient for
+orientation only: it also holds allocator slack and the lazily allocated gradients / moments.
 """
 from __future__ import annotations
 
@@ -38,7 +48,22 @@ VARIANTS = {
     "zero3": ["adapter=zero", "adapter.stage=3", "adapter.param_persistence_threshold=0"],
     "fsdp": ["adapter=fsdp"],
 }
+# variants whose layout follows the rank count N (model parallel over all N ranks)
+RANKED_VARIANTS = {
+    "tensor_parallel": lambda n: ["adapter=tensor_parallel", f"adapter.tensor_parallel={n}"],
+    "megatron": lambda n: ["adapter=megatron", f"adapter.tensor_parallel={n}"],
+    "pipeline": lambda n: ["adapter=pipeline", "adapter.microbatches=4"],
+    "gpipe": lambda n: ["adapter=gpipe", f"adapter.pipeline_parallel={n}", "adapter.microbatches=4"],
+    "horovod": lambda n: ["adapter=horovod"],
+}
+ALL_VARIANTS = [*VARIANTS, *RANKED_VARIANTS]
 MIB = 2**20
+
+
+def variant_overrides(variant: str, ranks: int) -> list[str]:
+    if variant in VARIANTS:
+        return list(VARIANTS[variant])
+    return RANKED_VARIANTS[variant](ranks)
 
 
 # --- predictions -------------------------------------------------------------------------------
@@ -115,13 +140,51 @@ def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: in
 # --- running the points -----------------------------------------------------------------------------
 def run_point(variant: str, ranks: int, overrides: list[str], root: Path, stamp: str, steps: int, warmup: int,
               timeout: int) -> dict:
-    run = run_bench([*VARIANTS[variant], *overrides, f"launcher.nprocs={ranks}", f"trainer.max_steps={steps}",
+    run = run_bench([*variant_overrides(variant, ranks), *overrides, f"launcher.nprocs={ranks}", f"trainer.max_steps={steps}",
                      f"trainer.warmup_steps={warmup}", "trainer.epochs=1", "trainer.eval_every_epoch=false",
                      "trainer.progress=false"],
                     root=root, experiment="memory_study", run_id=f"{stamp}-{variant}-w{ranks}", timeout=timeout)
     summary = dict(run.summary) if run.ok else {"status": run.status, "error": run.error_line}
     summary["wall_s"] = run.wall_s
+    if run.ok and run.run_dir is not None:
+        summary["rss_delta_max"] = _rss_delta_max(Path(run.run_dir))
     return summary
+
+
+def _rss_delta_max(run_dir: Path) -> float | None:
+    """The busiest rank's peak_rss_delta in the last epoch of a record (CPU runs), else None."""
+    import json
+
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return None
+    epochs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    epochs = [e for e in epochs if e.get("type", "epoch") == "epoch"]
+    if not epochs:
+        return None
+    vals = [(r.get("memory") or {}).get("peak_rss_delta") for r in epochs[-1].get("ranks") or []]
+    vals = [v for v in vals if v is not None]
+    return max(vals) if vals else None
+
+
+def load_records(folder: Path) -> dict:
+    """{(variant, ranks): summary} from records of earlier study runs (run ids STAMP-VARIANT-wN), the
+    newest ok record of each point winning over failed ones."""
+    import json
+    import re
+
+    found: dict = {}
+    for d in sorted(Path(folder).glob("*-w*")):
+        m = re.match(r"^\d{8}-\d{6}-(?P<variant>.+)-w(?P<ranks>\d+)$", d.name)
+        if not m or m["variant"] not in ALL_VARIANTS or not (d / "summary.json").exists():
+            continue
+        summary = json.loads((d / "summary.json").read_text())
+        summary["rss_delta_max"] = _rss_delta_max(d)
+        summary["run_dir"] = str(d)
+        key = (m["variant"], int(m["ranks"]))
+        if summary.get("status") == "ok" or found.get(key, {}).get("status") != "ok":
+            found[key] = summary
+    return found
 
 
 def _mib(v) -> str:
@@ -139,6 +202,8 @@ def memory_table(results: dict, shapes, ranks_list, variants) -> str:
             s = results.get((v, n))
             if s is None:
                 continue
+            if v not in VARIANTS:
+                continue  # the ZeRO formulas cover data-parallel variants only: see predicted_table
             f = paper_formula(v, psi, n)
             if s.get("status") != "ok":
                 lines.append(f"{v:<7} {n:>2}  {s.get('status')}: {s.get('error')}")
@@ -157,6 +222,98 @@ def memory_table(results: dict, shapes, ranks_list, variants) -> str:
     lines.append("paper: ZeRO formula (fp32 Adam); +master: with DeepSpeed's fp32 partition copy (stages 1-3); "
                  "expected: per-tensor partition rule (see module doc); grads pk: most gradient bytes held during "
                  "backward (DeepSpeed, in-flight full-size gradients included); peak RSS: process high-water mark.")
+    return "\n".join(lines)
+
+
+def _state_total(s: dict) -> int:
+    return sum(s.get(k) or 0 for k in ("params", "grads", "optimizer"))
+
+
+def measured_states(summary: dict) -> dict | None:
+    """Model-state bytes of the busiest rank (of the busiest device, for a rank that records per-device
+    states: gpipe's partitions): {params, grads, optimizer, total}."""
+    per_rank = summary.get("state_bytes_per_rank") or []
+    entries = []
+    for r in per_rank:
+        devs = next((r[k] for k in ("per_device", "per_partition") if isinstance(r.get(k), list) and r[k]), None)
+        entries += devs if devs else [r]
+    if not entries:
+        return None
+    top = max(entries, key=_state_total)
+    return {"params": top.get("params") or 0, "grads": top.get("grads") or 0, "optimizer": top.get("optimizer") or 0,
+            "total": _state_total(top)}
+
+
+def predictions(variant: str, n: int, overrides: list[str]) -> tuple[dict, dict]:
+    """(formula, per-tensor model) predictions of bench/core/memory_model.py for one point, from the
+    same composed config and run plan `python -m bench --plan` uses."""
+    from bench.core.memory_model import predict_run
+    from bench.runner.compose import compose, typed
+    from bench.runner.plan import make_plan
+    from workloads import build_workload
+
+    cfg = typed(compose([*variant_overrides(variant, n), *overrides, f"launcher.nprocs={n}"]))
+    plan = make_plan(cfg, "local", check=False)
+    build = build_workload(cfg.workload, cfg.data).build_model
+    return (predict_run(cfg, plan, build, device="cpu", shapes=False),
+            predict_run(cfg, plan, build, device="cpu", shapes=True))
+
+
+def _err(pred: float, meas: float) -> float | None:
+    return (pred - meas) / meas * 100 if meas else None
+
+
+def _pct(v) -> str:
+    return "       -" if v is None else f"{v:+7.1f}%"
+
+
+def predicted_table(results: dict, overrides: list[str], ranks_list, variants) -> str:
+    """Predicted (bench/core/memory_model.py) vs measured (record) model-state bytes of the busiest rank,
+    the error per point, and the largest error per variant."""
+    head = ("predicted vs measured model states per rank (MiB; busiest rank / device), bench/core/memory_model.py\n"
+            f"{'variant':<15} {'N':>2} {'measured':>9} | {'formula':>9} {'err':>8} | {'model':>9} {'err':>8} | "
+            f"{'meas grads':>10} {'pred grads':>10} | {'pred act':>9} {'pred Δ':>9} {'ΔRSS meas':>10} {'err':>8}")
+    lines = [head, "-" * len(head.splitlines()[-1])]
+    worst: dict = {}
+    for v in variants:
+        for n in ranks_list:
+            s = results.get((v, n))
+            if s is None:
+                continue
+            if s.get("status") != "ok":
+                lines.append(f"{v:<15} {n:>2}  {s.get('status')}: {str(s.get('error'))[:110]}")
+                continue
+            meas = measured_states(s)
+            try:
+                f, m = predictions(v, n, overrides)
+            except Exception as e:  # noqa: BLE001 - a layout the model refuses: say so, go on
+                lines.append(f"{v:<15} {n:>2}  no prediction: {type(e).__name__}: {e}")
+                continue
+            if meas is None:
+                lines.append(f"{v:<15} {n:>2}  the record has no state bytes")
+                continue
+            ef, em = _err(f["model_states"], meas["total"]), _err(m["model_states"], meas["total"])
+            w = worst.setdefault(v, [0.0, 0.0, []])
+            w[0], w[1] = max(w[0], abs(ef or 0)), max(w[1], abs(em or 0))
+            w[2].append(n)
+            added = m["total"] - m["params"]  # what training adds to the process after the model is built
+            rss = s.get("rss_delta_max")
+            lines.append(
+                f"{v:<15} {n:>2} {meas['total'] / MIB:9.2f} | {f['model_states'] / MIB:9.2f} {_pct(ef)} | "
+                f"{m['model_states'] / MIB:9.2f} {_pct(em)} | {meas['grads'] / MIB:10.2f} {m['grads'] / MIB:10.2f} | "
+                f"{m['activations'] / MIB:9.2f} {added / MIB:9.2f} {_mib(rss):>10} "
+                f"{_pct(_err(added, rss) if rss else None)}")
+    lines.append("")
+    lines.append("largest |error| of the model states per variant (over the rank counts that ran):")
+    for v, (ef, em, ns) in worst.items():
+        lines.append(f"  {v:<15} formula {ef:5.1f}%   model {em:5.1f}%   (N = {', '.join(map(str, ns))})")
+    lines.append("formula: Ψ/N sharding; model: the per-tensor partition rule (zero1-3, fsdp; the same as formula "
+                 "for the rest); err = (predicted - measured) / measured. pred act: activation estimate (GPT-2: "
+                 "Korthikanti et al. 2022 per layer + fp32 logits); pred Δ: predicted total minus parameters (gradients, "
+                 "optimizer state, master, transient buffers, activations: what training adds once the model "
+                 "exists); ΔRSS meas: CPU peak RSS minus RSS before the first step, busiest rank (it also holds "
+                 "allocator slack, the loss's and optimizer's temporaries and autograd buffers the model leaves out; "
+                 "on a GPU compare with peak_allocated instead).")
     return "\n".join(lines)
 
 
@@ -182,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.memory_study", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="bench overrides for every point, e.g. workload=resnet50_tiny")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--variants", nargs="+", default=["ddp", "zero1", "zero2", "zero3", "fsdp"], choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=["ddp", "zero1", "zero2", "zero3", "fsdp"], choices=ALL_VARIANTS)
+    p.add_argument("--records", help="print the tables from the records in this folder (earlier study runs), "
+                                     "running nothing")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per point (memory mode)")
     p.add_argument("--timing", action="store_true",
                    help="time ddp, zero0-3 and fsdp instead: --timed-steps after --warmup, at the first of --ranks")
@@ -206,11 +365,18 @@ def main(argv: list[str] | None = None) -> int:
         print(timing_table(results, n, variants))
         return 0
     shapes = param_numels(overrides)
-    for n in args.ranks:
-        for v in args.variants:
-            results[(v, n)] = run_point(v, n, overrides, root, stamp, args.steps, min(args.warmup, args.steps - 1), args.timeout)
-            print(f"  {v} x {n} rank(s): {results[(v, n)].get('status')} in {results[(v, n)]['wall_s']:.0f}s", file=sys.stderr)
+    if args.records:
+        results = load_records(Path(args.records))
+    else:
+        for n in args.ranks:
+            for v in args.variants:
+                results[(v, n)] = run_point(v, n, overrides, root, stamp, args.steps, min(args.warmup, args.steps - 1),
+                                            args.timeout)
+                print(f"  {v} x {n} rank(s): {results[(v, n)].get('status')} in {results[(v, n)]['wall_s']:.0f}s",
+                      file=sys.stderr)
     print(memory_table(results, shapes, args.ranks, args.variants))
+    print()
+    print(predicted_table(results, overrides, args.ranks, args.variants))
     return 0
 
 

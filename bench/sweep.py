@@ -39,7 +39,8 @@ REPO = Path(__file__).resolve().parents[1]  # a source checkout: slurm/ beside b
 _NOT_PART_OF_POINT = {"results": None, "hydra": None,
                       "launcher": ("name", "master_addr", "master_port"),
                       "data": ("root", "tokenizer_dir", "cache_dir"),
-                      "trainer": ("progress",)}
+                      # how a run is resumed or stopped for tests is not what it measures
+                      "trainer": ("progress", "resume", "checkpoint_every", "checkpoint_keep", "inject_stop")}
 
 
 def _key(override: str) -> str:

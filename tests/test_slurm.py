@@ -241,7 +241,8 @@ def test_usr1_to_running_job_gives_preempted_record_and_no_orphans(slurm, tmp_pa
     shutil.copytree(data_root / "gpt2-tokenizer", data / "gpt2-tokenizer")
 
     job = sbatch(str(RUN), "data=wikitext2", "workload.seq_len=32", "trainer.epochs=1000", "trainer.progress=false",
-                 f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path, env=job_env(results, DATA=str(data)))
+                 f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path,
+                 env=job_env(results, DATA=str(data), RESUME="never"))  # preempted, not checkpointed and requeued
     # The record appears once every rank has its stop handler and joined the process group.
     deadline = time.time() + 240
     while not list(results.rglob("summary.json")):

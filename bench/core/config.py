@@ -112,6 +112,18 @@ class TrainerConfig:
     log_step_losses: bool = True
     # Fault injection for resilience tests: "KIND@RANK:STEP", KIND = raise | oom | hang | exit
     inject_fault: Optional[str] = None
+    # A deterministic stop for tests of preemption and resume: "RANK:STEP" = that rank is asked to stop
+    # right after global step STEP, as by SIGUSR1 (the ranks agree at the next stop check)
+    inject_stop: Optional[str] = None
+    # Checkpoints (bench/core/checkpoint.py) under RUN_DIR/checkpoints/step-NNNNNN: every this many global
+    # steps (0 = none), and on a stop signal whenever checkpoint_every > 0 or resume=auto; the newest
+    # checkpoint_keep are kept. epoch_time_s leaves the time spent saving out (checkpoint_time_s)
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 2
+    # auto: continue the newest unfinished record of the same point (results.point) from its newest
+    # checkpoint, in that record; never: always a fresh run (the default: a benchmark record is one
+    # uninterrupted attempt unless asked; slurm/run.sbatch passes auto so requeued jobs resume)
+    resume: str = "never"
 
 
 @dataclass
@@ -126,6 +138,9 @@ class ResultsConfig:
     resume: bool = False
     # parent folder of the run's record; None = <root>/<experiment> (a Hydra multirun uses its sweep folder)
     dir: Optional[str] = None
+    # standard sinks written from the finished record (bench/core/sinks.py), never required:
+    mllog: bool = True  # MLPerf-logging `:::MLLOG` lines in RUN_DIR/mllog.txt
+    tensorboard: bool = False  # TensorBoard scalars in RUN_DIR/tensorboard/ (needs the tensorboard package)
 
 
 @dataclass

@@ -5,7 +5,8 @@ deals each optimizer step's global batch in contiguous slices: with G = replicas
 every world size covers perm[kG:(k+1)G], and replica r reads its slice r. So a 2-replica run sees
 exactly the micro-batches that a 1-replica run with 2 accumulation steps sees, which makes runs at
 different scales compare sample for sample (BatchNorm statistics included). Incomplete last global
-batches are dropped, so every step has the same size.
+batches are dropped, so every step has the same size. `set_position(epoch, step)` resumes an epoch
+at a step (checkpoints, bench/core/checkpoint.py): the same shuffle, the steps before it skipped.
 
 Validation: every sample is counted exactly once. Ranks get equal-length strided shards (so
 frameworks that gather parameters in forward, like ZeRO-3/FSDP, never hang on uneven counts);
@@ -27,6 +28,16 @@ class StepShardedSampler(DistributedSampler):
         global_batch = batch_size * grad_accum * num_replicas
         self.steps = len(dataset) // global_batch
         self.num_samples = self.steps * batch_size * grad_accum
+        self.start_step = 0  # resume: the epoch's first steps already done (set_position)
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.start_step = 0
+
+    def set_position(self, epoch: int, step: int) -> None:
+        """Resume inside an epoch: the same shuffle, from its step `step` (those before were trained)."""
+        super().set_epoch(epoch)
+        self.start_step = step
 
     def __iter__(self):
         g = torch.Generator()
@@ -34,7 +45,7 @@ class StepShardedSampler(DistributedSampler):
         perm = torch.randperm(len(self.dataset), generator=g).tolist()
         per_replica = self.micro * self.accum
         global_batch = per_replica * self.num_replicas
-        for k in range(self.steps):
+        for k in range(self.start_step, self.steps):
             start = k * global_batch
             # micro-batch j of replica r is slice (j * replicas + r): the same micro-batches that one
             # replica with replicas x accum accumulation steps would see, in the same order.
@@ -43,7 +54,7 @@ class StepShardedSampler(DistributedSampler):
                 yield from perm[s : s + self.micro]
 
     def __len__(self) -> int:
-        return self.num_samples
+        return (self.steps - self.start_step) * self.micro * self.accum
 
 
 class WeightedEvalSet(Dataset):

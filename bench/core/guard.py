@@ -6,6 +6,11 @@ through one tiny all-reduce on a CPU (gloo) group: a CPU tensor, so a GPU run is
 sync the device for it. The trainer then finishes that step, writes a record with status
 `preempted`, and exits 0 so Slurm can requeue the job.
 
+Requeue: under Slurm, a job that may be requeued (`sbatch --requeue`) and stopped with a checkpoint
+is put back in the queue by rank 0 (`requeue_slurm_job`, `scontrol requeue $SLURM_JOB_ID`) once
+its record is written; the requeued job finds the record by its point id and resumes
+(trainer.resume=auto, bench/core/checkpoint.py).
+
 Watchdog: a daemon thread watches a heartbeat that the loop beats at every step and validation
 batch. If no beat comes for `trainer.hang_timeout_s` seconds (a rank that stopped calling
 collectives leaves every other rank blocked inside one), the rank writes its `timeout` error
@@ -38,8 +43,12 @@ class StopFlag:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _handler(self, signum, frame) -> None:
+        self.request(signal.Signals(signum).name)
+
+    def request(self, name: str) -> None:
+        """Ask for a stop as a signal would (`trainer.inject_stop` uses it for deterministic tests)."""
         self.requested = True
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name = name
 
     def agreed(self) -> bool:
         """True on every rank once any rank has been asked to stop (a collective: call on all ranks)."""
@@ -86,3 +95,30 @@ class Watchdog:
                     self.on_timeout(idle)
                 finally:
                     os._exit(124)  # a rank blocked in a collective cannot be unwound; leave at once
+
+
+def slurm_job_requeueable(env=os.environ) -> str | None:
+    """The job id when this process runs in a Slurm job that may be requeued (Requeue=1), else None."""
+    import shutil
+    import subprocess
+
+    job = env.get("SLURM_JOB_ID")
+    if not job or not shutil.which("scontrol"):
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return job if "Requeue=1" in out.split() else None
+
+
+def requeue_slurm_job(job: str) -> str:
+    """`scontrol requeue JOB` (rank 0, after the checkpoint and the record): Slurm then ends this job's
+    steps and starts the job again. Returns what scontrol said (empty when it succeeded)."""
+    import subprocess
+
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "" if proc.returncode == 0 else (proc.stderr.strip() or f"exit {proc.returncode}")

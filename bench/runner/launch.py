@@ -9,6 +9,7 @@ and its error).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -22,6 +23,7 @@ from bench.core.dist import DistContext, default_backend, free_port
 from bench.core.environments import BUILTIN, ClusterEnvironment, SlurmEnvironment, TorchrunEnvironment, in_srun_step
 from bench.core.errors import ConfigError
 from bench.core.records import RunWriter
+from bench.core.sinks import write_sinks
 from bench.runner.checks import check_devices
 from bench.runner.compose import typed
 from bench.runner.plan import RunPlan, make_plan, run_dir_of
@@ -63,14 +65,32 @@ def launch(cfg: DictConfig) -> int:
 
     if torch.cuda.is_available():
         check_devices(plan.world_size, plan.devices_per_process, torch.cuda.device_count())
+    plan = dataclasses.replace(plan, predicted_memory=predicted_memory(cfg, plan))
     writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
     writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
     port = cfg.launcher.master_port or free_port()
     print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {plan.world_size} rank(s)", flush=True)
     command = adapter_cls.launch_command(cfg, plan.world_size)
     if command:
-        return run_with_launcher(command, cfg.launcher.master_addr, port, writer)
-    return spawn_local(cfg_dict, plan, port, writer)
+        code = run_with_launcher(command, cfg.launcher.master_addr, port, writer)
+    else:
+        code = spawn_local(cfg_dict, plan, port, writer)
+    write_sinks(writer.dir, mllog=cfg.results.mllog, tensorboard=cfg.results.tensorboard)
+    return code
+
+
+def predicted_memory(cfg, plan: RunPlan) -> dict:
+    """The memory model's prediction (bench/core/memory_model.py); on CUDA a run that cannot fit the
+    device is refused here, before launch. A prediction that fails otherwise is recorded, not fatal."""
+    from bench.core.memory_model import plan_memory
+    from workloads import build_workload
+
+    try:
+        return plan_memory(cfg, plan, build_workload(cfg.workload, cfg.data).build_model)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the prediction must never stop a run it cannot model
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _launch_t0() -> str:

@@ -36,6 +36,8 @@ class RunPlan:
     tokens_per_sample: int
     train_flops_per_sample: float
     adapter_cls: type = field(repr=False, compare=False)
+    # bench/core/memory_model.py's prediction for this run (launcher=local computes it before launch)
+    predicted_memory: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def devices(self) -> int:
@@ -51,7 +53,7 @@ class RunPlan:
                 "world_size": self.world_size, "devices": self.devices}
 
     def describe(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "adapter_cls"}
+        d = {k: v for k, v in asdict(self).items() if k not in ("adapter_cls", "predicted_memory")}
         d.update(devices=self.devices, global_batch=self.global_batch)
         return d
 

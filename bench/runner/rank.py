@@ -4,6 +4,14 @@
 srun, horovodrun). `python -m bench.runner.rank RUN_DIR` is a rank started by a framework's own
 launcher for `launcher=local` (horovodrun): the launcher process wrote the run's resolved config to
 RUN_DIR/config.yaml and records the outcome of a failed run, as for spawned ranks.
+
+Resume (`trainer.resume=auto`, bench/core/checkpoint.py): rank 0 looks for an unfinished record of
+the same point with a complete checkpoint. Ranks started by srun/torchrun then continue in THAT
+record folder (no new one is made). Under `launcher=local` the launcher process has already made a
+fresh folder before the ranks start (bench/runner/launch.py), so rank 0 moves the unfinished
+record's checkpoints and event log into it and removes the old folder: either way one record per
+point, with one continuous event log. A stop with a checkpoint inside a Slurm job that may be
+requeued ends with rank 0 calling `scontrol requeue` (bench/core/guard.py) after the record is written.
 """
 from __future__ import annotations
 
@@ -20,9 +28,11 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import adapters  # noqa: E402
+from bench.core import checkpoint as ckpt  # noqa: E402
 from bench.core.dist import DistContext, dist_timeout_s, init_process_group, set_cpu_threads  # noqa: E402
 from bench.core.precision import apply_tf32  # noqa: E402
 from bench.core.records import RunWriter  # noqa: E402
+from bench.core.sinks import write_sinks  # noqa: E402
 from bench.runner.compose import typed  # noqa: E402
 from bench.runner.console import print_summary  # noqa: E402
 from bench.runner.plan import RunPlan, make_plan, run_dir_of  # noqa: E402
@@ -47,7 +57,7 @@ def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | No
     apply_tf32(cfg.trainer.tf32)
     import torch.distributed as dist
 
-    from bench.core.guard import StopFlag, Watchdog
+    from bench.core.guard import StopFlag, Watchdog, requeue_slurm_job, slurm_job_requeueable
 
     stop = StopFlag()
     stop.install()
@@ -55,8 +65,7 @@ def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | No
     adapter = None
     watchdog = None
     try:
-        if run_dir is None:
-            run_dir = _agree_on_run_dir(cfg, plan, ctx)
+        run_dir, resume_from, resume_info = _agree_on_run_dir(cfg, plan, ctx, run_dir)
         writer = RunWriter(run_dir, plan.identity())
 
         def on_hang(idle: float) -> None:
@@ -71,16 +80,33 @@ def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | No
         adapter = plan.adapter_cls(cfg, workload, ctx)
         adapter.setup()
         watchdog.beat()
-        trainer = Trainer(cfg, plan, ctx, adapter, workload, writer.record if ctx.rank == 0 else None, stop, watchdog)
+        trainer = Trainer(cfg, plan, ctx, adapter, workload, writer.record if ctx.rank == 0 else None, stop, watchdog,
+                          run_dir=run_dir, resume_from=resume_from, resume_info=resume_info)
         summary = trainer.run()
+        requeue = None
+        if ctx.rank == 0 and summary["status"] == "preempted" and trainer.saved_on_stop:
+            requeue = slurm_job_requeueable()  # sbatch --requeue: this job starts again and resumes
+            if requeue:
+                summary["requeue"] = {"slurm_job_id": requeue, "time": time.time()}
         if ctx.rank == 0:
+            extra = OmegaConf.to_container(cfg.extra) if OmegaConf.is_config(cfg.extra) else cfg.extra
             summary.update(adapter_settings=adapter.describe(), plan=plan.describe(), precision=plan.precision,
+                           predicted_memory=plan.predicted_memory, extra=extra,
+                           batch_reduced_from=(extra or {}).get("batch_reduced_from") if isinstance(extra, dict) else None,
                            phase_semantics=adapter.phase_semantics, precision_semantics=adapter.precision_semantics,
                            batch_policy=plan.batch_policy, warmup_steps=cfg.trainer.warmup_steps,
                            launcher=ctx.launcher, conventions=CONVENTIONS, frameworks_imported=frameworks_imported(),
                            cpu_threads_per_rank=threads)
             writer.finish(summary)
+            if ctx.launcher != "local":  # no launcher process of ours: this rank writes the sinks
+                write_sinks(run_dir, mllog=cfg.results.mllog, tensorboard=cfg.results.tensorboard)
             print_summary({**summary, **writer.identity})
+        if requeue:  # last: Slurm ends this job's steps now; the checkpoint and the record are complete
+            print(f"scontrol requeue {requeue}: the job resumes from {summary['checkpoint']['latest']}", flush=True)
+            error = requeue_slurm_job(requeue)
+            if error:
+                print(f"warning: scontrol requeue {requeue} failed: {error}", file=sys.stderr, flush=True)
+                writer.finish({**summary, "requeue": {**summary["requeue"], "error": error}})
         return 0
     except BaseException as e:  # record every failure, then let it end the rank
         if run_dir is not None:
@@ -106,18 +132,43 @@ def _record_rank_error(writer: RunWriter, ctx: DistContext, status: str, message
         writer.fail(status, err["error"], ctx.rank)
 
 
-def _agree_on_run_dir(cfg, plan: RunPlan, ctx: DistContext) -> Path:
+def _agree_on_run_dir(cfg, plan: RunPlan, ctx: DistContext, run_dir: Path | None):
+    """(record folder, checkpoint to resume from or None, facts for `resumed_from`), decided by rank 0.
+    `run_dir` None: rank 0 creates the record (or continues the unfinished one of this point)."""
     import torch.distributed as dist
 
-    box = [None]
+    box = [None, None, None]
     if ctx.rank == 0:
-        writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
-        writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
-        box = [str(writer.dir)]
-        print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {ctx.world_size} rank(s) via {ctx.launcher}",
-              flush=True)
+        found = None
+        if cfg.trainer.resume == "auto" and ckpt.enabled(cfg, plan.adapter_cls.checkpoint_unsupported):
+            folders = {Path(cfg.results.root) / cfg.results.experiment, Path(cfg.results.dir or cfg.results.root)}
+            found = ckpt.find_resumable(folders, plan.point, plan.adapter, plan.world_size, exclude=run_dir)
+        info = None
+        if found:
+            old, checkpoint = found
+            previous = RunWriter(old, plan.identity()).record.summary() or {}
+            info = {"previous_status": previous.get("status")}
+        if run_dir is None and found:  # continue in that record
+            writer = RunWriter(old, plan.identity())
+            writer.record.write_summary({"status": "running", **writer.identity, "resuming_from": checkpoint.name})
+            box = [str(old), str(checkpoint), info]
+            print(f"run {old}: resuming {plan.adapter} x {plan.workload} from {checkpoint.name} "
+                  f"({info['previous_status']}), {ctx.world_size} rank(s) via {ctx.launcher}", flush=True)
+        elif run_dir is None:
+            writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
+            writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
+            box = [str(writer.dir), None, None]
+            print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {ctx.world_size} rank(s) via {ctx.launcher}",
+                  flush=True)
+        elif found:  # the launcher made this record already: take the unfinished one's history into it
+            ckpt.adopt(old, run_dir)
+            box = [str(run_dir), str(ckpt.folder(run_dir) / checkpoint.name), info]
+            print(f"run {run_dir}: resuming from {checkpoint.name} of {old} ({info['previous_status']}), "
+                  "moved into this record", flush=True)
+        else:
+            box = [str(run_dir), None, None]
     dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
+    return Path(box[0]), (Path(box[1]) if box[1] else None), box[2]
 
 
 def _is_oom(e: BaseException) -> bool:

@@ -12,18 +12,30 @@ Stated conventions (also written into every record under "conventions"):
   validation excluded (`val_time_s` separately);
 - a step's time is the slowest rank's time for that step; phase times are means over ranks;
 - FLOPs are analytic (workload), training = 3 x forward; achieved FLOP/s = samples/s x FLOPs/sample.
+
+Checkpoints (bench/core/checkpoint.py, `trainer.checkpoint_every`, and on a stop signal when
+checkpointing is on): after a step, every rank writes its part through the adapter
+(`save_checkpoint`) and its own trainer state (RNG states, sampler position, the epoch's losses and
+step times so far) into a temp folder that rank 0 commits by a rename. A resumed run
+(`trainer.resume=auto`, the record found by bench/runner/rank.py) loads it, continues the epoch at
+the saved step with the same shuffle, and writes that epoch's event as if it had not stopped: its
+losses and step times are the two parts joined, its epoch time their sum (the restart gap and the
+time spent saving left out, and flagged); events of the epochs after the checkpoint are replaced.
 """
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from adapters.base import Adapter
+from bench.core import checkpoint as ckpt
 from bench.core import memory
 from bench.core.config import BenchConfig
 from bench.core.data import data_workers, eval_loader, train_loader
@@ -31,7 +43,7 @@ from bench.core.dist import DistContext
 from bench.core.errors import ConfigError
 from bench.core.flops import math_dtype, mfu, peak_flops
 from bench.core.guard import StopFlag, Watchdog
-from bench.core.records import RunRecord
+from bench.core.records import RunRecord, atomic_write, write_json
 from bench.core.timing import PHASES, PhaseTimer
 from bench.runner.console import print_epoch
 from bench.runner.plan import RunPlan
@@ -44,12 +56,16 @@ CONVENTIONS = {
     "flops": "analytic, 2 FLOPs per multiply-add, training = 3 x forward",
     "memory": "CUDA: max allocated/reserved; CPU: VmHWM; both reset each epoch",
     "startup": "startup_s = launch of the command to the end of the first step",
+    "checkpoints": "epoch_time_s leaves out time spent saving checkpoints (checkpoint_time_s); a resumed epoch's "
+                   "time is the sum of its parts before and after the restart, the restart gap left out",
 }
 
 
 class Trainer:
     def __init__(self, cfg: BenchConfig, plan: RunPlan, ctx: DistContext, adapter: Adapter, workload: Workload,
-                 record: RunRecord | None, stop: StopFlag | None = None, watchdog: Watchdog | None = None):
+                 record: RunRecord | None, stop: StopFlag | None = None, watchdog: Watchdog | None = None,
+                 run_dir: Path | None = None, resume_from: Path | None = None, resume_info: dict | None = None):
+        adapter.check_checkpointing(cfg)  # also for adapters whose validate does not call the base's
         self.cfg = cfg
         self.plan = plan
         self.ctx = ctx
@@ -62,6 +78,31 @@ class Trainer:
         self.watchdog = watchdog or Watchdog(0, lambda idle: None)
         self.stop_requested = False  # all ranks agreed to stop (graceful preemption)
         self.first_step_end: float | None = None
+        # checkpoints: on when asked for and the adapter can; resume_from: the checkpoint to continue from
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.checkpointing = self.run_dir is not None and ckpt.enabled(cfg, adapter.checkpoint_unsupported)
+        self.resume_from = Path(resume_from) if resume_from is not None else None
+        self.resume_info = resume_info or {}
+        self.resumed_from: list[dict] = []  # one entry per restart of this record
+        self.checkpoints: list[dict] = []  # every save of this record (earlier attempts' included)
+        self.saved_on_stop = False
+        self._last_saved = -1
+        self._prior: dict | None = None  # the resumed epoch's part before the checkpoint
+        self._prior_run_time = 0.0  # training time of earlier attempts, up to the checkpoint
+        self._epoch_done_losses: list[float] = []
+        self._epoch_rows: list[dict] = []
+        self._live_losses: list[torch.Tensor] = []
+        self._epoch_first_step = 0
+        self._epoch_index = 0
+        self._epoch_prior_time = 0.0
+        self._epoch_t0 = 0.0
+        self._ckpt_time = 0.0  # seconds spent saving in the current epoch (left out of its time)
+        self._run_start = time.perf_counter()
+        stop_at = cfg.trainer.inject_stop
+        self._inject_stop = tuple(int(v) for v in str(stop_at).split(":")) if stop_at else None
+        if cfg.trainer.resume == "auto" and adapter.checkpoint_unsupported and ctx.rank == 0:
+            print(f"warning: adapter={adapter.name} cannot checkpoint ({adapter.checkpoint_unsupported}): "
+                  "trainer.resume=auto writes no checkpoint, a preempted run starts over", file=sys.stderr, flush=True)
 
     def _loaders(self):
         t = self.cfg.trainer
@@ -83,19 +124,27 @@ class Trainer:
         t = self.cfg.trainer
         train, sampler, val = self._loaders()
         steps_per_epoch = sampler.steps if t.max_steps <= 0 else min(sampler.steps, t.max_steps)
+        self.steps_per_epoch = steps_per_epoch
         self.full_epoch_steps = sampler.steps  # a whole pass over the data (incomplete last batch dropped)
         self.samples_dropped = len(sampler.dataset) - sampler.steps * self.global_batch
-        run_start = time.perf_counter()
         epochs = []
-        for epoch in range(t.epochs):
-            sampler.set_epoch(epoch)
+        start_epoch = 0
+        if self.resume_from is not None:
+            start_epoch = self._restore(self.resume_from)
+            epochs = self._replace_events(start_epoch)
+        run_start = self._run_start = time.perf_counter()
+        for epoch in range(start_epoch, t.epochs):
+            if self._prior is not None and self._prior["epoch"] == epoch:
+                sampler.set_position(epoch, self._prior["step_in_epoch"])
+            else:
+                sampler.set_epoch(epoch)
             event = self._epoch(epoch, train, val, steps_per_epoch, run_start)
             epochs.append(event)
             if self.record is not None:
                 self.record.append_event(event)
             if self.stop_requested:
                 break
-        return self._summary(epochs, time.perf_counter() - run_start)
+        return self._summary(epochs, self._prior_run_time + time.perf_counter() - run_start)
 
     # --- one epoch -------------------------------------------------------------------------------
     def _epoch(self, epoch: int, train, val, steps: int, run_start: float) -> dict:
@@ -103,14 +152,30 @@ class Trainer:
         self.timer.reset()
         memory.reset_peaks(self.adapter.devices())
         rss_before = memory.rss()  # CPU: the interpreter and model states already resident
-        first_step = self.global_step
+        prior = self._prior if self._prior is not None and self._prior["epoch"] == epoch else None
+        self._epoch_index = epoch
+        self._epoch_first_step = first_step = prior["epoch_first_step"] if prior else self.global_step
+        self._epoch_done_losses = list(prior["losses"]) if prior else []
+        self._epoch_rows = list(prior["rows"]) if prior else []
+        self._epoch_prior_time = prior["epoch_time_s"] if prior else 0.0
+        self._ckpt_time = 0.0
+        todo = steps - (prior["step_in_epoch"] if prior else 0)
         bar = self._progress(steps, epoch)
-        t0 = time.perf_counter()
-        losses = self.train_steps(iter(train), steps, bar)
+        it = iter(train)
+        if prior:
+            # after iter(): the loader draws its base seed from the global generator there, as it did at
+            # this epoch's start before the restart; the steps then see the RNG where the checkpoint left it
+            ckpt.set_rng_state(prior["rng"])
+            if bar is not None:
+                bar.update(prior["step_in_epoch"])
+        t0 = self._epoch_t0 = time.perf_counter()
+        losses = self.train_steps(it, todo, bar)
         for d in self.adapter.devices():  # every device this process drives (GPipe: several)
             if torch.device(d).type == "cuda":
                 torch.cuda.synchronize(d)
-        epoch_time = time.perf_counter() - t0
+        # the restart gap and the time spent saving checkpoints are not training time
+        epoch_time = self._epoch_prior_time + time.perf_counter() - t0 - self._ckpt_time
+        losses = [torch.tensor(v, device=self.ctx.device) for v in self._epoch_done_losses] + losses
         if bar is not None:
             bar.close()
         mem = memory.peak_over(self.adapter.devices())  # training peak, before validation allocates
@@ -123,14 +188,23 @@ class Trainer:
         val_time = time.perf_counter() - tv
 
         partial = self.stop_requested or len(losses) < self.full_epoch_steps
-        return self._epoch_event(epoch, losses, first_step, epoch_time, val_time, mem, state, val_metrics, run_start,
-                                 partial)
+        event = self._epoch_event(epoch, losses, first_step, epoch_time, val_time, mem, state, val_metrics, run_start,
+                                  partial)
+        event["checkpoint_time_s"] = self._ckpt_time
+        if prior:
+            event["resumed"] = True  # this epoch ran in two attempts: the parts are joined
+            event["resumed_at_step"] = prior["global_step"]
+            event["restart_gap_excluded"] = True
+            event["memory_note"] = "peak memory of the attempt after the restart"
+        return event
 
     def train_steps(self, it, steps: int, bar=None) -> list[torch.Tensor]:
         """The hot loop: `steps` optimizer steps from iterator `it`, each timed by phase."""
-        accum = self.cfg.trainer.grad_accum
+        t = self.cfg.trainer
+        accum = t.grad_accum
         device = self.ctx.device
         losses: list[torch.Tensor] = []
+        self._live_losses = losses  # a checkpoint saves the epoch's losses so far
         for _ in range(steps):
             self.timer.start_step()
             with self.timer.phase("data"):
@@ -149,10 +223,110 @@ class Trainer:
             self.watchdog.beat()
             if bar is not None:
                 bar.update(1)
-            if self.global_step % self.cfg.trainer.stop_check_every == 0 and self.stop.agreed():
+            if self._inject_stop == (self.ctx.rank, self.global_step):
+                self.stop.request("injected")
+            if self.checkpointing and t.checkpoint_every and self.global_step % t.checkpoint_every == 0:
+                self.save_checkpoint("every")
+            if self.global_step % t.stop_check_every == 0 and self.stop.agreed():
                 self.stop_requested = True
+                if self.checkpointing:
+                    self.save_checkpoint("stop")
+                    self.saved_on_stop = True
                 break
         return losses
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, reason: str) -> None:
+        """Every rank, after a step: the adapter's state and each rank's own into a temp folder, which
+        rank 0 commits by a rename and prunes to trainer.checkpoint_keep."""
+        if self.global_step == self._last_saved:
+            return
+        start = time.perf_counter()
+        state = self._rank_state()  # RNG first: nothing below may move it
+        step = self.global_step
+        tmp = ckpt.temp_path(self.run_dir, step)
+        if self.ctx.rank == 0:
+            ckpt.prepare(tmp)
+        dist.barrier()
+        self.adapter.save_checkpoint(tmp)
+        ckpt.save_rank_state(tmp, self.ctx.rank, state)
+        dist.barrier()  # every rank's part is on disk
+        entry = {"step": step, "epoch": self._epoch_index, "step_in_epoch": state["step_in_epoch"], "reason": reason,
+                 "time": time.time()}
+        if self.ctx.rank == 0:
+            ckpt.crash_hook(step)
+            final = ckpt.commit(tmp, {**entry, "adapter": self.adapter.name, "format": self.adapter.checkpoint_format,
+                                      "world_size": self.ctx.world_size, "point": self.plan.point,
+                                      "run_id": self.run_dir.name, "steps_per_epoch": self.steps_per_epoch})
+            meta = ckpt.read_meta(final)
+            meta["save_time_s"] = time.perf_counter() - start  # up to the commit
+            write_json(final / ckpt.META, meta)
+            ckpt.prune(self.run_dir, self.cfg.trainer.checkpoint_keep)
+            entry.update(name=final.name, bytes=meta["bytes"])
+        dist.barrier()  # committed before any rank goes on (or exits)
+        elapsed = time.perf_counter() - start
+        entry["save_time_s"] = elapsed
+        self.checkpoints.append(entry)
+        self._ckpt_time += elapsed
+        self._last_saved = step
+        self.watchdog.beat()
+
+    def _rank_state(self) -> dict:
+        now = time.perf_counter()
+        losses = [float(v) for v in torch.stack(self._live_losses).float().cpu()] if self._live_losses else []
+        return {
+            "rng": ckpt.rng_state(),
+            "global_step": self.global_step,
+            "epoch": self._epoch_index,
+            "step_in_epoch": len(self._epoch_done_losses) + len(losses),
+            "epoch_first_step": self._epoch_first_step,
+            "losses": self._epoch_done_losses + losses,  # this rank's, as the epoch event's all-reduce expects
+            "rows": self._epoch_rows + [dict(r) for r in self.timer.steps],
+            "epoch_time_s": self._epoch_prior_time + now - self._epoch_t0 - self._ckpt_time,
+            "run_time_s": self._prior_run_time + now - self._run_start,
+            "resumed_from": self.resumed_from,
+            "checkpoints": self.checkpoints,
+        }
+
+    def _restore(self, path: Path) -> int:
+        """Load checkpoint `path` on every rank; returns the epoch to continue."""
+        self.adapter.load_checkpoint(path)
+        state = ckpt.load_rank_state(path, self.ctx.rank)
+        meta = ckpt.read_meta(path)
+        self.global_step = state["global_step"]
+        self._prior = state
+        self._prior_run_time = state["run_time_s"]
+        self._last_saved = self.global_step
+        # the saves before this checkpoint, and this one (its save time was not known when it was written)
+        self.checkpoints = list(state.get("checkpoints", [])) + [
+            {**{k: meta.get(k) for k in ("step", "epoch", "step_in_epoch", "reason", "time", "bytes", "save_time_s")}, "name": path.name}]
+        now = time.time()
+        self.resumed_from = list(state.get("resumed_from", [])) + [{
+            "step": self.global_step, "epoch": state["epoch"], "step_in_epoch": state["step_in_epoch"],
+            "time": now, "attempt": len(state.get("resumed_from", [])) + 2,  # the first attempt is 1
+            "checkpoint": path.name, "checkpoint_time": meta.get("time"),
+            "restart_gap_s": now - meta["time"] if meta.get("time") else None,
+            "previous_run_id": meta.get("run_id"), **self.resume_info, **ckpt.attempt(),
+        }]
+        self.watchdog.beat()
+        if self.ctx.rank == 0:
+            print(f"resumed from {path} (global step {self.global_step}, epoch {state['epoch']} step "
+                  f"{state['step_in_epoch']})", flush=True)
+        return state["epoch"]
+
+    def _replace_events(self, epoch: int) -> list[dict]:
+        """Rank 0: drop the events of epoch `epoch` on (the interrupted one is written again, whole);
+        returns the earlier epochs' events for the summary."""
+        if self.record is None:
+            return []
+        events = self.record.events()
+        kept = [e for e in events if e.get("type") != "epoch" or e.get("epoch", 0) < epoch]
+        dropped = [e.get("epoch") for e in events if e not in kept]
+        path = self.record.dir / "events.jsonl"
+        if dropped or path.exists():
+            atomic_write(path, "".join(json.dumps(e, sort_keys=True, default=str) + "\n" for e in kept))
+        self.resumed_from[-1]["events_replaced"] = dropped
+        return [e for e in kept if e.get("type") == "epoch"]
 
     @torch.no_grad()
     def _validate(self, val) -> dict:
@@ -185,7 +359,7 @@ class Trainer:
 
         # per-step phase times of every rank: [world, steps, phases + step]
         cols = list(PHASES) + ["step"]
-        rows = [[s.get(c, 0.0) for c in cols] for s in self.timer.steps]
+        rows = [[s.get(c, 0.0) for c in cols] for s in self._epoch_rows + self.timer.steps]
         local = torch.tensor(rows, dtype=torch.float64, device=device).reshape(-1, len(cols))
         gathered = [torch.zeros_like(local) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, local)
@@ -205,6 +379,7 @@ class Trainer:
         flops_per_s = samples_per_s * flops_per_sample if samples_per_s else None
         peak = peak_flops(self.ctx.device, self.cfg.trainer.precision, self.cfg.trainer.tf32)
         devices = self.plan.devices
+        slowest = max(r["epoch_time_s"] for r in per_rank)
         mfu_value, mfu_note = mfu(flops_per_s, peak, devices)
         if self.ctx.is_cuda and peak is None:
             mfu_note = (f"no MFU: no peak FLOP/s known for {torch.cuda.get_device_name(self.ctx.device)} in "
@@ -220,7 +395,7 @@ class Trainer:
             "global_batch": self.global_batch,
             "devices": devices,  # world_size x devices per process (GPipe drives several from one)
             # the slowest rank's: an epoch ends when its last rank does
-            "epoch_time_s": max(r["epoch_time_s"] for r in per_rank),
+            "epoch_time_s": slowest,
             # cut short (trainer.max_steps, a stop signal): flagged, and left out of epoch-time means
             "partial": partial,
             "val_time_s": val_time,
@@ -232,7 +407,7 @@ class Trainer:
             **{f"{c}_time_mean_s": v for c, v in phase_means.items()},
             "data_share": phase_means["data"] / step_stats["mean"] if step_stats["mean"] else None,
             "samples_per_s": samples_per_s,
-            "epoch_samples_per_s": self.global_batch * steps / epoch_time if epoch_time > 0 else None,
+            "epoch_samples_per_s": self.global_batch * steps / slowest if slowest > 0 else None,
             "tokens_per_s": samples_per_s * self.plan.tokens_per_sample if samples_per_s else None,
             "train_flops_per_sample": flops_per_sample,
             "flops_per_s": flops_per_s,
@@ -267,6 +442,8 @@ class Trainer:
         keys = ("val_loss", "val_accuracy", "val_perplexity", "train_loss", "peak_memory_max", "peak_memory_min", "mfu")
         return {
             "status": "preempted" if self.stop_requested else "ok",
+            "checkpoint": self._checkpoint_summary(),
+            **({"resumed_from": self.resumed_from, "restart_gap_excluded": True} if self.resumed_from else {}),
             "startup_s": self.first_step_end - launch_time() if self.first_step_end else None,
             "stop_signal": self.stop.signal_name,
             "epochs_completed": len(epochs),
@@ -291,6 +468,14 @@ class Trainer:
             "hosts": [r["host"] for r in last.get("ranks", [])],  # one per rank, in rank order
             **{k: last.get(k) for k in keys},
         }
+
+    def _checkpoint_summary(self) -> dict | None:
+        if not self.checkpointing:
+            return None
+        latest = ckpt.latest(self.run_dir) if self.ctx.rank == 0 else None
+        return {"every": self.cfg.trainer.checkpoint_every, "keep": self.cfg.trainer.checkpoint_keep,
+                "on_stop": True, "format": self.adapter.checkpoint_format, "saved": self.checkpoints,
+                "latest": latest.name if latest else None}
 
     def _progress(self, steps: int, epoch: int):
         show = self.cfg.trainer.progress

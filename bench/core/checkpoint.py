@@ -1,0 +1,245 @@
+"""Checkpoints of a run, in its record folder: where they live, how they are committed, how resume finds them.
+
+    RUN_DIR/checkpoints/step-000123/     one complete checkpoint (the step is the global optimizer step)
+        meta.json                        written last, by rank 0: step, epoch, position, adapter, sizes
+        trainer-rank{R}.pt               each rank's own: RNG states, sampler position, the epoch so far
+        ...                              the adapter's files (DCP shards, DeepSpeed's tag folder, state.pt)
+    RUN_DIR/checkpoints/.tmp-step-000123/  a save in progress: never read, removed by the next save
+
+Atomic: every rank writes into the temp folder; after a barrier rank 0 writes meta.json there and
+renames the folder to step-NNNNNN (one rename on one file system), then prunes to the newest K. A
+crash at any point of a save leaves the previous checkpoints untouched and the temp folder
+ignored. Only folders named step-* that hold meta.json count as checkpoints.
+
+Resume (`trainer.resume=auto`): the newest complete checkpoint of a record of the same point
+(results.point, bench/sweep.py) under results.root/results.experiment (and results.dir) whose
+status says it did not finish (RESUMABLE), with the same adapter and world size.
+
+Plumbing: imports nothing of workloads, adapters or the runner (they hand in what they save).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.core.errors import ConfigError
+from bench.core.records import read_json, write_json
+
+CHECKPOINTS = "checkpoints"
+META = "meta.json"
+RESUMABLE = ("preempted", "running", "failed", "timeout")  # a record that did not finish
+RESUME_MODES = ("never", "auto")
+_NAME = re.compile(r"step-(\d+)")
+
+
+def check_config(cfg, adapter: str, unsupported: str | None) -> None:
+    """One line per bad value of the trainer's checkpoint fields; `unsupported`: why the adapter cannot."""
+    t = cfg.trainer
+    if t.checkpoint_every < 0:
+        raise ConfigError(f"trainer.checkpoint_every={t.checkpoint_every} must be >= 0 (steps; 0 = off)")
+    if t.checkpoint_keep < 1:
+        raise ConfigError(f"trainer.checkpoint_keep={t.checkpoint_keep} must be >= 1 (checkpoints kept)")
+    if t.resume not in RESUME_MODES:
+        raise ConfigError(f"trainer.resume={t.resume}: choose auto or never")
+    if t.inject_stop is not None and not re.fullmatch(r"\d+:\d+", str(t.inject_stop)):
+        raise ConfigError(f"trainer.inject_stop={t.inject_stop}: use RANK:STEP (that rank is asked to stop after "
+                          "that global step, as by a stop signal)")
+    if unsupported and t.checkpoint_every > 0:
+        raise ConfigError(f"trainer.checkpoint_every={t.checkpoint_every}: adapter={adapter} cannot checkpoint "
+                          f"({unsupported}); set trainer.checkpoint_every=0")
+
+
+def enabled(cfg, unsupported: str | None) -> bool:
+    """Whether this run writes checkpoints: asked for (every N steps, or resume=auto: on a stop signal)
+    and the adapter can."""
+    return unsupported is None and (cfg.trainer.checkpoint_every > 0 or cfg.trainer.resume == "auto")
+
+
+# --- folders -------------------------------------------------------------------------------------
+def folder(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def temp_path(run_dir: Path, step: int) -> Path:
+    return folder(run_dir) / f".tmp-{name(step)}"
+
+
+def complete(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    out = []
+    base = folder(run_dir)
+    if base.is_dir():
+        for p in base.iterdir():
+            m = _NAME.fullmatch(p.name)
+            if m and (p / META).is_file():
+                out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest(run_dir: Path) -> Path | None:
+    found = complete(run_dir)
+    return found[-1][1] if found else None
+
+
+def prepare(tmp: Path) -> None:
+    """Rank 0, before a save: an empty temp folder (a crashed save's leftovers removed)."""
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+
+
+def commit(tmp: Path, meta: dict) -> Path:
+    """Rank 0, after every rank wrote into `tmp`: meta.json, then one rename. Returns the checkpoint."""
+    final = tmp.parent / tmp.name.removeprefix(".tmp-")
+    meta = {**meta, "bytes": tree_bytes(tmp), "files": sum(1 for p in tmp.rglob("*") if p.is_file()) + 1}
+    write_json(tmp / META, meta)
+    _fsync_tree(tmp)
+    if final.exists():  # the same step saved before (a resumed run stopped again at once): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def prune(run_dir: Path, keep: int) -> list[Path]:
+    """Rank 0: remove all but the newest `keep` complete checkpoints, and stale temp folders."""
+    removed = []
+    for _, p in complete(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    base = folder(run_dir)
+    for p in base.glob(".tmp-*") if base.is_dir() else []:
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(Path(path).rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    for d in [*sorted(p for p in Path(path).rglob("*") if p.is_dir()), Path(path)]:
+        _fsync_dir(d)
+
+
+def crash_hook(step: int) -> None:
+    """Test hook: BENCH_CHECKPOINT_CRASH_AT=STEP ends rank 0 hard once the temp folder of that step's
+    save is complete and before it is committed (a crash during a save)."""
+    at = os.environ.get("BENCH_CHECKPOINT_CRASH_AT")
+    if at and int(at) == step:
+        os._exit(3)
+
+
+# --- each rank's own state -----------------------------------------------------------------------
+def rng_state() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def save_rank_state(path: Path, rank: int, state: dict) -> None:
+    torch.save(state, Path(path) / f"trainer-rank{rank}.pt")
+
+
+def load_rank_state(path: Path, rank: int) -> dict:
+    # our own file, holding numpy/python RNG tuples: not weights-only
+    return torch.load(Path(path) / f"trainer-rank{rank}.pt", weights_only=False)
+
+
+def read_meta(path: Path) -> dict:
+    return read_json(Path(path) / META)
+
+
+# --- resume ----------------------------------------------------------------------------------------
+def find_resumable(folders, point: str | None, adapter: str, world_size: int,
+                   exclude: Path | None = None) -> tuple[Path, Path] | None:
+    """(record folder, its newest complete checkpoint) of the newest unfinished record of `point`,
+    or None. Records of another adapter or world size are passed over."""
+    if not point:
+        return None
+    best = None
+    seen = set()
+    for root in folders:
+        root = Path(root)
+        if not root.is_dir():
+            continue
+        for path in root.rglob("summary.json"):
+            run_dir = path.parent.resolve()
+            if run_dir in seen or (exclude is not None and run_dir == Path(exclude).resolve()):
+                continue
+            seen.add(run_dir)
+            try:
+                s = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if s.get("point") != point or s.get("status") not in RESUMABLE:
+                continue
+            if s.get("adapter") != adapter or s.get("world_size") != world_size:
+                continue
+            ckpt = latest(run_dir)
+            if ckpt is None:
+                continue
+            when = read_meta(ckpt).get("time", 0)
+            if best is None or when > best[0]:
+                best = (when, run_dir, ckpt)
+    return (best[1], best[2]) if best else None
+
+
+def adopt(old: Path, new: Path) -> None:
+    """Move an unfinished record's checkpoints and event log into the fresh record `new` (made by the
+    launcher before the ranks started), then remove `old`: one record per point. Each step leaves a
+    resumable state: the checkpoints move in one rename, so a crash leaves them in exactly one folder."""
+    from bench.core.records import atomic_write
+
+    events = Path(old) / "events.jsonl"
+    if events.exists():
+        atomic_write(Path(new) / "events.jsonl", events.read_text())
+    if folder(new).exists():
+        shutil.rmtree(folder(new))
+    os.rename(folder(old), folder(new))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def attempt() -> dict:
+    """Who ran this attempt (for `resumed_from`)."""
+    import socket
+
+    env = os.environ
+    return {"host": socket.gethostname(), "time": time.time(),
+            "slurm_job_id": env.get("SLURM_JOB_ID"), "slurm_restart_count": env.get("SLURM_RESTART_COUNT")}

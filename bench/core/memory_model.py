@@ -1,0 +1,617 @@
+"""Predicted memory per rank of each adapter: pure formulas (no torch or framework import at module level).
+
+`predict(adapter, params=..., world_size=..., dp=..., ...)` returns the bytes the busiest rank (the
+busiest device, for gpipe, which drives several from one process) should hold: parameters,
+gradients, optimizer state, DeepSpeed's fp32 master copy, transient buffers and activations, and
+their total. `fits(total, device_bytes)` says whether that total fits a device. `predict_run(cfg,
+plan, build_model)` fills every argument from a composed config and its run plan (the one call the
+runner makes); `device_bytes()` is the memory a rank may use on this machine.
+
+Model states ([ZeRO] Rajbhandari et al., SC 2020, Sec. 3.1 and 5, Fig. 1), Ψ = parameters (elements)
+of the rank's model-parallel shard P, N = data-parallel size, K = optimizer state bytes per element:
+
+    adapter (fp32)                     params   grads        optimizer   master   transient
+    ddp, horovod, zero0, tensor_parallel, pipeline, gpipe, megatron (CPU)
+                                       4P       4P           K P         -        horovod: fusion buffer
+    megatron on CUDA (distributed optimizer for sgd/adam/adamw)
+                                       4P       4P           K P/N       -
+    zero1 (DeepSpeed 0.19)             4P       4P/N (*)     K P/N       4P/N     full gradients in backward
+    zero2                              4P       4P/N (*)     K P/N       4P/N
+    zero3                              4P/N     4P/N         K P/N       4P/N     the largest gathered module
+    fsdp (FSDP2)                       4P/N     4P/N         K P/N       -        the largest gathered module
+
+K: adam / adamw / lamb 8 (two moments), sgd with momentum / lars 4 (one buffer; sgd without momentum 0).
+"master": DeepSpeed stages >= 1 keep an fp32 copy of their partition even when the model is fp32
+(their optimizer steps that copy and copies it back; bench/memory_study.py). With bf16 / fp16,
+DeepSpeed stages 1-3 hold parameters and gradients in 2 bytes and keep master + moments (12 bytes per
+element for Adam) per partition: the paper's 2Ψ + 2Ψ + KΨ/N split. Every other adapter runs half
+precision as autocast around fp32 weights (DDP, Horovod, tensor parallel, pipelines, Megatron's
+bf16 here, FSDP2's MixedPrecisionPolicy), so its states do not change; FSDP then gathers in bf16.
+(*) "grads" are what a rank holds at the optimizer step. DeepSpeed 0.19 reduces ZeRO-1's gradients
+after backward into the same partition as ZeRO-2, so at rest ZeRO-1 equals ZeRO-2; during backward
+ZeRO-1 holds full-size gradients (bP(1 - 1/N) more: `transient`), which is the paper's 4Ψ + 4Ψ +
+KΨ/N at the peak. With `shapes` (the model's parameter shapes in `parameters()` order) the
+partition follows the framework's rule per tensor instead of Ψ/N: DeepSpeed 1-2 cut one flat buffer
+into N equal pieces and keep whole gradients of every tensor touching a rank's piece; DeepSpeed 3
+splits each tensor into ceil(numel/N); FSDP2 splits each tensor along dim 0 (torch.chunk).
+
+Model-parallel shard P: tensor parallel divides the sharded weights by t and keeps `replicated`
+parameters whole on every TP rank (GPT-2: position embedding, LayerNorms, the row-parallel biases:
+s h + 6 h L + 2 h); a pipeline stage holds its layers: for GPT-2 the first stage also holds the token
+and position embeddings and the last the final LayerNorm and its own copy of the tied LM head
+(adapters/_pipeline.py: V h again); layers are split evenly (ceil(L/p) on the busiest stage).
+Vision pipelines: Ψ/p unless `stage_params` gives the real split (VGG's classifier holds most of
+its parameters, so the true busiest stage can hold far more than Ψ/p).
+
+Activations, GPT-2 ([Korthikanti] Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models", 2022, Sec. 4, Eq. 1-4): per transformer layer and micro-batch of b sequences
+of s tokens, width h, a heads, with 2-byte activations and 1-byte dropout masks:
+
+    s b h (34 + 5 a s / h)                       no tensor parallelism
+    s b h (10 + 24/t + 5 a s / (h t))            tensor parallel t, no sequence parallelism
+    s b h (34 + 5 a s / h) / t                   tensor + sequence parallel
+    + 4 s b V / t                                the fp32 logits the cross-entropy keeps (output layer)
+
+The 5 a s / h term is the attention score, softmax and its dropout mask (5 a s^2 b bytes); fused
+attention (torch scaled_dot_product_attention's flash / memory-efficient kernels, which the harness
+GPT-2 uses, and Transformer Engine) keeps only a per-row log-sum-exp instead, so
+`attention_scores=False` leaves that term out. fp32 activations double everything (the masks are
+1 byte in reality, so this slightly over-estimates); bf16 / fp16 use the formula as written.
+Layers on the busiest stage and micro-batches alive at its peak: no pipeline, L layers x 1 (gradient
+accumulation frees each micro-batch before the next); 1F1B (torch pipelining 1f1b / interleaved,
+Megatron) the first stage keeps min(p, m) micro-batches of ceil(L/p) layers (interleaving adds
+(p-1)/(p v) more: not modelled); the GPipe schedule keeps all m; torchgpipe with checkpointing keeps
+each micro-batch's stage input (s b h) and recomputes one micro-batch's layers at a time
+(`checkpoint=always`: m inputs + 1 micro-batch; `except_last`: m inputs + 2; `never`: m).
+
+Activations, vision: no closed formula covers VGG and ResNet, so the estimate counts them: one
+forward of the real model on the meta device (`activation_elements`, no memory, no FLOPs) with a
+hook on every leaf module summing the elements of its output (in-place ReLUs, which share their
+input's storage, are skipped), x bytes per element (4 fp32, 2 bf16/fp16) x micro-batch. It counts
+what autograd usually keeps (every conv / linear saves its input, the previous leaf's output;
+BatchNorm its input; ReLU its output) once each. Uncertainty: about -30 % / +50 %: max-pool indices
+(int64) and BatchNorm's saved statistics are missed, residual adds outside modules are missed,
+cuDNN workspaces and the gradient of the largest activation during backward are not counted, and
+a tensor saved by two consumers is counted once. At 224 px the count gives ResNet-50
+22.4 M elements per sample (86 MiB fp32) and VGG-16 15.1 M (58 MiB fp32): the same order as the
+commonly quoted ~100 MB per ResNet-50 sample, and more likely under than over the truth.
+
+Unmodelled (all add to the measured peak): the CUDA caching allocator's fragmentation and
+reserved-but-free blocks, the CUDA context (~0.3-0.5 GB per process, outside torch's allocator
+statistics), DDP / ZeRO bucket buffers when gradients are not bucket views, NCCL buffers, the data
+loader's pinned batches, temporaries of the loss and of the optimizer step (foreach kernels).
+"""
+from __future__ import annotations
+
+import math
+
+ADAPTERS = ("ddp", "horovod", "zero", "zero0", "zero1", "zero2", "zero3", "fsdp", "tensor_parallel", "pipeline",
+            "gpipe", "megatron")
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lars": 4, "sgd": 4}
+PRECISIONS = ("fp32", "bf16", "fp16")
+PARTS = ("params", "grads", "optimizer", "master", "transient", "activations")
+GIB = 2**30
+MIB = 2**20
+
+
+def optimizer_state_bytes(optimizer: str, momentum: float = 0.9) -> int:
+    """Bytes of optimizer state per parameter element (fp32 state): Adam/AdamW/LAMB two moments (8),
+    SGD with momentum and LARS one buffer (4), SGD without momentum none."""
+    name = optimizer.strip().lower()
+    if name not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATE_BYTES)}")
+    if name == "sgd" and not momentum:
+        return 0
+    return OPTIMIZER_STATE_BYTES[name]
+
+
+def _numel(shape) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def gpt2_replicated_under_tp(layers: int, hidden: int, seq_len: int) -> int:
+    """Parameters a GPT-2 keeps whole on every tensor-parallel rank (adapters/tensor_parallel.py's plan):
+    the position embedding (s h), per layer two LayerNorms (4 h) and the row-parallel c_proj biases
+    (2 h), the final LayerNorm (2 h)."""
+    return seq_len * hidden + 6 * hidden * layers + 2 * hidden
+
+
+def gpt2_stage_params(params: int, *, layers: int, hidden: int, seq_len: int, vocab: int, pp: int) -> tuple[int, int]:
+    """(first stage, last stage) parameters of a GPT-2 split over `pp` stages, layers evenly
+    (ceil(L/p) on each end stage). `params` counts the tied embedding once; with pp > 1 the last stage
+    holds its own copy of the head (V h)."""
+    embed = vocab * hidden + seq_len * hidden
+    head = 2 * hidden  # final LayerNorm
+    block = (params - embed - head) / layers if layers else 0
+    per = math.ceil(layers / pp) if layers else 0
+    if pp == 1:
+        return params, params
+    first = embed + per * block
+    last = per * block + head + vocab * hidden
+    return int(round(first)), int(round(last))
+
+
+def _dp_shard(adapter: str, shapes, n: int) -> dict:
+    """Per-tensor partition of DeepSpeed / FSDP over n ranks: elements of the busiest rank.
+    Returns {part: elements of the flat partition (stages 1-2) or of the local pieces (3, fsdp),
+    grad_elems: gradient elements held at the step, rank}."""
+    numels = [_numel(s) for s in shapes]
+    psi = sum(numels)
+    best = None
+    for rank in range(n):
+        if adapter in ("zero1", "zero2"):
+            part = math.ceil(psi / n)
+            lo, hi = rank * part, (rank + 1) * part
+            start, overlap = 0, 0
+            for k in numels:
+                if start < hi and start + k > lo:
+                    overlap += k
+                start += k
+            cand = {"part": part, "grad_elems": overlap, "param_elems": psi}
+        elif adapter == "zero3":
+            local = sum(math.ceil(k / n) for k in numels)
+            cand = {"part": local, "grad_elems": local, "param_elems": local}
+            cand["rank"] = 0
+            return cand  # every rank holds ceil(numel/N) of each tensor
+        elif adapter == "fsdp":
+            local = 0
+            for s in shapes:
+                rows = s[0] if s else 1
+                chunk = math.ceil(rows / n)
+                mine = max(0, min(chunk, rows - rank * chunk))
+                local += mine * (_numel(s) // rows if rows else 0)
+            cand = {"part": local, "grad_elems": local, "param_elems": local}
+        else:
+            raise ValueError(adapter)
+        cand["rank"] = rank
+        key = cand["param_elems"] + cand["grad_elems"] + cand["part"]
+        if best is None or key > best[0]:
+            best = (key, cand)
+    return best[1]
+
+
+def _gpt2_layer_activation_bytes(s: int, b: int, h: int, a: int, tp: int, sequence_parallel: bool,
+                                 attention_scores: bool) -> float:
+    """[Korthikanti] Eq. 1-3, bytes per transformer layer with 2-byte activations."""
+    scores = 5 * a * s / h if attention_scores else 0.0
+    if tp == 1:
+        return s * b * h * (34 + scores)
+    if sequence_parallel:
+        return s * b * h * (34 + scores) / tp
+    return s * b * h * (10 + 24 / tp + scores / tp)
+
+
+def predict(
+    adapter: str,
+    *,
+    params: int,
+    world_size: int,
+    dp: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    stage: int = 0,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    momentum: float = 0.9,
+    kind: str = "language",
+    layers: int = 0,
+    hidden: int = 0,
+    heads: int = 0,
+    seq_len: int = 0,
+    vocab: int = 0,
+    micro_batch: int = 0,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    checkpoint: str = "never",
+    sequence_parallel: bool = False,
+    attention_scores: bool = True,
+    image_size: int = 0,
+    activation_elements_per_sample: float | None = None,
+    shapes: list | None = None,
+    stage_params: list[int] | None = None,
+    replicated_params: int | None = None,
+    largest_unit_params: int = 0,
+    fusion_buffer_bytes: int = 0,
+    device: str = "cuda",
+) -> dict:
+    """Bytes per rank (the busiest one) of `adapter` training a model of `params` elements.
+
+    adapter: ddp | horovod | zero (with stage) | zero0..zero3 | fsdp | tensor_parallel | pipeline |
+        gpipe | megatron. world_size: processes; dp x tp x pp must equal it, except gpipe (one
+        process driving pp devices: world_size = dp, and the numbers are per device).
+    precision: fp32 | bf16 | fp16. optimizer: adam | adamw | sgd | lamb | lars (momentum: sgd's).
+    kind: language (GPT-2: layers, hidden, heads, seq_len, vocab, micro_batch) | vision
+        (activation_elements_per_sample, from `activation_elements`; image_size is informational).
+    micro_batch: samples per micro-batch on one replica; microbatches: per optimizer step (pipelines).
+    schedule: the pipeline schedule (1f1b | interleaved_1f1b | gpipe); checkpoint: gpipe's
+        (never | except_last | always). attention_scores: False for fused attention (no s^2 term).
+    shapes: the parameter shapes (per-tensor partitioning for zero1-3 and fsdp, see module doc).
+    stage_params: parameters of each pipeline stage (else the GPT-2 split, or Ψ/p for vision).
+    replicated_params: parameters kept whole on every TP rank (else GPT-2's, see
+        `gpt2_replicated_under_tp`, when the dimensions are given; 0 for vision).
+    largest_unit_params: the largest group of parameters zero3 / fsdp gather at once.
+    fusion_buffer_bytes: horovod's fusion threshold (a buffer of up to that size).
+    device: cuda | cpu (Megatron shards its optimizer only on CUDA, with its distributed optimizer).
+
+    Returns {adapter, variant, stage, world_size, dp, tp, pp, precision, optimizer_name, kind, busiest,
+    params_per_rank (elements of the model-parallel shard), and the bytes of each of PARTS (params,
+    grads, optimizer, master, transient, activations), model_states, total}; every byte field
+    is a float (N rarely divides Ψ); `model_states` = params + grads + optimizer + master;
+    `total` = model_states + transient + activations; `busiest` names the stage taken (pipelines);
+    `formula` says per part what was used; `notes` what is uncertain."""
+    name = adapter.strip().lower()
+    if name not in ADAPTERS:
+        raise ValueError(f"unknown adapter {adapter!r}; known: {', '.join(ADAPTERS)}")
+    if name.startswith("zero") and name != "zero":
+        named = int(name[4:])
+        if stage not in (0, named):
+            raise ValueError(f"adapter {adapter!r} names stage {named} but stage={stage} was given")
+        stage = named
+    if name == "zero":
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+        name = f"zero{stage}"
+    elif not name.startswith("zero") and stage:
+        raise ValueError(f"stage applies to zero only, got stage={stage} for {adapter!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if kind not in ("language", "vision"):
+        raise ValueError(f"kind must be language or vision, got {kind!r}")
+    for key, val, lo in (("params", params, 0), ("world_size", world_size, 1), ("tp", tp, 1), ("pp", pp, 1),
+                         ("microbatches", microbatches, 1), ("micro_batch", micro_batch, 0)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < lo:
+            raise ValueError(f"{key} must be an integer >= {lo}, got {val!r}")
+    if name in ("ddp", "horovod", "fsdp") or name.startswith("zero"):
+        if tp > 1 or pp > 1:
+            raise ValueError(f"{adapter} is pure data parallel: tp and pp must be 1")
+    if name == "tensor_parallel" and pp > 1:
+        raise ValueError("tensor_parallel has no pipeline dimension: pp must be 1")
+    if name in ("pipeline", "gpipe") and tp > 1:
+        raise ValueError(f"{adapter} has no tensor-parallel dimension: tp must be 1")
+    if name == "pipeline" and pp == 1:
+        pp = world_size // (dp or 1) if dp else world_size
+    if name == "gpipe":
+        dp = dp or world_size  # one process per replica, pp devices each
+        if dp != world_size:
+            raise ValueError(f"gpipe: dp must equal world_size (processes), got dp={dp}, world_size={world_size}")
+    else:
+        if world_size % (tp * pp):
+            raise ValueError(f"world_size {world_size} is not a multiple of tp*pp = {tp * pp}")
+        dp = dp or world_size // (tp * pp)
+        if dp * tp * pp != world_size:
+            raise ValueError(f"dp*tp*pp must equal world_size: {dp}*{tp}*{pp} != {world_size}")
+    if kind == "language" and micro_batch and not (layers and hidden and heads and seq_len):
+        raise ValueError("language activations need layers, hidden, heads and seq_len (or micro_batch=0 for states only)")
+
+    N = dp
+    K = optimizer_state_bytes(optimizer, momentum)
+    half = precision in ("bf16", "fp16")
+    act_b = 2 if half else 4  # bytes per activation element
+    notes: list[str] = []
+    formula: dict[str, str] = {}
+
+    # --- the model-parallel shard of the busiest stage(s) -------------------------------------------------
+    stages: list[tuple[str, float]]  # (which stage, parameters it holds)
+    if pp > 1:
+        if stage_params:
+            if len(stage_params) != pp:
+                raise ValueError(f"stage_params has {len(stage_params)} entries for pp={pp}")
+            top = max(range(pp), key=lambda i: stage_params[i])
+            stages = [("first", float(stage_params[0])), ("last", float(stage_params[-1]))]
+            if top not in (0, pp - 1):
+                stages.append((f"stage {top}", float(stage_params[top])))
+            formula["params_per_rank"] = "stage_params (given)"
+        elif kind == "language" and layers and hidden and seq_len and vocab:
+            first, last = gpt2_stage_params(params, layers=layers, hidden=hidden, seq_len=seq_len, vocab=vocab, pp=pp)
+            stages = [("first", float(first)), ("last", float(last))]
+            formula["params_per_rank"] = "first: V h + s h + ceil(L/p) block; last: ceil(L/p) block + 2h + V h (head copy)"
+        else:
+            stages = [("any", params / pp)]
+            formula["params_per_rank"] = "Ψ/p"
+            notes.append("pipeline stages assumed to hold Ψ/p parameters each (no stage_params): real splits are uneven")
+    else:
+        stages = [("all", float(params))]
+        formula["params_per_rank"] = "Ψ"
+    if tp > 1:
+        if replicated_params is None:
+            replicated_params = gpt2_replicated_under_tp(layers, hidden, seq_len) if (
+                kind == "language" and hidden and layers) else 0
+        stages = [(s, (p - replicated_params) / tp + replicated_params) for s, p in stages]
+        formula["params_per_rank"] += f" -> (P - R)/t + R, R = {replicated_params:,} replicated"
+
+    # --- activations per stage ----------------------------------------------------------------------
+    def activations(stage_name: str) -> tuple[float, str]:
+        if not micro_batch:
+            return 0.0, "not estimated (micro_batch=0)"
+        b = micro_batch
+        if kind == "vision":
+            if activation_elements_per_sample is None:
+                notes.append("vision activations not estimated: give activation_elements_per_sample")
+                return 0.0, "not estimated"
+            per_mb = activation_elements_per_sample * act_b * b / pp  # a stage holds ~1/p of the layers
+            f = f"{activation_elements_per_sample:,.0f} elem/sample x {act_b} B x b={b}" + (" / p" if pp > 1 else "")
+            alive, how = _alive(stage_name)
+            if pp > 1:
+                notes.append("vision pipeline activations assume each stage holds 1/p of the model's activations")
+            return per_mb * alive, f"{f} x {how}"
+        layer = _gpt2_layer_activation_bytes(seq_len, b, hidden, heads, tp, sequence_parallel, attention_scores)
+        layer *= act_b / 2
+        per_stage_layers = math.ceil(layers / pp)
+        logits = 4 * seq_len * b * vocab / tp if stage_name in ("all", "last", "any") else 0.0
+        alive, how = _alive(stage_name)
+        if name == "gpipe" and checkpoint in ("always", "except_last") and microbatches > 1:
+            full = 1 if checkpoint == "always" else 2
+            inputs = microbatches * seq_len * b * hidden * act_b
+            total = inputs + full * per_stage_layers * layer + (logits if stage_name != "first" else 0.0)
+            return total, (f"gpipe checkpoint={checkpoint}: m stage inputs (s b h) + {full} micro-batch(es) of "
+                           f"ceil(L/p)={per_stage_layers} layers [Korthikanti]" + (" + 4 s b V" if logits else ""))
+        last_alive = 1 if (pp > 1 and schedule != "gpipe") else alive
+        total = alive * per_stage_layers * layer + (last_alive * logits if logits else 0.0)
+        sc = "" if attention_scores else " (no 5as/h: fused attention)"
+        tpf = ("" if tp == 1 else (" /t (sequence parallel)" if sequence_parallel else " with 10 + 24/t + 5as/(ht)"))
+        return total, (f"{how} x ceil(L/p)={per_stage_layers} layers x s b h (34 + 5as/h){sc}{tpf} x {act_b}/2 B"
+                       + (" + 4 s b V / t logits" if logits else ""))
+
+    def _alive(stage_name: str) -> tuple[int, str]:
+        if pp == 1:
+            return 1, "1 micro-batch"
+        if name == "gpipe" or schedule == "gpipe":
+            return microbatches, f"m={microbatches} micro-batches (GPipe schedule)"
+        if stage_name == "last":
+            return 1, "1 micro-batch (1F1B, last stage)"
+        if schedule == "interleaved_1f1b":
+            notes.append("interleaved 1F1B modelled as 1F1B (it keeps up to (p-1)/(p v) more micro-batches)")
+        return min(pp, microbatches), f"min(p, m)={min(pp, microbatches)} micro-batches (1F1B, first stage)"
+
+    # --- states per stage, then the busiest stage -------------------------------------------------------
+    results = []
+    shared_formula = formula
+    for stage_name, P in stages:
+        formula = dict(shared_formula)
+        out = dict.fromkeys(PARTS, 0.0)
+        b = 2 if half and name in ("zero1", "zero2", "zero3") else 4
+        if name == "zero0" and half:
+            b = 2
+        if name in ("zero1", "zero2", "zero3", "fsdp") and shapes and N > 1:
+            sh = _dp_shard(name, shapes, N)
+            part, grad_elems, param_elems = sh["part"], sh["grad_elems"], sh["param_elems"]
+            rule = "per tensor"
+        else:
+            part = P / N
+            grad_elems = P if name in ("ddp", "horovod", "zero0", "tensor_parallel", "pipeline", "gpipe", "megatron") else P / N
+            param_elems = P / N if name in ("zero3", "fsdp") else P
+            rule = "Ψ/N"
+        if name in ("ddp", "horovod", "zero0", "tensor_parallel", "pipeline", "gpipe", "megatron"):
+            out["params"], out["grads"] = b * P, b * P
+            if name == "megatron" and device == "cuda" and optimizer in ("sgd", "adam", "adamw"):
+                out["optimizer"] = K * P / N
+                formula["optimizer"] = f"{K} P/N (Megatron distributed optimizer)"
+            else:
+                out["optimizer"] = K * P
+                formula["optimizer"] = f"{K} P"
+            formula["params"] = f"{b} P"
+            formula["grads"] = f"{b} P"
+            if name == "zero0" and half:
+                out["master"] = 4 * P
+                formula["master"] = "4 P"
+                notes.append("zero0 in half precision (DeepSpeed's BF16/FP16 optimizer wrapper) modelled as an "
+                             "unsharded fp32 master + moments: not validated")
+            if name == "horovod" and fusion_buffer_bytes:
+                out["transient"] = min(float(fusion_buffer_bytes), 4 * P)
+                formula["transient"] = "min(fusion threshold, 4P) fusion buffer"
+        else:  # zero1-3, fsdp
+            out["params"] = b * param_elems
+            out["grads"] = b * grad_elems
+            out["optimizer"] = K * part
+            formula["params"] = f"{b} P" + ("" if name in ("zero1", "zero2") else f"/N ({rule})")
+            formula["grads"] = f"{b} P/N ({rule})"
+            formula["optimizer"] = f"{K} P/N ({rule})"
+            if name != "fsdp":
+                out["master"] = 4 * part
+                formula["master"] = f"4 P/N ({rule})"
+            if name == "zero1" and N > 1:
+                out["transient"] = b * P - out["grads"]
+                formula["transient"] = "full gradients during backward: b P - grads at the step"
+            if name in ("zero3", "fsdp") and largest_unit_params:
+                gb = 2 if half else 4
+                out["transient"] = gb * largest_unit_params * (N - 1) / N if N > 1 else 0.0
+                formula["transient"] = f"{gb} x largest gathered unit ({largest_unit_params:,}) x (N-1)/N"
+        out["activations"], formula["activations"] = activations(stage_name)
+        out["model_states"] = out["params"] + out["grads"] + out["optimizer"] + out["master"]
+        out["total"] = out["model_states"] + out["transient"] + out["activations"]
+        results.append((stage_name, P, out, formula))
+    stage_name, P, out, formula = max(results, key=lambda r: r[2]["total"])
+    return dict(adapter=adapter, variant=name, stage=stage if name.startswith("zero") else None,
+                world_size=world_size, dp=N, tp=tp, pp=pp, precision=precision, optimizer_name=optimizer,
+                optimizer_bytes_per_elem=K, kind=kind, busiest=stage_name, params_per_rank=P, **out,
+                formula=formula, notes=sorted(set(notes)))
+
+
+def fits(predicted_total: float, device_bytes: float | None, headroom: float = 0.9) -> bool:
+    """True when `predicted_total` bytes fit in `headroom` x `device_bytes` (None: unknown, fits)."""
+    if not 0 < headroom <= 1:
+        raise ValueError(f"headroom must be in (0, 1], got {headroom}")
+    if device_bytes is None:
+        return True
+    return predicted_total <= headroom * device_bytes
+
+
+# --- from a model and a config (the runner's and `python -m bench --plan`'s entry points) --------------
+_VIEWS = ("Flatten", "Unflatten", "Identity")  # modules whose output is a view of their input
+
+
+def activation_elements(model, sample_shape, dtype=None) -> float:
+    """Elements of every leaf module's output for ONE sample of `sample_shape` (without the batch
+    dimension), from a forward on the meta device: no memory, no FLOPs. In-place modules
+    (nn.ReLU(inplace=True)) and views (Flatten, Identity) are skipped: their output is their input's
+    storage. `model` must be on
+    the meta device (build it under `torch.device("meta")`)."""
+    import torch
+
+    total = 0
+
+    def hook(module, _inp, output):
+        nonlocal total
+        if getattr(module, "inplace", False) or type(module).__name__ in _VIEWS:
+            return
+        outs = output if isinstance(output, (tuple, list)) else (output,)
+        total += sum(o.numel() for o in outs if isinstance(o, torch.Tensor))
+
+    leaves = [m for m in model.modules() if not list(m.children())]
+    handles = [m.register_forward_hook(hook) for m in leaves]
+    try:
+        x = torch.empty((1, *sample_shape), device="meta", dtype=dtype or torch.float32)
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return float(total)
+
+
+def model_facts(model) -> dict:
+    """Ψ, the parameter shapes in `parameters()` order (a tied tensor once) and the largest group of
+    parameters one module owns directly (what ZeRO-3 / FSDP gather at once, at least)."""
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    largest = 0
+    for m in model.modules():
+        largest = max(largest, sum(p.numel() for p in m.parameters(recurse=False)))
+    return {"params": sum(_numel(s) for s in shapes), "shapes": shapes, "largest_unit_params": largest}
+
+
+def _get(obj, key, default=None):
+    try:
+        v = getattr(obj, key)
+    except Exception:  # noqa: BLE001 - a key another adapter's schema has
+        return default
+    return default if v is None else v
+
+
+def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool = True) -> dict:
+    """`predict` for a composed config (`bench.core.config.BenchConfig`) and its run plan
+    (`bench.runner.plan.RunPlan`): the one call the runner and `python -m bench --plan` make.
+    `build_model`: a no-argument callable returning the workload's nn.Module (e.g.
+    `build_workload(cfg.workload, cfg.data).build_model`); it is called under the meta device, so
+    nothing is allocated. device: cuda | cpu (default: cuda when torch sees a GPU)."""
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device("meta"):
+        model = build_model()
+    facts = model_facts(model)
+    w, a, t = cfg.workload, cfg.adapter, cfg.trainer
+    name = a.name
+    tp = int(_get(a, "tensor_parallel", 1) or 1) if name in ("megatron", "tensor_parallel") else 1
+    if name == "megatron":
+        pp = int(_get(a, "pipeline_parallel", 1) or 1)
+    elif name == "pipeline":
+        pp = int(_get(a, "pipeline_parallel", 0) or 0) or plan.world_size // max(1, plan.dp_size)
+    elif name == "gpipe":
+        pp = int(plan.devices_per_process)
+    else:
+        pp = 1
+    m = max(1, int(plan.microbatches))
+    micro = math.ceil(plan.local_batch / m) if name in ("pipeline", "gpipe", "megatron") else plan.local_batch
+    params = facts["params"]
+    vocab = int(_get(w, "vocab_size", 0) or 0) if w.kind == "language" else 0
+    if name == "megatron" and vocab:  # Megatron-LM pads the vocabulary to a multiple of divisor x TP
+        div = int(_get(a, "make_vocab_size_divisible_by", 128) or 128) * tp
+        padded = math.ceil(vocab / div) * div
+        params += (padded - vocab) * int(w.n_embd)
+        vocab = padded
+    kw = dict(params=params, world_size=plan.world_size, dp=plan.dp_size, tp=tp, pp=pp,
+              stage=int(_get(a, "stage", 0) or 0) if name == "zero" else 0, precision=t.precision,
+              optimizer=cfg.optimizer.name, momentum=float(cfg.optimizer.momentum), kind=w.kind,
+              micro_batch=int(micro), microbatches=m, device=device,
+              schedule=str(_get(a, "schedule", "1f1b")) if name in ("pipeline", "megatron") else "1f1b",
+              checkpoint=str(_get(a, "checkpoint", "never")) if name == "gpipe" else "never",
+              sequence_parallel=bool(_get(a, "sequence_parallel", False)),
+              largest_unit_params=facts["largest_unit_params"])
+    if name == "horovod":
+        kw["fusion_buffer_bytes"] = int(float(_get(a, "fusion_threshold_mb", 0)) * MIB)
+    if shapes and name in ("zero", "fsdp"):
+        kw["shapes"] = facts["shapes"]
+    if w.kind == "language":
+        # harness GPT-2: torch scaled_dot_product_attention (fused); Megatron's local spec on CPU
+        # materializes the scores, Transformer Engine on CUDA does not
+        scores = name == "megatron" and device != "cuda"
+        kw.update(layers=int(w.n_layer), hidden=int(w.n_embd), heads=int(w.n_head), seq_len=int(w.seq_len),
+                  vocab=vocab, attention_scores=scores)
+    else:
+        kw.update(image_size=int(w.image_size),
+                  activation_elements_per_sample=activation_elements(model, (3, int(w.image_size), int(w.image_size))))
+    out = predict(name, **kw)
+    out["inputs"] = {k: v for k, v in kw.items() if k != "shapes"}
+    return out
+
+
+def device_bytes(processes_on_host: int = 1) -> tuple[float | None, str]:
+    """(bytes one rank may use, what they are): the first visible GPU's total memory on CUDA; on a
+    CPU the host's available memory divided by the ranks that share it."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return float(props.total_memory), f"{props.name} total memory"
+    try:
+        import psutil
+
+        avail = psutil.virtual_memory().available
+    except Exception:  # noqa: BLE001
+        return None, "unknown"
+    return float(avail) / max(1, processes_on_host), f"host available memory / {max(1, processes_on_host)} ranks"
+
+
+def check_fits(prediction: dict, device: float | None, what: str = "device", headroom: float = 0.9) -> None:
+    """Raise ConfigError (the run is refused before launch) when the predicted total does not fit."""
+    from bench.core.errors import ConfigError
+
+    if fits(prediction["total"], device, headroom):
+        return
+    raise ConfigError(
+        f"predicted memory per rank {prediction['total'] / GIB:.2f} GiB ({prediction['adapter']}: states "
+        f"{prediction['model_states'] / GIB:.2f}, transient {prediction['transient'] / GIB:.2f}, activations "
+        f"{prediction['activations'] / GIB:.2f}) exceeds {headroom:.0%} of the {what} ({device / GIB:.2f} GiB); "
+        "`python -m bench --plan ...` shows the breakdown: shard more (zero stage 3, fsdp, tensor/pipeline "
+        "parallel), lower trainer.batch_size, or use bf16")
+
+
+def record_fields(prediction: dict) -> dict:
+    """The prediction as a record field (JSON-ready, bytes as integers): what the runner stores in the
+    summary as `predicted_memory`."""
+    p = prediction
+    out = {k: int(round(p[k])) for k in (*PARTS, "model_states", "total")}
+    out.update(variant=p["variant"], busiest=p["busiest"], params_per_rank=int(round(p["params_per_rank"])),
+               dp=p["dp"], tp=p["tp"], pp=p["pp"], notes=p["notes"], model="bench/core/memory_model.py")
+    return out
+
+
+def plan_memory(cfg, plan, build_model, check: bool | None = None, headroom: float = 0.9) -> dict:
+    """The runner's one call before launch: predict (`predict_run`), refuse the run with ConfigError
+    when the busiest rank's total does not fit `headroom` x the device (`check_fits`; check=None:
+    only on CUDA, where the device memory is the limit; on a CPU the ranks share the host's memory),
+    and return `record_fields` plus the device memory compared against (`device_bytes`, `device`)."""
+    pred = predict_run(cfg, plan, build_model)
+    cap, what = device_bytes(getattr(plan, "world_size", 1))
+    on_cuda = pred["inputs"]["device"] == "cuda"
+    if check or (check is None and on_cuda):
+        check_fits(pred, cap, what, headroom)
+    return {**record_fields(pred), "device_bytes": None if cap is None else int(cap), "device": what,
+            "fits": fits(pred["total"], cap, headroom)}
+
+
+def table(prediction: dict) -> str:
+    """The prediction as lines for a terminal."""
+    p = prediction
+    head = (f"predicted memory per rank: {p['adapter']}"
+            + (f" stage {p['stage']}" if p.get("stage") is not None else "")
+            + f", {p['world_size']} rank(s) (dp={p['dp']} tp={p['tp']} pp={p['pp']}), {p['precision']}, "
+              f"{p['optimizer_name']}; busiest: {p['busiest']}, {p['params_per_rank']:,.0f} parameters")
+    lines = [head, f"  {'part':<12} {'MiB':>12}  formula"]
+    for k in PARTS:
+        lines.append(f"  {k:<12} {p[k] / MIB:12.2f}  {p['formula'].get(k, '-')}")
+    lines.append(f"  {'states':<12} {p['model_states'] / MIB:12.2f}  params + grads + optimizer + master")
+    lines.append(f"  {'total':<12} {p['total'] / MIB:12.2f}")
+    lines += [f"  note: {n}" for n in p["notes"]]
+    return "\n".join(lines)

@@ -1,0 +1,431 @@
+"""Explaining the numbers (issue 19): predicted memory, the report's "Which adapter" section, standard sinks.
+
+Memory: the ZeRO paper's own numbers (Fig. 1: Ψ = 7.5 B, N = 64, mixed-precision Adam), DeepSpeed's
+fp32 master copy, the per-tensor partition rule, the GPT-2 shard sizes checked against the real
+model's parameters, Korthikanti et al.'s activation formula, and `python -m bench --plan`.
+Which adapter: hand-built record folders (as tests/test_analysis.py builds them) whose winners are
+written out below. Sinks: the MLLOG file parsed back (through mlperf-logging's MLLogger when it is
+installed, and by hand without it); TensorBoard scalars read back (skipped only without tensorboard).
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from bench.core import memory_model as mm
+from bench.core import sinks
+
+REPO = Path(__file__).resolve().parents[1]
+GB = 1e9
+MIB = 2**20
+
+
+# --- predicted memory ------------------------------------------------------------------------------
+def _states(adapter, psi, n, **kw):
+    return mm.predict(adapter, params=psi, world_size=n, **kw)
+
+
+def test_zero_paper_figure_1_numbers():
+    """ZeRO paper Fig. 1: Ψ = 7.5 B, N_d = 64, mixed-precision Adam (K = 12 with the fp32 master):
+    baseline 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB per device."""
+    psi, n = 7_500_000_000, 64
+    ddp = _states("ddp", psi, n, precision="bf16")  # autocast: fp32 states = the paper's 16Ψ
+    assert ddp["model_states"] / GB == pytest.approx(120.0)
+    z1 = _states("zero1", psi, n, precision="bf16")
+    # at the optimizer step ZeRO-1 (DeepSpeed 0.19) holds its gradient partition; during backward the
+    # full gradients: the paper's 2Ψ + 2Ψ + 12Ψ/N is the peak
+    assert (z1["model_states"] + z1["transient"]) / GB == pytest.approx(31.40625)
+    assert z1["params"] == 2 * psi and z1["optimizer"] + z1["master"] == pytest.approx(12 * psi / n)
+    z2 = _states("zero2", psi, n, precision="bf16")
+    assert z2["model_states"] / GB == pytest.approx(2 * 7.5 + 14 * 7.5 / 64)  # 16.64
+    assert round(z2["model_states"] / GB, 1) == 16.6
+    z3 = _states("zero", psi, n, stage=3, precision="bf16")
+    assert round(z3["model_states"] / GB, 1) == 1.9
+    assert z3["model_states"] == pytest.approx(16 * psi / n)
+
+
+def test_fp32_master_copy_optimizers_and_sharded_adapters():
+    psi, n = 1_000_000, 4
+    # DeepSpeed keeps an fp32 partition of the parameters for stages >= 1 even in fp32
+    z2 = _states("zero2", psi, n)
+    assert (z2["params"], z2["grads"], z2["optimizer"], z2["master"]) == (4 * psi, psi, 2 * psi, psi)
+    z0 = _states("zero0", psi, n)
+    assert z0["master"] == 0 and z0["model_states"] == 16 * psi
+    fsdp = _states("fsdp", psi, n)  # no master copy
+    assert fsdp["model_states"] == 16 * psi / n and fsdp["master"] == 0
+    assert mm.optimizer_state_bytes("adamw") == mm.optimizer_state_bytes("lamb") == 8
+    assert mm.optimizer_state_bytes("sgd") == mm.optimizer_state_bytes("lars") == 4
+    assert mm.optimizer_state_bytes("sgd", momentum=0.0) == 0
+    assert _states("ddp", psi, 2, optimizer="sgd")["model_states"] == 12 * psi
+    # Megatron's distributed optimizer shards the moments over DP on CUDA; the CPU torch optimizer does not
+    cuda = mm.predict("megatron", params=psi, world_size=4, tp=2, device="cuda", replicated_params=0)
+    cpu = mm.predict("megatron", params=psi, world_size=4, tp=2, device="cpu", replicated_params=0)
+    assert cuda["optimizer"] == pytest.approx(8 * psi / 2 / 2) and cpu["optimizer"] == pytest.approx(8 * psi / 2)
+    # horovod: DDP's states plus a fusion buffer of up to the threshold
+    hv = _states("horovod", psi, 2, fusion_buffer_bytes=64 * MIB)
+    assert hv["model_states"] == 16 * psi and hv["transient"] == 4 * psi
+    with pytest.raises(ValueError, match="unknown adapter"):
+        _states("nosuch", psi, 2)
+    with pytest.raises(ValueError, match="dp\\*tp\\*pp"):
+        mm.predict("megatron", params=psi, world_size=4, dp=3, tp=2)
+
+
+def test_per_tensor_partition_keeps_straddling_gradients_whole():
+    # one big tensor (90 %) and a small one: at N = 2 the big tensor straddles the middle of the flat
+    # buffer, so both ranks keep its whole gradient (bench/memory_study.py's expected_state)
+    shapes = [(900, 10), (100, 10)]
+    psi = 10_000
+    flat = _states("zero2", psi, 2)
+    exact = _states("zero2", psi, 2, shapes=shapes)
+    assert flat["grads"] == 4 * psi / 2
+    # rank 1 (elements 5000-9999) touches both tensors: it keeps both gradients whole
+    assert exact["grads"] == 4 * 10_000 and exact["optimizer"] + exact["master"] == 12 * 5000
+    # FSDP2 splits every tensor by rows: rank 0 holds 450 + 50 rows
+    fsdp = _states("fsdp", psi, 2, shapes=shapes)
+    assert fsdp["params"] == 4 * (450 * 10 + 50 * 10)
+    # ZeRO-3 splits each tensor into ceil(numel / N)
+    z3 = _states("zero3", psi, 3, shapes=[(10,), (1,)])
+    assert z3["params"] == 4 * (4 + 1)
+
+
+def _gpt2_model(**over):
+    import torch
+
+    from bench.runner.compose import compose, typed
+    from workloads import build_workload
+
+    cfg = typed(compose(["workload=gpt2_tiny", *[f"workload.{k}={v}" for k, v in over.items()]]))
+    with torch.device("meta"):
+        return cfg, build_workload(cfg.workload, cfg.data).build_model()
+
+
+def test_gpt2_shards_match_the_real_model():
+    cfg, model = _gpt2_model(n_layer=4)
+    w = cfg.workload
+    named = dict(model.named_parameters())
+    psi = sum(p.numel() for p in named.values())
+    # tensor parallel keeps these whole on every rank (adapters/tensor_parallel.py's plan)
+    whole = sum(p.numel() for n, p in named.items()
+                if n.startswith("wpe") or ".ln_" in n or n.startswith("ln_f") or n.endswith("c_proj.bias"))
+    assert mm.gpt2_replicated_under_tp(w.n_layer, w.n_embd, w.seq_len) == whole
+    # pipeline over 2 stages: first = embeddings + 2 blocks, last = 2 blocks + ln_f + a copy of the head
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    first, last = mm.gpt2_stage_params(psi, layers=w.n_layer, hidden=w.n_embd, seq_len=w.seq_len,
+                                       vocab=w.vocab_size, pp=2)
+    emb = model.wte.weight.numel() + model.wpe.weight.numel()
+    assert first == emb + 2 * block
+    assert last == 2 * block + sum(p.numel() for p in model.ln_f.parameters()) + model.wte.weight.numel()
+    tp = mm.predict("tensor_parallel", params=psi, world_size=2, tp=2, layers=w.n_layer, hidden=w.n_embd,
+                    heads=w.n_head, seq_len=w.seq_len)
+    assert tp["params_per_rank"] == pytest.approx((psi - whole) / 2 + whole)
+
+
+def test_korthikanti_activation_formula():
+    s, b, h, a, L, V = 1024, 2, 1024, 16, 24, 50257
+    kw = dict(params=350_000_000, world_size=1, layers=L, hidden=h, heads=a, seq_len=s, vocab=V, micro_batch=b)
+    bf16 = mm.predict("ddp", precision="bf16", **kw)
+    per_layer = s * b * h * (34 + 5 * a * s / h)
+    assert bf16["activations"] == pytest.approx(L * per_layer + 4 * s * b * V)
+    fp32 = mm.predict("ddp", precision="fp32", **kw)
+    assert fp32["activations"] == pytest.approx(2 * L * per_layer + 4 * s * b * V)
+    fused = mm.predict("ddp", precision="bf16", attention_scores=False, **kw)
+    assert fused["activations"] == pytest.approx(L * s * b * h * 34 + 4 * s * b * V)
+    # tensor parallel t without sequence parallelism: sbh(10 + 24/t + 5as/(ht)); logits split by vocab
+    t = 4
+    tp = mm.predict("megatron", precision="bf16", tp=t, **{**kw, "world_size": 4}, replicated_params=0)
+    assert tp["activations"] == pytest.approx(L * s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) + 4 * s * b * V / t)
+    sp = mm.predict("megatron", precision="bf16", tp=t, sequence_parallel=True, **{**kw, "world_size": 4},
+                    replicated_params=0)
+    assert sp["activations"] == pytest.approx(L * per_layer / t + 4 * s * b * V / t)
+    # 1F1B over 4 stages, 8 micro-batches: the first stage keeps 4 micro-batches of 6 layers (= L layers)
+    pipe = mm.predict("pipeline", precision="bf16", pp=4, microbatches=8, **{**kw, "world_size": 4})
+    first_acts = 4 * 6 * per_layer
+    assert pipe["busiest"] in ("first", "last")
+    if pipe["busiest"] == "first":
+        assert pipe["activations"] == pytest.approx(first_acts)
+    gp = mm.predict("pipeline", precision="bf16", pp=4, microbatches=8, schedule="gpipe", **{**kw, "world_size": 4})
+    assert gp["activations"] >= 8 * 6 * per_layer  # GPipe keeps every micro-batch
+
+
+def test_vision_activation_count_and_fits():
+    import torch
+    from torch import nn
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
+    # conv output (4 x 8 x 8) + linear output (10); the in-place ReLU and the Flatten view add nothing
+    assert mm.activation_elements(model, (3, 8, 8)) == 4 * 8 * 8 + 10
+    p = mm.predict("ddp", params=1000, world_size=1, kind="vision", micro_batch=16,
+                   activation_elements_per_sample=266, precision="bf16")
+    assert p["activations"] == 266 * 2 * 16
+    assert mm.fits(80, 100) and not mm.fits(95, 100) and mm.fits(95, 100, headroom=1.0) and mm.fits(1e30, None)
+    from bench.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="exceeds 90% of the device"):
+        mm.check_fits(p, device=p["total"] / 2)
+
+
+def test_predict_run_from_a_config_counts_the_model():
+    from bench.runner.compose import compose, typed
+    from bench.runner.plan import make_plan
+    from workloads import build_workload
+
+    cfg = typed(compose(["adapter=zero", "adapter.stage=2", "launcher.nprocs=2", "workload=gpt2_tiny",
+                         "trainer.batch_size=4"]))
+    plan = make_plan(cfg, "local", check=False)
+    build = build_workload(cfg.workload, cfg.data).build_model
+    pred = mm.predict_run(cfg, plan, build, device="cpu")
+    model = build()
+    psi = sum(p.numel() for p in model.parameters())
+    assert pred["inputs"]["params"] == psi and pred["dp"] == 2 and pred["variant"] == "zero2"
+    assert pred["inputs"]["micro_batch"] == 4 and pred["inputs"]["attention_scores"] is False
+    # gpt2_tiny's token embedding (94 % of Ψ) straddles the two partitions: both ranks keep its gradient
+    assert pred["grads"] > 4 * psi / 2
+    assert pred["total"] == pytest.approx(pred["model_states"] + pred["transient"] + pred["activations"])
+
+
+def test_plan_flag_prints_the_prediction_and_starts_no_rank(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "bench", "--plan", "adapter=fsdp", "launcher.nprocs=2",
+                          "workload=gpt2_tiny", f"results.root={tmp_path}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "predicted memory per rank: fsdp, 2 rank(s)" in out.stdout
+    for part in ("params", "grads", "optimizer", "activations", "total"):
+        assert f"  {part}" in out.stdout
+    assert "device memory:" in out.stdout
+    assert not any(tmp_path.iterdir())  # no run folder: nothing launched
+    bad = subprocess.run([sys.executable, "-m", "bench", "--plan", "adapter=ddp", "trainer.nosuch=1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "error:" in bad.stderr
+
+
+# --- which adapter ----------------------------------------------------------------------------------
+def _ev(epoch, time, steps, gb, devices, wall, metric, delta_mib, states_mib, kind="language"):
+    ev = {"type": "epoch", "epoch": epoch, "steps": steps, "global_batch": gb, "devices": devices,
+          "epoch_time_s": time, "step_time_mean_s": time / steps, "samples_per_s": gb * steps / time,
+          "partial": False, "wall_time_s": wall, "val_time_s": 0.5, "memory_metric": "peak_rss",
+          "train_loss": 3.0 - 0.1 * epoch, "train_losses": [3.0 - 0.1 * epoch - 0.01 * i for i in range(steps)],
+          "ranks": [{"rank": 0, "memory": {"peak_rss": 2000 * MIB, "peak_rss_delta": delta_mib * MIB},
+                     "state_bytes": {"params": states_mib * MIB / 4, "grads": states_mib * MIB / 4,
+                                     "optimizer": states_mib * MIB / 2}}]}
+    if metric is not None:
+        if kind == "vision":
+            ev["val_accuracy"] = metric
+        else:
+            ev["val_perplexity"], ev["val_loss"] = metric, math.log(metric)
+    ev["peak_memory_max"] = 2000 * MIB
+    return ev
+
+
+def _run(root, name, adapter, devices, times, ppl, walls, delta, states, settings=None, status="ok", kind="language",
+         steps=None, gb=None):
+    d = Path(root) / name
+    d.mkdir(parents=True)
+    gb = gb or 8 * devices
+    steps = steps or 96 // gb
+    cfg = {"workload": {"name": "wl", "kind": kind}, "adapter": {"name": adapter, "batch_policy": "per_device",
+                                                                 **(settings or {})},
+           "launcher": {"name": "local", "nprocs": devices}, "trainer": {"batch_size": 8, "grad_accum": 1,
+                                                                           "precision": "fp32", "seed": 1},
+           "optimizer": {"name": "adamw", "lr": 1e-3}, "data": {"source": "synthetic", "val_samples": 32},
+           "results": {"experiment": "hand"}}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    events = [_ev(i, t, steps, gb, devices, w, m, delta, states, kind) for i, (t, m, w) in enumerate(zip(times, ppl, walls))]
+    summary = {"status": status, "run_id": name, "adapter": adapter, "workload": "wl", "experiment": "hand",
+               "world_size": devices, "devices": devices, "global_batch": gb, "total_time_s": walls[-1] + 1 if walls else 1}
+    if status == "ok" and len(times) > 1:
+        summary["epoch_time_steady_s"] = float(np.mean(times[1:]))
+    if status != "ok":
+        summary["error"] = "CUDA out of memory"
+    (d / "summary.json").write_text(json.dumps(summary))
+    if events:
+        (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return d
+
+
+def _sweep(root):
+    # ddp x1: steady 4.0 s per 96 samples; best perplexity 20 (epoch 3, 30 s); 400 MiB over the process
+    _run(root, "ddp1", "ddp", 1, [12.0, 4.0, 4.0], [50.0, 30.0, 20.0], [10.0, 20.0, 30.0], 400, 100)
+    # ddp x2: steady 2.5 s (efficiency (4/2.5)/2 = 0.8); best 22, reached at epoch 3 (18 s); 420 MiB
+    _run(root, "ddp2", "ddp", 2, [7.5, 2.5, 2.5], [45.0, 28.0, 22.0], [6.0, 12.0, 18.0], 420, 100)
+    # zero3 x2: steady 3.0 s (efficiency 0.667); reaches 21.5 <= 22 already at epoch 2 (16 s); 200 MiB
+    _run(root, "z3x2", "zero", 2, [9.0, 3.0, 3.0], [48.0, 21.5, 21.0], [8.0, 16.0, 24.0], 200, 30, settings={"stage": 3})
+    # an fsdp point that ran out of memory: listed as not decided, never a winner
+    _run(root, "fsdp4", "fsdp", 4, [], [], [], 0, 0, status="oom")
+
+
+def test_which_adapter_names_the_winners_and_their_runs(tmp_path):
+    from analysis import load
+    from analysis.report import time_to_target, which_adapter, write_report
+
+    root = tmp_path / "r"
+    _sweep(root)
+    df = load(root)
+    t = time_to_target(df).set_index("run_id")
+    # target: the largest of the runs' best perplexities (ddp x2's 22): every finished run reached it
+    assert set(t["target"]) == {22.0}
+    assert t.loc["ddp1", "time_s"] == 30.0 and t.loc["ddp2", "time_s"] == 18.0 and t.loc["z3x2", "time_s"] == 16.0
+    assert t.loc["z3x2", "epoch"] == 2
+    v = which_adapter(df)["wl"]
+    assert v["fastest"]["run_id"] == "z3x2" and v["fastest"]["label"] == "zero stage=3 gb=8/replica"
+    assert v["fastest"]["time_s"] == 16.0
+    mem = {m["devices"]: m for m in v["memory"]}
+    assert mem[1]["label"] == "ddp gb=8/replica" and mem[1]["runs"] == ["ddp1"] and mem[1]["mib"] == pytest.approx(400)
+    assert mem[2]["label"] == "zero stage=3 gb=8/replica" and mem[2]["mib"] == pytest.approx(200)
+    assert mem[2]["states_mib"] == pytest.approx(30) and mem[2]["metric"] == "peak_rss_delta"
+    sc = v["scaling"]
+    assert sc["devices"] == 2 and sc["label"] == "ddp gb=8/replica" and sc["runs"] == ["ddp2"]
+    assert sc["efficiency"] == pytest.approx(0.8) and sc["speedup"] == pytest.approx(1.6)
+    assert sc["baseline_runs"] == ["ddp1"]
+    assert any("single run" in u for u in v["undecided"])
+    assert any("differ in global batch (8, 16)" in u for u in v["undecided"])
+
+    report = write_report(root, tmp_path / "out").read_text()
+    section = report[report.index("## Which adapter"):]
+    assert report.rstrip().endswith(section.rstrip())  # the report ends with it
+    assert ("**Fastest to the target**: validation perplexity ≤ 22 (the best value every finished run with "
+            "validation reached): **`zero stage=3 gb=8/replica` x2** after 16 s of wall time (epoch 2; run z3x2); "
+            "next `ddp gb=8/replica` x2 18 s, 12.5 % behind") in section
+    assert "**Lowest memory per rank at 2 devices** (`peak_rss_delta`, busiest rank): **`zero stage=3 gb=8/replica` x2** 200 MiB" in section
+    assert "**Best scaling efficiency at 2 devices**: **`ddp gb=8/replica` x2** efficiency 0.8 (speedup 1.6" in section
+    assert "runs ddp2, baseline ddp1" in section
+    undecided = next(ln for ln in section.splitlines() if ln.startswith("- **Could not decide**"))
+    assert "single run" in undecided and "`fsdp gb=8/replica` x4 oom" in undecided
+
+
+def test_which_adapter_says_what_it_cannot_decide(tmp_path):
+    from analysis import load
+    from analysis.report import which_adapter, which_adapter_lines
+
+    root = tmp_path / "r"
+    # vision, one device count, no validation metric; two runs of one point (spread exists there)
+    _run(root, "a", "ddp", 2, [3.0, 2.0], [None, None], [3.0, 5.0], 300, 50, kind="vision")
+    _run(root, "b", "ddp", 2, [3.0, 2.1], [None, None], [3.0, 5.1], 310, 50, kind="vision")
+    _run(root, "c", "fsdp", 2, [3.0, 2.2], [None, None], [3.0, 5.2], 150, 20, kind="vision")
+    v = which_adapter(load(root))["wl"]
+    assert v["fastest"] is None and v["scaling"] is None
+    text = " ".join(v["undecided"])
+    assert "no finished run recorded a validation metric" in text
+    assert "only 2 device(s) measured" in text
+    assert "1 of 2 points are single runs" in text
+    assert v["memory"][0]["label"] == "fsdp gb=8/replica" and v["memory"][0]["runs"] == ["c"]
+    # vision: the target is the lowest of the runs' best accuracies; higher is better
+    _run(root, "d", "zero", 2, [3.0, 2.0], [0.50, 0.70], [3.0, 5.0], 250, 40, kind="vision", settings={"stage": 1})
+    _run(root, "e", "zero", 2, [3.0, 2.0], [0.65, 0.66], [2.0, 4.0], 260, 40, kind="vision", settings={"stage": 2})
+    v = which_adapter(load(root))["wl"]
+    assert v["fastest"]["target"] == pytest.approx(0.66)
+    # d reaches 0.66 at its epoch 2 (5.0 s), e at its epoch 2 (4.0 s): e wins
+    assert v["fastest"]["run_id"] == "e" and v["fastest"]["time_s"] == 4.0
+    lines = "\n".join(which_adapter_lines(load(root)))
+    assert "validation accuracy ≥ 0.66" in lines
+
+
+# --- sinks ------------------------------------------------------------------------------------------
+def _record(tmp_path, status="ok"):
+    root = tmp_path / "rec"
+    d = _run(root, "run1", "ddp", 2, [4.0, 2.0], [40.0, 25.0], [4.5, 7.0], 100, 10, status="ok")
+    summary = json.loads((d / "summary.json").read_text())
+    summary["status"] = status
+    events = [json.loads(ln) for ln in (d / "events.jsonl").read_text().splitlines()]
+    config = yaml.safe_load((d / "config.yaml").read_text())
+    return d, summary, events, config
+
+
+def _check_mllog(path, summary, events, t0):
+    recs = sinks.read_mllog(path)
+    assert all(set(r) >= {"namespace", "time_ms", "event_type", "key", "value", "metadata"} for r in recs)
+    keys = [r["key"] for r in recs]
+    for k in ("submission_benchmark", "global_batch_size", "opt_base_learning_rate", "run_start", "run_stop",
+              "epoch_start", "epoch_stop", "eval_accuracy"):
+        assert k in keys, k
+    by = {k: [r for r in recs if r["key"] == k] for k in set(keys)}
+    assert by["submission_benchmark"][0]["value"] == "wl" and by["global_batch_size"][0]["value"] == 16
+    assert by["opt_base_learning_rate"][0]["value"] == 1e-3
+    assert by["run_start"][0]["event_type"] == "INTERVAL_START" and by["run_stop"][0]["event_type"] == "INTERVAL_END"
+    assert [r["metadata"]["epoch_num"] for r in by["epoch_start"]] == [1, 2]
+    assert [r["value"] for r in by["eval_accuracy"]] == [e["val_perplexity"] for e in events]
+    assert all(r["metadata"]["metric"] == "perplexity" for r in by["eval_accuracy"])
+    assert all(r["event_type"] == "POINT_IN_TIME" for r in by["eval_accuracy"])
+    # times: epoch 2 ends at start + (wall - val) = 6.5 s and began 2.0 s before
+    starts, stops = by["epoch_start"], by["epoch_stop"]
+    assert stops[1]["time_ms"] == round(t0 * 1000) + 6500 and starts[1]["time_ms"] == round(t0 * 1000) + 4500
+    times = [r["time_ms"] for r in recs]
+    assert times == sorted(times)
+    return by
+
+
+def test_mllog_lines_parse_back(tmp_path):
+    d, summary, events, config = _record(tmp_path)
+    t0 = 1_700_000_000.0
+    path = sinks.write_mllog(d, summary, events, config, start_time_s=t0)
+    assert path == d / "mllog.txt"
+    assert all(ln.startswith(":::MLLOG {") for ln in path.read_text().splitlines() if ln.strip())
+    by = _check_mllog(path, summary, events, t0)
+    assert by["run_stop"][0]["metadata"]["status"] == "success"
+    # a run that did not finish: run_stop says aborted
+    summary["status"] = "failed"
+    by = _check_mllog(sinks.write_mllog(d, summary, events, config, start_time_s=t0), summary, events, t0)
+    assert by["run_stop"][0]["metadata"]["status"] == "aborted"
+
+
+def test_mllog_without_the_package_writes_the_same_lines(tmp_path, monkeypatch):
+    d, summary, events, config = _record(tmp_path)
+    t0 = 1_700_000_000.0
+    with_pkg = sinks.read_mllog(sinks.write_mllog(d, summary, events, config, start_time_s=t0))
+    monkeypatch.setitem(sys.modules, "mlperf_logging", None)
+    monkeypatch.setitem(sys.modules, "mlperf_logging.mllog", None)
+    by_hand = sinks.read_mllog(sinks.write_mllog(d, summary, events, config, start_time_s=t0))
+    strip = [{k: v for k, v in r.items() if k != "metadata"} for r in by_hand]
+    assert strip == [{k: v for k, v in r.items() if k != "metadata"} for r in with_pkg]
+
+
+def test_write_sinks_from_the_record_never_raises(tmp_path):
+    d, *_ = _record(tmp_path)
+    out = sinks.write_sinks(d, mllog=True, tensorboard=True)
+    assert out["mllog"] == str(d / "mllog.txt")
+    if sinks.tensorboard_unavailable():
+        assert out["tensorboard"].startswith("skipped: tensorboard is not installed")
+    assert sinks.write_sinks(tmp_path / "nothing-here")["mllog"].startswith("failed:")
+
+
+def test_tensorboard_scalars_read_back(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    d, summary, events, config = _record(tmp_path)
+    out = sinks.write_tensorboard(d, events)
+    acc = EventAccumulator(str(out))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "val/perplexity", "time/epoch_s", "throughput/samples_per_s", "train/step_loss"} <= tags
+    assert [s.value for s in acc.Scalars("time/epoch_s")] == pytest.approx([4.0, 2.0])
+    steps = acc.Scalars("train/step_loss")
+    assert [s.step for s in steps] == list(range(sum(len(e["train_losses"]) for e in events)))
+    assert [s.value for s in steps] == pytest.approx([v for e in events for v in e["train_losses"]])
+
+
+def test_plan_memory_is_one_call_for_the_runner():
+    from bench.core.errors import ConfigError
+    from bench.runner.compose import compose, typed
+    from bench.runner.plan import make_plan
+    from workloads import build_workload
+
+    cfg = typed(compose(["adapter=ddp", "launcher.nprocs=1", "workload=gpt2_tiny"]))
+    plan = make_plan(cfg, "local", check=False)
+    build = build_workload(cfg.workload, cfg.data).build_model
+    rec = mm.plan_memory(cfg, plan, build)
+    json.dumps(rec)  # JSON-ready for the summary
+    assert rec["total"] == rec["model_states"] + rec["transient"] + rec["activations"] or \
+        abs(rec["total"] - rec["model_states"] - rec["transient"] - rec["activations"]) <= 2
+    assert rec["fits"] is True and rec["variant"] == "ddp"
+    big = typed(compose(["adapter=ddp", "launcher.nprocs=1", "workload=gpt2_medium", "trainer.batch_size=4096"]))
+    with pytest.raises(ConfigError, match="predicted memory per rank"):
+        mm.plan_memory(big, make_plan(big, "local", check=False), build_workload(big.workload, big.data).build_model,
+                       check=True)
