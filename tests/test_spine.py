@@ -97,7 +97,7 @@ def test_record_folder_and_summary(tmp_path):
     check_ok(proc)
     run = only_run(tmp_path)
     assert run.parent.name == "recordtest"
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "env.json", "events.jsonl", "summary.json"]
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "env.json", "events.jsonl", "mllog.txt", "summary.json"]
     s = summary(run)
     assert s["status"] == "ok" and s["world_size"] == 2 and s["adapter"] == "ddp"
     assert s["global_batch"] == 16 and s["steps"] == 12 and s["epochs_completed"] == 2
