@@ -102,7 +102,9 @@ def test_hung_rank_times_out(results):
     finish(proc, ranks, timeout=300)
     s = new_run(results, before)
     assert proc.returncode == 1 and s["status"] == "timeout"
-    assert "no progress" in s["error"] and s["failed_rank"] == 1, s
+    # both ranks stop beating at the end of step 1 (rank 1 hangs, rank 0 then waits in its collective):
+    # either watchdog may fire first, so the record names the first rank to report, not the hung one
+    assert "no progress" in s["error"] and s["failed_rank"] in (0, 1), s
 
 
 def test_killed_rank_is_recorded(results):

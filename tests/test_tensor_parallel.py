@@ -102,7 +102,7 @@ def test_megatron_wikitext2_perplexity_falls(tmp_path, data_root):
     """Megatron TP=1 on 2 ranks (DP=2 through Megatron's DDP), real Wikitext-2, 2 short epochs."""
     proc = bench("adapter=megatron", "workload=gpt2_tiny", "workload.seq_len=64", "data=wikitext2",
                  f"data.root={data_root}/wikitext-2", f"data.tokenizer_dir={data_root}/gpt2-tokenizer",
-                 "trainer.epochs=2",  # the shared token cache (BENCH_CACHE_DIR) "trainer.max_steps=30",
+                 "trainer.epochs=2", "trainer.max_steps=30",  # tokens from the shared cache (BENCH_CACHE_DIR)
                  "trainer.batch_size=4", "trainer.max_eval_batches=8", "optimizer.lr=3e-3", "launcher.nprocs=2",
                  "trainer.progress=false", results=tmp_path / "r")
     check_ok(proc)
