@@ -57,19 +57,14 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from bench.core.comm_volume import ring_factor
 from bench.core.dist import free_port
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 
-# nccl-tests' bus-bandwidth correction factors (doc/PERFORMANCE.md, "Summary").
-def busbw_factor(op: str, n: int) -> float:
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n
-    if op in ("broadcast", "send_recv"):
-        return 1.0
-    raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+# nccl-tests' bus-bandwidth correction factors (doc/PERFORMANCE.md, "Summary"): the same ring factors
+# the communication-volume formulas use (bench/core/comm_volume.py)
+busbw_factor = ring_factor
 
 
 DEFAULT_MAX_BYTES_CUDA = 256 << 20

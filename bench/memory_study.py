@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.core.memory_model import flat_partition, numel
 from bench.invoke import run_bench
 
 VARIANTS = {
@@ -89,10 +90,6 @@ def param_numels(overrides: list[str]) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in model.parameters()]  # parameters() yields a tied tensor once
 
 
-def _numel(shape) -> int:
-    return math.prod(shape) if shape else 1
-
-
 def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: int, precision: str = "fp32") -> dict[str, int]:
     """Bytes rank `rank` of `n` should hold for Adam, from the tensor shapes and the partitioning rule.
 
@@ -107,7 +104,7 @@ def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: in
     keep the 12 bytes of master + moments per partition element (the paper's 2Ψ + 2Ψ + 12Ψ split);
     FSDP2's MixedPrecisionPolicy and DDP's autocast keep fp32 state, so nothing changes for them.
     """
-    numels = [_numel(s) for s in shapes]
+    numels = [numel(s) for s in shapes]
     psi = sum(numels)
     b = 2 if precision in ("bf16", "fp16") and variant in ("zero1", "zero2", "zero3") else 4
     if variant == "zero0" and precision != "fp32":
@@ -115,13 +112,7 @@ def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: in
     if variant in ("ddp", "zero0"):
         return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
     if variant in ("zero1", "zero2"):
-        part = math.ceil(psi / n)
-        lo, hi = rank * part, (rank + 1) * part
-        start, overlap = 0, 0
-        for k in numels:
-            if start < hi and start + k > lo:
-                overlap += k
-            start += k
+        part, overlap = flat_partition(numels, n, rank)
         return {"params": b * psi, "grads": b * overlap, "optimizer": 12 * part}
     if variant == "zero3":
         local = sum(math.ceil(k / n) for k in numels)
@@ -132,7 +123,7 @@ def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: in
             rows = s[0] if s else 1
             chunk = math.ceil(rows / n)
             mine = max(0, min(chunk, rows - rank * chunk))
-            local += mine * (_numel(s) // rows if rows else 0)
+            local += mine * (numel(s) // rows if rows else 0)
         return {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
     raise ValueError(f"unknown variant {variant}")
 
@@ -192,7 +183,7 @@ def _mib(v) -> str:
 
 
 def memory_table(results: dict, shapes, ranks_list, variants) -> str:
-    psi = sum(_numel(s) for s in shapes)
+    psi = sum(numel(s) for s in shapes)
     head = (f"model-state bytes per rank (MiB; the rank holding the most), fp32 Adam, Ψ = {psi:,} parameters\n"
             f"{'variant':<7} {'N':>2} {'params':>8} {'grads':>8} {'optim':>8} {'total':>8} | {'paper':>8} "
             f"{'+master':>8} {'expected':>8} {'meas/exp':>8} | {'grads pk':>8} {'peak RSS':>9}")

@@ -63,7 +63,7 @@ def ring_factor(op: str, n: int) -> float:
         return (n - 1) / n
     if op in ("broadcast", "send_recv"):
         return 1.0
-    raise ValueError(f"unknown op {op!r}")
+    raise ValueError(f"unknown op {op!r}; known: all_reduce, all_gather, reduce_scatter, broadcast, send_recv")
 
 
 def _item(name: str, op: str, group: str, group_size: int, message_bytes: float, calls: float,

@@ -105,8 +105,21 @@ def optimizer_state_bytes(optimizer: str, momentum: float = 0.9) -> int:
     return OPTIMIZER_STATE_BYTES[name]
 
 
-def _numel(shape) -> int:
+def numel(shape) -> int:
     return math.prod(shape) if shape else 1
+
+
+def flat_partition(numels: list[int], n: int, rank: int) -> tuple[int, int]:
+    """DeepSpeed ZeRO-1/2: (elements of rank's 1/n slice of the flat buffer, elements of the gradients it
+    keeps: every tensor overlapping that slice, whole)."""
+    part = math.ceil(sum(numels) / n)
+    lo, hi = rank * part, (rank + 1) * part
+    start, overlap = 0, 0
+    for k in numels:
+        if start < hi and start + k > lo:
+            overlap += k
+        start += k
+    return part, overlap
 
 
 def gpt2_replicated_under_tp(layers: int, hidden: int, seq_len: int) -> int:
@@ -135,18 +148,12 @@ def _dp_shard(adapter: str, shapes, n: int) -> dict:
     """Per-tensor partition of DeepSpeed / FSDP over n ranks: elements of the busiest rank.
     Returns {part: elements of the flat partition (stages 1-2) or of the local pieces (3, fsdp),
     grad_elems: gradient elements held at the step, rank}."""
-    numels = [_numel(s) for s in shapes]
+    numels = [numel(s) for s in shapes]
     psi = sum(numels)
     best = None
     for rank in range(n):
         if adapter in ("zero1", "zero2"):
-            part = math.ceil(psi / n)
-            lo, hi = rank * part, (rank + 1) * part
-            start, overlap = 0, 0
-            for k in numels:
-                if start < hi and start + k > lo:
-                    overlap += k
-                start += k
+            part, overlap = flat_partition(numels, n, rank)
             cand = {"part": part, "grad_elems": overlap, "param_elems": psi}
         elif adapter == "zero3":
             local = sum(math.ceil(k / n) for k in numels)
@@ -159,7 +166,7 @@ def _dp_shard(adapter: str, shapes, n: int) -> dict:
                 rows = s[0] if s else 1
                 chunk = math.ceil(rows / n)
                 mine = max(0, min(chunk, rows - rank * chunk))
-                local += mine * (_numel(s) // rows if rows else 0)
+                local += mine * (numel(s) // rows if rows else 0)
             cand = {"part": local, "grad_elems": local, "param_elems": local}
         else:
             raise ValueError(adapter)
@@ -476,7 +483,7 @@ def model_facts(model) -> dict:
     largest = 0
     for m in model.modules():
         largest = max(largest, sum(p.numel() for p in m.parameters(recurse=False)))
-    return {"params": sum(_numel(s) for s in shapes), "shapes": shapes, "largest_unit_params": largest}
+    return {"params": sum(numel(s) for s in shapes), "shapes": shapes, "largest_unit_params": largest}
 
 
 def _get(obj, key, default=None):
