@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Where the tests find real data (Wikitext-2, GPT-2 tokenizer, CIFAR-10 subset); see README.
 export BENCH_DATA_ROOT ?= $(abspath ../shared/data)
 
-.PHONY: install demo test smoke gpu-check horovod slurm-up slurm-down clean
+.PHONY: install demo paper-demo test smoke gpu-check horovod slurm-up slurm-down clean
 
 # Strict editable install: a tree of links under build/ that Hydra's plugin scan can list (the default
 # editable mode hides hydra_plugins.trainbench_launcher from it). Links are per file, so the install is
@@ -25,9 +25,34 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m bench.demo
 
+# The paper's protocol at CPU scale on the local Slurm cluster (started here if down; needs root):
+# `bench.paper plan --submit` (phase 1 epoch time, phase 2 statistical efficiency after it, phase 3
+# memory) for ddp, zero and pipeline at 1 and 2 ranks on a tiny GPT-2, then the report with its
+# "Paper claims" section. Records and report under results/paper-demo-<time>/.
+PAPER_DEMO := results/paper-demo-$(shell date +%Y%m%d-%H%M%S)
+PAPER_DEMO_SIZE := data=synthetic data.train_samples=128 data.val_samples=32 workload.vocab_size=256 \
+	trainer.batch_size=8 trainer.warmup_steps=1 trainer.progress=false
+paper-demo: $(STAMP)
+	bash slurm/local_cluster.sh status >/dev/null 2>&1 || bash slurm/local_cluster.sh start
+	RESULTS=$(abspath $(PAPER_DEMO)) $(PY) -m bench.paper plan --workloads gpt2_tiny --adapters ddp,zero,pipeline \
+		--gpus 1,2 --stateff-epochs 3 --out $(PAPER_DEMO)/plan --submit -- $(PAPER_DEMO_SIZE)
+	$(PY) -m bench.paper wait $(PAPER_DEMO)/plan --timeout 900
+	$(PY) -m analysis report $(PAPER_DEMO) --out $(PAPER_DEMO)/report
+	@echo "paper demo: records in $(PAPER_DEMO)/, report in $(PAPER_DEMO)/report/report.md"
+
+# The suite runs every path `make smoke` runs on a CPU (2 ranks), so `make test` no longer runs the smoke
+# after it (issue 20). Smoke case (bench/smoke.py, world size 2) -> the test that runs the same adapter path:
+#   ddp              tests/test_launch.py (conftest smoke_run: experiment=smoke, 2 local ranks), test_spine.py
+#   zero             tests/test_sharded.py::test_gpt2_zero_stages_and_fsdp_train_like_ddp (stages 0-3, 2 ranks)
+#   fsdp             tests/test_sharded.py::test_gpt2_zero_stages_and_fsdp_train_like_ddp (2 ranks)
+#   megatron         tests/test_tensor_parallel.py::test_megatron_tp2_matches_tp1_with_half_the_sharded_bytes (TP=2)
+#   tensor_parallel  tests/test_tensor_parallel.py::test_torch_tensor_parallel_matches_single_process (TP=2)
+#   gpipe            tests/test_pipeline.py::test_gpipe_two_cpu_partitions_equal_unpipelined (1 process, 2 partitions)
+#   pipeline         tests/test_pipeline.py::test_pipeline_two_ranks_equal_unpipelined (2 ranks)
+#   horovod          tests/test_horovod.py::test_gpt2_horovodrun_and_srun_style_equal_ddp (fails under CI=true if absent)
+#   the smoke driver tests/test_gpu_twins.py (layout per adapter, skip reasons, `python -m bench.smoke` itself)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
-	$(MAKE) smoke
 
 # every installed adapter on the visible GPUs (a one-GPU runner: world size 1), or 2 ranks on a CPU
 smoke: $(STAMP)

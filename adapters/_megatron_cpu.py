@@ -13,6 +13,8 @@ What changes (logged once per process by `enable()`):
      factory calls with `device="cuda"` allocate on the CPU and `Tensor.cuda()` returns the tensor.
      They are the schedules' token counter, the first/last-stage copy of the tied embedding
      (`weight.data.cuda()`) and the norm buffers of `get_grad_norm_fp32`.
+  4. Inside `cuda_to_cpu()` only: `torch.cuda.synchronize()` does nothing (there is no CUDA work to
+     wait for). dist_checkpointing's torch_dist writer calls it after copying tensors to the CPU.
 Handled by configuration instead (see adapters/megatron.py): fusions off, `use_cpu_initialization`,
 an explicit causal mask (`get_default_causal_mask` hard-codes cuda), `batch_p2p_sync=False`
 (a `torch.cuda.synchronize` after each p2p batch), and a torch optimizer (Megatron's optimizers
@@ -33,7 +35,8 @@ _enabled = False
 CHANGES = (
     "torch.cuda.current_device() -> cpu",
     "Megatron RNG tracker on CPU generator states",
-    "device='cuda' factories and Tensor.cuda() -> cpu inside model build / schedule / grad norm",
+    "device='cuda' factories and Tensor.cuda() -> cpu inside model build / schedule / grad norm / checkpoint",
+    "torch.cuda.synchronize() a no-op inside the same calls",
 )
 
 
@@ -103,7 +106,12 @@ class _CudaToCpu(TorchFunctionMode):
 
 @contextlib.contextmanager
 def cuda_to_cpu():
-    """Stand-in 3, for the duration of a Megatron call."""
+    """Stand-ins 3 and 4, for the duration of a Megatron call."""
     _refuse_on_cuda()
-    with _CudaToCpu():
-        yield
+    synchronize = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None
+    try:
+        with _CudaToCpu():
+            yield
+    finally:
+        torch.cuda.synchronize = synchronize

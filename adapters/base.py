@@ -61,6 +61,10 @@ class Adapter(ABC):
     # tests/test_checkpoint.py); else why not, and trainer.checkpoint_every > 0 is refused before launch
     checkpoint_unsupported: ClassVar[str | None] = "no checkpoint support written and tested for this adapter"
     checkpoint_format: ClassVar[str] = "torch.distributed.checkpoint (get_state_dict/set_state_dict)"
+    # None: trainer.compile=true compiles this adapter's model (`compile_module`) and was checked to train;
+    # else why not, and trainer.compile=true is refused before launch (bench/runner/checks.py)
+    compile_unsupported: ClassVar[str | None] = "torch.compile is not wired into this adapter or not shown to work"
+    compile_how: ClassVar[str] = ""  # what is compiled (recorded as compile.how)
 
     # --- before launch (class methods: no process group yet) ------------------------------------
     @classmethod
@@ -233,6 +237,28 @@ class Adapter(ABC):
 
     def close(self) -> None:
         """Release framework resources before the process group is destroyed."""
+
+    def compile_module(self, module: nn.Module) -> nn.Module:
+        """trainer.compile: `module.compile()` in place (nn.Module.compile: its parameters, state-dict keys and
+        hooks stay as they are, so checkpoints and wrappers do not notice); returns `module`."""
+        if self.cfg.trainer.compile:
+            module.compile(backend=self.cfg.trainer.compile_backend)
+        return module
+
+
+def compile_stats() -> dict:
+    """torch._dynamo's own counters so far in this process: frames compiled (every recompile is one
+    more), graphs, and seconds spent compiling (forward, and backward graphs compiled at first use)."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:  # nothing compiled: do not import dynamo for nothing
+        return {"frames": 0, "graphs": 0, "time_s": 0.0}
+    from torch._dynamo.utils import compile_times, counters
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    times = dict(zip(names, (float(v) for v in values)))
+    return {"frames": int(counters["frames"]["total"]), "graphs": int(counters["stats"]["unique_graphs"]),
+            "time_s": times.get("_compile.compile_inner", 0.0) + times.get("backward._backward_impl", 0.0)}
 
 
 def save_rank0_state(path: Path, model, optimizer, scaler=None, rank: int = 0) -> None:

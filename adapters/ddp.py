@@ -22,12 +22,17 @@ class DDPAdapter(Adapter):
     # checkpoints: the base's DCP get_state_dict/set_state_dict on the DDP wrapper (replicated tensors
     # written once across ranks) and the optimizer
     checkpoint_unsupported = None
+    # trainer.compile: the module is compiled in place, then wrapped; TorchDynamo's DDPOptimizer splits the
+    # graph at DDP's bucket boundaries, so gradient all-reduces still overlap backward
+    compile_unsupported = None
+    compile_how = "module.compile() of the model inside DDP (graph split at DDP buckets by DDPOptimizer)"
 
     def setup(self) -> None:
         cfg = self.cfg.adapter
         model = self.workload.build_model().to(self.device)
         if cfg.sync_batchnorm and self.ctx.is_cuda:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        self.compile_module(model)
         self.model = DDP(
             model,
             device_ids=[self.device.index] if self.ctx.is_cuda else None,

@@ -48,6 +48,10 @@ class FSDPAdapter(Adapter):
     # checkpoints: the base's DCP get_state_dict/set_state_dict: each rank writes and reads its own
     # DTensor shards of parameters and optimizer state (a sharded state dict, never gathered)
     checkpoint_unsupported = None
+    # trainer.compile: as torchtitan, each shard unit (block) is compiled before fully_shard wraps it, so
+    # FSDP2's all-gather/reduce-scatter hooks stay outside the compiled graphs
+    compile_unsupported = None
+    compile_how = "module.compile() of each shard unit before fully_shard (torchtitan's per-block compile)"
     precision_semantics = ("FSDP2 MixedPrecisionPolicy: bf16/fp16 parameters for compute (param_dtype), fp32 "
                            "sharded master parameters and fp32 gradient reduction")
 
@@ -70,6 +74,7 @@ class FSDPAdapter(Adapter):
         reshard = cfg.adapter.reshard_after_forward
         self.units = shard_units(self.workload, model)
         for unit in self.units:
+            self.compile_module(unit)
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=self.mp_policy)
         # the root is all-gathered first in forward and needed again first in backward: keeping it
         # unsharded between the two saves one all-gather, as FSDP2 itself does by default for the root

@@ -27,6 +27,13 @@ from (seed, global layer number) before building, and `use_cpu_initialization` d
 before slicing them for TP, so any TP x PP layout starts from the same weights on CPU (tested). On
 GPU, weights sliced over TP come from Megatron's per-TP-rank CUDA generator as usual.
 
+Checkpoints: Megatron's own `dist_checkpointing` (the format Megatron-LM writes, torch_dist backend):
+`GPTModel.sharded_state_dict()` names every tensor by its global (un-split) key and TP/PP/DP offset,
+and the torch optimizer's state is mapped onto those keys as Megatron's FP32Optimizer does
+(`optim_state_to_sharding_state`), so every rank writes only its slice and a replica's copy is
+written once. Runs on CPU over gloo. Megatron's distributed optimizer (GPU, sgd/adam/adamw) is not
+checkpointed here yet: that combination refuses trainer.checkpoint_every before launch.
+
 Batch: `batch_policy=linear` (conf/adapter/megatron.yaml), as the paper scales Megatron: the global
 batch is trainer.batch_size x ranks; a replica (TP x PP ranks) loads global / DP samples per
 micro-step and Megatron's schedule runs them as `microbatches(cfg)` micro-batches.
@@ -74,6 +81,10 @@ class MegatronAdapter(Adapter):
     kinds = ("language",)
     framework = "megatron-core"
     framework_module = "megatron.core"
+    # checkpoints: megatron.core.dist_checkpointing (module docstring); per run, `_checkpoint_refusal` (GPU
+    # with Megatron's distributed optimizer) turns them off
+    checkpoint_unsupported = None
+    checkpoint_format = "megatron.core.dist_checkpointing (torch_dist): GPTModel.sharded_state_dict + optimizer state"
     phase_semantics = {
         **Adapter.phase_semantics,
         "forward": "megatron-core forward steps (its timers): tensor-parallel all-reduces inside; with PP > 1 "
@@ -88,6 +99,19 @@ class MegatronAdapter(Adapter):
         return [f"launcher.nprocs={devices}", f"adapter.tensor_parallel={2 if devices % 2 == 0 else 1}"]
 
     # --- before launch ----------------------------------------------------------------------------
+    @classmethod
+    def _checkpoint_refusal(cls, cfg) -> str | None:
+        if torch.cuda.is_available() and cfg.optimizer.name in _MEGATRON_OPTIMIZERS:
+            return (f"Megatron's distributed optimizer (GPU, optimizer={cfg.optimizer.name}) is not checkpointed here "
+                    "yet; CPU runs and GPU runs with another optimizer are")
+        return None
+
+    @classmethod
+    def check_checkpointing(cls, cfg) -> None:
+        from bench.core.checkpoint import check_config
+
+        check_config(cfg, cls.name, cls._checkpoint_refusal(cfg))
+
     @classmethod
     def validate(cls, cfg, world_size):
         cls.check_checkpointing(cfg)  # this validate does not call the base one
@@ -203,6 +227,7 @@ class MegatronAdapter(Adapter):
             model.cuda(torch.cuda.current_device())
 
         self.megatron_optimizer = cuda and self.cfg.optimizer.name in _MEGATRON_OPTIMIZERS
+        self.checkpoint_unsupported = self._checkpoint_refusal(self.cfg)  # the trainer reads this instance's
         self.ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=bool(cuda and a.overlap_comm),  # overlap uses CUDA streams
             use_distributed_optimizer=self.megatron_optimizer,
@@ -364,6 +389,62 @@ class MegatronAdapter(Adapter):
         if not outputs:
             return torch.zeros(3, dtype=torch.float64, device=self.device)
         return outputs[0]["sums"]
+
+    # --- checkpoints --------------------------------------------------------------------------------
+    def _checkpoint_state(self) -> tuple[dict, dict]:
+        """(Megatron's sharded state: model and optimizer as ShardedTensors with global keys and this
+        rank's offsets, plus the scheduler; this rank's own: optimizer step counts, RNG tracker states)."""
+        from megatron.core import tensor_parallel
+        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                                optim_state_to_sharding_state)
+
+        model = self.model.module.sharded_state_dict()  # keys as GPTModel.state_dict() names them
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        optim = self.optimizer.state_dict()
+        optim["state"] = {i: dict(st) for i, st in optim["state"].items()}  # state_dict() shares the live dicts
+        # per-parameter step counts are scalars, not shards of a parameter (Megatron's FP32Optimizer
+        # keeps them aside too)
+        steps = {i: st.pop("step") for i, st in optim["state"].items() if "step" in st}
+        optim_state_to_sharding_state(optim, get_param_id_to_sharded_param_map(model, params))
+        own = {"optimizer_steps": steps, "rng_tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+        return {"model": model, "optimizer": optim, "scheduler": self.scheduler.state_dict()}, own
+
+    def save_checkpoint(self, path) -> None:
+        from pathlib import Path
+
+        from megatron.core import dist_checkpointing
+
+        if self.checkpoint_unsupported:
+            raise RuntimeError(f"adapter=megatron cannot checkpoint: {self.checkpoint_unsupported}")
+        folder = Path(path) / "megatron"
+        if self.ctx.rank == 0:
+            folder.mkdir()
+        torch.distributed.barrier()
+        sharded, own = self._checkpoint_state()
+        torch.save(own, Path(path) / f"megatron-rank{self.ctx.rank}.pt")  # Megatron's format has no per-rank objects
+        with self._compat():
+            dist_checkpointing.save(sharded, str(folder))
+
+    def load_checkpoint(self, path) -> None:
+        from pathlib import Path
+
+        from megatron.core import dist_checkpointing, tensor_parallel
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        if self.checkpoint_unsupported:
+            raise RuntimeError(f"adapter=megatron cannot resume a checkpoint: {self.checkpoint_unsupported}")
+        _init_optim_state(self.optimizer)  # the state tensors the shards are read into (a zero-lr step)
+        sharded, _ = self._checkpoint_state()
+        with self._compat():
+            loaded = dist_checkpointing.load(sharded, str(Path(path) / "megatron"))
+        own = torch.load(Path(path) / f"megatron-rank{self.ctx.rank}.pt", weights_only=False)
+        self.model.module.load_state_dict(loaded["model"], strict=True)
+        optim = loaded["optimizer"]
+        for i, step in own["optimizer_steps"].items():
+            optim["state"][i]["step"] = step
+        self.optimizer.load_state_dict(optim)
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(own["rng_tracker"])
 
     # --- accounting ---------------------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:

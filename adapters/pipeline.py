@@ -17,6 +17,13 @@ head stage holds its own copy, initialised equal, and after every step the two g
 (an all-reduce between the first and the last stage rank of each replica), so both copies take the
 same update as the tied weight would. See bench/pipeline.py.
 
+Checkpoints: DCP (get_state_dict/set_state_dict) of a ModuleDict of this rank's stage modules keyed
+`stage<s>`, with the optimizer state flattened to one key per parameter (`flatten_optimizer_state_dict`,
+as torchtitan does for pipelines): every stage's keys are its own, so the ranks of one pipeline write
+disjoint keys (unflattened, their different `param_groups` would share one key and DCP would keep
+one rank's) and the replicas of a stage write the same keys, which DCP writes once. The tied head
+copy is a parameter like any other.
+
 BatchNorm (ResNet): each micro-batch is normalised with its own statistics and the running
 statistics are updated once per micro-batch, as under gradient accumulation (no deferred BatchNorm).
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import gc
 from collections import OrderedDict
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -44,6 +52,8 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
 
 class PipelineAdapter(Adapter):
     name = "pipeline"
+    checkpoint_unsupported = None  # DCP of this rank's stages (module docstring)
+    checkpoint_format = "torch.distributed.checkpoint of the stages (get_state_dict, flattened optimizer state)"
     phase_semantics = {
         **Adapter.phase_semantics,
         "forward_backward": "the schedule's whole step: every micro-batch's forward and backward, stage-to-stage "
@@ -204,6 +214,31 @@ class PipelineAdapter(Adapter):
     def modules(self):
         return self.stage_modules
 
+    def checkpoint_module(self) -> nn.Module:
+        """This rank's stages under their global stage index: the keys are the same on every replica."""
+        return nn.ModuleDict({f"stage{s}": m for s, m in zip(self.stage_ids, self.stage_modules)})
+
+    def _checkpoint_state(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        module, options = self.checkpoint_module(), StateDictOptions(flatten_optimizer_state_dict=True)
+        model_state, optim_state = get_state_dict(module, self.optimizer, options=options)
+        return module, options, {"model": model_state, "optimizer": optim_state}
+
+    def save_checkpoint(self, path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._checkpoint_state()[2], checkpoint_id=str(Path(path) / "dcp"))
+
+    def load_checkpoint(self, path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        module, options, state = self._checkpoint_state()
+        dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
+        set_state_dict(module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=options)
+
     def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer):
         losses_all: list[torch.Tensor] = []
         with timer.phase("forward_backward"):  # the schedule interleaves them: one phase
@@ -222,12 +257,11 @@ class PipelineAdapter(Adapter):
     @torch.no_grad()
     def _sync_tied_grads(self) -> None:
         for t, group in zip(self.ties, self.tie_groups):
-            if group is None:  # both copies on this rank (interleaved with one pipeline rank)
+            if t.main is not None and t.copy is not None:  # both copies on this rank (interleaved, one pipeline rank)
                 t.sum_local_grads()
-            else:
-                held = t.main if t.main is not None else t.copy
-                if held is not None:
-                    dist.all_reduce(P.grad_or_zeros(held), group=group)
+            elif group is not None:  # one copy here, the other on the rank this group joins
+                dist.all_reduce(P.grad_or_zeros(t.main if t.main is not None else t.copy), group=group)
+            # else: a middle stage holds neither copy
 
     @torch.no_grad()
     def _clip(self, max_norm: float) -> None:

@@ -91,6 +91,10 @@ class ZeroAdapter(Adapter):
     # ZeRO partitions of the fp32 master and optimizer state, loss scaler), tag "deepspeed"
     checkpoint_unsupported = None
     checkpoint_format = "deepspeed engine.save_checkpoint/load_checkpoint"
+    # trainer.compile: DeepSpeed's own engine.compile(backend) (torch.compile of the engine's module, its
+    # ZeRO hooks kept out of the graphs)
+    compile_unsupported = None
+    compile_how = "deepspeed engine.compile(backend=trainer.compile_backend)"
     precision_semantics = "DeepSpeed bf16/fp16 mode: bf16/fp16 model weights and gradients, fp32 master partition"
 
     @classmethod
@@ -135,6 +139,8 @@ class ZeroAdapter(Adapter):
             model=model, optimizer=optimizer, model_parameters=model.parameters(), config=self.ds_config,
             dist_init_required=False,
         )
+        if cfg.trainer.compile:
+            self.engine.compile(backend=cfg.trainer.compile_backend)
         self.input_dtype = HALF_DTYPES.get(cfg.trainer.precision)  # DeepSpeed's bf16/fp16 modes hold half-precision weights
         self._probe_grads = True
         self._grad_bytes = (0, 0)  # (when the optimizer step begins, most at once during backward)

@@ -223,6 +223,127 @@ def _state_of_peak_rank(event: dict) -> dict:  # the old name (notebooks, caller
     return _memory_fields(event)
 
 
+# --- communication volume and the measured network ----------------------------------------------------
+def _comm_fields(cv) -> dict:
+    """The record's `comm_volume` (bench/core/comm_volume.py, bytes per optimizer step per rank) as
+    columns; `comm_collectives` keeps the per-collective list as JSON for `comm_table`."""
+    if not isinstance(cv, dict) or cv.get("error") or "total_bytes" not in cv:
+        return {"comm_bytes_per_step": None, "comm_backend": (cv or {}).get("backend") if isinstance(cv, dict) else None,
+                "comm_phases": None, "comm_formula": None, "comm_collectives": None,
+                "comm_error": cv.get("error") if isinstance(cv, dict) else None}
+    cols = cv.get("collectives") or []
+    return {"comm_bytes_per_step": cv["total_bytes"], "comm_backend": cv.get("backend"),
+            "comm_phases": ",".join(cv.get("phases") or []) or None,
+            "comm_formula": "; ".join(f"{c['name']}: {c['formula']}" for c in cols) or None,
+            "comm_collectives": json.dumps(cols), "comm_error": None}
+
+
+COMM_FOLDER = "comm"  # `python -m bench.sweep run` stores `python -m bench.comm --out` here
+
+
+def load_comm(*roots: str | Path) -> list[dict]:
+    """Every `python -m bench.comm` JSON report in a `comm/` folder under the roots (what a sweep
+    stores beside its records), each with its `path`."""
+    out = []
+    for root in roots:
+        for path in sorted(Path(root).rglob(f"{COMM_FOLDER}/*.json")):
+            try:
+                rep = json.loads(path.read_text())
+            except (OSError, ValueError):
+                warnings.warn(f"{path}: not JSON, skipped")
+                continue
+            if isinstance(rep, dict) and rep.get("tool") == "bench.comm":
+                out.append({**rep, "path": str(path)})
+    return out
+
+
+def busbw_at(report: dict, op: str, message_bytes: float) -> tuple[float, int] | None:
+    """(busbw GB/s, size measured) of `op` at the measured size nearest to `message_bytes` on a log
+    scale (a tie goes to the larger size; beyond the range, the end point), or None when the report
+    has no measured `op`. The same rule as bench/core/comm_volume.busbw_from_report."""
+    rows = [r for r in report.get("results", []) if r.get("op") == op and r.get("busbw_GBps")]
+    if not rows:
+        return None
+    target = max(float(message_bytes), 1.0)
+    best = min(rows, key=lambda r: (abs(np.log(r["bytes"] / target)), -r["bytes"]))
+    return float(best["busbw_GBps"]), int(best["bytes"])
+
+
+def _matching_report(reports: list[dict], backend, op: str, group_size: int) -> dict | None:
+    """The measurement for a collective over `group_size` ranks on `backend`: one taken at that many
+    ranks (send/recv, which is pairwise: any measurement at 2 or more ranks, the nearest count first)."""
+    same = [r for r in reports if r.get("backend") == backend]
+    exact = [r for r in same if r.get("world_size") == group_size]
+    if exact:
+        return exact[-1]
+    if op == "send_recv":
+        pairs = sorted((r for r in same if (r.get("world_size") or 0) >= 2),
+                       key=lambda r: abs(r["world_size"] - group_size))
+        return pairs[0] if pairs else None
+    return None
+
+
+def _size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def comm_time(collectives: list[dict], backend, reports: list[dict]) -> tuple[float | None, str]:
+    """Seconds the per-step volume takes at the measured bus bandwidth (sum over collectives of
+    bytes / busbw at the nearest measured size, no overlap), and how each busbw was chosen; None
+    with the reason when a collective has no matching measurement."""
+    total, used = 0.0, []
+    for c in collectives:
+        rep = _matching_report(reports, backend, c["op"], int(c["group_size"]))
+        hit = busbw_at(rep, c["op"], c["message_bytes"]) if rep else None
+        if hit is None:
+            return None, f"not measured: no {c['op']} at {c['group_size']} ranks on {backend}"
+        bw, size = hit
+        total += float(c["bytes"]) / (bw * 1e9)
+        used.append(f"{c['op']} {bw:.3g} GB/s at {_size(size)}")
+    return total, "; ".join(dict.fromkeys(used))
+
+
+def comm_table(df: pd.DataFrame, reports: list[dict]) -> pd.DataFrame:
+    """One row per (workload, series, devices) of finished runs: measured step time, the time of the
+    phase(s) the adapter's collectives run in (from the records' phase breakdown; the exposed
+    communication is inside them), the recorded communication volume per step, and the time that
+    volume takes at the measured bus bandwidth (`comm_time`; "not measured" without a matching
+    `python -m bench.comm` report)."""
+    r = runs(ok(df))
+    if r.empty or "comm_bytes_per_step" not in r:
+        return pd.DataFrame()
+    rows = []
+    def text(v) -> str:  # a string column's value; NaN / None (no volume recorded) -> ""
+        return v if isinstance(v, str) else ""
+
+    for (wl, lab, d), sub in r.groupby(["workload", "label", "devices"]):
+        first = sub.iloc[0]
+        phases = [p for p in text(first.get("comm_phases")).split(",") if p]
+        phase_s = None
+        if phases and all(f"{p}_time_mean_s" in sub for p in phases):
+            phase_s = float(sum(pd.to_numeric(sub[f"{p}_time_mean_s"], errors="coerce").mean() for p in phases))
+        vol = first.get("comm_bytes_per_step")
+        cols = json.loads(first["comm_collectives"]) if text(first.get("comm_collectives")) else None
+        if cols is None:
+            err = text(first.get("comm_error"))
+            t, how = None, f"no volume in the record{': ' + err if err else ''}"
+        elif not cols:
+            t, how = 0.0, "no collectives"
+        else:
+            t, how = comm_time(cols, first.get("comm_backend"), reports)
+        step = pd.to_numeric(sub["step_time_mean_s"], errors="coerce").mean() if "step_time_mean_s" in sub else np.nan
+        rows.append({"workload": wl, "series": lab, "devices": int(d), "runs": len(sub), "step (ms)": step * 1e3,
+                     "comm phase": "+".join(phases) or "-",
+                     "phase (ms)": phase_s * 1e3 if phase_s is not None else np.nan,
+                     "comm MB/step": vol / 1e6 if vol is not None and not _missing(vol) else np.nan,
+                     "at busbw (ms)": t * 1e3 if t is not None else "not measured",
+                     "busbw used": how, "formula": text(first.get("comm_formula")) or "-"})
+    return pd.DataFrame(rows)
+
+
 # --- labels ------------------------------------------------------------------------------------------
 def _true(v) -> bool:
     return isinstance(v, (bool, np.bool_)) and bool(v)
@@ -317,6 +438,7 @@ def load_run(run_dir: str | Path) -> list[dict]:
             pass
 
     base = {col: cfg.get(key) for key, col in CONFIG_FIELDS.items()}
+    base.update(_comm_fields(summary.get("comm_volume")))
     for col in ("adapter", "workload", "experiment", "point"):
         base[col] = summary.get(col) or base[col]
     world = summary.get("world_size") or base["nprocs"]

@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 
 from analysis import plots
-from analysis.load import EPOCH_TIME_SOURCES, load, not_finished, ok, runs
+from analysis.claims import claims_lines
+from analysis.load import EPOCH_TIME_SOURCES, comm_table, load, load_comm, not_finished, ok, runs
 
 FIGURES = {
     "epoch_time": "Epoch time vs devices (paper Fig. 5/6)",
@@ -344,6 +345,30 @@ def which_adapter_lines(df: pd.DataFrame, baseline: str | None = "best") -> list
     return lines
 
 
+def comm_lines(df: pd.DataFrame, reports: list[dict], out: Path | None = None) -> list[str]:
+    """The "Communication" section: per point the measured step time, the phase(s) holding its
+    collectives, the recorded volume per step and the time it takes at the measured bus bandwidth."""
+    table = comm_table(df, reports)
+    if table.empty or table["comm MB/step"].isna().all():  # records from before `comm_volume`: no section
+        return []
+    if out is not None:
+        table.to_csv(out / "comm.csv", index=False)
+    measured = ", ".join(f"{r['backend']} x{r['world_size']} ({Path(r['path']).name})" for r in reports) or "none"
+    return ["## Communication per step", "",
+            ("`comm MB/step`: bytes one rank moves per optimizer step (nccl-tests bus volume), from each record's "
+             "`comm_volume` (bench/core/comm_volume.py, formulas in `formula`). `at busbw (ms)`: that volume over "
+             "the bus bandwidth `python -m bench.comm` measured (`<results>/<experiment>/comm/`; a sweep stores it) "
+             "on the run's backend at the collective's group size, at the measured message size nearest to the "
+             "collective's whole message (log scale; beyond the range, the end point), summed over collectives "
+             "with no overlap; `not measured` when no such measurement is here. `phase (ms)`: the mean time of "
+             "the phase(s) the adapter's collectives run in (`comm phase`, from its phase semantics), compute "
+             "included: the exposed communication is part of it. `step (ms)`: mean step time, warm-up steps "
+             f"excluded. Measurements found: {measured}."), "",
+            markdown_table(pd.concat([pd.DataFrame({"point": [_point(lab, d) for lab, d in
+                                                             zip(table["series"], table["devices"])]}),
+                                      table.drop(columns=["series", "devices"])], axis=1)), ""]
+
+
 def write_report(results_dir: str | Path, out: str | Path, baseline: str | None = "best") -> Path:
     """Figures into out/figures, tables into out/*.csv, and out/report.md; returns report.md's path."""
     results_dir, out = Path(results_dir), Path(out)
@@ -390,6 +415,7 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
                        "global batch): speedup is computed per training sample, so it stays comparable."), ""]
         lines += [*_epoch_time_lines(per_run), "Epoch time excludes validation.", ""]
         lines += [*_memory_lines(df), ""]
+        lines += comm_lines(df, load_comm(results_dir), out)
 
     bad = not_finished(df)
     lines += ["## Runs that did not finish", "",
@@ -398,6 +424,7 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
               markdown_table(bad[["run_id", "label", "workload", "devices", "status", "error"]]) if len(bad)
               else "_none_\n", ""]
 
+    lines += claims_lines(per_run)  # the paper's findings checked against these records (analysis/claims.py)
     figs, skipped = plots.all_figures(df, out / "figures", baseline=baseline)
     lines += ["## Figures", ""]
     for key, title in FIGURES.items():

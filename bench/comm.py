@@ -2,7 +2,7 @@
 
     python -m bench.comm [--world-size N] [--backend auto|gloo|nccl] [--min-bytes 1K]
                          [--max-bytes 256M] [--iters K] [--warmup W] [--ops all_reduce,...]
-                         [--json PATH]
+                         [--json PATH] [--out DIR]
 
 Without torchrun/srun around it, this spawns N ranks itself (torch.multiprocessing, a free port on
 127.0.0.1). Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or srun (SLURM_PROCID/SLURM_NTASKS) the
@@ -36,7 +36,9 @@ can run the op is reported as n/a with the reason, never replaced by another col
 Python API: `run_rank(rank, world_size, cfg)` is the per-rank function (mp.spawn calls it; it
 returns the report on rank 0), `measure(cfg)` runs inside an already initialized process group,
 `launch(cfg, world_size)` spawns ranks and returns the report, `write_json(report, path)` stores it beside a
-sweep.
+sweep. `--out DIR` writes DIR/<backend>-<N>.json and the table as DIR/<backend>-<N>.txt: what
+`python -m bench.sweep run` does once per world size of a sweep, into <results>/<experiment>/comm/,
+where `python -m analysis report` finds it.
 """
 from __future__ import annotations
 
@@ -582,6 +584,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto: the backend's reduce_scatter, else a send/recv ring; native: n/a if missing")
     p.add_argument("--no-check", action="store_true", help="skip the data check of one call per size")
     p.add_argument("--json", dest="json_path", default=None, help="write the report as JSON here (rank 0)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write DIR/<backend>-<N>.json and the table as DIR/<backend>-<N>.txt (what a sweep stores "
+                        "in <results>/<experiment>/comm/ for the report)")
     p.add_argument("--timeout", type=int, default=600, help="process-group timeout in seconds")
     return p
 
@@ -604,6 +609,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         _parser().error(str(e))
     ext = external_launch()
+    if args.out:
+        if args.json_path:
+            _parser().error("give --json or --out, not both")
+        stem = os.path.join(args.out, f"{resolve_backend(cfg.backend)}-{ext['world_size'] if ext else args.world_size}")
+        cfg = replace(cfg, json_path=stem + ".json")
     if ext is not None:
         cfg = replace(cfg, master_addr=ext["master_addr"], master_port=ext["master_port"])
         report = run_rank(ext["rank"], ext["world_size"], cfg, local_rank=ext["local_rank"])
@@ -613,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
         report = launch(cfg, args.world_size)
     if report is None:  # not rank 0
         return 0
+    if args.out:
+        with open(os.path.splitext(cfg.json_path)[0] + ".txt", "w") as f:
+            f.write(format_table(report) + "\n")
     wrong = sum(r["wrong"] or 0 for r in report["results"])
     return 1 if wrong else 0
 

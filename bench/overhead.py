@@ -5,6 +5,7 @@ interleaved blocks inside one run so both see the same machine state.
     python -m bench.overhead                    # gpt2_tiny, synthetic data, 2 ranks
     python -m bench.overhead --blocks 8 --steps 10 workload=resnet50_tiny
     python -m bench.overhead --models           # harness GPT-2 vs Megatron's GPT (and HF's), then data shares
+    python -m bench.overhead --data-shares --variants   # data shares only, plus each vision input option
 
 Prints the per-block step times and the ratio harness/bare (goal <= 1.02), plus the time from
 launch to the first finished step of a normal `python -m bench` run when `--startup` is given.
@@ -134,27 +135,36 @@ DATA_SHARE_POINTS = {
     "resnet50_tiny (cifar10 JPEG)": ["workload=resnet50_tiny", "data=cifar10"],
     "vgg16_tiny (cifar10 JPEG)": ["workload=vgg16_tiny", "data=cifar10"],
 }
+# --data-shares --variants: the vision input pipeline's options one by one (data.decoder, data.cache_decoded;
+# conf/data/cifar10.yaml turns the RAM cache on, so the row above is the cached one)
+DATA_SHARE_VARIANTS = {
+    "resnet50_tiny (JPEG, PIL)": ["workload=resnet50_tiny", "data=cifar10", "data.decoder=pil",
+                                  "data.cache_decoded=false"],
+    "resnet50_tiny (JPEG, torchvision)": ["workload=resnet50_tiny", "data=cifar10", "data.decoder=torchvision",
+                                          "data.cache_decoded=false"],
+    "resnet50_tiny (JPEG, RAM cache)": ["workload=resnet50_tiny", "data=cifar10", "data.cache_decoded=true"],
+}
 
 
-def data_shares(nprocs: int, steps: int = 12, warmup: int = 2) -> str:
+def data_shares(nprocs: int, steps: int = 12, warmup: int = 2, points: dict | None = None) -> str:
     """Share of the step spent loading data (after warm-up), per bundled workload, from real runs."""
     from pathlib import Path
 
     from bench.invoke import run_bench
 
     lines = [f"data loading share of the step, {nprocs} rank(s), {steps} steps ({warmup} warm-up excluded)",
-             f"{'workload':<30} {'data share':>10} {'workers':>8} {'step s':>8}"]
+             f"{'workload':<34} {'data share':>10} {'workers':>8} {'step s':>8}"]
     with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in DATA_SHARE_POINTS.items():
+        for name, overrides in (points or DATA_SHARE_POINTS).items():
             run = run_bench([*overrides, f"launcher.nprocs={nprocs}", "trainer.epochs=1", f"trainer.max_steps={steps}",
                              f"trainer.warmup_steps={warmup}", "trainer.eval_every_epoch=false", "trainer.progress=false"],
                             root=Path(tmp), experiment="data-share", timeout=900)
             if not run.ok:
-                lines.append(f"{name:<30} {run.status}: {run.error_line[:70]}")
+                lines.append(f"{name:<34} {run.status}: {run.error_line[:70]}")
                 continue
             s = run.summary
             ev = json.loads((run.run_dir / "events.jsonl").read_text().splitlines()[0])
-            lines.append(f"{name:<30} {100 * ev['data_share']:9.1f}% {s['data_workers']:>8} {s['step_time_mean_s']:8.4f}")
+            lines.append(f"{name:<34} {100 * ev['data_share']:9.1f}% {s['data_workers']:>8} {s['step_time_mean_s']:8.4f}")
     return "\n".join(lines)
 
 
@@ -171,8 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", action="store_true",
                    help="instead: the harness GPT-2, Megatron's GPT and Hugging Face's GPT-2 of one size stepped in "
                         "interleaved blocks (bench/model_speed.py), then the data-loading share per bundled workload")
+    p.add_argument("--data-shares", action="store_true",
+                   help="instead: only the data-loading share per bundled workload (the second part of --models)")
+    p.add_argument("--variants", action="store_true",
+                   help="with --data-shares: resnet50_tiny's input pipeline per option (PIL, torchvision, RAM cache)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=resnet50_tiny")
     args = p.parse_args(argv)
+    if args.data_shares:
+        print(data_shares(args.nprocs, points={**DATA_SHARE_POINTS, **DATA_SHARE_VARIANTS} if args.variants else None))
+        return 0
     if args.models:
         from bench.model_speed import main as model_speed
 

@@ -4,6 +4,7 @@
         --gpus 1,2,4,8,16,32,64 --gpus-per-node 4 --out paper/ [--submit | --dry-run] [-- overrides]
     python -m bench.paper stateff paper/ [--submit | --run] [--gpus-per-node 4]   # phase 2, from phase 1's records
     python -m bench.paper run paper/        # all three phases here, one after another (CPU scale)
+    python -m bench.paper wait paper/       # until every job of the plan (phase 2's arrays too) has left the queue
 
 As in "How to Train Your Neural Network" (Lin et al.):
 1. epoch time at every GPU count per framework (`epoch.txt`: the preset's settings, 2 epochs so the
@@ -21,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from bench.sweep import REPO, read_points, submit_arrays, write_points
@@ -71,17 +74,53 @@ def plan(workloads: list[str], adapters: list[str], gpus: list[int], gpus_per_no
     return phases
 
 
-def write_plan(out: Path, phases: dict, args_line: str) -> None:
+def results_root() -> Path:
+    """Where records go: $RESULTS (as slurm/array.sbatch reads it), else the checkout's results/."""
+    return Path(os.environ.get("RESULTS") or REPO / "results")
+
+
+def write_plan(out: Path, phases: dict, args_line: str, stateff_epochs: int = 0) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in ("epoch", "memory"):
         write_points(out / f"{name}.txt", phases[name], f"python -m bench.paper {args_line} (phase {name})")
-    (out / "plan.json").write_text(json.dumps({"command": args_line, "skipped": phases["skipped"]}, indent=2) + "\n")
+    (out / "plan.json").write_text(json.dumps({"command": args_line, "skipped": phases["skipped"],
+                                               "stateff_epochs": stateff_epochs}, indent=2) + "\n")
+
+
+def add_jobs(out: Path, ids: list[str]) -> None:
+    """Job ids of the plan, one a line in OUT/jobs.txt (phase 2's job appends its arrays): what `wait` waits for."""
+    with open(out / "jobs.txt", "a") as f:
+        f.writelines(f"{i}\n" for i in ids if i and not i.startswith("<"))
+
+
+def wait(out: Path, timeout: float, poll: float = 2.0) -> int:
+    """Until no job of OUT/jobs.txt is queued or running (the file is read again at every poll, so the
+    arrays phase 2 submits while it runs are waited for too); 1 on timeout."""
+    deadline = time.time() + timeout
+    while True:
+        ids = (out / "jobs.txt").read_text().split() if (out / "jobs.txt").exists() else []
+        rows = subprocess.run(["squeue", "-h", "-o", "%i %r", "-j", ",".join(ids)], capture_output=True,
+                              text=True).stdout.splitlines() if ids else []
+        queued = [r.split()[0] for r in rows if r.split()]
+        for job in [r.split()[0] for r in rows if r.endswith("DependencyNeverSatisfied")]:
+            # phase 2 waits for phase 1 with afterok: a failed phase-1 point leaves it pending for ever
+            print(f"wait: job {job} can never start (a job it depends on failed): cancelled", file=sys.stderr)
+            subprocess.run(["scancel", job])
+        if not queued:
+            print(f"wait: the plan's {len(ids)} job(s) have left the queue", flush=True)
+            return 0
+        if time.time() > deadline:
+            print(f"wait: still queued after {timeout:.0f} s: {' '.join(queued)}", file=sys.stderr)
+            return 1
+        time.sleep(poll)
 
 
 def choose_stateff(out: Path, results: Path) -> list[list[str]]:
     """Phase 2: per (workload, adapter), the phase-1 point with the lowest epoch time among its ok
     records (steady epoch time where there is one), run for the preset's full training."""
     epoch_points = read_points(out / "epoch.txt")
+    plan_file = out / "plan.json"
+    stateff_epochs = json.loads(plan_file.read_text()).get("stateff_epochs", 0) if plan_file.exists() else 0
     best: dict[tuple[str, str], tuple[float, list[str]]] = {}
     for summary_path in results.rglob("summary.json"):
         s = json.loads(summary_path.read_text())
@@ -97,7 +136,8 @@ def choose_stateff(out: Path, results: Path) -> list[list[str]]:
     chosen = []
     for (w, _), (_, point) in sorted(best.items()):
         kept = [o for o in point if not o.startswith(("trainer.epochs=", "results.experiment="))]
-        chosen.append([*kept, f"results.experiment=paper-stateff-{w}"])  # the preset's epochs
+        epochs = [f"trainer.epochs={stateff_epochs}"] if stateff_epochs else []  # else the preset's
+        chosen.append([*kept, *epochs, f"results.experiment=paper-stateff-{w}"])
     write_points(out / "stateff.txt", chosen, "phase stateff: each adapter at its fastest GPU count of phase epoch")
     return chosen
 
@@ -124,30 +164,42 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--submit", action="store_true")
     pl.add_argument("--dry-run", action="store_true", help="print the sbatch lines only")
     pl.add_argument("--sbatch", action="append", default=[], metavar="ARG")
+    pl.add_argument("--stateff-epochs", type=int, default=0,
+                    help="epochs of phase 2's full training (0: the preset's, e.g. 100 for GPT-2)")
     st = sub.add_parser("stateff", help="phase 2: choose from phase 1's records, then run or submit")
     st.add_argument("out", type=Path)
-    st.add_argument("--results", type=Path, default=REPO / "results")
+    st.add_argument("--results", type=Path, default=None, help="records of phase 1 (default: $RESULTS or results/)")
     st.add_argument("--submit", action="store_true")
     st.add_argument("--run", action="store_true")
     st.add_argument("--gpus-per-node", type=int, default=0)
     rn = sub.add_parser("run", help="run phases epoch, stateff, memory here, one after another")
     rn.add_argument("out", type=Path)
-    rn.add_argument("--results", type=Path, default=REPO / "results")
+    rn.add_argument("--results", type=Path, default=None, help="records (default: $RESULTS or results/)")
+    wt = sub.add_parser("wait", help="wait until every job of a submitted plan has left the queue")
+    wt.add_argument("out", type=Path)
+    wt.add_argument("--timeout", type=float, default=3600)
     args = p.parse_args(argv)
+    if getattr(args, "results", None) is None and args.cmd in ("stateff", "run"):
+        args.results = results_root()
+    if args.cmd == "wait":
+        return wait(args.out, args.timeout)
 
     if args.cmd == "plan":
         phases = plan(args.workloads.split(","), args.adapters.split(","), [int(g) for g in args.gpus.split(",")],
                       args.gpus_per_node, extra)
-        write_plan(args.out, phases, shlex.join(argv + (["--", *extra] if extra else [])))
+        write_plan(args.out, phases, shlex.join(argv + (["--", *extra] if extra else [])), args.stateff_epochs)
         print(f"plan: {len(phases['epoch'])} epoch-time points, {len(phases['memory'])} memory points -> {args.out}/; "
               f"{len(phases['skipped'])} skipped (plan.json)")
         if not (args.submit or args.dry_run):
             return 0
         code, ids = submit_arrays(args.out / "epoch.txt", [], gpus_per_node=args.gpus_per_node, sbatch=args.sbatch,
                                   dry_run=args.dry_run)
+        if not args.dry_run:
+            (args.out / "jobs.txt").write_text("")
+            add_jobs(args.out, ids)
         dep = f"--dependency=afterok:{':'.join(ids)}"
         phase2 = ["sbatch", "--parsable", dep, "--job-name=bench-paper-stateff", "--ntasks=1",
-                  f"--output={REPO / 'results' / 'slurm'}/%x-%j.out",
+                  f"--output={results_root().absolute() / 'slurm'}/%x-%j.out",
                   f"--wrap={sys.executable} -m bench.paper stateff {args.out.absolute()} --submit "
                   f"--gpus-per-node {args.gpus_per_node}"]
         print(shlex.join(phase2), flush=True)
@@ -155,14 +207,19 @@ def main(argv: list[str] | None = None) -> int:
             proc = subprocess.run(phase2, capture_output=True, text=True, cwd=REPO)
             print(proc.stdout.strip() or proc.stderr.strip(), flush=True)
             code = proc.returncode
-        code2, _ = submit_arrays(args.out / "memory.txt", [], gpus_per_node=args.gpus_per_node, sbatch=args.sbatch,
-                                 dry_run=args.dry_run)
+            add_jobs(args.out, [proc.stdout.strip().split(";")[0]] if code == 0 else [])
+        code2, ids3 = submit_arrays(args.out / "memory.txt", [], gpus_per_node=args.gpus_per_node, sbatch=args.sbatch,
+                                    dry_run=args.dry_run)
+        if not args.dry_run:
+            add_jobs(args.out, ids3)
         return code or code2
     if args.cmd == "stateff":
         chosen = choose_stateff(args.out, args.results)
         print(f"stateff: {len(chosen)} points -> {args.out / 'stateff.txt'}")
         if args.submit:
-            return submit_arrays(args.out / "stateff.txt", [], gpus_per_node=args.gpus_per_node)[0]
+            code, ids = submit_arrays(args.out / "stateff.txt", [], gpus_per_node=args.gpus_per_node)
+            add_jobs(args.out, ids)  # before this job ends, so `wait` sees them
+            return code
         if args.run:
             return subprocess.run([sys.executable, "-m", "bench.sweep", "run", str(args.out / "stateff.txt")]).returncode
         return 0

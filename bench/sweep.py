@@ -4,6 +4,7 @@
     python -m bench.sweep run sweep.txt [--resume] [-- trainer.epochs=3 ...]   # here, one after another
     python -m bench.sweep submit sweep.txt [--resume] [--gpus-per-node 8] [--sbatch=--partition=gpu]  # job arrays
     python -m bench.sweep point sweep.txt 3 [--resume] [-- overrides]  # "RANKS GPUS_PER_RANK overrides" or "skip"
+    python -m bench.sweep point sweep.txt 3 --oom-retry [-- overrides]  # its OOM retry's overrides, or "skip"
 
 `grid` expands like `python -m bench -m` does (Hydra's own parser and cartesian product, so
 `a,b`, `range(1,4)` and quoting mean the same). Point i is the i-th line that is neither blank
@@ -16,6 +17,10 @@ whether it runs here, in a job array or in a Hydra multirun, and a changed defau
 count is another point. Every record stores it as `point`; with `results.resume=true` (what `--resume` passes)
 a run whose point already has an ok record under results.root/results.experiment is skipped, so
 re-running a sweep re-runs only the points that failed, were preempted or never ran.
+
+A point whose run ends `oom` is run once more with half its per-device batch, as its own point with
+`extra.batch_reduced_from` (`oom_retry`): by `run` here, and inside the array task by slurm/array.sbatch
+(`point --oom-retry`).
 """
 from __future__ import annotations
 
@@ -60,6 +65,8 @@ def point_id_of(cfg, env=os.environ) -> str:
         else:
             for k in keys:
                 d.get(group, {}).pop(k, None)
+    if (d.get("schedule") or {}).get("name") == "constant":  # the default: points keep their ids from before schedules
+        d.pop("schedule")
     if cfg.launcher.name == "slurm" and env.get("SLURM_NTASKS"):
         d["launcher"]["nprocs"] = int(env["SLURM_NTASKS"])  # srun decides the world, not nprocs
     return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:10]
@@ -121,6 +128,18 @@ def compose_point(overrides: list[str]):
     return cfg
 
 
+def run_name(overrides: list[str]) -> tuple[str, str, int]:
+    """(adapter, workload, ranks) of a point, for its run id; a point that does not compose keeps a generic
+    name (its run then fails with the composition error, recorded under that id)."""
+    from bench.core.errors import ConfigError
+
+    try:
+        cfg = compose_point(overrides)
+    except ConfigError:
+        return "run", "point", 0
+    return cfg.adapter.name, cfg.workload.name, layout_of(cfg)[0]
+
+
 def layout_of(cfg) -> tuple[int, int]:
     from adapters import get_adapter_class
 
@@ -153,6 +172,21 @@ def ok_record(folders, point: str) -> Path | None:
             if s.get("point") == point and s.get("status") == "ok":
                 return path.parent
     return None
+
+
+def newest_status(cfg) -> str | None:
+    """The status of the newest record of cfg's point under its results folder (None: no record)."""
+    folders = {Path(cfg.results.root) / cfg.results.experiment, Path(cfg.results.dir or cfg.results.root)}
+    newest = (0.0, None)
+    for folder in folders:
+        for path in Path(folder).rglob("summary.json") if Path(folder).is_dir() else []:
+            try:
+                s = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if s.get("point") == cfg.results.point and path.stat().st_mtime > newest[0]:
+                newest = (path.stat().st_mtime, s.get("status"))
+    return newest[1]
 
 
 def apply_hydra_context(cfg) -> None:
@@ -199,6 +233,13 @@ def _point(args) -> int:
               file=sys.stderr)
         return 2
     cfg = compose_point([*points[args.index], *args.extra])
+    if args.oom_retry:  # array.sbatch after a failed srun: the retry's own overrides, or "skip"
+        retry = oom_retry([*points[args.index], *args.extra]) if newest_status(cfg) == "oom" else None
+        if retry is None:
+            print("skip")
+            return 0
+        print(*layout_of(compose_point(retry)), shlex.join(retry[-2:]))
+        return 0
     if args.resume:
         cfg.results.resume = True
         if skip_if_done(cfg, out=sys.stderr):
@@ -215,22 +256,85 @@ def _run(args) -> int:
         print(f"error: {args.file} has no points", file=sys.stderr)
         return 2
     extra = [*args.extra, *(["results.resume=true"] if args.resume else [])]
+    if not args.no_comm:  # the measured network, once per sweep and world size, beside the records
+        measure_comm(points, args.extra, dry_run=args.dry_run, resume=args.resume)
     failed = []
     for i, point in enumerate(points):
         print(f"[{i + 1}/{len(points)}] point {point_id([*point, *args.extra])}: {shlex.join(point)}", flush=True)
         if args.dry_run:
             print("  " + shlex.join([sys.executable, "-m", "bench", *point, *extra]))
             continue
-        run = run_bench([*point, *extra], capture=False)  # output to the terminal; a failed point does not stop the sweep
+        name = run_name([*point, *extra])
+        run = run_bench([*point, *extra], capture=False, run_name=name)  # a failed point does not stop the sweep
         retry = oom_retry([*point, *extra]) if run.status == "oom" else None
         if retry:  # the paper halved the per-GPU batch by hand where a point ran out of memory
             print(f"  point {i} ran out of memory: once more with trainer.batch_size={retry[-2].split('=')[1]}", flush=True)
-            run = run_bench(retry, capture=False)
+            run = run_bench(retry, capture=False, run_name=name)
         if run.returncode:
             failed.append((i, run.returncode))
     for i, code in failed:
         print(f"point {i} ({shlex.join(points[i])}) exited {code}", file=sys.stderr)
     return 1 if failed else 0
+
+
+# a short bench.comm: sizes 1K x 4^k up to its default maximum, fewer calls per size (~20 s for 2 CPU ranks)
+COMM_ARGS = ("--factor", "4", "--iters", "10", "--warmup", "3")
+
+
+def comm_targets(points: list[list[str]], extra: list[str]) -> list[tuple[Path, int, str]]:
+    """(folder, ranks, backend) per distinct multi-rank world size of the sweep's points: where
+    `python -m bench.comm --out` stores <backend>-<N>.json (the records' folder + /comm)."""
+    from bench.core.errors import ConfigError
+
+    out = []
+    for point in points:
+        try:
+            cfg = compose_point([*point, *extra])
+        except ConfigError:
+            continue  # the point's own run says what is wrong
+        ranks, _ = layout_of(cfg)
+        folder = Path(cfg.results.dir or Path(cfg.results.root) / cfg.results.experiment) / "comm"
+        if ranks > 1 and (folder, ranks, cfg.launcher.backend) not in out:
+            out.append((folder, ranks, cfg.launcher.backend))
+    return out
+
+
+def measure_comm(points: list[list[str]], extra: list[str], dry_run: bool = False, resume: bool = False) -> None:
+    """`python -m bench.comm` once per world size of the sweep (bench/comm.py), before its points; a
+    failed measurement is reported and the sweep goes on (the report then says "not measured")."""
+    for folder, ranks, backend in comm_targets(points, extra):
+        if resume and any(folder.glob(f"*-{ranks}.json")):
+            print(f"comm: {folder} already holds a {ranks}-rank measurement: kept (--resume)", flush=True)
+            continue
+        cmd = [sys.executable, "-m", "bench.comm", "--world-size", str(ranks), "--backend", backend, *COMM_ARGS,
+               "--out", str(folder)]
+        print(f"comm: {shlex.join(cmd)}", flush=True)
+        if not dry_run and subprocess.run(cmd).returncode:
+            print(f"warning: bench.comm at {ranks} ranks failed; the report will say `not measured`", file=sys.stderr)
+
+
+def submit_comm(file: Path, extra: list[str], *, gpus_per_node: int = 0, sbatch: list[str] = (), resume: bool = False,
+                dry_run: bool = False, out=sys.stdout) -> int:
+    """`bench.sweep submit`'s network measurement: one small job per world size of the sweep running
+    `srun python -m bench.comm --out <records>/comm` (under srun bench.comm is one rank per task)."""
+    code = 0
+    for folder, ranks, backend in comm_targets(read_points(file), extra):
+        if resume and any(folder.glob(f"*-{ranks}.json")):
+            print(f"comm: {folder} already holds a {ranks}-rank measurement: kept (--resume)", file=out, flush=True)
+            continue
+        nodes, per_node, gpus = slurm_shape(ranks, 1, gpus_per_node)
+        inner = [sys.executable, "-m", "bench.comm", "--backend", backend, *COMM_ARGS, "--out", str(folder.absolute())]
+        cmd = ["sbatch", "--parsable", "--job-name=bench-comm", f"--chdir={REPO}", "--time=00:20:00",
+               f"--output={folder.absolute()}/slurm-%j.out", f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
+               *([f"--gpus-per-node={gpus}"] if gpus else []), *sbatch, f"--wrap=srun {shlex.join(inner)}"]
+        print(shlex.join(cmd), file=out, flush=True)
+        if dry_run:
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        print(proc.stdout.strip() or proc.stderr.strip(), file=out, flush=True)
+        code = code or proc.returncode
+    return code
 
 
 def oom_retry(overrides: list[str]) -> list[str] | None:
@@ -286,6 +390,9 @@ def _submit(args) -> int:
         return 2
     code, _ = submit_arrays(args.file, args.extra, gpus_per_node=args.gpus_per_node, sbatch=args.sbatch,
                             resume=args.resume, script=Path(args.script), dry_run=args.dry_run)
+    if not args.no_comm:
+        code = submit_comm(args.file, args.extra, gpus_per_node=args.gpus_per_node, sbatch=args.sbatch,
+                           resume=args.resume, dry_run=args.dry_run) or code
     return code
 
 
@@ -305,6 +412,8 @@ def main(argv=None) -> int:
     r.add_argument("file", type=Path)
     r.add_argument("--resume", action="store_true", help="skip points that already have an ok record")
     r.add_argument("--dry-run", action="store_true", help="print the commands only")
+    r.add_argument("--no-comm", action="store_true", help="skip the per-sweep `python -m bench.comm` measurement "
+                   "(stored in <results>/<experiment>/comm/ for the report)")
     s = sub.add_parser("submit", help="sbatch slurm/array.sbatch once per allocation shape (overrides after -- go to every point)")
     s.add_argument("file", type=Path)
     s.add_argument("--resume", action="store_true", help="array tasks skip points that already have an ok record")
@@ -313,11 +422,16 @@ def main(argv=None) -> int:
     s.add_argument("--sbatch", action="append", default=[], metavar="ARG",
                    help="an sbatch option for every array, e.g. --sbatch=--partition=gpu (repeatable)")
     s.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
+    s.add_argument("--no-comm", action="store_true", help="skip the one small `python -m bench.comm` job per world "
+                   "size (stored in <results>/<experiment>/comm/ for the report)")
     p = sub.add_parser("point", help="print RANKS GPUS_PER_RANK OVERRIDES of point INDEX (used by array.sbatch);"
                                      " overrides after -- are the run's other overrides")
     p.add_argument("file", type=Path)
     p.add_argument("index", type=int)
     p.add_argument("--resume", action="store_true", help="print `skip` if the point already has an ok record")
+    p.add_argument("--oom-retry", action="store_true",
+                   help="after a failed run: RANKS GPUS_PER_RANK and the overrides that retry the point with half its "
+                        "per-device batch if its newest record says oom (extra.batch_reduced_from), else `skip`")
     args = parser.parse_args(argv)
     from bench.core.errors import ConfigError
 

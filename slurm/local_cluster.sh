@@ -6,7 +6,8 @@
 #   bash slurm/local_cluster.sh stop --nodes 2 | status --nodes 2
 # Env: SLURM_LOCAL_CPUS (4, per node), SLURM_LOCAL_MEM (MB, 8000, per node), SLURM_LOCAL_TIMEOUT (s, 90),
 #      SLURM_LOCAL_STATE (PID/log dir, /var/run/trainbench-slurm), SLURM_LOCAL_PARTITION (debug),
-#      SLURM_LOCAL_MULTI (everything of the --nodes N>1 cluster, /var/run/trainbench-slurm-multi).
+#      SLURM_LOCAL_MULTI (everything of the --nodes N>1 cluster, /var/run/trainbench-slurm-multi),
+#      SLURM_LOCAL_CRED_EXPIRE (s, 10: Slurm's cred_expire, which also holds a requeued job back; Slurm's default 120).
 #
 # --nodes N (N >= 2): nodes tbn1..tbnN, each a slurmd in its own network namespace (tbnI, veth tbvI
 # <-> eth0 10.231.0.(10+I)/24 on the bridge tbbr0 = 10.231.0.1) and UTS namespace (host name tbnI);
@@ -20,6 +21,7 @@ MEM=${SLURM_LOCAL_MEM:-8000}
 TIMEOUT=${SLURM_LOCAL_TIMEOUT:-90}
 STATE=${SLURM_LOCAL_STATE:-/var/run/trainbench-slurm}
 PART=${SLURM_LOCAL_PARTITION:-debug}
+CRED_EXPIRE=${SLURM_LOCAL_CRED_EXPIRE:-10}   # s; a requeued job waits this long before it may start again
 HOST=$(hostname -s)
 MARK="# written by trainbench slurm/local_cluster.sh"
 DB_PASS=trainbench-slurm   # local-only DB user, reachable only via localhost
@@ -69,17 +71,17 @@ install_pkgs() {
   ((rc == 0)) || die "apt-get install ${missing[*]} failed (see $STATE/apt.log)"
 }
 
-write_conf() {  # write_conf ACCOUNTING(0|1)
-  local f=/etc/slurm/slurm.conf acct="accounting_storage/none" gather="jobacct_gather/none"
-  # Never silently clobber a slurm.conf someone else wrote.
-  [[ -f $f ]] && ! grep -qF "$MARK" "$f" && cp -n "$f" "$f.orig"
+conf_text() {  # conf_text ACCOUNTING(0|1): the slurm.conf of the one-node cluster
+  local acct="accounting_storage/none" gather="jobacct_gather/none"
   if (($1)); then acct="accounting_storage/slurmdbd"; gather="jobacct_gather/linux"; fi
-  cat > "$f" <<EOF
+  cat <<EOF
 $MARK
 ClusterName=trainbench
 SlurmctldHost=$HOST
 SlurmUser=root
 AuthType=auth/munge
+# cred_expire also holds a requeued job (scontrol requeue) back that long: Slurm's default is 120 s
+AuthInfo=cred_expire=$CRED_EXPIRE
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
@@ -104,6 +106,13 @@ JobAcctGatherType=$gather
 NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
 PartitionName=$PART Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+}
+
+write_conf() {  # write_conf ACCOUNTING(0|1)
+  local f=/etc/slurm/slurm.conf
+  # Never silently clobber a slurm.conf someone else wrote.
+  [[ -f $f ]] && ! grep -qF "$MARK" "$f" && cp -n "$f" "$f.orig"
+  conf_text "$1" > "$f"
   # Without cgroup.conf, slurmstepd fails "cgroup namespace 'freezer' not mounted" and drains the node.
   printf '%s\nCgroupPlugin=autodetect\nCgroupMountpoint=/sys/fs/cgroup\n' "$MARK" > /etc/slurm/cgroup.conf
   if (($1)); then
@@ -142,7 +151,10 @@ start() {
   [[ $CPUS =~ ^[1-9][0-9]*$ && $MEM =~ ^[1-9][0-9]*$ ]] || die "SLURM_LOCAL_CPUS/SLURM_LOCAL_MEM must be positive integers"
   mkdir -p "$STATE" || die "cannot create $STATE"
   # Idempotent: up and healthy (with accounting if asked for) -> nothing to do; else restart cleanly.
-  if alive slurmctld slurmctld && alive slurmd slurmd && (($(cat "$STATE/mode" 2>/dev/null || echo -1) >= acct)) && node_up; then
+  # (up with a slurm.conf other than the one this script writes now, e.g. an older version's: restart)
+  local mode; mode=$(cat "$STATE/mode" 2>/dev/null || echo -1)
+  if alive slurmctld slurmctld && alive slurmd slurmd && ((mode >= acct)) && node_up \
+      && [[ $(conf_text "$mode") == "$(cat /etc/slurm/slurm.conf 2>/dev/null)" ]]; then
     echo "local slurm cluster already up (node $HOST, accounting=$(cat "$STATE/mode"))"; return 0
   fi
   stop quiet
@@ -250,7 +262,7 @@ SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
 # a private munged: the one-node cluster's munged may come and go independently
-AuthInfo=socket=$MULTI/munge/munge.socket
+AuthInfo=socket=$MULTI/munge/munge.socket,cred_expire=$CRED_EXPIRE
 StateSaveLocation=$MULTI/ctld
 SlurmdSpoolDir=$MULTI/spool/%n
 SlurmctldLogFile=$MULTI/log/slurmctld.log

@@ -47,3 +47,30 @@ def data_root() -> Path:
     if missing:
         require_or_skip("the test data (BENCH_DATA_ROOT)", f"{root} lacks {', '.join(missing)}")
     return root
+
+
+# --- shared reference runs ------------------------------------------------------------------------
+# Several files assert different things about the same run: each is launched once per session (a
+# launch costs ~10 s of interpreter, torch and process-group start-up on 2 cores) and returned as its
+# run folder. Tests only read these folders.
+@pytest.fixture(scope="session")
+def ddp_gpt2_reference(tmp_path_factory) -> Path:
+    """2-rank DDP with helpers.GPT2_REFERENCE (gpt2_tiny, 8 AdamW steps of 4 sequences per rank, clipping
+    off): what 1-rank DDP (test_spine), ZeRO 0-3 and FSDP (test_sharded) and Horovod (test_horovod) equal."""
+    from tests.helpers import GPT2_REFERENCE, bench, check_ok, only_run
+
+    root = tmp_path_factory.mktemp("ddp_gpt2_reference")
+    check_ok(bench(*GPT2_REFERENCE, "adapter=ddp", "launcher.nprocs=2", results=root))
+    return only_run(root)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> Path:
+    """`python -m bench` with helpers.SMOKE (experiment=smoke at vocabulary 256: DDP, 2 local ranks, 4
+    steps): the good record of test_reliability, the local twin of test_launch's torchrun run, and the
+    record whose fields test_numbers reads."""
+    from tests.helpers import SMOKE, bench, check_ok, only_run
+
+    root = tmp_path_factory.mktemp("smoke_run")
+    check_ok(bench(*SMOKE, results=root))
+    return only_run(root)

@@ -17,6 +17,12 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The overrides of the shared reference runs (fixtures ddp_gpt2_reference and smoke_run in conftest.py)
+GPT2_REFERENCE = ["workload=gpt2_tiny", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=32",
+                  "trainer.max_steps=8", "trainer.epochs=1", "trainer.batch_size=4", "trainer.max_eval_batches=2",
+                  "trainer.grad_clip=0", "trainer.progress=false"]
+SMOKE = ["experiment=smoke", "workload.vocab_size=256", "trainer.progress=false"]
+
 
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process group `proc` leads (it was started with start_new_session=True)."""

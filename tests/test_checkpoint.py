@@ -6,7 +6,8 @@ checkpoint refuse checkpoint_every before launch.
 The stop is deterministic (`trainer.inject_stop=0:3`: rank 0 is asked to stop after global step 3,
 as SIGUSR1 would ask it, and the ranks agree at once with trainer.stop_check_every=1), so a busy
 machine cannot move it. The signal path itself is tests/test_reliability.py's. Runs are tiny:
-gpt2_tiny with a 256-token vocabulary, 64 samples, batch 4 x 2 ranks = 8 steps per epoch.
+gpt2_tiny with a 256-token vocabulary, 64 samples, batch 4 x 2 ranks = 8 steps per epoch (the
+2-stage pipeline is one replica: 16 steps of 4 samples).
 """
 from __future__ import annotations
 
@@ -23,8 +24,14 @@ from tests.helpers import assert_losses_close, bench, check_ok, events, only_run
 
 TINY = ["experiment=smoke", "workload.vocab_size=256", "data.train_samples=64", "trainer.max_steps=0",
         "trainer.stop_check_every=1", "trainer.progress=false"]
-ADAPTERS = {"ddp": ["adapter=ddp"], "zero3": ["adapter=zero3"], "fsdp": ["adapter=fsdp"]}
-STEPS = 8  # per epoch: 64 samples / (4 x 2 ranks)
+ADAPTERS = {"ddp": ["adapter=ddp"], "zero3": ["adapter=zero3"], "fsdp": ["adapter=fsdp"],
+            # megatron's dist_checkpointing with the weights split over 2 TP ranks
+            "megatron_tp2": ["adapter=megatron", "adapter.tensor_parallel=2"],
+            # torch.distributed.pipelining: 2 stages, each rank saves its own
+            "pipeline": ["adapter=pipeline", "adapter.microbatches=4"]}
+STEPS = {"pipeline": 16}  # per epoch; else 8 = 64 samples / (4 x 2 ranks)
+# also a save at step 2 that training continues after (a save must leave the live optimizer state alone)
+SAVE_EVERY = {"megatron_tp2": ["trainer.checkpoint_every=2"], "pipeline": ["trainer.checkpoint_every=2"]}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +44,7 @@ def reference(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"ref-{name}")
             check_ok(bench(*TINY, *ADAPTERS[name], results=root))
             cache[name] = step_losses(only_run(root))
-            assert len(cache[name]) == STEPS
+            assert len(cache[name]) == STEPS.get(name, 8)
         return cache[name]
 
     return get
@@ -50,13 +57,13 @@ def checkpoint_names(run_dir: Path) -> list[str]:
 
 @pytest.mark.parametrize("name", list(ADAPTERS))
 def test_stopped_run_resumes_to_the_uninterrupted_losses(tmp_path, reference, name):
-    command = [*TINY, *ADAPTERS[name], "trainer.resume=auto", "trainer.inject_stop=0:3"]
+    command = [*TINY, *ADAPTERS[name], *SAVE_EVERY.get(name, []), "trainer.resume=auto", "trainer.inject_stop=0:3"]
     first = bench(*command, results=tmp_path)
     check_ok(first)
     run_dir = only_run(tmp_path)
     s = summary(run_dir)
     assert s["status"] == "preempted" and s["steps"] == 3 and s["stop_signal"] == "injected", s
-    assert checkpoint_names(run_dir) == ["step-000003"]  # the checkpoint of the stop
+    assert checkpoint_names(run_dir)[-1] == "step-000003"  # the checkpoint of the stop
     meta = ckpt.read_meta(run_dir / "checkpoints" / "step-000003")
     assert meta["step"] == 3 and meta["epoch"] == 0 and meta["step_in_epoch"] == 3 and meta["bytes"] > 0
 
@@ -65,11 +72,12 @@ def test_stopped_run_resumes_to_the_uninterrupted_losses(tmp_path, reference, na
     assert "resum" in second.stdout
     resumed = only_run(tmp_path)  # one record for the point
     s = summary(resumed)
-    assert s["status"] == "ok" and s["steps"] == STEPS, s
+    steps = STEPS.get(name, 8)
+    assert s["status"] == "ok" and s["steps"] == steps, s
     assert [(r["step"], r["attempt"], r["previous_status"]) for r in s["resumed_from"]] == [(3, 2, "preempted")]
     assert s["restart_gap_excluded"] and s["epochs_completed"] == 1
     evs = events(resumed)
-    assert len(evs) == 1 and evs[0]["steps"] == STEPS and evs[0]["resumed"] and not evs[0]["partial"]
+    assert len(evs) == 1 and evs[0]["steps"] == steps and evs[0]["resumed"] and not evs[0]["partial"]
     assert_losses_close(step_losses(resumed), reference(name), atol=1e-5, what=f"{name} resumed vs uninterrupted")
 
 
@@ -102,7 +110,6 @@ def _cfg(*overrides: str):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["adapter=pipeline", "trainer.checkpoint_every=2"], "adapter=pipeline cannot checkpoint"),
     (["adapter=ddp", "trainer.resume=sometimes"], "choose auto or never"),
     (["adapter=ddp", "trainer.checkpoint_keep=0"], "must be >= 1"),
     (["adapter=ddp", "trainer.inject_stop=3"], "RANK:STEP"),
@@ -115,13 +122,22 @@ def test_bad_checkpoint_settings_are_refused_before_launch(overrides, message):
         get_adapter_class(cfg.adapter.name).validate(cfg, 2)
 
 
-def test_adapters_that_cannot_checkpoint_say_so():
-    from adapters import get_adapter_class
+def test_adapters_that_cannot_checkpoint_say_so(monkeypatch):
+    import torch
 
-    for name in ("megatron", "pipeline"):
-        assert get_adapter_class(name).checkpoint_unsupported
-    for name in ("ddp", "fsdp", "zero", "tensor_parallel", "horovod", "gpipe"):
+    from adapters import get_adapter_class
+    from adapters.base import Adapter
+
+    assert Adapter.checkpoint_unsupported  # a new adapter refuses until its checkpoints are tested
+    for name in ("ddp", "fsdp", "zero", "tensor_parallel", "horovod", "gpipe", "megatron", "pipeline"):
         assert get_adapter_class(name).checkpoint_unsupported is None, name
+    # megatron on a GPU steps with Megatron's distributed optimizer, whose state is not checkpointed yet
+    megatron = get_adapter_class("megatron")
+    megatron.check_checkpointing(_cfg("adapter=megatron", "trainer.checkpoint_every=2"))  # CPU: fine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="adapter=megatron cannot checkpoint .Megatron's distributed optimizer"):
+        megatron.check_checkpointing(_cfg("adapter=megatron", "trainer.checkpoint_every=2"))
+    megatron.check_checkpointing(_cfg("adapter=megatron", "optimizer=lamb", "trainer.checkpoint_every=2"))
 
 
 def _fake_checkpoint(run_dir: Path, step: int, when: float) -> Path:

@@ -25,12 +25,17 @@ FACTOR = {
 
 
 def _run_comm(tmp_path, *extra):
-    out = tmp_path / "comm.json"
+    """`--out DIR` (what a sweep passes): DIR/<backend>-2.json and the printed table as DIR/<backend>-2.txt."""
+    out = tmp_path / "comm"
     cmd = [sys.executable, "-m", "bench.comm", "--world-size", "2", "--max-bytes", "1M", "--iters", "3",
-           "--json", str(out), *extra]
+           "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    return json.loads(out.read_text()), proc.stdout
+    (path,) = out.glob("*-2.json")
+    report = json.loads(path.read_text())
+    assert path.name == f"{report['backend']}-2.json"
+    assert path.with_suffix(".txt").read_text().strip() == proc.stdout.strip()  # the table, as printed
+    return report, proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +107,17 @@ def test_ring_reduce_scatter_is_correct(tmp_path):
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] / 2, rel=1e-9)
 
 
-def test_cli_rejects_bad_arguments():
-    for args in (["--ops", "all_reduce,alltoall"], ["--min-bytes", "2M", "--max-bytes", "1M"], ["--max-bytes", "12Q"]):
-        proc = subprocess.run([sys.executable, "-m", "bench.comm", *args], cwd=REPO, capture_output=True,
-                              text=True, timeout=60)
-        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+def test_cli_rejects_bad_arguments(capsys):
+    from bench.comm import main  # the CLI's own entry point, in-process: refused before any rank is spawned
+
+    for args, why in ((["--ops", "all_reduce,alltoall"], "--ops: unknown ['alltoall']"),
+                      (["--min-bytes", "2M", "--max-bytes", "1M"], "need 0 < min_bytes <= max_bytes"),
+                      (["--max-bytes", "12Q"], "not a size: '12Q'"),
+                      (["--json", "x.json", "--out", "comm"], "give --json or --out, not both")):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 2, args
+        assert why in capsys.readouterr().err, args
 
 
 def test_parse_size_and_sizes():

@@ -395,8 +395,16 @@ def test_write_sinks_from_the_record_never_raises(tmp_path):
     assert sinks.write_sinks(tmp_path / "nothing-here")["mllog"].startswith("failed:")
 
 
+def _require(module: str) -> None:
+    import importlib.util
+
+    from tests.conftest import require_or_skip
+    if importlib.util.find_spec(module) is None:
+        require_or_skip(f"the {module} package", 'pip install -e ".[dev]"')
+
+
 def test_tensorboard_scalars_read_back(tmp_path):
-    pytest.importorskip("tensorboard")
+    _require("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     d, summary, events, config = _record(tmp_path)
@@ -429,3 +437,216 @@ def test_plan_memory_is_one_call_for_the_runner():
     with pytest.raises(ConfigError, match="predicted memory per rank"):
         mm.plan_memory(big, make_plan(big, "local", check=False), build_workload(big.workload, big.data).build_model,
                        check=True)
+
+
+# --- communication volume per step, measured network, report table (issue 19) ------------------------
+def _gpt2_params(V, s, h, L):
+    """GPT-2 with a tied LM head, by hand: embeddings V h + s h, per block 12 h^2 + 13 h (qkv 3h^2+3h,
+    proj h^2+h, fc 4h^2+4h, fc2 4h^2+h, two LayerNorms 4h), final LayerNorm 2h."""
+    return V * h + s * h + L * (12 * h * h + 13 * h) + 2 * h
+
+
+def _plan_volume(*overrides):
+    from bench.runner.compose import compose, typed
+    from bench.runner.launch import comm_volume
+    from bench.runner.plan import make_plan
+
+    cfg = typed(compose(["workload=gpt2_tiny", "workload.vocab_size=256", "launcher.nprocs=2", *overrides]))
+    plan = make_plan(cfg, "local", check=False)
+    return plan, comm_volume(cfg, plan, "gloo")
+
+
+def test_comm_volume_recorded_from_the_plan_matches_hand_counts():
+    psi = _gpt2_params(256, 64, 128, 2)  # gpt2_tiny: V 256, s 64, h 128, L 2
+    assert psi == 437_760
+    # DDP: ring all-reduce of fp32 gradients, 2 (N-1)/N x Psi x 4 bytes, in backward
+    _, ddp = _plan_volume("adapter=ddp")
+    json.dumps(ddp)  # JSON-ready for the summary
+    assert ddp["total_bytes"] == 2 * (2 - 1) / 2 * psi * 4 == 1_751_040
+    assert ddp["by_op"] == {"all_reduce": 1_751_040} and ddp["phases"] == ["backward"] and ddp["backend"] == "gloo"
+    assert ddp["collectives"][0]["formula"] == "2(N-1)/N * Psi * B" and ddp["params_per_rank"] == psi
+    # ZeRO-3: parameters all-gathered in forward and again in backward, gradients reduce-scattered:
+    # 3 collectives of (N-1)/N x Psi x 4 bytes each
+    _, z3 = _plan_volume("adapter=zero", "adapter.stage=3")
+    assert [(c["op"], c["phase"], c["bytes"]) for c in z3["collectives"]] == [
+        ("all_gather", "forward", psi * 4 / 2), ("all_gather", "backward", psi * 4 / 2),
+        ("reduce_scatter", "backward", psi * 4 / 2)]
+    assert z3["total_bytes"] == 3 * psi * 4 / 2 and z3["phases"] == ["forward", "backward"]
+    # FSDP2 under bf16 gathers 2-byte parameters and reduce-scatters fp32 gradients
+    _, fsdp = _plan_volume("adapter=fsdp", "trainer.precision=bf16")
+    assert fsdp["by_op"] == {"all_gather": 2 * psi * 2 / 2, "reduce_scatter": psi * 4 / 2}
+    # a 2-stage pipeline: one b x s x h fp32 activation per micro-batch leaves stage 0
+    plan, pipe = _plan_volume("adapter=pipeline")
+    b = plan.local_batch // plan.microbatches
+    assert pipe["by_op"] == {"send_recv": plan.microbatches * b * 64 * 128 * 4}
+    assert pipe["phases"] == ["forward_backward"]
+
+
+def _comm_json(folder, backend, n, rows):
+    folder.mkdir(parents=True, exist_ok=True)
+    rep = {"tool": "bench.comm", "backend": backend, "world_size": n,
+           "results": [{"op": op, "bytes": size, "busbw_GBps": bw} for op, size, bw in rows]}
+    (folder / f"{backend}-{n}.json").write_text(json.dumps(rep))
+
+
+def _add_comm(d, collectives, phase_times, backend="gloo"):
+    """A hand-built record gains `comm_volume` and per-phase times (the same in every epoch)."""
+    s = json.loads((d / "summary.json").read_text())
+    phases = []
+    for c in collectives:
+        phases += [p for p in c["phase"].split(",") if p not in phases]
+    s["comm_volume"] = {"backend": backend, "total_bytes": float(sum(c["bytes"] for c in collectives)),
+                        "phases": phases, "collectives": collectives}
+    (d / "summary.json").write_text(json.dumps(s))
+    evs = [json.loads(ln) for ln in (d / "events.jsonl").read_text().splitlines()]
+    (d / "events.jsonl").write_text("".join(json.dumps({**e, **{f"{p}_time_mean_s": t for p, t in phase_times.items()}})
+                                            + "\n" for e in evs))
+
+
+def _coll(op, n, message, bytes_, phase, formula="f"):
+    return {"name": f"{op}_{phase}", "op": op, "group": "dp", "group_size": n, "message_bytes": message,
+            "calls": 1, "bytes": bytes_, "formula": formula, "phase": phase, "bytes_per_elem": 4}
+
+
+def test_report_sets_comm_volume_against_measured_busbw(tmp_path):
+    from analysis import load
+    from analysis.load import comm_table, load_comm
+    from analysis.report import comm_lines
+
+    root = tmp_path / "r"
+    # ddp x2: steps of 4.0/6 and 2.0/6 s (mean 500 ms), backward 150 ms; 1 MB all-reduce per step
+    d = _run(root, "ddp2", "ddp", 2, [4.0, 2.0], [40.0, 30.0], [4.5, 7.0], 100, 10)
+    _add_comm(d, [_coll("all_reduce", 2, 1e6, 1e6, "backward", "2(N-1)/N * Psi * B")], {"backward": 0.15})
+    # zero3 x2: 2 all-gathers of 1 MB (2 MB messages) and a 1 MB reduce-scatter; forward 100 + backward 200 ms
+    d = _run(root, "z3x2", "zero", 2, [4.0, 2.0], [40.0, 30.0], [4.5, 7.0], 100, 10, settings={"stage": 3})
+    _add_comm(d, [_coll("all_gather", 2, 2e6, 1e6, "forward"), _coll("all_gather", 2, 2e6, 1e6, "backward"),
+                  _coll("reduce_scatter", 2, 2e6, 1e6, "backward")], {"forward": 0.1, "backward": 0.2})
+    # fsdp x4: no 4-rank measurement here
+    d = _run(root, "fsdp4", "fsdp", 4, [4.0, 2.0], [40.0, 30.0], [4.5, 7.0], 100, 10)
+    _add_comm(d, [_coll("all_gather", 4, 4e6, 3e6, "forward")], {"forward": 0.1})
+    # ddp x1: nothing to communicate; horovod x2: a record from before `comm_volume`
+    _add_comm(_run(root, "ddp1", "ddp", 1, [4.0, 2.0], [40.0, 30.0], [4.5, 7.0], 100, 10), [], {})
+    _run(root, "hvd2", "horovod", 2, [4.0, 2.0], [40.0, 30.0], [4.5, 7.0], 100, 10)
+    _comm_json(root / "comm", "gloo", 2, [("all_reduce", 262144, 0.5), ("all_reduce", 1048576, 2.0),
+                                          ("all_reduce", 4194304, 4.0), ("all_gather", 1048576, 1.0),
+                                          ("all_gather", 4194304, 3.0), ("reduce_scatter", 4194304, 0.5)])
+    reports = load_comm(root)
+    assert len(reports) == 1 and reports[0]["world_size"] == 2
+    t = comm_table(load(root), reports).set_index(["series", "devices"])
+    ddp = t.loc[("ddp gb=8/replica", 2)]
+    assert ddp["step (ms)"] == pytest.approx(500) and ddp["phase (ms)"] == pytest.approx(150)
+    assert ddp["comm phase"] == "backward" and ddp["comm MB/step"] == pytest.approx(1.0)
+    # nearest measured size to 1e6 B on a log scale is 1 MiB (busbw 2 GB/s): 1e6 / 2e9 s = 0.5 ms
+    assert ddp["at busbw (ms)"] == pytest.approx(0.5)
+    z3 = t.loc[("zero stage=3 gb=8/replica", 2)]
+    assert z3["comm phase"] == "forward+backward" and z3["phase (ms)"] == pytest.approx(300)
+    # all-gather: 2e6 B is nearer 1 MiB (ln 1.91 = 0.65) than 4 MiB (ln 2.10 = 0.74): 1 GB/s, 1 ms each;
+    # reduce-scatter measured at 4 MiB only (the end point): 0.5 GB/s, 2 ms
+    assert z3["at busbw (ms)"] == pytest.approx(1 + 1 + 2)
+    assert z3["comm MB/step"] == pytest.approx(3.0)
+    assert t.loc[("fsdp gb=8/replica", 4), "at busbw (ms)"] == "not measured"
+    assert "no all_gather at 4 ranks on gloo" in t.loc[("fsdp gb=8/replica", 4), "busbw used"]
+    one = t.loc[("ddp gb=8/replica", 1)]
+    assert one["at busbw (ms)"] == 0 and one["busbw used"] == "no collectives" and one["comm MB/step"] == 0
+    old = t.loc[("horovod gb=8/replica", 2)]
+    assert old["at busbw (ms)"] == "not measured" and old["busbw used"] == "no volume in the record"
+    assert old["comm phase"] == "-" and old["formula"] == "-"
+    (tmp_path / "out").mkdir()
+    section = "\n".join(comm_lines(load(root), reports, tmp_path / "out"))
+    assert section.startswith("## Communication per step")
+    assert "nearest to the collective's whole message (log scale" in section and "gloo x2 (gloo-2.json)" in section
+    assert "| `ddp gb=8/replica` x2 | wl | 1 | 500 | backward | 150 | 1 | 0.5 |" in section
+    assert (tmp_path / "out" / "comm.csv").exists()
+
+
+def test_sweep_measures_the_network_once_per_world_size(tmp_path, capsys):
+    from bench import sweep
+
+    root = tmp_path / "res"
+    points = [["adapter=ddp", "launcher.nprocs=2"], ["adapter=zero", "launcher.nprocs=2"],
+              ["adapter=ddp", "launcher.nprocs=1"], ["adapter=ddp", "launcher.nprocs=4"]]
+    extra = ["experiment=smoke", f"results.root={root}"]
+    folder = root / "smoke" / "comm"
+    assert sweep.comm_targets(points, extra) == [(folder, 2, "auto"), (folder, 4, "auto")]
+    sweep.measure_comm(points, extra, dry_run=True)
+    cmds = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("comm: ")]
+    assert len(cmds) == 2 and all(f"--out {folder}" in c and "-m bench.comm" in c for c in cmds)
+    assert "--world-size 2 --backend auto" in cmds[0] and "--world-size 4" in cmds[1]
+    # on Slurm: one small job per world size, srun starting one bench.comm rank per task
+    sweep_file = tmp_path / "sweep.txt"
+    sweep.write_points(sweep_file, points, "test")
+    assert sweep.submit_comm(sweep_file, extra, dry_run=True) == 0
+    subs = capsys.readouterr().out.splitlines()
+    assert len(subs) == 2 and all(c.startswith("sbatch --parsable --job-name=bench-comm") for c in subs)
+    assert "--ntasks-per-node=2" in subs[0] and "--ntasks-per-node=4" in subs[1]
+    assert f"--wrap=srun {sys.executable} -m bench.comm --backend auto" in subs[0] and f"--out {folder}'" in subs[0]
+    _comm_json(folder, "gloo", 2, [])
+    sweep.measure_comm(points, extra, dry_run=True, resume=True)
+    out = capsys.readouterr().out
+    assert "already holds a 2-rank measurement: kept (--resume)" in out and "--world-size 4" in out
+
+
+def test_a_real_run_records_its_volume_and_the_table_reads_it(tmp_path):
+    """The runner's path, real: one 2-rank ddp point through `bench.sweep run --no-comm` (the measurement
+    itself is tests/test_comm.py's), its record's `comm_volume`, and the report table over it."""
+    from helpers import check_ok, only_run, run, summary
+
+    from analysis import load
+    from analysis.load import comm_table, load_comm
+
+    sweep_file = tmp_path / "sweep.txt"
+    sweep_file.write_text("adapter=ddp launcher.nprocs=2 workload.vocab_size=256 trainer.max_steps=3\n")
+    res = tmp_path / "res"
+    out = run([sys.executable, "-m", "bench.sweep", "run", str(sweep_file), "--no-comm", "--", "experiment=smoke",
+               f"results.root={res}"], timeout=600)
+    check_ok(out)
+    assert "-m bench.comm" not in out.stdout
+    cv = summary(only_run(res))["comm_volume"]
+    assert cv["total_bytes"] == 2 * (2 - 1) / 2 * _gpt2_params(256, 64, 128, 2) * 4 and cv["backend"] == "gloo"
+    _comm_json(res / "smoke" / "comm", "gloo", 2, [("all_reduce", 1 << 20, 0.25)])
+    row = comm_table(load(res / "smoke"), load_comm(res / "smoke")).iloc[0]
+    assert row["at busbw (ms)"] == pytest.approx(cv["total_bytes"] / 0.25e9 * 1e3)
+    assert row["comm phase"] == "backward" and 0 < row["phase (ms)"] < row["step (ms)"]
+
+
+def test_optional_sinks_refused_before_launch_when_missing(monkeypatch):
+    from bench.core.errors import ConfigError
+    from bench.runner.checks import check_config
+    from bench.runner.compose import compose, typed
+
+    for key in ("wandb", "mlflow"):
+        monkeypatch.setitem(sys.modules, key, None)  # as if not installed: import raises ImportError
+        cfg = typed(compose(["adapter=ddp", f"results.{key}=true"]))
+        with pytest.raises(ConfigError, match=rf'results.{key}=true but {key} is not installed .*pip install -e "\.\[{key}\]"'):
+            check_config(cfg)
+        monkeypatch.delitem(sys.modules, key)
+    check_config(typed(compose(["adapter=ddp"])))  # off by default: nothing to import
+
+
+def test_mlflow_run_reads_back(tmp_path, monkeypatch):
+    _require("mlflow")  # in the dev extra: missing fails under CI=true
+    from mlflow import MlflowClient
+
+    d, summary, events, config = _record(tmp_path)
+    summary["comm_volume"] = {"total_bytes": 1751040.0}
+    # MLflow 3 keeps the file store only on request; a sqlite store would need full mlflow (sqlalchemy)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    rid = sinks.write_mlflow(d, summary, events, config)
+    client = MlflowClient()
+    r = client.get_run(rid)
+    assert r.info.status == "FINISHED" and r.info.run_name == "run1"
+    assert client.get_experiment(r.info.experiment_id).name == "hand"
+    assert r.data.params["adapter.name"] == "ddp" and r.data.params["trainer.batch_size"] == "8"
+    assert r.data.tags["adapter"] == "ddp"
+    losses = client.get_metric_history(rid, "train/step_loss")
+    assert [m.value for m in sorted(losses, key=lambda m: m.step)] == pytest.approx(
+        [v for e in events for v in e["train_losses"]])
+    assert [m.value for m in sorted(client.get_metric_history(rid, "time/epoch_s"), key=lambda m: m.step)] == \
+        pytest.approx([4.0, 2.0])
+    assert r.data.metrics["summary/comm_bytes_per_step"] == 1751040.0
+    # through write_sinks, a failed run is marked FAILED
+    summary["status"] = "failed"
+    (d / "summary.json").write_text(json.dumps(summary))
+    out = sinks.write_sinks(d, mllog=False, mlflow=True)
+    assert client.get_run(out["mlflow"]).info.status == "FAILED"

@@ -1,13 +1,19 @@
 """CPU twins of the one-GPU path (issue 15): device counts are injected, nvidia-smi output is recorded."""
 from __future__ import annotations
 
+import os
+import re
+import sys
+
 import pytest
 
 from bench.core.errors import ConfigError
 from bench.core.records import nvidia_smi
 from bench.runner.checks import check_devices
 from bench.runner.compose import compose, typed
+from bench.smoke import main as smoke_main
 from bench.smoke import smoke_point
+from tests.helpers import check_ok, run
 
 # `nvidia-smi --query-gpu=driver_version,name,memory.total,pci.bus_id --format=csv,noheader` and
 # `nvidia-smi topo -m` as printed on a 2 x H100 SXM node (driver 550.54.15)
@@ -76,3 +82,31 @@ def test_nvidia_smi_absent_or_broken_gives_nothing():
         raise OSError("no device")
 
     assert nvidia_smi(broken) == {}
+
+
+def test_smoke_command_runs_an_adapter_and_reports_it(tmp_path):
+    """`python -m bench.smoke ddp --world-size 1` end to end: one line per adapter, then the tally, exit 0.
+    (`make test` no longer runs the whole smoke: see the Makefile's list of the tests covering each case.)"""
+    proc = run([sys.executable, "-m", "bench.smoke", "ddp", "--world-size", "1", "--timeout", "300"], timeout=360,
+               env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    check_ok(proc)
+    lines = proc.stdout.strip().splitlines()
+    assert re.match(r"smoke ddp +ok +gpt2_tiny x1 device\(s\) +step \d+\.\d{4}s +loss \d+\.\d{3}", lines[0]), lines
+    assert lines[-1] == "smoke (world size <= 1): 1 passed, 0 skipped, 0 failed", lines
+
+
+def test_smoke_refuses_an_unknown_adapter(capsys):
+    assert smoke_main(["nosuch"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown adapter(s) nosuch: choose from ddp, ")
+
+
+@pytest.mark.parametrize("ci, status", [("true", "FAILED"), ("", "skipped")])
+def test_smoke_fails_a_missing_framework_only_under_ci(tmp_path, monkeypatch, ci, status):
+    """README: an adapter whose framework is not installed is skipped with the reason, except under CI=true."""
+    import bench.smoke as smoke
+
+    monkeypatch.setattr(smoke, "framework_installed", lambda cls: False)
+    monkeypatch.setenv("CI", ci)
+    got, detail = smoke.run_one("zero", 2, tmp_path, timeout=10)
+    assert (got, detail.split(" (")[0]) == (status, "deepspeed not installed"), detail
+    assert list(tmp_path.iterdir()) == []  # nothing launched

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_or_skip
-from tests.helpers import REPO, assert_loss_falls, assert_losses_close, bench, check_ok, only_run, run, step_losses, summary
+from tests.helpers import GPT2_REFERENCE, REPO, assert_loss_falls, assert_losses_close, bench, check_ok, only_run, run, step_losses, summary
 
 pytestmark = pytest.mark.horovod
 
@@ -47,26 +47,26 @@ def _settings(run: Path) -> dict:
     return summary(run)["adapter_settings"]
 
 
-def test_gpt2_horovodrun_and_srun_style_equal_ddp(tmp_path):
-    """The same 8 AdamW steps under DDP, under horovodrun (launcher=local) and under torchrun, where
-    ranks are not horovodrun's (as under srun) and the adapter runs Horovod's rendezvous itself."""
-    common = TINY_GPT + STEPS
-    ddp = bench(*common, "adapter=ddp", results=tmp_path / "ddp")
+def test_gpt2_horovodrun_and_srun_style_equal_ddp(tmp_path, ddp_gpt2_reference):
+    """The same 8 AdamW steps under DDP (the shared reference run), under horovodrun (launcher=local) and
+    under torchrun, where ranks are not horovodrun's (as under srun) and the adapter runs Horovod's
+    rendezvous itself."""
+    common = [*GPT2_REFERENCE, "launcher.nprocs=2"]
     hvd = bench(*common, "adapter=horovod", "adapter.fusion_threshold_mb=32", "adapter.cycle_time_ms=2.5",
                 results=tmp_path / "hvd")
     ext = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(_free_port()), "-m", "bench", *common, "adapter=horovod", "launcher=torchrun",
                f"results.root={tmp_path / 'ext'}"], timeout=600)
-    for proc in (ddp, hvd, ext):
+    for proc in (hvd, ext):
         check_ok(proc)
-    ref = step_losses(only_run(tmp_path / "ddp"))
+    ref = step_losses(ddp_gpt2_reference)
     assert len(ref) == 8
     # measured (2026-11-23, CPU): 10.841 -> 9.622 over these 8 AdamW steps; required: a third of the fall
     assert_loss_falls(ref, by=0.4)
     for name in ("hvd", "ext"):
         run_dir = only_run(tmp_path / name)
         assert_losses_close(step_losses(run_dir), ref, atol=1e-5, what=name)
-        assert summary(run_dir)["val_loss"] == pytest.approx(summary(only_run(tmp_path / "ddp"))["val_loss"], abs=1e-5)
+        assert summary(run_dir)["val_loss"] == pytest.approx(summary(ddp_gpt2_reference)["val_loss"], abs=1e-5)
         s = _settings(run_dir)
         # rank 1 built different weights (seed + rank); after hvd.broadcast_parameters all ranks hold rank 0's
         assert s["broadcast"] == {"init_differed": True, "equal_after": True, "root_unchanged": True}, s
@@ -76,6 +76,11 @@ def test_gpt2_horovodrun_and_srun_style_equal_ddp(tmp_path):
     assert hs["fusion_threshold_bytes"] == 32 * 2**20 and hs["cycle_time_ms"] == 2.5  # as hvd.init() read them
     assert _settings(only_run(tmp_path / "ext"))["rendezvous"].startswith("harness")
     assert summary(only_run(tmp_path / "hvd"))["frameworks_imported"] == ["horovod"]
+    # the measurement audit (issue 14): Horovod's gradient bytes per rank equal DDP's (full gradients)
+    ddp_bytes = summary(ddp_gpt2_reference)["state_bytes_per_rank"]
+    hvd_bytes = summary(only_run(tmp_path / "hvd"))["state_bytes_per_rank"]
+    assert [r["grads"] for r in hvd_bytes] == [r["grads"] for r in ddp_bytes]
+    assert ddp_bytes[0]["grads"] == ddp_bytes[0]["params"] > 0
 
 
 def test_resnet_with_accumulation_equals_ddp(tmp_path):

@@ -11,7 +11,7 @@ from bench.core.environments import SlurmEnvironment, TorchrunEnvironment, expan
 from bench.core.errors import ConfigError
 from bench.runner.compose import compose, typed
 from bench.runner.plan import make_plan
-from tests.helpers import assert_losses_close, bench, check_ok, only_run, run, step_losses, summary
+from tests.helpers import SMOKE, assert_losses_close, bench, check_ok, only_run, run, step_losses, summary
 
 SMALL = ["experiment=smoke", "trainer.max_steps=3"]
 
@@ -45,25 +45,23 @@ def test_torchrun_env_is_honoured():
     assert ctx.launcher == "torchrun"
 
 
-@pytest.fixture(scope="module")
-def local_small(tmp_path_factory):
-    """The SMALL run started the ordinary way (local spawn, 2 ranks): the reference for torchrun."""
-    root = tmp_path_factory.mktemp("local")
-    check_ok(bench(*SMALL, results=root))
-    return only_run(root)
+@pytest.fixture
+def local_small(smoke_run):
+    """The shared SMOKE run (conftest), started the ordinary way (local spawn, 2 ranks): the reference for torchrun."""
+    return smoke_run
 
 
 def test_run_under_torchrun_equals_local_run(local_small, tmp_path):
     """torchrun starting the ranks changes who starts them, not the training: the same per-step losses."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "bench", "launcher=torchrun", *SMALL, f"results.root={tmp_path}"]
+           "-m", "bench", "launcher=torchrun", *SMOKE, f"results.root={tmp_path}"]
     proc = run(cmd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     check_ok(proc)
     s = summary(only_run(tmp_path))
     assert s["status"] == "ok" and s["world_size"] == 2 and s["launcher"] == "torchrun"
     assert summary(local_small)["launcher"] == "local"
     local = step_losses(local_small)
-    assert len(local) == 3
+    assert len(local) == 4
     assert_losses_close(step_losses(only_run(tmp_path)), local, atol=1e-6)
     assert s["val_loss"] == pytest.approx(summary(local_small)["val_loss"], abs=1e-6)
 

@@ -5,7 +5,6 @@ the code under test.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -21,9 +20,9 @@ from bench.core.optim import build_optimizer, param_groups
 from bench.core.timing import PhaseTimer
 from bench.runner.compose import compose, typed
 from bench.runner.plan import make_plan
-from tests.helpers import bench, check_ok, events, only_run, step_losses, summary
+from tests.helpers import SMOKE, bench, check_ok, events, only_run, step_losses, summary
 
-TINY = ["experiment=smoke", "workload.vocab_size=256", "trainer.progress=false"]
+TINY = SMOKE  # experiment=smoke at vocabulary 256: the settings of the shared smoke_run (conftest)
 
 
 # --- 1. timing: marks resolved once, off the critical path -----------------------------------------
@@ -164,29 +163,15 @@ def test_partial_and_steady_epochs(tmp_path):
 
 # --- 6. memory: host peak always, and what training added ----------------------------------------
 @pytest.mark.slow
-def test_cpu_memory_delta_recorded(tmp_path):
-    check_ok(bench(*TINY, results=tmp_path))
-    for r in events(only_run(tmp_path))[0]["ranks"]:
+def test_cpu_memory_delta_recorded(smoke_run):
+    """The shared smoke_run (conftest): TINY's settings, 2 ranks."""
+    for r in events(smoke_run)[0]["ranks"]:
         m = r["memory"]
         assert 0 < m["peak_rss_delta"] < m["peak_rss"], m  # the interpreter (~700 MiB) is not the run's
 
 
-HOROVOD = importlib.util.find_spec("horovod") is not None
-
-
-@pytest.mark.horovod
-@pytest.mark.slow
-def test_horovod_gradient_bytes_equal_ddp(tmp_path):
-    if not HOROVOD:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("Horovod is not installed: CI must run `make horovod` first")
-        pytest.skip("Horovod is not installed (make horovod)")
-    common = [*TINY, "trainer.max_steps=2", "trainer.eval_every_epoch=false", "launcher.nprocs=2"]
-    check_ok(bench(*common, "adapter=ddp", results=tmp_path / "ddp"))
-    check_ok(bench(*common, "adapter=horovod", results=tmp_path / "hvd"))
-    ddp = summary(only_run(tmp_path / "ddp"))["state_bytes_per_rank"]
-    hvd = summary(only_run(tmp_path / "hvd"))["state_bytes_per_rank"]
-    assert [r["grads"] for r in hvd] == [r["grads"] for r in ddp] and ddp[0]["grads"] == ddp[0]["params"] > 0
+# Horovod's gradient bytes equal DDP's: asserted on the runs of test_horovod.py::test_gpt2_horovodrun_and_srun_style_equal_ddp
+# (no launches of its own here).
 
 
 # --- 9. the watchdog fires before the backend's timeout --------------------------------------------
@@ -208,9 +193,8 @@ def test_data_workers_from_cpus_per_rank():
 
 # --- 4/5. the record says what phases and precision meant ------------------------------------------
 @pytest.mark.slow
-def test_record_states_phase_and_precision_semantics(tmp_path):
-    check_ok(bench(*TINY, results=tmp_path))
-    s = summary(only_run(tmp_path))
+def test_record_states_phase_and_precision_semantics(smoke_run):
+    s = summary(smoke_run)
     assert set(s["phase_semantics"]) == {"data", "forward", "backward", "optimizer"}
     assert "autocast" in s["precision_semantics"] and s["timing"]["phase_sync"] is False and s["tf32"] is False
     assert json.dumps(s)  # plain JSON

@@ -4,12 +4,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 from bench.paper import choose_stateff, layout, plan, write_plan
 from bench.runner.compose import compose
 from tests.helpers import REPO, run_dirs, summary
+from tests.test_slurm import (  # noqa: F401
+    ARRAY,
+    cancel_leftover_jobs,
+    final_states,
+    job_env,
+    job_logs,
+    sbatch,
+    slurm,
+    wait_done,
+)
 
 
 def test_zero_runs_use_adam_in_the_language_preset():
@@ -82,3 +93,125 @@ def test_oom_point_is_retried_once_with_half_the_batch(tmp_path):
     configs = [(d / "config.yaml").read_text() for d in run_dirs(tmp_path / "r")]
     assert sum("batch_reduced_from: 4" in c for c in configs) == 1 and sum("batch_size: 2" in c for c in configs) == 1
     assert runs  # both records exist
+
+
+def test_array_task_retries_only_an_oom_record_with_half_the_batch(tmp_path):
+    """`bench.sweep point --oom-retry` (what slurm/array.sbatch asks after a failed srun): the retry's
+    overrides when the point's newest record says oom, `skip` otherwise."""
+    from bench.sweep import compose_point
+
+    sweep, root = tmp_path / "sweep.txt", tmp_path / "r"
+    sweep.write_text("experiment=smoke trainer.batch_size=4 launcher.nprocs=2\n")
+    extra = [f"results.root={root}"]
+    cfg = compose_point(["experiment=smoke", "trainer.batch_size=4", "launcher.nprocs=2", *extra])
+
+    def ask() -> str:
+        proc = subprocess.run([sys.executable, "-m", "bench.sweep", "point", str(sweep), "0", "--oom-retry", "--",
+                               *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    assert ask() == "skip"  # no record
+    for name, status in (("a", "failed"), ("b", "oom")):  # the newest record decides
+        d = root / "smoke" / name
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"point": cfg.results.point, "status": status}))
+        time.sleep(0.05)
+    assert ask() == "2 1 trainer.batch_size=2 ++extra.batch_reduced_from=4"
+    (root / "smoke" / "b" / "summary.json").write_text(json.dumps({"point": cfg.results.point, "status": "ok"}))
+    assert ask() == "skip"
+
+
+@pytest.mark.slurm
+def test_array_task_on_slurm_retries_an_oom_point_once(slurm, tmp_path):
+    """slurm/array.sbatch on the local cluster: the injected OOM (every attempt) is retried once, with half the batch."""
+    sweep, results = tmp_path / "sweep.txt", tmp_path / "results"
+    sweep.write_text("experiment=smoke workload.vocab_size=256 trainer.batch_size=4 launcher.nprocs=1 "
+                     "trainer.inject_fault=oom@0:1\n")
+    job = sbatch("--array=0", str(ARRAY), str(sweep), cwd=tmp_path, env=job_env(results))
+    wait_done(job, 300, tmp_path)
+    assert final_states(job)[f"{job}_0"][0] == "FAILED", job_logs(tmp_path)  # the retry ran out of memory too
+    assert "out of memory; once more with trainer.batch_size=2" in job_logs(tmp_path)
+    configs = sorted(((d / "config.yaml").read_text(), summary(d)["status"]) for d in run_dirs(results))
+    assert [s for _, s in configs] == ["oom", "oom"] and sum("batch_reduced_from: 4" in c for c, _ in configs) == 1
+
+
+# --- the report's "Paper claims" section (analysis/claims.py), from hand-built per-run frames ---------
+def frame(rows: list[tuple]):
+    """(adapter, label, devices, MiB, s/sample) -> a frame shaped like analysis.load.runs' rows."""
+    import pandas as pd
+
+    return pd.DataFrame([{"run_id": f"{lab}-x{n}", "run_dir": f"/nowhere/{lab}-{n}", "workload": "w", "adapter": a,
+                          "label": lab, "devices": n, "status": "ok", "mem_plot_bytes": mib * 2**20,
+                          "time_per_sample_used_s": t, "batch_size": 8, "batch_reduced_from": None}
+                         for a, lab, n, mib, t in rows])
+
+
+def verdicts(df) -> dict[str, str]:
+    from analysis.claims import claims
+
+    return {c["claim"]: c["verdict"] for c in claims(df)["w"]}
+
+
+HOLD = [("ddp", "ddp", 1, 100, 1.0), ("ddp", "ddp", 2, 102, 0.5), ("ddp", "ddp", 4, 98, 0.25),
+        ("zero", "zero2", 1, 60, 1.1), ("zero", "zero2", 2, 50, 0.56), ("zero", "zero2", 4, 45, 0.28),  # 60/49/46 %
+        ("gpipe", "gpipe", 1, 100, 1.3), ("gpipe", "gpipe", 2, 60, 0.8), ("gpipe", "gpipe", 4, 57, 0.5),  # -40 %, -5 %
+        ("megatron", "meg", 1, 100, 1.2), ("megatron", "meg", 2, 70, 0.7), ("megatron", "meg", 4, 90, 0.3)]
+
+
+def test_claims_hold_on_records_that_show_them():
+    v = verdicts(frame(HOLD))
+    assert v == {"ZeRO per-GPU memory is 42-66 % of DDP's": "holds",
+                 "ZeRO per-GPU memory falls with GPU count while DDP's stays flat": "holds",
+                 "ZeRO epoch time within 15 % of DDP's": "holds",
+                 "pipeline memory per GPU falls, then plateaus": "holds",
+                 "Megatron per-GPU memory is U-shaped": "holds",
+                 "fastest framework at x1": "measured", "fastest framework at x2": "measured",
+                 "fastest framework at x4": "measured"}
+    from analysis.claims import claims
+
+    found = {c["claim"]: c for c in claims(frame(HOLD))["w"]}
+    assert found["fastest framework at x1"]["numbers"].startswith("**ddp** 1e+03 ms/sample; next zero2 1.10x")
+    assert found["fastest framework at x4"]["numbers"].startswith("**ddp**")  # 0.25 < megatron 0.3
+    assert "zero2 x1: 60 %; zero2 x2: 49 %; zero2 x4: 46 %" == found["ZeRO per-GPU memory is 42-66 % of DDP's"]["numbers"]
+    assert found["Megatron per-GPU memory is U-shaped"]["runs"] == ["meg-x1", "meg-x2", "meg-x4"]
+
+
+def test_claims_fail_on_records_that_contradict_them():
+    bad = [("ddp", "ddp", 1, 100, 1.0), ("ddp", "ddp", 2, 130, 0.5),  # DDP not flat (100 -> 130)
+           ("zero", "zero2", 1, 80, 1.3), ("zero", "zero2", 2, 50, 0.5),  # 80 % of DDP; 1.30x slower
+           ("gpipe", "gpipe", 1, 100, 1), ("gpipe", "gpipe", 2, 95, 1), ("gpipe", "gpipe", 4, 60, 1),  # -5 % first
+           ("megatron", "meg", 1, 100, 1), ("megatron", "meg", 2, 80, 1), ("megatron", "meg", 4, 60, 1)]  # falls only
+    v = verdicts(frame(bad))
+    assert [v[k] for k in list(v)[:5]] == ["does not hold"] * 5
+
+
+def test_claims_not_measured_without_the_runs_and_oom_retries_named(tmp_path):
+    from analysis.claims import claims_lines, oom_retried
+
+    df = frame([("ddp", "ddp", 1, 100, 1.0)])
+    assert set(verdicts(df).values()) == {"not measured"}
+    df.loc[0, "batch_reduced_from"] = 16
+    assert "- `ddp-x1` w ddp x1: per-device batch 16 ran out of memory, retried with 8 (ok)" in claims_lines(df)
+    run = tmp_path / "run"  # records without the column: read from the run's config.yaml
+    run.mkdir()
+    (run / "config.yaml").write_text("extra:\n  batch_reduced_from: 4\ntrainer:\n  batch_size: 2\n")
+    df = frame([("ddp", "ddp", 1, 100, 1.0), ("ddp", "ddp", 2, 100, 1.0)]).drop(columns="batch_reduced_from")
+    df.loc[1, "run_dir"] = str(run)
+    assert oom_retried(df)["run_id"].tolist() == ["ddp-x2"]
+
+
+def test_stateff_epochs_from_the_plan(tmp_path):
+    """`plan --stateff-epochs 3` (make paper-demo): phase 2 trains 3 epochs instead of the preset's 100."""
+    out, results = tmp_path / "plan", tmp_path / "results"
+    phases = plan(["gpt2_tiny"], ["ddp"], [1], 0, [])
+    write_plan(out, phases, "test", stateff_epochs=3)
+    from bench.sweep import point_id
+
+    d = results / "paper-epoch-gpt2_tiny" / "run"
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"status": "ok", "experiment": "paper-epoch-gpt2_tiny", "workload": "gpt2_tiny",
+                                                "adapter": "ddp", "point": point_id(phases["epoch"][0]),
+                                                "epoch_time_steady_s": 1.0}))
+    (chosen,) = choose_stateff(out, results)
+    assert [o for o in chosen if o.startswith("trainer.epochs=")] == ["trainer.epochs=3"]

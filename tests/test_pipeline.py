@@ -242,3 +242,15 @@ def test_bad_pipeline_config_is_refused(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")) as e:
         make_plan(cfg, "local")
     assert "\n" not in str(e.value)
+
+
+def test_four_stages_middle_ranks_hold_no_tied_copy(tmp_path, reference):
+    """4 ranks, one stage each: the middle stages hold neither the embedding nor the head (once crashed in
+    the tied-gradient sync), and training still equals the unpipelined run."""
+    proc = bench(*COMMON, *WORKLOADS["gpt2"], "adapter=pipeline", "adapter.schedule=1f1b", "launcher.nprocs=4",
+                 "trainer.batch_size=16", results=tmp_path)
+    check_ok(proc)
+    run = only_run(tmp_path)
+    assert_same_training(run, reference("gpt2"))
+    a = summary(run)["adapter_settings"]
+    assert a["stages"] == 4 and a["balance"] == [1, 1, 1, 1] and a["data_parallel_replicas"] == 1

@@ -110,12 +110,20 @@ def test_overhead_prints_its_ratio():
 OPTIMIZERS = {"lamb": 0.03, "lars": 1.0, "adam": 0.2}
 
 
+@pytest.fixture(scope="module")
+def optimizer_runs(tmp_path_factory) -> dict:
+    """The three runs as one Hydra multirun (`-m optimizer=adam,lamb,lars`): one launcher start-up, three
+    points, each its own ranks; their folders by the optimizer each record's config.yaml names."""
+    root = tmp_path_factory.mktemp("optimizers")
+    check_ok(bench("-m", "experiment=smoke", "launcher.nprocs=1", "trainer.max_steps=8",
+                   f"optimizer={','.join(sorted(OPTIMIZERS))}", results=root))
+    return {yaml.safe_load((d / "config.yaml").read_text())["optimizer"]["name"]: d for d in run_dirs(root)}
+
+
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_optimizer_trains(tmp_path, optimizer):
-    proc = bench("experiment=smoke", "launcher.nprocs=1", "trainer.max_steps=8", f"optimizer={optimizer}",
-                 results=tmp_path)
-    check_ok(proc)
-    run_dir = run_dirs(tmp_path)[0]
+def test_optimizer_trains(optimizer_runs, optimizer):
+    assert sorted(optimizer_runs) == sorted(OPTIMIZERS)  # one record per point
+    run_dir = optimizer_runs[optimizer]
     assert summary(run_dir)["status"] == "ok"
     losses = [x for e in events(run_dir) for x in e["train_losses"]]
     assert len(losses) == 8

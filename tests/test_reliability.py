@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import psutil
 import pytest
 
 from bench.core.records import RunRecord, write_json
-from tests.helpers import bench, check_ok, kill_group, run_dirs, summary
+from tests.helpers import kill_group, run_dirs, summary
 from tests.helpers import start as start_process
 
 SMALL = ["experiment=smoke", "trainer.progress=false"]
@@ -28,10 +29,12 @@ LONG = ["data.train_samples=8192", "trainer.max_steps=1000"]  # minutes of steps
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """A results tree holding one good run, whose files must survive every failure below."""
-    root = tmp_path_factory.mktemp("results")
-    check_ok(bench(*SMALL, results=root))
+def results(tmp_path_factory, smoke_run):
+    """A results tree holding one good run (a copy of the shared smoke_run's tree, conftest), whose files
+    must survive every failure below."""
+    root = tmp_path_factory.mktemp("results") / "tree"
+    shutil.copytree(smoke_run.parents[1], root)
+    assert [summary(d)["status"] for d in run_dirs(root)] == ["ok"]
     return root
 
 
@@ -58,9 +61,15 @@ def start(results: Path, *overrides: str) -> subprocess.Popen:
 
 def ranks_of(proc: subprocess.Popen, count: int = 2, timeout: float = 120) -> list[psutil.Process]:
     """The rank processes the launcher spawned (not multiprocessing's resource tracker)."""
+    def is_rank(p: psutil.Process) -> bool:
+        try:
+            return "spawn_main" in " ".join(p.cmdline())
+        except psutil.Error:  # a short-lived helper process that has exited (or is a zombie) is no rank
+            return False
+
     deadline = time.time() + timeout
     while time.time() < deadline:
-        kids = [p for p in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+        kids = [p for p in psutil.Process(proc.pid).children(recursive=True) if is_rank(p)]
         if len(kids) >= count:
             return kids
         time.sleep(0.2)

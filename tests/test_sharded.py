@@ -7,12 +7,15 @@ the model-state bytes each rank reported (read from the engines' tensors) agains
 from __future__ import annotations
 
 import math
+import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from bench.core.errors import ConfigError
 from bench.memory_study import VARIANTS, expected_state, paper_formula, param_numels
+from bench.memory_study import main as memory_study_main
 from bench.runner.compose import compose, typed
 from bench.runner.plan import make_plan
 from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, only_run, run_dirs, step_losses, summary
@@ -20,6 +23,7 @@ from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_o
 STEPS = ["trainer.max_steps=8", "trainer.batch_size=4", "trainer.max_eval_batches=2", "trainer.progress=false",
          "trainer.grad_clip=0", "launcher.nprocs=2"]
 WORKLOADS = {
+    # with STEPS: the settings of the shared DDP reference run (conftest ddp_gpt2_reference, GPT2_REFERENCE)
     "gpt2_tiny": ["workload=gpt2_tiny", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=32"],
     # BatchNorm normalizes per replica in every variant (DDP only broadcasts running stats), so it compares
     "resnet50_tiny": ["workload=resnet50_tiny", "data.train_samples=128", "data.val_samples=32"],
@@ -27,24 +31,27 @@ WORKLOADS = {
 SHARDED = ("zero0", "zero1", "zero2", "zero3", "fsdp")
 
 
-def _run_all(tmp_path_factory, workload: str) -> dict:
+def _run_all(tmp_path_factory, workload: str, ddp_run=None) -> dict:
+    """Every variant of SHARDED (and DDP, unless `ddp_run` is the DDP run of the same settings)."""
     def one(variant):
         results = tmp_path_factory.mktemp(f"{workload}-{variant}")
         proc = bench(*VARIANTS[variant], *WORKLOADS[workload], *STEPS, results=results)
         check_ok(proc)
         run = only_run(results)
-        return variant, {"losses": step_losses(run), "summary": summary(run)}
+        return variant, {"losses": step_losses(run), "summary": summary(run), "dir": run}
 
     # two runs at a time: their serial parts (interpreter start, imports) overlap; results are exact anyway
     with ThreadPoolExecutor(max_workers=2) as pool:
-        out = dict(pool.map(one, ("ddp", *SHARDED)))
+        out = dict(pool.map(one, SHARDED if ddp_run else ("ddp", *SHARDED)))
+    if ddp_run:
+        out["ddp"] = {"losses": step_losses(ddp_run), "summary": summary(ddp_run), "dir": ddp_run}
     out["shapes"] = param_numels(WORKLOADS[workload])
     return out
 
 
 @pytest.fixture(scope="module")
-def gpt_runs(tmp_path_factory):
-    return _run_all(tmp_path_factory, "gpt2_tiny")
+def gpt_runs(tmp_path_factory, ddp_gpt2_reference):
+    return _run_all(tmp_path_factory, "gpt2_tiny", ddp_run=ddp_gpt2_reference)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +134,21 @@ def test_fsdp_holds_half_the_parameters_of_ddp(gpt_runs, vision_runs):
         # ZeRO-0 replicates everything, like DDP
         for got in _per_rank(runs, "zero0"):
             assert {k: got[k] for k in ("params", "grads", "optimizer")} == ddp[0]
+
+
+def test_memory_study_tables_from_these_records(gpt_runs, tmp_path, capsys):
+    """`python -m bench.memory_study --records DIR` (README): the study's tables from earlier records, running
+    nothing. The records are these 2-rank runs, named as the study names its points (STAMP-VARIANT-wN)."""
+    for variant in ("ddp", *SHARDED):
+        shutil.copytree(gpt_runs[variant]["dir"], tmp_path / f"20261123-120000-{variant}-w2")
+    assert memory_study_main([*WORKLOADS["gpt2_tiny"], "--records", str(tmp_path), "--ranks", "2"]) == 0
+    memory_table = capsys.readouterr().out.split("\n\n")[0]  # then the predicted-vs-measured table
+    rows = {ln.split()[0]: ln for ln in memory_table.splitlines() if re.match(r"^\w+ +2 ", ln)}
+    assert sorted(rows) == ["ddp", "fsdp", "zero1", "zero2", "zero3"], memory_table  # the study's default variants
+    for variant in rows:
+        # the measured/expected column: the record's busiest rank against the per-tensor partition rule
+        ratio = float(rows[variant].split("|")[1].split()[3])
+        assert ratio == pytest.approx(1.0, abs=0.02), rows[variant]
 
 
 def test_bf16_mixed_precision_state_and_losses(gpt_runs, tmp_path):

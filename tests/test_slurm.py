@@ -25,7 +25,8 @@ import yaml
 from bench.core.errors import ConfigError
 from bench.sweep import expand_grid, point_id, read_points, slurm_shape
 from tests.conftest import require_or_skip
-from tests.helpers import REPO, assert_losses_close, bench, check_ok, run, run_dirs, step_losses, summary
+from tests.helpers import (REPO, assert_losses_close, bench, check_ok, events, kill_group, only_run, run, run_dirs, start,
+                           step_losses, summary)
 
 CLUSTER = REPO / "slurm" / "local_cluster.sh"
 ARRAY = REPO / "slurm" / "array.sbatch"
@@ -292,3 +293,69 @@ def test_hydra_multirun_through_submitit_slurm(slurm, tmp_path):
     check_ok(bench("experiment=smoke", "launcher.nprocs=2", *TINY, results=local))
     slurm_two = next(d for d, r in recs.items() if r["summary"]["world_size"] == 2)
     assert_losses_close(step_losses(slurm_two), step_losses(run_dirs(local)[0]), atol=1e-6)
+
+
+# --- preempted, requeued, resumed ------------------------------------------------------------------
+# 512 samples / (4 x 2 ranks) = 64 steps in one epoch, a checkpoint every 4: the stop lands mid-epoch.
+REQUEUE_RUN = ["experiment=smoke", "workload.vocab_size=256", "data.train_samples=512", "trainer.max_steps=0",
+               "trainer.stop_check_every=1", "trainer.progress=false", "trainer.eval_every_epoch=false"]
+REQUEUE_ADAPTERS = {"ddp": ["adapter=ddp"], "zero3": ["adapter=zero3"], "fsdp": ["adapter=fsdp"]}
+REQUEUE_STEPS = 64
+
+
+def job_field(job: str, key: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    return next((f.split("=", 1)[1] for f in out.split() if f.startswith(f"{key}=")), "")
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("name", list(REQUEUE_ADAPTERS))
+def test_preempted_job_requeues_and_resumes_to_the_uninterrupted_losses(slurm, tmp_path, name):
+    results = tmp_path / "results"
+    point = [*REQUEUE_RUN, *REQUEUE_ADAPTERS[name]]
+    # the uninterrupted reference, on this machine while the job runs
+    reference = start([sys.executable, "-m", "bench", *point, "launcher.nprocs=2", f"results.root={tmp_path / 'ref'}"])
+    job = sbatch("--requeue", str(RUN), *point, "trainer.checkpoint_every=4", cwd=tmp_path, env=job_env(results))
+    try:
+        # Slurm's time-limit warning (--signal=USR1@120) signals every task of the job's steps, as this
+        # does; sent once the first checkpoint is committed, it stops the run mid-epoch
+        deadline = time.time() + 600  # the queue may be busy (other tests' jobs): from submission
+        while (state := job_field(job, "JobState")) == "PENDING" and time.time() < deadline:
+            time.sleep(0.5)
+        deadline = min(deadline, time.time() + 240)  # from the job's start
+        while not list(results.glob("*/*/checkpoints/step-*/meta.json")):
+            assert state in ("PENDING", "RUNNING"), f"job {job} {state} before a checkpoint\n{job_logs(tmp_path)}"
+            assert time.time() < deadline, f"no checkpoint after 240 s\n{job_logs(tmp_path)}"
+            time.sleep(0.2)
+            state = job_field(job, "JobState")
+        subprocess.run(["scancel", "--signal=USR1", job], check=True)
+        # rank 0 checkpoints, writes the record and runs `scontrol requeue`; the job runs again (after
+        # cred_expire, 10 s on the local cluster) and resumes the record of its point
+        wait_done(job, 300, tmp_path)
+        out, err = reference.communicate(timeout=300)
+    finally:
+        kill_group(reference)
+    assert reference.returncode == 0, f"reference run failed\n{out[-2000:]}\n{err[-3000:]}"
+
+    assert job_field(job, "Restarts") == "1", job_logs(tmp_path)
+    assert final_states(job) == {job: ("COMPLETED", "0:0")}, job_logs(tmp_path)  # the last attempt
+    attempts = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"], capture_output=True,
+                              text=True).stdout.split()
+    assert attempts == ["REQUEUED", "COMPLETED"], attempts  # -D: every attempt of the job
+    log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))  # --open-mode=append: both attempts
+    assert f"scontrol requeue {job}" in log and "DUE TO JOB REQUEUE" in log and "resuming" in log, job_logs(tmp_path)
+    run_dir = only_run(results)  # one record for the point
+    s = summary(run_dir)
+    assert s["status"] == "ok" and s["steps"] == REQUEUE_STEPS, s
+    assert len(s["resumed_from"]) == 1, s["resumed_from"]
+    resumed = s["resumed_from"][0]
+    assert 4 <= resumed["step"] < REQUEUE_STEPS, resumed  # mid-epoch
+    assert (resumed["previous_status"], resumed["slurm_job_id"], resumed["slurm_restart_count"]) == \
+        ("preempted", job, "1"), resumed
+    assert s["restart_gap_excluded"] and resumed["restart_gap_s"] > 0
+    evs = events(run_dir)
+    assert len(evs) == 1 and evs[0]["steps"] == REQUEUE_STEPS and evs[0]["resumed"] and not evs[0]["partial"], evs
+    # the epoch's time is its two parts' training time: the restart gap (>= 10 s of requeue delay) left out
+    assert evs[0]["restart_gap_excluded"] and evs[0]["epoch_time_s"] < resumed["restart_gap_s"], (evs[0], resumed)
+    assert_losses_close(step_losses(run_dir), step_losses(only_run(tmp_path / "ref")), atol=1e-5,
+                        what=f"{name}: requeued and resumed under Slurm vs uninterrupted")

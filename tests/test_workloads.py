@@ -345,6 +345,41 @@ def test_imagefolder_cifar10_subset(data_root):
     assert "\n" not in str(e.value)
 
 
+def _items(dataset, indices, seed):
+    torch.manual_seed(seed)  # the train transforms draw their crops and flips from torch's global RNG
+    return torch.stack([dataset[i][0] for i in indices])
+
+
+def test_decoded_and_cached_images_match_the_reference_path(data_root):
+    """torchvision.io decoding (with and without the RAM cache) gives the reference (PIL) path's tensors:
+    the cache bit for bit, PIL within one uint8 level (its resize rounds differently), same seed."""
+    root, idx = data_root / "cifar10-subset", [0, 7, 99, 100, 500, 999]
+    one_level = 1.0001 / 255 / min(D.IMAGENET_STD)  # one uint8 step after normalisation
+    for split, augment in (("train", True), ("val", True), ("train", False)):
+        pil = D.image_folder(root, split, 32, augment, decoder="pil")
+        tv = D.image_folder(root, split, 32, augment, decoder="torchvision")
+        cached = D.image_folder(root, split, 32, augment, decoder="torchvision", cache_decoded=True)
+        assert tv.samples == pil.samples and cached.classes == pil.classes
+        assert cached.cache_bytes == len(cached) * 3 * 32 * 32 and cached.cache_time_s > 0
+        ref = _items(pil, idx, seed=3)
+        assert torch.equal(_items(tv, idx, seed=3), _items(cached, idx, seed=3))
+        got = _items(cached, idx, seed=3)
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        assert (got - ref).abs().max() <= one_level, (split, augment, float((got - ref).abs().max()))
+        if split == "train" and augment:  # another seed, other crops: the comparison is not vacuous
+            assert (_items(cached, idx, seed=4) - ref).abs().max() > 10 * one_level
+    # CropFlip is torchvision's RandomResizedCrop + RandomHorizontalFlip on uint8 tensors, bit for bit
+    ref_tf, images = D.imagenet_transforms(32, train=True, uint8=True), cached.images[:50]
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        want = [ref_tf(im).float() for im in images]
+        torch.manual_seed(seed)
+        assert all(torch.equal(D.CropFlip(32)(im), w) for im, w in zip(images, want))
+    data = DataConfig(source="imagefolder", root=str(root), decoder="pil", cache_decoded=True)
+    with pytest.raises(ConfigError, match="data.decoder=torchvision"):
+        build_workload(wcfg("resnet50_tiny"), data).check_data()
+
+
 # --------------------------------------------------------------------------------------------
 # synthetic data: deterministic and learnable
 # --------------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ def check_config(cfg: WorkloadConfig, data: DataConfig) -> None:
     if data.source not in DATA_SOURCES[cfg.kind]:
         raise ConfigError(f"data.source={data.source} does not fit {cfg.kind} workload {cfg.name}; "
                           f"use one of {', '.join(DATA_SOURCES[cfg.kind])}")
+    if cfg.kind != "vision" and cfg.channels_last:
+        raise ConfigError(f"workload.channels_last=true is for convolutional (vision) workloads, not {cfg.name}; drop it")
     if data.num_workers is not None and data.num_workers < 0:
         raise ConfigError(f"data.num_workers={data.num_workers} must be >= 0")
 

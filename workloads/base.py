@@ -47,6 +47,10 @@ class Workload(ABC):
         `local_rank` 0 (one process per node) builds any on-disk cache; other ranks wait for it.
         """
 
+    def describe(self) -> dict:
+        """Input-pipeline and layout facts for the record (vision: channels_last, decoder, cache)."""
+        return {}
+
     def check_data(self) -> None:
         """Raise ConfigError (one line: which path, which key) if the configured data is missing."""
 

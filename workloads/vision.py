@@ -83,6 +83,13 @@ def _no_inplace(model: nn.Module) -> nn.Module:
     return model
 
 
+def use_channels_last(setting: bool | None, device_type: str) -> bool:
+    """workload.channels_last: None (auto) = on for CUDA only, where tensor-core convolutions run in NHWC
+    and cuDNN picks that layout from the weights; on CPU NCHW stays the default. A pure function of the
+    device type (the CPU twin tests call it with "cuda")."""
+    return device_type == "cuda" if setting is None else bool(setting)
+
+
 def build_vision_model(arch: str, num_classes: int, image_size: int = 224, width_div: int = 1,
                        dropout: float = 0.5) -> nn.Module:
     if width_div < 1 or 64 % width_div:
@@ -155,12 +162,23 @@ class VisionWorkload(Workload):
     def __init__(self, cfg: WorkloadConfig, data: DataConfig):
         super().__init__(cfg, data)
         self._flops: float | None = None
+        self.channels_last = use_channels_last(cfg.channels_last, "cuda" if torch.cuda.is_available() else "cpu")
+        self._data_facts: dict = {}
 
     def build_model(self) -> nn.Module:
         c = self.cfg
         # workload.dropout: VGG's classifier dropout (torchvision: 0.5); 0 makes runs comparable across
         # pipelines, whose micro-batching draws dropout masks in a different order. ResNet has none.
-        return build_vision_model(c.arch, c.num_classes, c.image_size, c.width_div, c.dropout)
+        model = build_vision_model(c.arch, c.num_classes, c.image_size, c.width_div, c.dropout)
+        # the weights' layout; the first convolution then writes NHWC activations, inputs stay NCHW
+        return model.to(memory_format=torch.channels_last) if self.channels_last else model
+
+    def describe(self) -> dict:
+        d = self.data
+        facts = {"channels_last": self.channels_last}
+        if d.source == "imagefolder":
+            facts.update(decoder=d.decoder, cache_decoded=d.cache_decoded, **self._data_facts)
+        return facts
 
     def sequential(self, model: nn.Module) -> nn.Sequential:
         return vision_sequential(model)
@@ -193,18 +211,35 @@ class VisionWorkload(Workload):
             if n != self.cfg.num_classes:
                 raise ConfigError(f"data.root: {Path(root) / split} has {n} class folders but "
                                   f"workload.num_classes={self.cfg.num_classes}; set workload.num_classes={n}")
+        if self.data.decoder not in D.DECODERS:
+            raise ConfigError(f"data.decoder={self.data.decoder}: choose {' or '.join(D.DECODERS)}")
+        if self.data.cache_decoded:
+            if self.data.decoder != "torchvision":
+                raise ConfigError("data.cache_decoded=true needs data.decoder=torchvision (the PIL path decodes per item)")
+            import psutil
+
+            need = sum(D.decoded_bytes_estimate(Path(root) / split) for split in ("train", "val"))
+            free = psutil.virtual_memory().available
+            if need > free / 4:  # per rank: every rank of a node holds its own cache
+                raise ConfigError(f"data.cache_decoded: the decoded images of {root} need ~{need / 2**30:.1f} GiB per "
+                                  f"rank, over a quarter of the {free / 2**30:.1f} GiB free; set data.cache_decoded=false")
 
     def datasets(self, local_rank: int = 0):
         """(train, val): items (image [3, image_size, image_size] float32, label int64).
 
         synthetic: `SyntheticImages` (data.train_samples / data.val_samples images).
-        imagefolder: ImageFolder on <root>/train (reference train transforms if data.augment) and
-        <root>/val (Resize(image_size / 0.875) + CenterCrop). `local_rank` is unused.
+        imagefolder: <root>/train (reference train transforms if data.augment) and <root>/val
+        (Resize(image_size / 0.875) + CenterCrop), decoded by data.decoder, kept decoded in RAM with
+        data.cache_decoded (its build time and bytes are recorded via `describe`). `local_rank` is unused.
         """
         self.check_data()
         c, d = self.cfg, self.data
         if d.source == "synthetic":
             return (D.SyntheticImages(d.train_samples, c.num_classes, c.image_size, "train"),
                     D.SyntheticImages(d.val_samples, c.num_classes, c.image_size, "val"))
-        return (D.image_folder(d.root, "train", c.image_size, d.augment),
-                D.image_folder(d.root, "val", c.image_size, d.augment))
+        sets = tuple(D.image_folder(d.root, split, c.image_size, d.augment, d.decoder, d.cache_decoded)
+                     for split in ("train", "val"))
+        if d.cache_decoded:
+            self._data_facts = {"cache_build_s": sum(s.cache_time_s for s in sets),
+                                "cache_bytes": sum(s.cache_bytes for s in sets)}
+        return sets

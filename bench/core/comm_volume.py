@@ -67,9 +67,27 @@ def ring_factor(op: str, n: int) -> float:
 
 
 def _item(name: str, op: str, group: str, group_size: int, message_bytes: float, calls: float,
-          bytes_: float, formula: str) -> dict:
+          bytes_: float, formula: str, phase: str, bytes_per_elem: int) -> dict:
     return dict(name=name, op=op, group=group, group_size=group_size, message_bytes=message_bytes,
-                calls=calls, bytes=bytes_, formula=formula)
+                calls=calls, bytes=bytes_, formula=formula, phase=phase, bytes_per_elem=bytes_per_elem)
+
+
+# The timed phase (bench/core/timing.py PHASES) each adapter's collectives run in, as its
+# `phase_semantics` (adapters/*.py) state: where their exposed remainder shows in the breakdown.
+def _phase(adapter: str, name: str) -> str:
+    if adapter == "pipeline":
+        return "forward_backward"  # the schedule's whole step is one phase
+    if name == "dp_grad_all_reduce":
+        return "optimizer" if adapter == "horovod" else "backward"  # Horovod synchronizes in step()
+    if name == "dp_param_all_gather":
+        return "optimizer"  # ZeRO-1/2 gather the updated parameters in engine.step
+    if name == "dp_param_all_gather_fwd":
+        return "forward"
+    if name in ("tp_activation_all_reduce",):
+        return "forward,backward"
+    if name == "pp_activation_send":
+        return "forward"
+    return "backward"  # gradient reduce-scatter, backward re-gather, pipeline gradient send
 
 
 def volume(
@@ -88,6 +106,8 @@ def volume(
     micro_batch: int = 0,
     microbatches: int = 1,
     reshard_after_forward: bool = True,
+    grad_bytes_per_elem: int | None = None,
+    activation_bytes_per_elem: int | None = None,
 ) -> dict:
     """Per-rank communication bytes of one optimizer step of `adapter`.
 
@@ -102,9 +122,14 @@ def volume(
                   steps); scales the activation traffic, not the once-per-step gradient traffic.
     reshard_after_forward: FSDP only; False keeps the gathered parameters from forward to
                   backward, so the backward all-gather disappears.
+    bytes_per_elem: parameters as gathered; grad_bytes_per_elem: gradients as reduced (FSDP2 with
+                  bf16 gathers 2-byte parameters but reduce-scatters fp32 gradients);
+                  activation_bytes_per_elem: the b x s x h activation (bf16 under autocast). Both
+                  default to bytes_per_elem.
 
     Returns {adapter, stage, world_size, dp, tp, pp, bytes_per_elem, params_per_rank,
-    collectives: [{name, op, group, group_size, message_bytes, calls, bytes, formula}],
+    collectives: [{name, op, group, group_size, message_bytes, calls, bytes, formula, phase,
+    bytes_per_elem}] (phase: the timed phase(s) the collective runs in, comma-separated),
     bytes: {name: bytes}, total: bytes}. `bytes` are per rank per step in nccl-tests' bus volume.
     """
     name = adapter.strip().lower()
@@ -145,9 +170,18 @@ def volume(
         raise ValueError("tp > 1 needs layers (4 all-reduces per transformer layer)")
 
     B = bytes_per_elem
+    Bg = bytes_per_elem if grad_bytes_per_elem is None else grad_bytes_per_elem
+    Ba = bytes_per_elem if activation_bytes_per_elem is None else activation_bytes_per_elem
+    for key, val in (("grad_bytes_per_elem", Bg), ("activation_bytes_per_elem", Ba)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{key} must be an integer >= 1, got {val!r}")
     psi_rank = params / (tp * pp)  # parameters this rank holds (and syncs with its DP peers)
-    full = psi_rank * B  # bytes of those parameters / gradients, unsharded
+    full = psi_rank * B  # bytes of those parameters, unsharded, as gathered
+    gfull = psi_rank * Bg  # bytes of their gradients, as reduced
     items: list[dict] = []
+
+    def add(item_name, op, group, n, message, calls, bytes_, formula, b):
+        items.append(_item(item_name, op, group, n, message, calls, bytes_, formula, _phase(name, item_name), b))
 
     # --- data parallel: once per optimizer step, over the dp group -----------------------------
     style = _DP_STYLE[name]
@@ -158,47 +192,38 @@ def volume(
         ar, g = ring_factor("all_reduce", N), ring_factor("all_gather", N)
         if style == "all_reduce":
             # [ZeRO] 7.1 / [nccl-tests]: ring all-reduce of the gradients, 2(N-1)/N * Psi * B per rank
-            items.append(_item("dp_grad_all_reduce", "all_reduce", "dp", N, full, 1, ar * full,
-                               "2(N-1)/N * Psi * B"))
+            add("dp_grad_all_reduce", "all_reduce", "dp", N, gfull, 1, ar * gfull, "2(N-1)/N * Psi * B", Bg)
         elif style == "zero12":
             # [ZeRO] 7.2.1 (P_os, P_os+g): reduce-scatter of gradients, then all-gather of the
             # updated parameters, (N-1)/N * Psi * B each: the same total as DDP's all-reduce
-            items.append(_item("dp_grad_reduce_scatter", "reduce_scatter", "dp", N, full, 1, g * full,
-                               "(N-1)/N * Psi * B"))
-            items.append(_item("dp_param_all_gather", "all_gather", "dp", N, full, 1, g * full,
-                               "(N-1)/N * Psi * B"))
+            add("dp_grad_reduce_scatter", "reduce_scatter", "dp", N, gfull, 1, g * gfull, "(N-1)/N * Psi * B", Bg)
+            add("dp_param_all_gather", "all_gather", "dp", N, full, 1, g * full, "(N-1)/N * Psi * B", B)
         else:
             # [ZeRO] 7.2.2 (P_os+g+p) and FSDP: all-gather the parameters in forward and again in
             # backward, reduce-scatter the gradients: 3 (N-1)/N * Psi * B, 1.5x DDP
-            items.append(_item("dp_param_all_gather_fwd", "all_gather", "dp", N, full, 1, g * full,
-                               "(N-1)/N * Psi * B"))
+            add("dp_param_all_gather_fwd", "all_gather", "dp", N, full, 1, g * full, "(N-1)/N * Psi * B", B)
             if reshard_after_forward or name == "zero":
-                items.append(_item("dp_param_all_gather_bwd", "all_gather", "dp", N, full, 1, g * full,
-                                   "(N-1)/N * Psi * B"))
-            items.append(_item("dp_grad_reduce_scatter", "reduce_scatter", "dp", N, full, 1, g * full,
-                               "(N-1)/N * Psi * B"))
+                add("dp_param_all_gather_bwd", "all_gather", "dp", N, full, 1, g * full, "(N-1)/N * Psi * B", B)
+            add("dp_grad_reduce_scatter", "reduce_scatter", "dp", N, gfull, 1, g * gfull, "(N-1)/N * Psi * B", Bg)
 
     # --- tensor parallel: per layer, per micro-batch, over the tp group --------------------------
-    act = micro_batch * seq_len * hidden * B  # one b x s x h activation, bytes
+    act = micro_batch * seq_len * hidden * Ba  # one b x s x h activation, bytes
     if tp > 1:
         layers_rank = math.ceil(layers / pp)  # layers on the busiest pipeline stage
         calls = 4 * layers_rank * microbatches
         # [Megatron] Sec. 3, Fig. 4: 2 all-reduces forward + 2 backward per layer on b*s*h,
         # each 2(t-1)/t * b*s*h*B per rank ([nccl-tests] ring all-reduce factor)
-        items.append(_item("tp_activation_all_reduce", "all_reduce", "tp", tp, act, calls,
-                           calls * ring_factor("all_reduce", tp) * act,
-                           "4 * ceil(L/p) * m * 2(t-1)/t * b*s*h * B"))
+        add("tp_activation_all_reduce", "all_reduce", "tp", tp, act, calls,
+            calls * ring_factor("all_reduce", tp) * act, "4 * ceil(L/p) * m * 2(t-1)/t * b*s*h * B", Ba)
 
     # --- pipeline: per micro-batch, point to point between consecutive stages -------------------
     if pp > 1:
         # [Megatron] (Narayanan et al. 2021, Sec. 3.2): per micro-batch a stage sends its output
         # activation (b*s*h) forward and the input gradient (b*s*h) backward. Reported for the
         # busiest stage: an inner stage sends both (p > 2); with p = 2 each stage sends one of them.
-        items.append(_item("pp_activation_send", "send_recv", "pp", pp, act, microbatches,
-                           microbatches * act, "m * b*s*h * B"))
+        add("pp_activation_send", "send_recv", "pp", pp, act, microbatches, microbatches * act, "m * b*s*h * B", Ba)
         if pp > 2:
-            items.append(_item("pp_gradient_send", "send_recv", "pp", pp, act, microbatches,
-                               microbatches * act, "m * b*s*h * B"))
+            add("pp_gradient_send", "send_recv", "pp", pp, act, microbatches, microbatches * act, "m * b*s*h * B", Ba)
 
     per = {it["name"]: it["bytes"] for it in items}
     return dict(
@@ -243,3 +268,80 @@ def step_comm_time(vol: dict, report: dict) -> dict:
         bw = busbw_from_report(report, it["op"], it["message_bytes"])
         out[it["name"]] = dict(seconds=time_at(it["bytes"], bw), busbw_GBps=bw, note=note.strip())
     return dict(per_collective=out, total_s=sum(v["seconds"] for v in out.values()))
+
+
+# --- from a composed config and its run plan (the runner's entry point) --------------------------------
+HALF = ("bf16", "fp16")
+
+
+def volume_run(cfg, plan, build_model) -> dict:
+    """`volume` for a composed config (`BenchConfig`) and its run plan (`RunPlan`), with the same
+    parameter count, layout and micro-batch as the memory prediction (memory_model.predict_run's
+    inputs: Megatron's padded vocabulary included). Element sizes follow each adapter's precision
+    semantics: DeepSpeed's bf16/fp16 modes hold 2-byte parameters and gradients; FSDP2 gathers
+    2-byte parameters and reduce-scatters fp32 gradients (its MixedPrecisionPolicy here); every
+    other adapter runs autocast around fp32 weights, so gradients stay 4 bytes and only the
+    tensor-parallel activations (outputs of bf16 matmuls) are 2 bytes; the pipeline's stage outputs
+    (the residual stream, fp32 under autocast) stay 4 bytes."""
+    from bench.core.memory_model import model_facts, predict_run
+
+    name = cfg.adapter.name
+    if cfg.workload.kind == "language":
+        inputs = predict_run(cfg, plan, build_model, device="cpu", shapes=False)["inputs"]
+    else:  # vision: Ψ and the stage count only (predict_run's activation count is not needed here)
+        import torch
+
+        with torch.device("meta"):
+            params = model_facts(build_model())["params"]
+        pp = {"pipeline": plan.world_size // max(1, plan.dp_size), "gpipe": plan.devices_per_process}.get(name, 1)
+        inputs = dict(params=params, tp=1, pp=pp, stage=int(getattr(cfg.adapter, "stage", 0) or 0) if name == "zero"
+                      else 0)
+    half = cfg.trainer.precision in HALF
+    accum = int(cfg.trainer.grad_accum)
+    kw = dict(params=int(inputs["params"]), world_size=int(plan.devices), tp=int(inputs["tp"]), pp=int(inputs["pp"]))
+    if name == "zero":
+        kw.update(stage=int(inputs["stage"]), bytes_per_elem=2 if half else 4)
+    elif name == "fsdp":
+        kw.update(bytes_per_elem=2 if half else 4, grad_bytes_per_elem=4,
+                  reshard_after_forward=bool(getattr(cfg.adapter, "reshard_after_forward", True)))
+    else:
+        kw.update(bytes_per_elem=4, activation_bytes_per_elem=2 if half and name in ("tensor_parallel", "megatron")
+                  else 4)
+    vision = cfg.workload.kind != "language"
+    if kw["tp"] > 1 or kw["pp"] > 1:
+        if vision:  # no b x s x h for a CNN: placeholders, and the activation items are dropped below
+            kw.update(layers=1, hidden=1, seq_len=1, micro_batch=1)
+        else:
+            kw.update(layers=int(inputs["layers"]), hidden=int(inputs["hidden"]), seq_len=int(inputs["seq_len"]),
+                      micro_batch=int(inputs["micro_batch"]), microbatches=int(inputs["microbatches"]) * accum)
+    notes = []
+    if accum > 1 and name in ("zero", "fsdp"):
+        notes.append(f"trainer.grad_accum={accum}: parameter gathers (and DeepSpeed's gradient reductions) repeat "
+                     "per micro-batch; counted once here")
+    if name == "gpipe" and kw["pp"] > 1:
+        notes.append("gpipe: stage-to-stage traffic is device-to-device copies inside one process, not a collective")
+    vol = volume(name, **kw)
+    if vision and kw["pp"] > 1:
+        vol["collectives"] = [it for it in vol["collectives"] if it["group"] != "pp"]
+        vol["bytes"] = {it["name"]: it["bytes"] for it in vol["collectives"]}
+        vol["total"] = sum(vol["bytes"].values())
+        notes.append("vision pipeline: stage-to-stage activations are not modelled (no b x s x h); "
+                     "data-parallel traffic only")
+    vol["notes"] = notes
+    return vol
+
+
+def record_fields(vol: dict, backend: str | None = None) -> dict:
+    """`volume(...)` as the record's `comm_volume` field (JSON-ready): bytes per optimizer step per
+    rank in total, by op, and per collective with its formula, group, message size and phase."""
+    by_op: dict = {}
+    for it in vol["collectives"]:
+        by_op[it["op"]] = by_op.get(it["op"], 0.0) + it["bytes"]
+    phases = []
+    for it in vol["collectives"]:
+        phases += [p for p in it["phase"].split(",") if p not in phases]
+    return dict(model="bench/core/comm_volume.py", unit="bytes per optimizer step per rank (nccl-tests bus volume)",
+                backend=backend, adapter=vol["adapter"], stage=vol["stage"], world_size=vol["world_size"],
+                dp=vol["dp"], tp=vol["tp"], pp=vol["pp"], bytes_per_elem=vol["bytes_per_elem"],
+                params_per_rank=int(round(vol["params_per_rank"])), total_bytes=float(vol["total"]), by_op=by_op,
+                phases=phases, collectives=[dict(it) for it in vol["collectives"]], notes=list(vol.get("notes", [])))

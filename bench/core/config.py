@@ -31,6 +31,9 @@ class WorkloadConfig:
     vocab_size: int = 50257
     seq_len: int = 1024
     dropout: float = 0.0
+    # vision: conv weights (and so activations) in channels_last memory format; None = on CUDA only
+    # (tensor-core convolutions want NHWC), off on CPU (workloads/vision.py use_channels_last)
+    channels_last: Optional[bool] = None
 
 
 @dataclass
@@ -41,6 +44,21 @@ class OptimizerConfig:
     momentum: float = 0.9
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule (conf/schedule/*.yaml; bench/core/schedule.py): a factor on optimizer.lr,
+    stepped once per optimizer step. Lengths are in `unit`s (epoch: x the run's steps per epoch)."""
+
+    name: str = "constant"  # constant | step | warmup_poly | warmup_cosine
+    unit: str = "epoch"  # epoch | step: the unit of warmup, step_size and total
+    warmup: float = 0.0  # linear warm-up length (warmup_*): factor (k + 1) / warmup_steps at step k
+    step_size: float = 30.0  # step: multiply by gamma every step_size units
+    gamma: float = 0.1
+    power: float = 2.0  # warmup_poly: decay exponent
+    total: float = 0.0  # warmup_*: where the decay ends; 0 = trainer.epochs (the whole run)
+    end_factor: float = 0.0  # warmup_*: lr at the end of the decay = end_factor x optimizer.lr
 
 
 @dataclass
@@ -55,6 +73,12 @@ class DataConfig:
     # of the node shared by its ranks), minus the rank's own: min(8, cpus - 1)
     num_workers: Optional[int] = None
     augment: bool = True  # vision: torchvision reference train transforms
+    # imagefolder: torchvision = torchvision.io.decode_image (libjpeg-turbo) and the reference transforms on
+    # uint8 tensors; pil = PIL images through the same transforms (torchvision's reference path, slower)
+    decoder: str = "torchvision"
+    # imagefolder: decode every image once into RAM (uint8) before training, so steps only crop/flip;
+    # for small datasets (refused when the estimate exceeds a quarter of the free memory)
+    cache_decoded: bool = False
 
 
 @dataclass
@@ -94,6 +118,10 @@ class TrainerConfig:
     max_eval_batches: int = 0  # 0 = the whole validation set
     grad_clip: float = 0.0  # 0 = off; always passed explicitly to frameworks that clip by default
     precision: str = "fp32"  # fp32 | bf16 | fp16 (GPU only)
+    # torch.compile of the model (adapters that declare support: ddp, fsdp, zero); compilation runs in the
+    # warm-up steps, so trainer.warmup_steps must be >= 1; its time and any recompiles are recorded
+    compile: bool = False
+    compile_backend: str = "inductor"  # torch.compile backend; aot_eager/eager skip code generation (tests)
     # CUDA: TF32 tensor cores for fp32 matmuls and convolutions (torch.backends.cuda.matmul / cudnn
     # allow_tf32), applied on every rank and recorded; MFU then uses the TF32 peak
     tf32: bool = False
@@ -141,6 +169,8 @@ class ResultsConfig:
     # standard sinks written from the finished record (bench/core/sinks.py), never required:
     mllog: bool = True  # MLPerf-logging `:::MLLOG` lines in RUN_DIR/mllog.txt
     tensorboard: bool = False  # TensorBoard scalars in RUN_DIR/tensorboard/ (needs the tensorboard package)
+    wandb: bool = False  # a W&B run (extra `wandb`; offline in RUN_DIR/wandb unless WANDB_API_KEY is set)
+    mlflow: bool = False  # an MLflow run at MLFLOW_TRACKING_URI (extra `mlflow`)
 
 
 @dataclass
@@ -151,6 +181,7 @@ class BenchConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     results: ResultsConfig = field(default_factory=ResultsConfig)
     extra: Any = None  # free-form notes copied into the record
 

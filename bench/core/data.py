@@ -96,18 +96,31 @@ def data_workers(requested: int | None, local_world_size: int, env=None) -> int:
     return max(0, min(8, cpus - 1))
 
 
-def train_loader(dataset: Dataset, replicas: int, rank: int, batch_size: int, grad_accum: int, seed: int, workers: int):
+def loader_options(device_type: str, workers: int) -> dict:
+    """DataLoader settings from the device type (a pure function: the CPU twin tests pass "cuda").
+
+    pin_memory on CUDA: batches land in page-locked memory, so the copy to the GPU is asynchronous
+    (`non_blocking=True` in the trainer); pointless on CPU. persistent_workers whenever there are
+    workers: they, and a decoded-image cache in them, survive from one epoch to the next."""
+    return {"pin_memory": device_type == "cuda", "persistent_workers": workers > 0}
+
+
+def train_loader(dataset: Dataset, replicas: int, rank: int, batch_size: int, grad_accum: int, seed: int, workers: int,
+                 device_type: str | None = None):
     sampler = StepShardedSampler(dataset, replicas, rank, batch_size, grad_accum, seed)
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
         num_workers=workers,
-        pin_memory=torch.cuda.is_available(),
-        persistent_workers=workers > 0,
         drop_last=True,
+        **loader_options(device_type or _device_type(), workers),
     )
     return loader, sampler
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def eval_loader(dataset: Dataset, replicas: int, rank: int, batch_size: int, workers: int, max_batches: int = 0):
@@ -121,5 +134,5 @@ def eval_loader(dataset: Dataset, replicas: int, rank: int, batch_size: int, wor
         batch_size=batch_size,
         sampler=StridedSampler(len(padded), rank, replicas),
         num_workers=workers,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=loader_options(_device_type(), workers)["pin_memory"],
     )

@@ -467,13 +467,14 @@ def activation_elements(model, sample_shape, dtype=None) -> float:
     leaves = [m for m in model.modules() if not list(m.children())]
     handles = [m.register_forward_hook(hook) for m in leaves]
     try:
-        x = torch.empty((1, *sample_shape), device="meta", dtype=dtype or torch.float32)
+        # two samples, halved: BatchNorm in training mode refuses one value per channel (a 1x1 map)
+        x = torch.empty((2, *sample_shape), device="meta", dtype=dtype or torch.float32)
         with torch.no_grad():
             model(x)
     finally:
         for h in handles:
             h.remove()
-    return float(total)
+    return total / 2
 
 
 def model_facts(model) -> dict:

@@ -1,11 +1,23 @@
-"""Standard log sinks beside a run's record: MLPerf-logging `:::MLLOG` lines and TensorBoard scalars.
+"""Standard log sinks beside a run's record: MLPerf-logging `:::MLLOG` lines, TensorBoard scalars, and
+optional Weights & Biases / MLflow runs.
 
 Each sink is optional and never required: the record (summary.json, events.jsonl) stays the source
 of truth, and a sink that cannot be written says why and changes nothing else.
 
     write_mllog(run_dir, summary, events, config) -> Path      # RUN_DIR/mllog.txt
     write_tensorboard(run_dir, events) -> Path | None           # RUN_DIR/tensorboard/ (needs `tensorboard`)
-    write_sinks(run_dir, mllog=True, tensorboard=False) -> dict # both, from the record files
+    write_wandb(run_dir, summary, events, config) -> Path       # RUN_DIR/wandb/ (needs `wandb`; offline without a key)
+    write_mlflow(run_dir, summary, events, config) -> str       # an MLflow run (needs `mlflow`), its run id
+    write_sinks(run_dir, mllog=True, tensorboard=False, wandb=False, mlflow=False) -> dict  # from the record files
+
+W&B and MLflow come from their own packages, installed as extras (`pip install -e ".[wandb]"`,
+`".[mlflow]"`) and switched on with results.wandb=true / results.mlflow=true; asked for and not
+installed, the run is refused before launch (`check_sinks`, one line). Both are written after the
+run from the record: the flattened config as parameters (config), the per-epoch scalars
+TensorBoard gets, the per-step losses, and the summary's scalars. W&B runs offline (WANDB_MODE=offline,
+files in RUN_DIR/wandb, `wandb sync` uploads them later) unless WANDB_API_KEY or WANDB_MODE is set;
+its project is WANDB_PROJECT, else results.experiment. MLflow logs to MLFLOW_TRACKING_URI (mlflow's
+own default otherwise), experiment = results.experiment, run name = the run id.
 
 MLLOG: one `:::MLLOG {json}` line per event with the fields of the mlperf-logging package
 (namespace, time_ms, event_type INTERVAL_START / INTERVAL_END / POINT_IN_TIME, key, value,
@@ -23,6 +35,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -193,6 +206,136 @@ def read_mllog(path) -> list[dict]:
     return out
 
 
+# per-epoch scalars every sink writes: tag -> epoch event key
+EPOCH_SCALARS = (("train/loss", "train_loss"), ("val/loss", "val_loss"), ("val/accuracy", "val_accuracy"),
+                 ("val/perplexity", "val_perplexity"), ("time/epoch_s", "epoch_time_s"),
+                 ("time/step_mean_s", "step_time_mean_s"), ("throughput/samples_per_s", "samples_per_s"),
+                 ("throughput/tokens_per_s", "tokens_per_s"), ("memory/peak_max_bytes", "peak_memory_max"))
+# summary scalars W&B and MLflow get (the run's outcome), beside comm_volume.total_bytes
+SUMMARY_SCALARS = ("step_time_mean_s", "samples_per_s", "tokens_per_s", "epoch_time_mean_s", "epoch_time_steady_s",
+                   "peak_memory_max", "mfu", "train_loss", "val_loss", "val_accuracy", "val_perplexity", "startup_s",
+                   "total_time_s")
+OPTIONAL_SINKS = {"wandb": "wandb", "mlflow": "mlflow"}  # results.<key> -> module to import
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _flat(d, prefix: str = "") -> dict:
+    out = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def sink_unavailable(name: str) -> str | None:
+    """Why the optional sink `name` (wandb, mlflow) cannot be written here, or None when it can."""
+    import importlib
+
+    try:
+        importlib.import_module(OPTIONAL_SINKS[name])
+    except ImportError as e:
+        return f"{OPTIONAL_SINKS[name]} is not installed ({e})"
+    return None
+
+
+def check_sinks(results) -> None:
+    """Before launch: every optional sink asked for (results.wandb / results.mlflow) is importable, else
+    ConfigError with one line naming the fix."""
+    from bench.core.errors import ConfigError
+
+    for key in OPTIONAL_SINKS:
+        if _get(results, key, False) is True:
+            why = sink_unavailable(key)
+            if why:
+                raise ConfigError(f"results.{key}=true but {why}: pip install -e \".[{key}]\" (the optional extra), "
+                                  f"or set results.{key}=false")
+
+
+def _scalars(summary: dict) -> dict:
+    out = {f"summary/{k}": float(summary[k]) for k in SUMMARY_SCALARS if _number(summary.get(k))}
+    cv = summary.get("comm_volume") or {}
+    if _number(cv.get("total_bytes")):
+        out["summary/comm_bytes_per_step"] = float(cv["total_bytes"])
+    return out
+
+
+def _epoch_rows(events: list[dict]):
+    """(epoch, {tag: value}) per epoch event and (global step, loss) per optimizer step."""
+    epochs, steps, step = [], [], 0
+    for e in events:
+        if e.get("type", "epoch") != "epoch":
+            continue
+        epochs.append((int(e.get("epoch", 0)), {tag: float(e[k]) for tag, k in EPOCH_SCALARS if _number(e.get(k))}))
+        for loss in e.get("train_losses") or []:
+            if _number(loss):
+                steps.append((step, float(loss)))
+            step += 1
+    return epochs, steps
+
+
+def write_wandb(run_dir, summary: dict, events: list[dict], config) -> Path:
+    """A W&B run in RUN_DIR/wandb from the record: config, per-epoch scalars (x axis `epoch`), per-step
+    losses (x axis `global_step`), summary scalars. Offline unless WANDB_API_KEY or WANDB_MODE is set."""
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    run = wandb.init(project=os.environ.get("WANDB_PROJECT") or summary.get("experiment") or "trainbench",
+                     name=summary.get("run_id") or Path(run_dir).name, dir=str(run_dir), mode=mode,
+                     config=config or {}, job_type="benchmark",
+                     tags=[str(summary[k]) for k in ("adapter", "workload") if summary.get(k)])
+    try:
+        run.define_metric("global_step")
+        run.define_metric("train/step_loss", step_metric="global_step")
+        run.define_metric("epoch")
+        for tag, _ in EPOCH_SCALARS:
+            run.define_metric(tag, step_metric="epoch")
+        epochs, steps = _epoch_rows(events)
+        for step, loss in steps:
+            run.log({"global_step": step, "train/step_loss": loss})
+        for ep, values in epochs:
+            run.log({"epoch": ep, **values})
+        run.summary.update({**_scalars(summary), "status": summary.get("status")})
+    finally:
+        run.finish(exit_code=0 if summary.get("status") == "ok" else 1)
+    return Path(run_dir) / "wandb"
+
+
+def write_mlflow(run_dir, summary: dict, events: list[dict], config) -> str:
+    """An MLflow run from the record (experiment = results.experiment, name = run id): the flattened
+    config as parameters, per-epoch scalars (step = epoch), per-step losses (train/step_loss, step =
+    global step), summary scalars; status FINISHED for an ok run, else FAILED. Returns its run id."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param, RunTag
+
+    client = MlflowClient()  # MLFLOW_TRACKING_URI, or mlflow's default
+    name = summary.get("experiment") or "default"
+    exp = client.get_experiment_by_name(name)
+    exp_id = exp.experiment_id if exp else client.create_experiment(name)
+    run = client.create_run(exp_id, run_name=summary.get("run_id") or Path(run_dir).name)
+    rid = run.info.run_id
+    try:
+        now = int(time.time() * 1000)
+        params = [Param(k, str(v)[:6000]) for k, v in sorted(_flat(config).items())]
+        tags = [RunTag(k, str(summary[k])) for k in ("adapter", "workload", "world_size", "point", "status", "run_id")
+                if summary.get(k) is not None] + [RunTag("run_dir", str(Path(run_dir).resolve()))]
+        epochs, steps = _epoch_rows(events)
+        metrics = [Metric("train/step_loss", loss, now, step) for step, loss in steps]
+        metrics += [Metric(tag, v, now, ep) for ep, values in epochs for tag, v in values.items()]
+        metrics += [Metric(k, v, now, 0) for k, v in _scalars(summary).items()]
+        for i in range(0, max(len(params), len(metrics), 1), 100):  # the tracking API's batch limits
+            client.log_batch(rid, metrics=metrics[i:i + 100], params=params[i:i + 100], tags=tags if i == 0 else [])
+    except BaseException:
+        client.set_terminated(rid, "FAILED")
+        raise
+    client.set_terminated(rid, "FINISHED" if summary.get("status") == "ok" else "FAILED")
+    return rid
+
+
 def tensorboard_unavailable() -> str | None:
     """Why TensorBoard scalars cannot be written here, or None when they can."""
     try:
@@ -221,10 +364,7 @@ def write_tensorboard(run_dir, events: list[dict]) -> Path | None:
             if e.get("type", "epoch") != "epoch":
                 continue
             ep = int(e.get("epoch", 0))
-            for tag, key in (("train/loss", "train_loss"), ("val/loss", "val_loss"), ("val/accuracy", "val_accuracy"),
-                             ("val/perplexity", "val_perplexity"), ("time/epoch_s", "epoch_time_s"),
-                             ("time/step_mean_s", "step_time_mean_s"), ("throughput/samples_per_s", "samples_per_s"),
-                             ("throughput/tokens_per_s", "tokens_per_s"), ("memory/peak_max_bytes", "peak_memory_max")):
+            for tag, key in EPOCH_SCALARS:
                 v = e.get(key)
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     writer.add_scalar(tag, float(v), ep)
@@ -238,8 +378,9 @@ def write_tensorboard(run_dir, events: list[dict]) -> Path | None:
     return out
 
 
-def write_sinks(run_dir, mllog: bool = True, tensorboard: bool = False) -> dict:
-    """Both sinks from a finished record (summary.json, events.jsonl, config.yaml in RUN_DIR): the one
+def write_sinks(run_dir, mllog: bool = True, tensorboard: bool = False, wandb: bool = False,
+                mlflow: bool = False) -> dict:
+    """The sinks asked for, from a finished record (summary.json, events.jsonl, config.yaml in RUN_DIR): the one
     call a runner makes after writing the summary. Returns {sink: path, or "skipped: why" / "failed: why"};
     never raises."""
     run_dir = Path(run_dir)
@@ -256,7 +397,9 @@ def write_sinks(run_dir, mllog: bool = True, tensorboard: bool = False) -> dict:
     except Exception as e:  # noqa: BLE001 - a sink never breaks a run
         return {"mllog": f"failed: {type(e).__name__}: {e}"} if mllog else {}
     for name, on, fn in (("mllog", mllog, lambda: write_mllog(run_dir, summary, events, config)),
-                         ("tensorboard", tensorboard, lambda: write_tensorboard(run_dir, events))):
+                         ("tensorboard", tensorboard, lambda: write_tensorboard(run_dir, events)),
+                         ("wandb", wandb, lambda: write_wandb(run_dir, summary, events, config)),
+                         ("mlflow", mlflow, lambda: write_mlflow(run_dir, summary, events, config))):
         if not on:
             continue
         try:
@@ -266,4 +409,6 @@ def write_sinks(run_dir, mllog: bool = True, tensorboard: bool = False) -> dict:
             result[name] = str(path) if path is not None else f"skipped: {tensorboard_unavailable()}"
         except Exception as e:  # noqa: BLE001
             result[name] = f"failed: {type(e).__name__}: {e}"
+            print(f"warning: the {name} sink of {run_dir} failed (the record is complete): {type(e).__name__}: "
+                  f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}", file=sys.stderr, flush=True)
     return result

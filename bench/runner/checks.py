@@ -15,6 +15,8 @@ from bench.core.config import BATCH_POLICIES, BenchConfig
 from bench.core.errors import ConfigError
 from bench.core.optim import OPTIMIZERS
 from bench.core.precision import check_precision
+from bench.core.sinks import check_sinks
+from bench.core.schedule import check_schedule
 from workloads import check_config as check_workload
 
 LAUNCHERS = ("local", "torchrun", "slurm")
@@ -48,11 +50,45 @@ def check_config(cfg: BenchConfig) -> None:
     if cfg.launcher.name not in LAUNCHERS:
         raise ConfigError(f"launcher.name={cfg.launcher.name}: choose {', '.join(LAUNCHERS)}")
     check_precision(cfg.trainer.precision)
+    check_sinks(cfg.results)
     fault = cfg.trainer.inject_fault
     if fault and not re.fullmatch(r"(raise|oom|hang|exit)@\d+:\d+", fault):
         raise ConfigError(f"trainer.inject_fault={fault}: use KIND@RANK:STEP with KIND raise, oom, hang or exit")
     if cfg.optimizer.name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer.name '{cfg.optimizer.name}': choose one of {', '.join(OPTIMIZERS)}")
+    check_schedule(cfg.schedule)
+    check_compile(cfg)
+
+
+def check_compile(cfg: BenchConfig) -> None:
+    """trainer.compile=true: an adapter that declares support, a warm-up step to hold the compilation, a
+    known backend, and for inductor on CPU a C++ compiler (it builds the kernels with one)."""
+    t = cfg.trainer
+    if not t.compile:
+        return
+    from adapters import get_adapter_class
+
+    cls = get_adapter_class(cfg.adapter.name)
+    if cls.compile_unsupported:
+        raise ConfigError(f"trainer.compile=true: adapter={cls.name} does not support it ({cls.compile_unsupported}); "
+                          "drop trainer.compile or use adapter=ddp, fsdp or zero")
+    if t.warmup_steps < 1:
+        raise ConfigError("trainer.compile=true compiles in the first step(s), which must stay out of the step "
+                          "statistics: set trainer.warmup_steps >= 1")
+    from torch._dynamo import list_backends
+
+    backends = list_backends(exclude_tags=())
+    if t.compile_backend not in backends:
+        raise ConfigError(f"trainer.compile_backend={t.compile_backend} is not a torch.compile backend; choose one of "
+                          f"{', '.join(sorted(backends))}")
+    import shutil
+
+    import torch
+
+    cxx = os.environ.get("CXX") or "g++"
+    if t.compile_backend == "inductor" and not torch.cuda.is_available() and not shutil.which(cxx):
+        raise ConfigError(f"trainer.compile_backend=inductor on CPU needs a C++ compiler ({cxx} not found): install "
+                          "g++ (or set CXX), or set trainer.compile_backend=aot_eager")
 
 
 def check_devices(world: int, devices_per_process: int, device_count: int) -> None:

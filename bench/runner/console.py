@@ -35,5 +35,9 @@ def print_summary(s: dict) -> None:
         (metric[0], fmt(metric[1], ".4f")),
         ("peak memory per rank (max)", f"{fmt((s.get('peak_memory_max') or 0) / 2**20, '.0f')} MiB"),
     ]
+    if s.get("compile"):
+        c = s["compile"]
+        rows.append(("torch.compile", f"{c['backend']}: {fmt(c['time_s'], '.1f')} s compiling (in warm-up, out of step "
+                                      f"stats), {c['frames']} frame(s), {c['timed_step_frames']} after warm-up"))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows), flush=True)

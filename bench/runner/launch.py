@@ -58,6 +58,8 @@ def launch(cfg: DictConfig) -> int:
                               f"{adapter_cls.processes(cfg)} ranks: use hydra/launcher=bench_slurm "
                               "(conf/hydra/launcher/bench_slurm.yaml), which sizes each job")
         plan = make_plan(cfg, environment.name, ctx.world_size)
+        if ctx.rank == 0:  # the one rank that writes the summary
+            plan = dataclasses.replace(plan, comm_volume=comm_volume(cfg, plan, ctx.backend))
         return run_rank(cfg_dict, plan, ctx, run_dir=None)
 
     plan = make_plan(cfg, "local")
@@ -65,7 +67,8 @@ def launch(cfg: DictConfig) -> int:
 
     if torch.cuda.is_available():
         check_devices(plan.world_size, plan.devices_per_process, torch.cuda.device_count())
-    plan = dataclasses.replace(plan, predicted_memory=predicted_memory(cfg, plan))
+    plan = dataclasses.replace(plan, predicted_memory=predicted_memory(cfg, plan),
+                               comm_volume=comm_volume(cfg, plan, default_backend(cfg.launcher.backend)))
     writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
     writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
     port = cfg.launcher.master_port or free_port()
@@ -75,7 +78,8 @@ def launch(cfg: DictConfig) -> int:
         code = run_with_launcher(command, cfg.launcher.master_addr, port, writer)
     else:
         code = spawn_local(cfg_dict, plan, port, writer)
-    write_sinks(writer.dir, mllog=cfg.results.mllog, tensorboard=cfg.results.tensorboard)
+    write_sinks(writer.dir, mllog=cfg.results.mllog, tensorboard=cfg.results.tensorboard, wandb=cfg.results.wandb,
+                mlflow=cfg.results.mlflow)
     return code
 
 
@@ -91,6 +95,18 @@ def predicted_memory(cfg, plan: RunPlan) -> dict:
         raise
     except Exception as e:  # noqa: BLE001 - the prediction must never stop a run it cannot model
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+def comm_volume(cfg, plan: RunPlan, backend: str) -> dict:
+    """Bytes per optimizer step per rank by collective (bench/core/comm_volume.py), with the backend the
+    ranks use, so the report can set them against `python -m bench.comm` at that backend. Never fatal."""
+    from bench.core.comm_volume import record_fields, volume_run
+    from workloads import build_workload
+
+    try:
+        return record_fields(volume_run(cfg, plan, build_workload(cfg.workload, cfg.data).build_model), backend)
+    except Exception as e:  # noqa: BLE001 - a volume the model cannot compute must never stop a run
+        return {"error": f"{type(e).__name__}: {e}", "backend": backend}
 
 
 def _launch_t0() -> str:

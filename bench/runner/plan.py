@@ -38,6 +38,9 @@ class RunPlan:
     adapter_cls: type = field(repr=False, compare=False)
     # bench/core/memory_model.py's prediction for this run (launcher=local computes it before launch)
     predicted_memory: dict | None = field(default=None, repr=False, compare=False)
+    # bench/core/comm_volume.py's bytes per optimizer step per rank (the launcher computes it before the
+    # ranks start, for every launcher); recorded as `comm_volume`
+    comm_volume: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def devices(self) -> int:
@@ -53,7 +56,7 @@ class RunPlan:
                 "world_size": self.world_size, "devices": self.devices}
 
     def describe(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("adapter_cls", "predicted_memory")}
+        d = {k: v for k, v in asdict(self).items() if k not in ("adapter_cls", "predicted_memory", "comm_volume")}
         d.update(devices=self.devices, global_batch=self.global_batch)
         return d
 

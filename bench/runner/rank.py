@@ -91,7 +91,7 @@ def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | No
         if ctx.rank == 0:
             extra = OmegaConf.to_container(cfg.extra) if OmegaConf.is_config(cfg.extra) else cfg.extra
             summary.update(adapter_settings=adapter.describe(), plan=plan.describe(), precision=plan.precision,
-                           predicted_memory=plan.predicted_memory, extra=extra,
+                           predicted_memory=plan.predicted_memory, comm_volume=plan.comm_volume, extra=extra,
                            batch_reduced_from=(extra or {}).get("batch_reduced_from") if isinstance(extra, dict) else None,
                            phase_semantics=adapter.phase_semantics, precision_semantics=adapter.precision_semantics,
                            batch_policy=plan.batch_policy, warmup_steps=cfg.trainer.warmup_steps,
@@ -99,7 +99,8 @@ def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | No
                            cpu_threads_per_rank=threads)
             writer.finish(summary)
             if ctx.launcher != "local":  # no launcher process of ours: this rank writes the sinks
-                write_sinks(run_dir, mllog=cfg.results.mllog, tensorboard=cfg.results.tensorboard)
+                write_sinks(run_dir, mllog=cfg.results.mllog, tensorboard=cfg.results.tensorboard,
+                            wandb=cfg.results.wandb, mlflow=cfg.results.mlflow)
             print_summary({**summary, **writer.identity})
         if requeue:  # last: Slurm ends this job's steps now; the checkpoint and the record are complete
             print(f"scontrol requeue {requeue}: the job resumes from {summary['checkpoint']['latest']}", flush=True)

@@ -34,16 +34,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from adapters.base import Adapter
+from adapters.base import Adapter, compile_stats
 from bench.core import checkpoint as ckpt
 from bench.core import memory
 from bench.core.config import BenchConfig
-from bench.core.data import data_workers, eval_loader, train_loader
+from bench.core.data import data_workers, eval_loader, loader_options, train_loader
 from bench.core.dist import DistContext
 from bench.core.errors import ConfigError
 from bench.core.flops import math_dtype, mfu, peak_flops
 from bench.core.guard import StopFlag, Watchdog
 from bench.core.records import RunRecord, atomic_write, write_json
+from bench.core.schedule import Schedule
 from bench.core.timing import PHASES, PhaseTimer
 from bench.runner.console import print_epoch
 from bench.runner.plan import RunPlan
@@ -56,6 +57,9 @@ CONVENTIONS = {
     "flops": "analytic, 2 FLOPs per multiply-add, training = 3 x forward",
     "memory": "CUDA: max allocated/reserved; CPU: VmHWM; both reset each epoch",
     "startup": "startup_s = launch of the command to the end of the first step",
+    "compile": "trainer.compile: compilation runs in the warm-up steps (out of step stats, inside the first "
+               "epoch_time_s); compile.time_s is torch._dynamo's own compile time; frames compiled after warm-up "
+               "(recompiles) are counted per epoch as timed_step_frames",
     "checkpoints": "epoch_time_s leaves out time spent saving checkpoints (checkpoint_time_s); a resumed epoch's "
                    "time is the sum of its parts before and after the restart, the restart gap left out",
 }
@@ -98,6 +102,9 @@ class Trainer:
         self._epoch_t0 = 0.0
         self._ckpt_time = 0.0  # seconds spent saving in the current epoch (left out of its time)
         self._run_start = time.perf_counter()
+        self._compile_warm: dict | None = None  # torch._dynamo counters when the warm-up ended (trainer.compile)
+        self.schedule: Schedule | None = None  # built in run(), once the steps per epoch are known
+        self._lrs: list[float] = []  # with a schedule: the lr of every optimizer step of the run
         stop_at = cfg.trainer.inject_stop
         self._inject_stop = tuple(int(v) for v in str(stop_at).split(":")) if stop_at else None
         if cfg.trainer.resume == "auto" and adapter.checkpoint_unsupported and ctx.rank == 0:
@@ -111,7 +118,8 @@ class Trainer:
         self.local_batch = batch
         self.global_batch = self.plan.global_batch
         self.workers = data_workers(self.cfg.data.num_workers, self.ctx.local_world_size)
-        train, sampler = train_loader(train_set, dp_size, dp_rank, batch, t.grad_accum, t.seed, self.workers)
+        train, sampler = train_loader(train_set, dp_size, dp_rank, batch, t.grad_accum, t.seed, self.workers,
+                                      self.ctx.device.type)
         if sampler.steps < 1:
             raise ConfigError(
                 f"the training set has {len(train_set)} samples, fewer than one global batch of "
@@ -126,6 +134,9 @@ class Trainer:
         steps_per_epoch = sampler.steps if t.max_steps <= 0 else min(sampler.steps, t.max_steps)
         self.steps_per_epoch = steps_per_epoch
         self.full_epoch_steps = sampler.steps  # a whole pass over the data (incomplete last batch dropped)
+        # lr schedule (bench/core/schedule.py): stepped after every optimizer step; lr per step in self._lrs
+        self.schedule = None if self.cfg.schedule.name == "constant" else Schedule(
+            self.cfg.schedule, self.adapter.optimizer, steps_per_epoch, t.epochs * steps_per_epoch)
         self.samples_dropped = len(sampler.dataset) - sampler.steps * self.global_batch
         epochs = []
         start_epoch = 0
@@ -168,6 +179,7 @@ class Trainer:
             ckpt.set_rng_state(prior["rng"])
             if bar is not None:
                 bar.update(prior["step_in_epoch"])
+        c0 = compile_stats() if self.cfg.trainer.compile else None
         t0 = self._epoch_t0 = time.perf_counter()
         losses = self.train_steps(it, todo, bar)
         for d in self.adapter.devices():  # every device this process drives (GPipe: several)
@@ -178,6 +190,7 @@ class Trainer:
         losses = [torch.tensor(v, device=self.ctx.device) for v in self._epoch_done_losses] + losses
         if bar is not None:
             bar.close()
+        c1 = compile_stats() if c0 is not None else None
         mem = memory.peak_over(self.adapter.devices())  # training peak, before validation allocates
         if mem.get("peak_rss") is not None and rss_before is not None:
             mem["peak_rss_delta"] = mem["peak_rss"] - rss_before  # what training added on top of the process
@@ -191,6 +204,8 @@ class Trainer:
         event = self._epoch_event(epoch, losses, first_step, epoch_time, val_time, mem, state, val_metrics, run_start,
                                   partial)
         event["checkpoint_time_s"] = self._ckpt_time
+        if c0 is not None:
+            event["compile"] = self._compile_event(c0, c1, compile_stats(), first_step)
         if prior:
             event["resumed"] = True  # this epoch ran in two attempts: the parts are joined
             event["resumed_at_step"] = prior["global_step"]
@@ -214,12 +229,18 @@ class Trainer:
                     micro.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
             if self.cfg.trainer.inject_fault:
                 inject_fault(self.cfg.trainer.inject_fault, self.ctx.rank, self.global_step)
+            if self.schedule is not None:
+                self._lrs.append(self.schedule.lr())
             loss = self.adapter.train_step(micro, self.timer)
+            if self.schedule is not None:
+                self.schedule.step()
             self.timer.end_step()
             if self.first_step_end is None:
                 self.first_step_end = time.time()
             losses.append(loss if loss is not None else torch.zeros((), device=device))
             self.global_step += 1
+            if self.global_step == t.warmup_steps and t.compile:
+                self._compile_warm = compile_stats()
             self.watchdog.beat()
             if bar is not None:
                 bar.update(1)
@@ -286,6 +307,7 @@ class Trainer:
             "run_time_s": self._prior_run_time + now - self._run_start,
             "resumed_from": self.resumed_from,
             "checkpoints": self.checkpoints,
+            **({"schedule": self.schedule.state_dict(), "lrs": list(self._lrs)} if self.schedule is not None else {}),
         }
 
     def _restore(self, path: Path) -> int:
@@ -297,6 +319,9 @@ class Trainer:
         self._prior = state
         self._prior_run_time = state["run_time_s"]
         self._last_saved = self.global_step
+        if self.schedule is not None and "schedule" in state:
+            self.schedule.load_state_dict(state["schedule"])
+            self._lrs = list(state["lrs"])
         # the saves before this checkpoint, and this one (its save time was not known when it was written)
         self.checkpoints = list(state.get("checkpoints", [])) + [
             {**{k: meta.get(k) for k in ("step", "epoch", "step_in_epoch", "reason", "time", "bytes", "save_time_s")}, "name": path.name}]
@@ -415,6 +440,9 @@ class Trainer:
             "mfu_note": mfu_note,
             "train_loss": float(loss_vec.mean()) if len(loss_vec) else None,
             "train_losses": [float(v) for v in loss_vec] if self.cfg.trainer.log_step_losses else None,
+            # the lr of the epoch's first step; with a schedule, every step's (schedule=..., bench/core/schedule.py)
+            "lr_epoch_start": self._lrs[first_step] if self.schedule is not None and len(self._lrs) > first_step else self.cfg.optimizer.lr,
+            "lrs": self._lrs[first_step:first_step + steps] if self.schedule is not None else None,
             "memory_metric": mem_key,
             "peak_memory_max": max(mem_values) if mem_values else None,
             "peak_memory_min": min(mem_values) if mem_values else None,
@@ -424,6 +452,21 @@ class Trainer:
         if self.ctx.rank == 0:
             print_epoch(event)
         return event
+
+    def _compile_event(self, before: dict, trained: dict, validated: dict, first_step: int) -> dict:
+        """torch._dynamo counters over the epoch: its training steps, their timed part, its validation."""
+        warmup = self.cfg.trainer.warmup_steps
+        if first_step >= warmup:
+            timed_from = before
+        elif self.global_step >= warmup and self._compile_warm is not None:
+            timed_from = self._compile_warm  # the warm-up ended in this epoch
+        else:
+            timed_from = trained  # every step of this epoch was warm-up
+        return {"train_frames": trained["frames"] - before["frames"],
+                "train_time_s": trained["time_s"] - before["time_s"],
+                "timed_step_frames": trained["frames"] - timed_from["frames"],
+                "eval_frames": validated["frames"] - trained["frames"],
+                "eval_time_s": validated["time_s"] - trained["time_s"]}
 
     def _summary(self, epochs: list[dict], total_time: float) -> dict:
         last = epochs[-1] if epochs else {}
@@ -437,6 +480,10 @@ class Trainer:
         if data_share and max(data_share) > 0.10:
             warnings.append(f"data loading is {100 * max(data_share):.0f}% of the step time (> 10%): the run is "
                             f"input-bound; raise data.num_workers (now {self.workers}) or use faster storage")
+        leaked = sum(e["compile"]["timed_step_frames"] for e in epochs if e.get("compile"))
+        if leaked:
+            warnings.append(f"torch.compile compiled {leaked} frame(s) after the warm-up (recompiles): those steps' "
+                            "times include compilation; raise trainer.warmup_steps or find the recompile (TORCH_LOGS=recompiles)")
         if any(e.get("mfu_note") for e in epochs):
             warnings.append(next(e["mfu_note"] for e in epochs if e.get("mfu_note")))
         keys = ("val_loss", "val_accuracy", "val_perplexity", "train_loss", "peak_memory_max", "peak_memory_min", "mfu")
@@ -453,6 +500,9 @@ class Trainer:
             "local_batch": self.local_batch,
             "samples_dropped_per_epoch": self.samples_dropped,  # the incomplete last global batch
             "data_workers": self.workers,
+            # loader and input settings as used: pin_memory, persistent_workers, channels_last, decoder, cache
+            "data_pipeline": {**loader_options(self.ctx.device.type, self.workers), **self.workload.describe()},
+            "compile": self._compile_summary(leaked),
             "step_time_mean_s": mean_step,
             "samples_per_s": self.global_batch / mean_step if mean_step else None,
             "tokens_per_s": self.global_batch * self.plan.tokens_per_sample / mean_step if mean_step else None,
@@ -468,6 +518,15 @@ class Trainer:
             "hosts": [r["host"] for r in last.get("ranks", [])],  # one per rank, in rank order
             **{k: last.get(k) for k in keys},
         }
+
+    def _compile_summary(self, timed_step_frames: int) -> dict | None:
+        t = self.cfg.trainer
+        if not t.compile:
+            return None
+        total = compile_stats()
+        return {"backend": t.compile_backend, "how": self.adapter.compile_how, "time_s": total["time_s"],
+                "frames": total["frames"], "graphs": total["graphs"], "warmup_steps": t.warmup_steps,
+                "timed_step_frames": timed_step_frames}
 
     def _checkpoint_summary(self) -> dict | None:
         if not self.checkpointing:
