@@ -201,9 +201,10 @@ def apply_hydra_context(cfg) -> None:
         cfg.results.dir = str(hc.sweep.dir)
 
 
-def skip_if_done(cfg, out=sys.stdout) -> bool:
+def skip_if_done(cfg, out=None) -> bool:
     """results.resume=true and this point already has an ok record: say so and skip the run. Called
     before torch is imported, so skipped points of a sweep or job array cost little."""
+    out = out or sys.stdout  # looked up at call time: pytest's capsys and redirections replace sys.stdout
     if not (cfg.results.resume and cfg.results.point):
         return False
     folders = {Path(cfg.results.root) / cfg.results.experiment, Path(cfg.results.dir or cfg.results.root)}
@@ -314,9 +315,10 @@ def measure_comm(points: list[list[str]], extra: list[str], dry_run: bool = Fals
 
 
 def submit_comm(file: Path, extra: list[str], *, gpus_per_node: int = 0, sbatch: list[str] = (), resume: bool = False,
-                dry_run: bool = False, out=sys.stdout) -> int:
+                dry_run: bool = False, out=None) -> int:
     """`bench.sweep submit`'s network measurement: one small job per world size of the sweep running
     `srun python -m bench.comm --out <records>/comm` (under srun bench.comm is one rank per task)."""
+    out = out or sys.stdout
     code = 0
     for folder, ranks, backend in comm_targets(read_points(file), extra):
         if resume and any(folder.glob(f"*-{ranks}.json")):
@@ -348,10 +350,11 @@ def oom_retry(overrides: list[str]) -> list[str] | None:
 
 def submit_arrays(file: Path, extra: list[str], *, gpus_per_node: int = 0, sbatch: list[str] = (),
                   resume: bool = False, script: Path | None = None, dry_run: bool = False,
-                  out=sys.stdout) -> tuple[int, list[str]]:
+                  out=None) -> tuple[int, list[str]]:
     """sbatch slurm/array.sbatch once per allocation shape (Slurm gives every task of an array the same
     resources); returns (exit code, job ids). `sbatch` options such as --dependency=afterok:ID go to
     every array. Dry run: the commands are printed and the ids are placeholders."""
+    out = out or sys.stdout
     points = read_points(file)
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, point in enumerate(points):

@@ -78,7 +78,10 @@ def test_submit_makes_one_array_per_point_size(tmp_path):
     proc = sweep_cli("submit", str(sweep), "--dry-run", "--resume", "--sbatch=--partition=p1", "--", "trainer.epochs=3")
     check_ok(proc)
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 2, proc.stdout
+    comm = [line for line in lines if "--job-name=bench-comm" in line]  # the network, once per world size > 1
+    lines = [line for line in lines if line not in comm]
+    assert len(lines) == 2 and len(comm) == 1, proc.stdout
+    assert "--ntasks-per-node=2 --partition=p1" in comm[0] and "-m bench.comm" in comm[0]
     assert "--array=0,1 --nodes=1 --ntasks-per-node=1 --partition=p1" in lines[0]
     assert "--array=2,3 --nodes=1 --ntasks-per-node=2 --partition=p1" in lines[1]
     assert all(line.endswith(f"array.sbatch {sweep} --resume trainer.epochs=3") for line in lines)
