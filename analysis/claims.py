@@ -1,5 +1,5 @@
 """The paper's findings as checks computed from the records ("How to Train Your Neural Network", Lin
-et al.; ../shared/NOTES.md section 2), for the report's "Paper claims" section.
+et al.), for the report's "Paper claims" section.
 
 Each check takes the finished runs (`analysis.load.runs` of `ok` records) of one workload and returns
 a verdict: holds, does not hold, or not measured (with what is missing), the numbers it compared and
