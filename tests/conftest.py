@@ -68,9 +68,10 @@ def ddp_gpt2_reference(tmp_path_factory) -> Path:
 def smoke_run(tmp_path_factory) -> Path:
     """`python -m bench` with helpers.SMOKE (experiment=smoke at vocabulary 256: DDP, 2 local ranks, 4
     steps): the good record of test_reliability, the local twin of test_launch's torchrun run, and the
-    record whose fields test_numbers reads."""
+    record whose fields test_numbers reads. Its ranks are spawned, as on a GPU machine (the other local
+    runs of the suite fork them: launcher.start_method=auto on a CPU)."""
     from tests.helpers import SMOKE, bench, check_ok, only_run
 
     root = tmp_path_factory.mktemp("smoke_run")
-    check_ok(bench(*SMOKE, results=root))
+    check_ok(bench(*SMOKE, "launcher.start_method=spawn", results=root))
     return only_run(root)

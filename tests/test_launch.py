@@ -9,6 +9,7 @@ import pytest
 
 from bench.core.environments import SlurmEnvironment, TorchrunEnvironment, expand_nodelist, slurm_port
 from bench.core.errors import ConfigError
+from bench.runner.checks import start_method
 from bench.runner.compose import compose, typed
 from bench.runner.plan import make_plan
 from tests.helpers import SMOKE, assert_losses_close, bench, check_ok, only_run, run, step_losses, summary
@@ -66,6 +67,25 @@ def test_run_under_torchrun_equals_local_run(local_small, tmp_path):
     assert s["val_loss"] == pytest.approx(summary(local_small)["val_loss"], abs=1e-6)
 
 
+def test_forked_ranks_train_as_spawned_ranks(local_small, tmp_path):
+    """launcher.start_method=auto forks the ranks on a CPU (they reuse the launcher's imports); a GPU
+    machine spawns them, as the shared smoke_run does: the start method changes nothing in the training."""
+    check_ok(bench(*SMOKE, results=tmp_path))
+    forked = only_run(tmp_path)
+    assert summary(forked)["plan"]["start_method"] == "fork"
+    assert summary(local_small)["plan"]["start_method"] == "spawn"
+    assert summary(forked)["frameworks_imported"] == []
+    assert_losses_close(step_losses(forked), step_losses(local_small), atol=1e-6)
+    assert summary(forked)["val_loss"] == pytest.approx(summary(local_small)["val_loss"], abs=1e-6)
+
+
+def test_start_method_auto_forks_only_without_cuda():
+    assert start_method("auto", cuda=False) == "fork" and start_method("auto", cuda=True) == "spawn"
+    assert start_method("spawn", cuda=False) == "spawn" and start_method("fork", cuda=False) == "fork"
+    with pytest.raises(ConfigError, match="forked ranks cannot use CUDA; use launcher.start_method=spawn"):
+        start_method("fork", cuda=True)
+
+
 def test_ddp_imports_no_other_framework(local_small):
     assert summary(local_small)["frameworks_imported"] == []
 
@@ -86,6 +106,7 @@ BAD = [
     (["trainer.epochs=0"], "trainer.epochs=0 must be > 0"),
     (["trainer.grad_accum=0"], "trainer.grad_accum=0 must be > 0"),
     (["optimizer.lr=-0.1"], "optimizer.lr=-0.1 must be > 0"),
+    (["launcher.start_method=forkserver"], "launcher.start_method=forkserver: choose auto, spawn, fork"),
     (["workload.seq_len=0"], "workload.seq_len=0 must be > 0"),
     (["data=wikitext2", f"data.root={os.environ['BENCH_DATA_ROOT']}/wikitext-2", "data.tokenizer_dir=/nonexistent/tok"],
      "data.tokenizer_dir: /nonexistent/tok has no"),

@@ -60,16 +60,20 @@ def start(results: Path, *overrides: str) -> subprocess.Popen:
 
 
 def ranks_of(proc: subprocess.Popen, count: int = 2, timeout: float = 120) -> list[psutil.Process]:
-    """The rank processes the launcher spawned (not multiprocessing's resource tracker)."""
+    """The rank processes the launcher started: its direct children, spawned (`spawn_main` in their
+    command line) or forked (the launcher's own command line), not multiprocessing's resource tracker."""
+    launcher = psutil.Process(proc.pid)
+
     def is_rank(p: psutil.Process) -> bool:
         try:
-            return "spawn_main" in " ".join(p.cmdline())
+            cmd = p.cmdline()
         except psutil.Error:  # a short-lived helper process that has exited (or is a zombie) is no rank
             return False
+        return "spawn_main" in " ".join(cmd) or cmd == launcher.cmdline()
 
     deadline = time.time() + timeout
     while time.time() < deadline:
-        kids = [p for p in psutil.Process(proc.pid).children(recursive=True) if is_rank(p)]
+        kids = [p for p in launcher.children() if is_rank(p)]
         if len(kids) >= count:
             return kids
         time.sleep(0.2)

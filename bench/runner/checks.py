@@ -20,6 +20,7 @@ from bench.core.schedule import check_schedule
 from workloads import check_config as check_workload
 
 LAUNCHERS = ("local", "torchrun", "slurm")
+START_METHODS = ("auto", "spawn", "fork")
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -49,6 +50,8 @@ def check_config(cfg: BenchConfig) -> None:
         raise ConfigError(f"adapter.batch_policy={cfg.adapter.batch_policy}: choose {', '.join(BATCH_POLICIES)}")
     if cfg.launcher.name not in LAUNCHERS:
         raise ConfigError(f"launcher.name={cfg.launcher.name}: choose {', '.join(LAUNCHERS)}")
+    if cfg.launcher.start_method not in START_METHODS:
+        raise ConfigError(f"launcher.start_method={cfg.launcher.start_method}: choose {', '.join(START_METHODS)}")
     check_precision(cfg.trainer.precision)
     check_sinks(cfg.results)
     fault = cfg.trainer.inject_fault
@@ -89,6 +92,17 @@ def check_compile(cfg: BenchConfig) -> None:
     if t.compile_backend == "inductor" and not torch.cuda.is_available() and not shutil.which(cxx):
         raise ConfigError(f"trainer.compile_backend=inductor on CPU needs a C++ compiler ({cxx} not found): install "
                           "g++ (or set CXX), or set trainer.compile_backend=aot_eager")
+
+
+def start_method(requested: str, cuda: bool) -> str:
+    """The multiprocessing start method for launcher=local ranks: `auto` is fork on a CPU-only machine
+    and spawn when CUDA is visible; fork is refused there (the forked ranks could not use CUDA)."""
+    if requested == "fork" and cuda:
+        raise ConfigError("launcher.start_method=fork with CUDA visible: forked ranks cannot use CUDA; use "
+                          "launcher.start_method=spawn (or auto)")
+    if requested == "auto":
+        return "spawn" if cuda else "fork"
+    return requested
 
 
 def check_devices(world: int, devices_per_process: int, device_count: int) -> None:

@@ -24,7 +24,7 @@ from bench.core.environments import BUILTIN, ClusterEnvironment, SlurmEnvironmen
 from bench.core.errors import ConfigError
 from bench.core.records import RunWriter
 from bench.core.sinks import write_sinks
-from bench.runner.checks import check_devices
+from bench.runner.checks import check_devices, start_method
 from bench.runner.compose import typed
 from bench.runner.plan import RunPlan, make_plan, run_dir_of
 from bench.runner.rank import packages, run_rank
@@ -65,19 +65,22 @@ def launch(cfg: DictConfig) -> int:
     plan = make_plan(cfg, "local")
     import torch
 
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         check_devices(plan.world_size, plan.devices_per_process, torch.cuda.device_count())
-    plan = dataclasses.replace(plan, predicted_memory=predicted_memory(cfg, plan),
+    method = start_method(cfg.launcher.start_method, cuda)
+    command = adapter_cls.launch_command(cfg, plan.world_size)
+    plan = dataclasses.replace(plan, start_method=None if command else method,
+                               predicted_memory=predicted_memory(cfg, plan),
                                comm_volume=comm_volume(cfg, plan, default_backend(cfg.launcher.backend)))
     writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
     writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
     port = cfg.launcher.master_port or free_port()
     print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {plan.world_size} rank(s)", flush=True)
-    command = adapter_cls.launch_command(cfg, plan.world_size)
     if command:
         code = run_with_launcher(command, cfg.launcher.master_addr, port, writer)
     else:
-        code = spawn_local(cfg_dict, plan, port, writer)
+        code = spawn_local(cfg_dict, plan, port, writer, method)
     write_sinks(writer.dir, mllog=cfg.results.mllog, tensorboard=cfg.results.tensorboard, wandb=cfg.results.wandb,
                 mlflow=cfg.results.mlflow)
     return code
@@ -115,7 +118,9 @@ def _launch_t0() -> str:
     return str(psutil.Process().create_time())  # startup_s counts from the user's command
 
 
-def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter) -> int:
+def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter, method: str = "spawn") -> int:
+    """Start the ranks with `method` (spawn | fork: bench.runner.checks.start_method), forward stop
+    signals to them, wait, and record a failed run's outcome."""
     import torch.multiprocessing as mp
 
     start = time.time()
@@ -141,8 +146,10 @@ def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter) -> 
     # ranks inherit the blocked mask and unblock once their handlers are set (bench/core/guard.py), so
     # a stop signal forwarded while they still import torch is held, not fatal
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    sys.stdout.flush()  # a forked rank would print the launcher's unflushed output again
+    sys.stderr.flush()
     procs = mp.start_processes(_spawned_rank, args=(cfg_dict, plan, port, str(writer.dir)), nprocs=plan.world_size,
-                               start_method="spawn", join=False)
+                               start_method=method, join=False)
     started.append(procs)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
     for signum in pending:

@@ -41,6 +41,9 @@ class RunPlan:
     # bench/core/comm_volume.py's bytes per optimizer step per rank (the launcher computes it before the
     # ranks start, for every launcher); recorded as `comm_volume`
     comm_volume: dict | None = field(default=None, repr=False, compare=False)
+    # launcher=local: how the ranks were started (spawn | fork, bench.runner.checks.start_method); None
+    # when another launcher (torchrun, srun, horovodrun) started them
+    start_method: str | None = field(default=None, compare=False)
 
     @property
     def devices(self) -> int:
