@@ -75,3 +75,25 @@ def smoke_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("smoke_run")
     check_ok(bench(*SMOKE, "launcher.start_method=spawn", results=root))
     return only_run(root)
+
+
+# --- two workers (pytest-xdist, `make test` runs -n 2 --dist loadgroup) ---------------------------
+# A file's tests stay on one worker (its module-scoped reference runs are made once), and every test
+# that needs a local Slurm cluster shares one group: one cluster at a time (the one-node and the
+# two-node cluster are the same daemons restarted with another slurm.conf). That group, the longest,
+# is handed out first.
+SLURM_GROUP = "local-slurm-cluster"
+
+
+def _group(item) -> str:
+    if item.get_closest_marker("slurm"):
+        return SLURM_GROUP
+    return item.module.__name__
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+    items.sort(key=lambda item: _group(item) != SLURM_GROUP)  # stable: collection order otherwise kept
