@@ -52,7 +52,7 @@ paper-demo: $(STAMP)
 #   horovod          tests/test_horovod.py::test_gpt2_horovodrun_and_srun_style_equal_ddp (fails under CI=true if absent)
 #   the smoke driver tests/test_gpu_twins.py (layout per adapter, skip reasons, `python -m bench.smoke` itself)
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -n 2 tests
 
 # every installed adapter on the visible GPUs (a one-GPU runner: world size 1), or 2 ranks on a CPU
 smoke: $(STAMP)

@@ -77,23 +77,31 @@ def smoke_run(tmp_path_factory) -> Path:
     return only_run(root)
 
 
-# --- two workers (pytest-xdist, `make test` runs -n 2 --dist loadgroup) ---------------------------
-# A file's tests stay on one worker (its module-scoped reference runs are made once), and every test
-# that needs a local Slurm cluster shares one group: one cluster at a time (the one-node and the
-# two-node cluster are the same daemons restarted with another slurm.conf). That group, the longest,
-# is handed out first.
-SLURM_GROUP = "local-slurm-cluster"
+# --- two workers (pytest-xdist: `make test` runs -n 2) --------------------------------------------
+# A file's tests stay on one worker (its module-scoped reference runs are made once). The files that
+# start a local Slurm cluster share one scope: one cluster at a time (the one-node and the two-node
+# cluster cannot run side by side). That scope, the longest, is handed out first. (xdist's own
+# `--dist loadgroup` reads a node id attribute that pytest 9.2 no longer uses, so the scopes are set
+# here, through xdist's scheduler hook and its documented LoadScopeScheduling._split_scope.)
+SLURM_SCOPE = "local-slurm-cluster"
+SLURM_FILES = ("tests/test_multinode.py", "tests/test_paper.py", "tests/test_slurm.py")
 
 
-def _group(item) -> str:
-    if item.get_closest_marker("slurm"):
-        return SLURM_GROUP
-    return item.module.__name__
+def _scope(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return SLURM_SCOPE if path in SLURM_FILES else path
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return ByFile(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
-    items.sort(key=lambda item: _group(item) != SLURM_GROUP)  # stable: collection order otherwise kept
+    items.sort(key=lambda item: _scope(item.nodeid) != SLURM_SCOPE)  # stable: collection order otherwise kept

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import require_or_skip
 from tests.helpers import REPO, bench, check_ok, only_run, step_losses, summary
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -53,9 +54,7 @@ TOL = 1e-5
 
 
 def _unavailable(reason: str):
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI needs the local two-node Slurm cluster: {reason}")
-    pytest.skip(reason)
+    require_or_skip("the local two-node Slurm cluster", reason)
 
 
 def _cluster(*args: str, timeout: int) -> subprocess.CompletedProcess:
