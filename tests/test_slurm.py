@@ -302,7 +302,11 @@ def test_hydra_multirun_through_submitit_slurm(slurm, tmp_path):
 # 512 samples / (4 x 2 ranks) = 64 steps in one epoch, a checkpoint every 4: the stop lands mid-epoch.
 REQUEUE_RUN = ["experiment=smoke", "workload.vocab_size=256", "data.train_samples=512", "trainer.max_steps=0",
                "trainer.stop_check_every=1", "trainer.progress=false", "trainer.eval_every_epoch=false"]
-REQUEUE_ADAPTERS = {"ddp": ["adapter=ddp"], "zero3": ["adapter=zero3"], "fsdp": ["adapter=fsdp"]}
+# The requeue mechanics (USR1, checkpoint, `scontrol requeue`, the record found by point id) are the
+# same for every adapter; each adapter's own checkpoint resuming to the uninterrupted losses is
+# tests/test_checkpoint.py (ddp, zero3, fsdp, megatron, pipeline). zero3 and fsdp ran here too until
+# issue 20 (stop 22 note: all three resumed with a loss difference of 0.0); 150 s of the suite.
+REQUEUE_ADAPTERS = {"ddp": ["adapter=ddp"]}
 REQUEUE_STEPS = 64
 
 
