@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from tests.conftest import in_ci, require_or_skip
-from tests.helpers import assert_loss_falls, assert_losses_close, finite, run
+from tests.helpers import REPO, assert_loss_falls, assert_losses_close, finite, run
 
 
 @pytest.mark.parametrize("value", ["true", "TRUE", "True", "1", "yes", "Yes", " on "])
@@ -73,3 +73,14 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
     while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
         time.sleep(0.1)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, "grandchild survived"
+
+
+def test_worker_scopes_name_files_that_exist():
+    """make test's workers (conftest): the Slurm files share one scope; every other file is its own
+    scope (a renamed Slurm file must not silently leave the shared scope)."""
+    from tests.conftest import SLURM_FILES, SLURM_SCOPE, _scope
+
+    for path in SLURM_FILES:
+        assert (REPO / path).is_file(), path
+    assert {_scope(f"{p}::test_x") for p in SLURM_FILES} == {SLURM_SCOPE}
+    assert _scope("tests/test_spine.py::test_x[a::b]") == "tests/test_spine.py"
