@@ -38,13 +38,21 @@ def test_sweep_goes_on_after_a_failed_first_point(tmp_path):
 
 
 def test_local_multirun_gives_one_ok_record_per_point(tmp_path):
-    """`python -m bench -m adapter=ddp launcher.nprocs=1,2 experiment=smoke`: two points, one after the
-    other on this machine, both ok, in one sweep folder under results.root (nothing in the checkout)."""
+    """`python -m bench -m adapter=zero,ddp experiment=smoke` (README: `-m adapter=ddp,zero ...`): two points,
+    one after the other on this machine, both ok, in one sweep folder under results.root (nothing in the
+    checkout). The multirun process forks both points' ranks: the DDP ranks, started after the ZeRO point,
+    carry no DeepSpeed (the launcher imports a framework for its ranks only outside a multirun)."""
     had_multirun = (REPO / "multirun").exists()
-    proc = bench("-m", "adapter=ddp", "launcher.nprocs=1,2", "experiment=smoke", results=tmp_path, timeout=600)
+    proc = bench("-m", "adapter=zero,ddp", "experiment=smoke", "workload.vocab_size=256", results=tmp_path,
+                 timeout=600)
     check_ok(proc)
     recs = {d: summary(d) for d in run_dirs(tmp_path)}
-    assert sorted((s["status"], s["world_size"], s["adapter"]) for s in recs.values()) == [("ok", 1, "ddp"), ("ok", 2, "ddp")]
+    assert sorted((s["status"], s["world_size"], s["adapter"]) for s in recs.values()) == [("ok", 2, "ddp"), ("ok", 2, "zero")]
+    by_adapter = {s["adapter"]: s for s in recs.values()}
+    assert by_adapter["zero"]["frameworks_imported"] == ["deepspeed"]
+    assert by_adapter["ddp"]["frameworks_imported"] == [], by_adapter["ddp"]["frameworks_imported"]
+    assert by_adapter["ddp"]["plan"]["start_method"] == "fork"
+    assert proc.stdout.index(": zero x gpt2_tiny") < proc.stdout.index(": ddp x gpt2_tiny"), proc.stdout  # zero ran first
     folders = {d.parent for d in recs}
     assert len(folders) == 1 and next(iter(folders)).name.startswith("multirun-"), folders
     assert len({s["point"] for s in recs.values()}) == 2  # two points, two ids
