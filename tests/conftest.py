@@ -77,7 +77,7 @@ def smoke_run(tmp_path_factory) -> Path:
     return only_run(root)
 
 
-# --- workers (pytest-xdist: `make test` runs -n $(TEST_WORKERS)) --------------------------------------------
+# --- workers (pytest-xdist: `make test` runs -n $(TEST_WORKERS)) ---------------------------------
 # A file's tests stay on one worker (its module-scoped reference runs are made once). The files that
 # start a local Slurm cluster share one scope: one cluster at a time (the one-node and the two-node
 # cluster cannot run side by side). xdist hands out the scopes with the most tests first; handing out
