@@ -21,7 +21,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from bench.core.errors import ConfigError  # noqa: E402
-from bench.runner.compose import compose, conf_dir, register_configs  # noqa: E402
+from bench.runner.compose import compose, conf_dir, in_multirun, register_configs  # noqa: E402
 
 register_configs()
 
@@ -45,18 +45,9 @@ def _hydra_main(cfg: DictConfig) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
-    if code and not _in_multirun():
+    if code and not in_multirun():
         sys.exit(code)
     return code
-
-
-def _in_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-
-    try:
-        return HydraConfig.get().mode.name == "MULTIRUN"
-    except ValueError:
-        return False
 
 
 def _precheck(argv: list[str]) -> None:

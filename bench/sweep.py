@@ -194,11 +194,12 @@ def apply_hydra_context(cfg) -> None:
     its sweep folder (hydra.sweep.dir), so every point of one sweep lands in one place."""
     from hydra.core.hydra_config import HydraConfig
 
-    hc = HydraConfig.get()
+    from bench.runner.compose import in_multirun
+
     if cfg.results.point is None:
         cfg.results.point = point_id_of(cfg)
-    if hc.mode.name == "MULTIRUN" and cfg.results.dir is None:
-        cfg.results.dir = str(hc.sweep.dir)
+    if in_multirun() and cfg.results.dir is None:
+        cfg.results.dir = str(HydraConfig.get().sweep.dir)
 
 
 def skip_if_done(cfg, out=None) -> bool:

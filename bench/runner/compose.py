@@ -41,6 +41,14 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("visible_gpus_or", lambda default: visible_gpus(default) or int(default))
 
 
+def in_multirun() -> bool:
+    """This process runs a Hydra multirun (`python -m bench -m ...`): one point after another in it."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def compose(overrides: list[str]) -> DictConfig:
     """The config `python -m bench <overrides>` would run (no torch import). Hydra's error, if any, as
     one-line ConfigError."""

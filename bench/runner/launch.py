@@ -25,7 +25,7 @@ from bench.core.errors import ConfigError
 from bench.core.records import RunWriter
 from bench.core.sinks import write_sinks
 from bench.runner.checks import check_devices, start_method
-from bench.runner.compose import typed
+from bench.runner.compose import in_multirun, typed
 from bench.runner.plan import RunPlan, make_plan, run_dir_of
 from bench.runner.rank import packages, run_rank
 
@@ -146,7 +146,9 @@ def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter, met
     # ranks inherit the blocked mask and unblock once their handlers are set (bench/core/guard.py), so
     # a stop signal forwarded while they still import torch is held, not fatal
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-    if method == "fork" and not _hydra_multirun():  # the ranks inherit the framework instead of importing it
+    # the ranks inherit the framework instead of importing it; not in a multirun process, which runs point
+    # after point: the ranks of its later points (forked from it) would carry an earlier point's framework
+    if method == "fork" and not in_multirun():
         _preload(plan.adapter_cls.framework_module)
     sys.stdout.flush()  # a forked rank would print the launcher's unflushed output again
     sys.stderr.flush()
@@ -167,15 +169,6 @@ def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter, met
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return _exit_code(writer)
-
-
-def _hydra_multirun() -> bool:
-    """This process is a Hydra multirun's, which runs one point after another: it imports no framework
-    itself, or the ranks of its later points (forked from it) would carry an earlier point's framework."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _preload(module: str) -> None:
