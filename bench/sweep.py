@@ -35,6 +35,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from bench.core.records import point_folders, point_records
 from bench.invoke import run_bench
 
 REPO = Path(__file__).resolve().parents[1]  # a source checkout: slurm/ beside bench/
@@ -163,30 +164,13 @@ def slurm_shape(ranks: int, devices: int, gpus_per_node: int | None) -> tuple[in
 
 def ok_record(folders, point: str) -> Path | None:
     """The first run folder under `folders` whose summary says this point finished ok."""
-    for folder in folders:
-        for path in sorted(Path(folder).rglob("summary.json")) if Path(folder).is_dir() else []:
-            try:
-                s = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue  # a record being written: not ok yet
-            if s.get("point") == point and s.get("status") == "ok":
-                return path.parent
-    return None
+    return next((path.parent for path, s in point_records(folders, point) if s.get("status") == "ok"), None)
 
 
 def newest_status(cfg) -> str | None:
     """The status of the newest record of cfg's point under its results folder (None: no record)."""
-    folders = {Path(cfg.results.root) / cfg.results.experiment, Path(cfg.results.dir or cfg.results.root)}
-    newest = (0.0, None)
-    for folder in folders:
-        for path in Path(folder).rglob("summary.json") if Path(folder).is_dir() else []:
-            try:
-                s = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if s.get("point") == cfg.results.point and path.stat().st_mtime > newest[0]:
-                newest = (path.stat().st_mtime, s.get("status"))
-    return newest[1]
+    records = point_records(point_folders(cfg.results), cfg.results.point)
+    return max(((path.stat().st_mtime, s.get("status")) for path, s in records), default=(0.0, None))[1]
 
 
 def apply_hydra_context(cfg) -> None:
@@ -208,8 +192,7 @@ def skip_if_done(cfg, out=None) -> bool:
     out = out or sys.stdout  # looked up at call time: pytest's capsys and redirections replace sys.stdout
     if not (cfg.results.resume and cfg.results.point):
         return False
-    folders = {Path(cfg.results.root) / cfg.results.experiment, Path(cfg.results.dir or cfg.results.root)}
-    done = ok_record(folders, cfg.results.point)
+    done = ok_record(point_folders(cfg.results), cfg.results.point)
     if done and os.environ.get("SLURM_PROCID", "0") == "0":  # one line per point, not per rank
         print(f"point {cfg.results.point} already ok in {done}: skipped (results.resume=true)", file=out, flush=True)
     return done is not None

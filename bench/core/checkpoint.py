@@ -19,7 +19,6 @@ Plumbing: imports nothing of workloads, adapters or the runner (they hand in wha
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from bench.core.errors import ConfigError
-from bench.core.records import read_json, write_json
+from bench.core.records import point_records, read_json, write_json
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
@@ -194,30 +193,18 @@ def find_resumable(folders, point: str | None, adapter: str, world_size: int,
     if not point:
         return None
     best = None
-    seen = set()
-    for root in folders:
-        root = Path(root)
-        if not root.is_dir():
+    for path, s in point_records(folders, point):
+        run_dir = path.parent.resolve()
+        if exclude is not None and run_dir == Path(exclude).resolve():
             continue
-        for path in root.rglob("summary.json"):
-            run_dir = path.parent.resolve()
-            if run_dir in seen or (exclude is not None and run_dir == Path(exclude).resolve()):
-                continue
-            seen.add(run_dir)
-            try:
-                s = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if s.get("point") != point or s.get("status") not in RESUMABLE:
-                continue
-            if s.get("adapter") != adapter or s.get("world_size") != world_size:
-                continue
-            ckpt = latest(run_dir)
-            if ckpt is None:
-                continue
-            when = read_meta(ckpt).get("time", 0)
-            if best is None or when > best[0]:
-                best = (when, run_dir, ckpt)
+        if s.get("status") not in RESUMABLE or s.get("adapter") != adapter or s.get("world_size") != world_size:
+            continue
+        ckpt = latest(run_dir)
+        if ckpt is None:
+            continue
+        when = read_meta(ckpt).get("time", 0)
+        if best is None or when > best[0]:
+            best = (when, run_dir, ckpt)
     return (best[1], best[2]) if best else None
 
 

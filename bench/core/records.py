@@ -51,6 +51,30 @@ def read_json(path: Path):
         return json.load(f)
 
 
+def point_folders(results) -> set[Path]:
+    """Where earlier records of a point may be (`results`: the config's results group):
+    results.root/results.experiment, and results.dir (a sweep's folder) or else results.root."""
+    return {Path(results.root) / results.experiment, Path(results.dir or results.root)}
+
+
+def point_records(folders, point: str):
+    """(summary.json path, summary) of every record of `point` under `folders`: each record folder
+    once (the folders may nest), in path order; a summary being written (unreadable) is passed over."""
+    seen = set()
+    for root in map(Path, folders):
+        for path in sorted(root.rglob("summary.json")) if root.is_dir() else []:
+            run_dir = path.parent.resolve()
+            if run_dir in seen:
+                continue
+            seen.add(run_dir)
+            try:
+                s = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if s.get("point") == point:
+                yield path, s
+
+
 def new_run_id(adapter: str, workload: str, world_size: int) -> str:
     """Unique across array tasks, requeues and Slurm restarts: time + host + random, never the job id alone."""
     stamp = time.strftime("%Y%m%d-%H%M%S")

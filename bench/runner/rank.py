@@ -31,7 +31,7 @@ import adapters  # noqa: E402
 from bench.core import checkpoint as ckpt  # noqa: E402
 from bench.core.dist import DistContext, dist_timeout_s, init_process_group, set_cpu_threads  # noqa: E402
 from bench.core.precision import apply_tf32  # noqa: E402
-from bench.core.records import RunWriter  # noqa: E402
+from bench.core.records import RunWriter, point_folders  # noqa: E402
 from bench.core.sinks import write_sinks  # noqa: E402
 from bench.runner.compose import typed  # noqa: E402
 from bench.runner.console import print_summary  # noqa: E402
@@ -142,8 +142,8 @@ def _agree_on_run_dir(cfg, plan: RunPlan, ctx: DistContext, run_dir: Path | None
     if ctx.rank == 0:
         found = None
         if cfg.trainer.resume == "auto" and ckpt.enabled(cfg, plan.adapter_cls.checkpoint_unsupported):
-            folders = {Path(cfg.results.root) / cfg.results.experiment, Path(cfg.results.dir or cfg.results.root)}
-            found = ckpt.find_resumable(folders, plan.point, plan.adapter, plan.world_size, exclude=run_dir)
+            found = ckpt.find_resumable(point_folders(cfg.results), plan.point, plan.adapter, plan.world_size,
+                                        exclude=run_dir)
         info = None
         if found:
             old, checkpoint = found
