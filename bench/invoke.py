@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.core.records import RunRecord, new_run_id
+from bench.core.records import RunRecord, new_run_id, results_folder
 
 
 @dataclass
@@ -88,7 +88,7 @@ def record_dir(overrides: list[str], run_id: str) -> Path | None:
         cfg = compose(overrides)
     except ConfigError:
         return None
-    return Path(cfg.results.dir or Path(cfg.results.root) / cfg.results.experiment) / run_id
+    return results_folder(cfg.results) / run_id
 
 
 def _end(proc: subprocess.Popen) -> tuple[str, str]:

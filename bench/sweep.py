@@ -35,7 +35,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from bench.core.records import point_folders, point_records
+from bench.core.records import point_folders, point_records, results_folder
 from bench.invoke import run_bench
 
 REPO = Path(__file__).resolve().parents[1]  # a source checkout: slurm/ beside bench/
@@ -278,7 +278,7 @@ def comm_targets(points: list[list[str]], extra: list[str]) -> list[tuple[Path, 
         except ConfigError:
             continue  # the point's own run says what is wrong
         ranks, _ = layout_of(cfg)
-        folder = Path(cfg.results.dir or Path(cfg.results.root) / cfg.results.experiment) / "comm"
+        folder = results_folder(cfg.results) / "comm"
         if ranks > 1 and (folder, ranks, cfg.launcher.backend) not in out:
             out.append((folder, ranks, cfg.launcher.backend))
     return out

@@ -51,6 +51,12 @@ def read_json(path: Path):
         return json.load(f)
 
 
+def results_folder(results) -> Path:
+    """The folder a run's record folder goes in (`results`: the config's results group): results.dir
+    (a sweep's folder) or else results.root/results.experiment."""
+    return Path(results.dir or Path(results.root) / results.experiment)
+
+
 def point_folders(results) -> set[Path]:
     """Where earlier records of a point may be (`results`: the config's results group):
     results.root/results.experiment, and results.dir (a sweep's folder) or else results.root."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from adapters import get_adapter_class
 from bench.core.config import BenchConfig
-from bench.core.records import new_run_id
+from bench.core.records import new_run_id, results_folder
 from bench.runner.checks import check_config, check_results_dir
 from workloads import build_workload
 
@@ -92,4 +92,4 @@ def make_plan(cfg: BenchConfig, environment: str, world_size: int | None = None,
 
 def run_dir_of(cfg: BenchConfig, plan: RunPlan) -> Path:
     run_id = cfg.results.run_id or new_run_id(plan.adapter, plan.workload, plan.world_size)
-    return Path(cfg.results.dir or Path(cfg.results.root) / cfg.results.experiment) / run_id
+    return results_folder(cfg.results) / run_id
