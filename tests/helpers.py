@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests import forkrun
+
 REPO = Path(__file__).resolve().parents[1]
 
 # The overrides of the shared reference runs (fixtures ddp_gpt2_reference and smoke_run in conftest.py)
@@ -33,7 +35,11 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """subprocess.run in a new session; on timeout the whole group dies (not just the launcher)."""
+    """subprocess.run in a new session; on timeout the whole group dies (not just the launcher).
+    `python -m ...` runs as a fork of a warm interpreter (tests/forkrun.py) unless its env sets PYTHONPATH."""
+    env = dict(os.environ if env is None else env)
+    if cmd[:2] == [sys.executable, "-m"] and len(cmd) > 2 and forkrun.enabled(env):
+        return _run_forked(cmd, timeout, env, cwd)
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
@@ -47,6 +53,32 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REP
         proc.wait()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_pid_group(pid: int) -> None:
+    for kill in (os.killpg, os.kill):  # the group; the process itself if it has not made its group yet
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _run_forked(cmd: list[str], timeout: float, env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    started = forkrun.Run(cmd[2], cmd[3:], env, cwd)
+    try:
+        code = started.wait(timeout)
+        if code is None:
+            _kill_pid_group(started.pid)
+            started.wait()
+            raise subprocess.TimeoutExpired(cmd, timeout, *started.output())
+        return subprocess.CompletedProcess(cmd, code, *started.output())
+    except BaseException:  # pytest's own timeout or Ctrl-C interrupting the wait: leave nothing running
+        _kill_pid_group(started.pid)
+        started.wait()
+        raise
+    finally:
+        started.close()
 
 
 def bench(*overrides: str, results: Path, timeout: int = 600, env: dict | None = None, module: str = "bench"):
