@@ -11,6 +11,7 @@ cluster) calls `require_or_skip(what, reason)`: it skips with the reason, except
 to 1, true, yes or on, any case), where the prerequisite must be there and its absence fails.
 """
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -50,18 +51,35 @@ def data_root() -> Path:
 
 
 # --- shared reference runs ------------------------------------------------------------------------
-# Several files assert different things about the same run: each is launched once per session (a
-# launch costs ~10 s of interpreter, torch and process-group start-up on 2 cores) and returned as its
-# run folder. Tests only read these folders.
+# Several files assert different things about the same run: each is launched once per session and
+# returned as its run folder; the test workers share it (pytest-xdist's recipe: the first worker to need
+# it makes it under the session's common temp folder while holding a file lock, the others wait and read
+# it). Tests only read these folders.
+def shared_run(tmp_path_factory, name: str, *overrides: str) -> Path:
+    from filelock import FileLock
+
+    from tests.helpers import bench, check_ok, only_run
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the folder every worker's basetemp is in
+    root = base / name
+    with FileLock(f"{root}.lock"):
+        made = base / f"{name}.made"
+        if not made.exists():  # a failed attempt leaves no mark: the next worker tries (and fails) on its own
+            shutil.rmtree(root, ignore_errors=True)
+            check_ok(bench(*overrides, results=root))
+            made.touch()
+    return only_run(root)
+
+
 @pytest.fixture(scope="session")
 def ddp_gpt2_reference(tmp_path_factory) -> Path:
     """2-rank DDP with helpers.GPT2_REFERENCE (gpt2_tiny, 8 AdamW steps of 4 sequences per rank, clipping
     off): what 1-rank DDP (test_spine), ZeRO 0-3 and FSDP (test_sharded) and Horovod (test_horovod) equal."""
-    from tests.helpers import GPT2_REFERENCE, bench, check_ok, only_run
+    from tests.helpers import GPT2_REFERENCE
 
-    root = tmp_path_factory.mktemp("ddp_gpt2_reference")
-    check_ok(bench(*GPT2_REFERENCE, "adapter=ddp", "launcher.nprocs=2", results=root))
-    return only_run(root)
+    return shared_run(tmp_path_factory, "ddp_gpt2_reference", *GPT2_REFERENCE, "adapter=ddp", "launcher.nprocs=2")
 
 
 @pytest.fixture(scope="session")
@@ -70,11 +88,9 @@ def smoke_run(tmp_path_factory) -> Path:
     steps): the good record of test_reliability, the local twin of test_launch's torchrun run, and the
     record whose fields test_numbers reads. Its ranks are spawned, as on a GPU machine (the other local
     runs of the suite fork them: launcher.start_method=auto on a CPU)."""
-    from tests.helpers import SMOKE, bench, check_ok, only_run
+    from tests.helpers import SMOKE
 
-    root = tmp_path_factory.mktemp("smoke_run")
-    check_ok(bench(*SMOKE, "launcher.start_method=spawn", results=root))
-    return only_run(root)
+    return shared_run(tmp_path_factory, "smoke_run", *SMOKE, "launcher.start_method=spawn")
 
 
 # --- workers (pytest-xdist: `make test` runs -n $(TEST_WORKERS)) ---------------------------------

@@ -14,9 +14,10 @@ what the run itself imported. A fresh interpreter is used instead when the run's
 PYTHONPATH (the preloaded modules could not be shadowed) or when TRAINBENCH_TEST_FORK=0 is set.
 
 What the fork sets up as a new interpreter would: its own session (a timeout kills the whole group),
-stdin from /dev/null, stdout/stderr to files (unbuffered, as PYTHONUNBUFFERED=1), os.environ replaced
-by the run's environment, the working directory, sys.path[0] and sys.argv as `python -m` sets them. Its
-exit status is what `python -m` gives: SystemExit's code, 1 with a traceback for an exception.
+SIGINT as a child of the test worker would have it, stdin from /dev/null, stdout/stderr to files
+(unbuffered, as PYTHONUNBUFFERED=1), os.environ replaced by the run's environment, the working
+directory, sys.path and sys.argv as `python -m` sets them. Its exit status is what `python -m` gives:
+SystemExit's code, 1 with a traceback for an exception. tests/test_helpers.py compares the two ways.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import json
 import multiprocessing
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,9 +64,13 @@ def _fresh_sys_path() -> list[str]:
     return _PATH
 
 
-def _become(module: str, args: list[str], env: dict, cwd: str, out: str, err: str, path: list[str]) -> None:
+def _become(module: str, args: list[str], env: dict, cwd: str, out: str, err: str, path: list[str],
+            sigint_ignored: bool) -> None:
     """In the forked child: turn into `python -m module args` and run it (never returns normally)."""
     os.setsid()
+    # a new interpreter keeps SIGINT ignored if its parent ignored it, else raises KeyboardInterrupt on it; the
+    # fork would have the forkserver's own setting (which depends on how the test session was started)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if sigint_ignored else signal.default_int_handler)
     for name in [m for m in sys.modules if m == "tests" or m.startswith("tests.")]:
         del sys.modules[name]  # this module: imported to unpickle the call, not by the run
     for fd, name, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
@@ -93,7 +99,7 @@ class Run:
         self.err.touch()
         self._proc = _ctx().Process(target=_become, daemon=False, name=f"python -m {module}",
                                     args=(module, list(args), dict(env), str(cwd), str(self.out), str(self.err),
-                                          _fresh_sys_path()))
+                                          _fresh_sys_path(), signal.getsignal(signal.SIGINT) == signal.SIG_IGN))
         self._proc.start()
         self.pid = self._proc.pid
 

@@ -96,7 +96,7 @@ PROBE = """
 import json, os, sys
 report = {"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "path": sys.path[1:], "name": __name__,
           "main": sys.modules["__main__"].__file__, "env": sorted(os.environ.items()), "stdin": sys.stdin.read(),
-          "group_leader": os.getpgid(0) == os.getpid(), "signals": [str(__import__("signal").getsignal(s)) for s in (2, 10, 15, 17)],
+          "group_leader": os.getpgid(0) == os.getpid(), "signals": [str(__import__("signal").getsignal(s)) for s in (2, 10, 13, 15, 17)],
           "test_modules": sorted(m for m in sys.modules if m.split(".")[0] in ("tests", "pytest", "xdist", "deepspeed", "megatron")),
           "warm": "torch" in sys.modules}
 print(json.dumps(report))

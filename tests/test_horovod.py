@@ -61,8 +61,9 @@ def test_gpt2_horovodrun_and_srun_style_equal_ddp(tmp_path, ddp_gpt2_reference):
         check_ok(proc)
     ref = step_losses(ddp_gpt2_reference)
     assert len(ref) == 8
-    # measured (2026-11-23, CPU): 10.841 -> 9.622 over these 8 AdamW steps; required: a third of the fall
-    assert_loss_falls(ref, by=0.4)
+    # measured (2026-11-24, CPU, vocabulary 1024): 6.976 -> 6.146 over these 8 AdamW steps; required: about
+    # a third of the fall
+    assert_loss_falls(ref, by=0.25)
     for name in ("hvd", "ext"):
         run_dir = only_run(tmp_path / name)
         assert_losses_close(step_losses(run_dir), ref, atol=1e-5, what=name)

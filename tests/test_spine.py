@@ -23,8 +23,9 @@ def test_ddp_two_ranks_equal_one_rank_same_global_batch_gpt2(tmp_path, ddp_gpt2_
     a, b = step_losses(only_run(tmp_path / "one")), step_losses(ddp_gpt2_reference)
     assert len(a) == len(b) == 8
     assert_losses_close(b, a, atol=1e-5)
-    # measured (2026-11-23, CPU): 10.841 -> 9.622 over these 8 AdamW steps; required: a third of the fall
-    assert_loss_falls(a, by=0.4)
+    # measured (2026-11-24, CPU, vocabulary 1024): 6.976 -> 6.146 over these 8 AdamW steps; required: about
+    # a third of the fall
+    assert_loss_falls(a, by=0.25)
 
 
 def test_ddp_two_ranks_equal_one_rank_resnet50_cifar(tmp_path, data_root):
