@@ -1,5 +1,5 @@
-"""Run the harness as a user would (`python -m bench ...` in a subprocess), read its records, and
-compare losses without letting garbage pass.
+"""Run the harness as a user would (`python -m bench ...`: a fork of a warm interpreter, tests/forkrun.py,
+or a new one), read its records, and compare losses without letting garbage pass.
 
 Every run starts in its own session (process group): on a timeout the whole group is killed, the
 launcher and the ranks it spawned, so a hung test leaves nothing running into the next one.
@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The overrides of the shared reference runs (fixtures ddp_gpt2_reference and smoke_run in conftest.py)
 # vocabulary 1024, not GPT-2's 50257: these runs compare adapters, and the head is most of a tiny GPT-2's work
-GPT2_REFERENCE = ["workload=gpt2_tiny", "workload.vocab_size=1024", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=32",
-                  "trainer.max_steps=8", "trainer.epochs=1", "trainer.batch_size=4", "trainer.max_eval_batches=2",
+GPT2_REFERENCE = ["workload=gpt2_tiny", "workload.vocab_size=1024", "workload.seq_len=32", "data.train_samples=256",
+                  "data.val_samples=32", "trainer.max_steps=8", "trainer.epochs=1", "trainer.batch_size=4", "trainer.max_eval_batches=2",
                   "trainer.grad_clip=0", "trainer.progress=false"]
 SMOKE = ["experiment=smoke", "workload.vocab_size=256", "trainer.progress=false"]
 
@@ -66,18 +66,20 @@ def _kill_pid_group(pid: int) -> None:
 
 
 def _run_forked(cmd: list[str], timeout: float, env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    """`run` for `python -m module args` as a fork of the warm interpreter, with the same timeout rule."""
     started = forkrun.Run(cmd[2], cmd[3:], env, cwd)
     try:
-        code = started.wait(timeout)
+        try:
+            code = started.wait(timeout)
+        except BaseException:  # pytest's own timeout or Ctrl-C interrupting the wait: leave nothing running
+            _kill_pid_group(started.pid)
+            started.wait()
+            raise
         if code is None:
             _kill_pid_group(started.pid)
             started.wait()
             raise subprocess.TimeoutExpired(cmd, timeout, *started.output())
         return subprocess.CompletedProcess(cmd, code, *started.output())
-    except BaseException:  # pytest's own timeout or Ctrl-C interrupting the wait: leave nothing running
-        _kill_pid_group(started.pid)
-        started.wait()
-        raise
     finally:
         started.close()
 
