@@ -115,6 +115,7 @@ def test_forked_run_behaves_as_a_new_interpreter(tmp_path, monkeypatch, how):
     (tmp_path / "probe.py").write_text(PROBE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PROBE": "value", "PYTHONUNBUFFERED": "1"}
     args = ["3", "x y"] if how == "exit" else ["raise"]
+    monkeypatch.setenv("TRAINBENCH_TEST_FORK", "1")  # this test is about the fork, even in a suite run without it
     forked = run([sys.executable, "-m", "probe", *args], timeout=60, env=env, cwd=tmp_path)
     monkeypatch.setenv("TRAINBENCH_TEST_FORK", "0")
     fresh = run([sys.executable, "-m", "probe", *args], timeout=60, env=env, cwd=tmp_path)
