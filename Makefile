@@ -52,8 +52,8 @@ paper-demo: $(STAMP)
 #   horovod          tests/test_horovod.py::test_gpt2_horovodrun_and_srun_style_equal_ddp (fails under CI=true if absent)
 #   the smoke driver tests/test_gpu_twins.py (layout per adapter, skip reasons, `python -m bench.smoke` itself)
 # Three pytest-xdist workers, whole files each, the Slurm files together (tests/conftest.py): the ranks of
-# one test rarely keep 2 cores busy (measured on 2 cores: 2 workers 835 s, the cores ~89 % busy; 3 workers
-# 701 s, 99 % busy). TEST_WORKERS=1 runs one file after another.
+# one test rarely keep 2 cores busy (measured on 2 cores, the same code: 2 workers 835 s; 3 workers 701 s,
+# the cores 99 % busy). TEST_WORKERS=1 runs one file after another.
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests

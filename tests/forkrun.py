@@ -107,6 +107,17 @@ class Run:
         self._proc.join(timeout)
         return self._proc.exitcode
 
+    def kill(self) -> None:
+        """SIGKILL the run's process group and reap the run, if it is still running: the group, or the run
+        alone when it is killed before its first line made the group (os.setsid in _become)."""
+        if self.wait(0) is not None:
+            return
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            os.kill(self.pid, signal.SIGKILL)
+        self.wait()
+
     def output(self) -> tuple[str, str]:
         text = [p.read_text(errors="backslashreplace") for p in (self.out, self.err)]
         return text[0], text[1]

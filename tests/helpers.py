@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 # The overrides of the shared reference runs (fixtures ddp_gpt2_reference and smoke_run in conftest.py)
 # vocabulary 1024, not GPT-2's 50257: these runs compare adapters, and the head is most of a tiny GPT-2's work
 GPT2_REFERENCE = ["workload=gpt2_tiny", "workload.vocab_size=1024", "workload.seq_len=32", "data.train_samples=256",
-                  "data.val_samples=32", "trainer.max_steps=8", "trainer.epochs=1", "trainer.batch_size=4", "trainer.max_eval_batches=2",
-                  "trainer.grad_clip=0", "trainer.progress=false"]
+                  "data.val_samples=32", "trainer.max_steps=8", "trainer.epochs=1", "trainer.batch_size=4",
+                  "trainer.max_eval_batches=2", "trainer.grad_clip=0", "trainer.progress=false"]
 SMOKE = ["experiment=smoke", "workload.vocab_size=256", "trainer.progress=false"]
 
 
@@ -56,32 +56,20 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REP
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def _kill_pid_group(pid: int) -> None:
-    for kill in (os.killpg, os.kill):  # the group; the process itself if it has not made its group yet
-        try:
-            kill(pid, signal.SIGKILL)
-            return
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 def _run_forked(cmd: list[str], timeout: float, env: dict, cwd: Path) -> subprocess.CompletedProcess:
     """`run` for `python -m module args` as a fork of the warm interpreter, with the same timeout rule."""
     started = forkrun.Run(cmd[2], cmd[3:], env, cwd)
     try:
         try:
-            code = started.wait(timeout)
-        except BaseException:  # pytest's own timeout or Ctrl-C interrupting the wait: leave nothing running
-            _kill_pid_group(started.pid)
-            started.wait()
-            raise
-        if code is None:
-            _kill_pid_group(started.pid)
-            started.wait()
-            raise subprocess.TimeoutExpired(cmd, timeout, *started.output())
-        return subprocess.CompletedProcess(cmd, code, *started.output())
+            code = started.wait(timeout)  # None: still running after `timeout`
+        finally:  # timed out, or pytest's own timeout / Ctrl-C interrupted the wait: leave nothing running
+            started.kill()
+        out, err = started.output()
     finally:
         started.close()
+    if code is None:
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err)
+    return subprocess.CompletedProcess(cmd, code, out, err)
 
 
 def bench(*overrides: str, results: Path, timeout: int = 600, env: dict | None = None, module: str = "bench"):
