@@ -10,7 +10,7 @@ export BENCH_DATA_ROOT ?= $(abspath ../shared/data)
 .PHONY: install demo paper-demo test smoke gpu-check horovod slurm-up slurm-down clean
 
 # Strict editable install: a tree of links under build/ that Hydra's plugin scan can list (the default
-# editable mode hides hydra_plugins.trainbench_launcher from it). Links are per file, so the install is
+# editable mode hides hydra_plugins.ptbench_launcher from it). Links are per file, so the install is
 # redone when a package folder changes (a module added or removed) as well as when pyproject.toml does.
 PKG_DIRS := $(shell find bench adapters workloads analysis conf -type d -not -name __pycache__ 2>/dev/null)
 
@@ -23,10 +23,10 @@ $(STAMP): pyproject.toml $(PKG_DIRS)
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m bench.demo
+	$(PY) -m ptbench.demo
 
 # The paper's protocol at CPU scale on the local Slurm cluster (started here if down; needs root):
-# `bench.paper plan --submit` (phase 1 epoch time, phase 2 statistical efficiency after it, phase 3
+# `ptbench.paper plan --submit` (phase 1 epoch time, phase 2 statistical efficiency after it, phase 3
 # memory) for ddp, zero and pipeline at 1 and 2 ranks on a tiny GPT-2, then the report with its
 # "Paper claims" section. Records and report under results/paper-demo-<time>/.
 PAPER_DEMO := results/paper-demo-$(shell date +%Y%m%d-%H%M%S)
@@ -34,10 +34,10 @@ PAPER_DEMO_SIZE := data=synthetic data.train_samples=128 data.val_samples=32 wor
 	trainer.batch_size=8 trainer.warmup_steps=1 trainer.progress=false
 paper-demo: $(STAMP)
 	bash slurm/local_cluster.sh status >/dev/null 2>&1 || bash slurm/local_cluster.sh start
-	RESULTS=$(abspath $(PAPER_DEMO)) $(PY) -m bench.paper plan --workloads gpt2_tiny --adapters ddp,zero,pipeline \
+	RESULTS=$(abspath $(PAPER_DEMO)) $(PY) -m ptbench.paper plan --workloads gpt2_tiny --adapters ddp,zero,pipeline \
 		--gpus 1,2 --stateff-epochs 3 --out $(PAPER_DEMO)/plan --submit -- $(PAPER_DEMO_SIZE)
-	$(PY) -m bench.paper wait $(PAPER_DEMO)/plan --timeout 900
-	$(PY) -m analysis report $(PAPER_DEMO) --out $(PAPER_DEMO)/report
+	$(PY) -m ptbench.paper wait $(PAPER_DEMO)/plan --timeout 900
+	$(PY) -m ptbench.analysis report $(PAPER_DEMO) --out $(PAPER_DEMO)/report
 	@echo "paper demo: records in $(PAPER_DEMO)/, report in $(PAPER_DEMO)/report/report.md"
 
 # The suite runs every path `make smoke` runs on a CPU (2 ranks), so `make test` no longer runs the smoke
@@ -50,7 +50,7 @@ paper-demo: $(STAMP)
 #   gpipe            tests/test_pipeline.py::test_gpipe_two_cpu_partitions_equal_unpipelined (1 process, 2 partitions)
 #   pipeline         tests/test_pipeline.py::test_pipeline_two_ranks_equal_unpipelined (2 ranks)
 #   horovod          tests/test_horovod.py::test_gpt2_horovodrun_and_srun_style_equal_ddp (fails under CI=true if absent)
-#   the smoke driver tests/test_gpu_twins.py (layout per adapter, skip reasons, `python -m bench.smoke` itself)
+#   the smoke driver tests/test_gpu_twins.py (layout per adapter, skip reasons, `python -m ptbench.smoke` itself)
 # Three pytest-xdist workers, whole files each, the Slurm files together (tests/conftest.py): the ranks of
 # one test rarely keep 2 cores busy (measured on 2 cores, the same code: 2 workers 835 s; 3 workers 701 s,
 # the cores 99 % busy). TEST_WORKERS=1 runs one file after another.
@@ -60,11 +60,11 @@ test: $(STAMP)
 
 # every installed adapter on the visible GPUs (a one-GPU runner: world size 1), or 2 ranks on a CPU
 smoke: $(STAMP)
-	$(PY) -m bench.smoke
+	$(PY) -m ptbench.smoke
 
 # With a GPU: the one-GPU smoke, then a short bf16 gpt2_small and resnet50 run per adapter, as a table
 gpu-check: $(STAMP)
-	$(PY) -m bench.gpu_check
+	$(PY) -m ptbench.gpu_check
 
 # Optional: build Horovod 0.28.1 for the installed torch (cached wheel; see adapters/horovod_build.sh)
 horovod: $(STAMP)

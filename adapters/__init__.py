@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import importlib
 
-from adapters.configs import SCHEMAS
-from bench.core.errors import ConfigError
+from ptbench.adapters.configs import SCHEMAS
+from ptbench.core.errors import ConfigError
 
 
 def available() -> list[str]:
@@ -20,7 +20,7 @@ def available() -> list[str]:
 def get_adapter_class(name: str):
     if name not in SCHEMAS:
         raise ConfigError(f"unknown adapter '{name}': choose one of {', '.join(available())} (adapter=NAME)")
-    return importlib.import_module(f"adapters.{name}").ADAPTER
+    return importlib.import_module(f"{__name__}.{name}").ADAPTER
 
 
 def frameworks() -> dict[str, str]:

@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _CPU = torch.device("cpu")
-_log = logging.getLogger("adapters.megatron")
+_log = logging.getLogger("ptbench.adapters.megatron")
 _enabled = False
 
 CHANGES = (
@@ -42,7 +42,7 @@ CHANGES = (
 
 def _refuse_on_cuda() -> None:
     if torch.cuda.is_available():
-        raise RuntimeError("adapters._megatron_cpu: CUDA is available, so Megatron must run on the GPU unpatched; "
+        raise RuntimeError("ptbench.adapters._megatron_cpu: CUDA is available, so Megatron must run on the GPU unpatched; "
                            "this CPU compatibility module refuses to act")
 
 

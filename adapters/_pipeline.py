@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bench.core.errors import ConfigError
-from workloads.base import Workload
+from ptbench.core.errors import ConfigError
+from ptbench.workloads.base import Workload
 
 
 def layer_count(workload: Workload) -> int:

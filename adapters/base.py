@@ -28,12 +28,12 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
-from bench.core.config import BenchConfig
-from bench.core.dist import DistContext
-from bench.core.environments import ClusterEnvironment
-from bench.core.errors import ConfigError
-from bench.core.timing import PhaseTimer
-from workloads.base import Workload
+from ptbench.core.config import BenchConfig
+from ptbench.core.dist import DistContext
+from ptbench.core.environments import ClusterEnvironment
+from ptbench.core.errors import ConfigError
+from ptbench.core.timing import PhaseTimer
+from ptbench.workloads.base import Workload
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -84,7 +84,7 @@ class Adapter(ABC):
     @classmethod
     def check_checkpointing(cls, cfg: BenchConfig) -> None:
         """The trainer's checkpoint fields, and checkpoint_every > 0 refused where this adapter cannot."""
-        from bench.core.checkpoint import check_config
+        from ptbench.core.checkpoint import check_config
 
         check_config(cfg, cls.name, cls.checkpoint_unsupported)
 
@@ -95,7 +95,7 @@ class Adapter(ABC):
     @classmethod
     def launch_command(cls, cfg: BenchConfig, world_size: int) -> list[str] | None:
         """launcher=local: the framework's own launcher that starts the ranks (e.g. horovodrun), to which
-        the launcher appends `python -m bench.runner.rank RUN_DIR`; None = the launcher spawns them itself."""
+        the launcher appends `python -m ptbench.runner.rank RUN_DIR`; None = the launcher spawns them itself."""
         return None
 
     @classmethod

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from bench.core.config import AdapterConfig
+from ptbench.core.config import AdapterConfig
 
 
 @dataclass

@@ -11,10 +11,10 @@ from typing import Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from adapters.base import Adapter, Batch
-from bench.core.optim import build_optimizer, optimizer_step
-from bench.core.precision import autocast, grad_scaler
-from bench.core.timing import PhaseTimer
+from ptbench.adapters.base import Adapter, Batch
+from ptbench.core.optim import build_optimizer, optimizer_step
+from ptbench.core.precision import autocast, grad_scaler
+from ptbench.core.timing import PhaseTimer
 
 
 class DDPAdapter(Adapter):

@@ -15,10 +15,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from adapters.base import Adapter, Batch, local_tensor
-from bench.core.precision import HALF_DTYPES
-from bench.core.optim import build_optimizer, optimizer_step, refuse_layerwise
-from bench.core.timing import PhaseTimer
+from ptbench.adapters.base import Adapter, Batch, local_tensor
+from ptbench.core.precision import HALF_DTYPES
+from ptbench.core.optim import build_optimizer, optimizer_step, refuse_layerwise
+from ptbench.core.timing import PhaseTimer
 
 
 

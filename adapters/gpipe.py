@@ -20,14 +20,14 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from adapters.base import Adapter, Batch, load_rank0_state, save_rank0_state, tensor_bytes
-from adapters import _pipeline as P
-from bench.core.config import BenchConfig
-from bench.core.errors import ConfigError
-from bench.core.optim import build_optimizer, optimizer_step
-from bench.core.precision import AutocastModule, grad_scaler
-from bench.core.timing import PhaseTimer
-from workloads import build_workload
+from ptbench.adapters.base import Adapter, Batch, load_rank0_state, save_rank0_state, tensor_bytes
+from ptbench.adapters import _pipeline as P
+from ptbench.core.config import BenchConfig
+from ptbench.core.errors import ConfigError
+from ptbench.core.optim import build_optimizer, optimizer_step
+from ptbench.core.precision import AutocastModule, grad_scaler
+from ptbench.core.timing import PhaseTimer
+from ptbench.workloads import build_workload
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 

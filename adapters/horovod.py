@@ -6,8 +6,8 @@ broadcast rank 0's parameters, shard the data by `hvd.rank()` / `hvd.size()`.
 
 How ranks start (install: `make horovod`):
 - `launcher=local`: the launcher runs `horovodrun -np N -H localhost:N --gloo` for the user
-  (`launch_command`); each rank then runs `python -m bench.runner.rank RUN_DIR`.
-- a user's own `horovodrun -np N ... python -m bench adapter=horovod`: ranks read HOROVOD_RANK etc.
+  (`launch_command`); each rank then runs `python -m ptbench.runner.rank RUN_DIR`.
+- a user's own `horovodrun -np N ... python -m ptbench adapter=horovod`: ranks read HOROVOD_RANK etc.
 - `srun` / torchrun without horovodrun: a Gloo-only Horovod cannot read Slurm's environment (that
   needs an MPI build), so rank 0 runs Horovod's own rendezvous server (the one horovodrun starts)
   and the harness's process group tells every rank where it is. An MPI build under
@@ -32,14 +32,14 @@ from typing import Sequence
 
 import torch
 
-from adapters.base import Adapter, Batch, load_rank0_state, save_rank0_state
-from bench.core.config import BenchConfig
-from bench.core.dist import DistContext, default_backend
-from bench.core.environments import ClusterEnvironment
-from bench.core.errors import ConfigError
-from bench.core.optim import build_optimizer, optimizer_step
-from bench.core.precision import autocast, grad_scaler
-from bench.core.timing import PhaseTimer
+from ptbench.adapters.base import Adapter, Batch, load_rank0_state, save_rank0_state
+from ptbench.core.config import BenchConfig
+from ptbench.core.dist import DistContext, default_backend
+from ptbench.core.environments import ClusterEnvironment
+from ptbench.core.errors import ConfigError
+from ptbench.core.optim import build_optimizer, optimizer_step
+from ptbench.core.precision import autocast, grad_scaler
+from ptbench.core.timing import PhaseTimer
 
 INSTALL_HINT = "adapter=horovod needs Horovod: run `make horovod`"
 COMPRESSIONS = ("none", "fp16")

@@ -49,14 +49,14 @@ from typing import Sequence
 
 import torch
 
-from adapters.base import Adapter, Batch, tensor_bytes
-from adapters import _vocab_parallel as vocab_parallel
-from bench.core.dist import dist_timeout_s
-from bench.core.errors import ConfigError
-from bench.core.optim import build_optimizer, refuse_layerwise
-from adapters._pipeline import check_microbatches
-from bench.core.precision import autocast
-from bench.core.timing import PhaseTimer
+from ptbench.adapters.base import Adapter, Batch, tensor_bytes
+from ptbench.adapters import _vocab_parallel as vocab_parallel
+from ptbench.core.dist import dist_timeout_s
+from ptbench.core.errors import ConfigError
+from ptbench.core.optim import build_optimizer, refuse_layerwise
+from ptbench.adapters._pipeline import check_microbatches
+from ptbench.core.precision import autocast
+from ptbench.core.timing import PhaseTimer
 
 # Megatron's timer names (config.timers) -> the harness's phases. Gradient reductions count as
 # backward, as DDP's all-reduce does; pipeline send/recv waits stay outside every phase.
@@ -108,7 +108,7 @@ class MegatronAdapter(Adapter):
 
     @classmethod
     def check_checkpointing(cls, cfg) -> None:
-        from bench.core.checkpoint import check_config
+        from ptbench.core.checkpoint import check_config
 
         check_config(cfg, cls.name, cls._checkpoint_refusal(cfg))
 
@@ -192,7 +192,7 @@ class MegatronAdapter(Adapter):
         ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
                                      distributed_timeout_minutes=max(1, dist_timeout_s(t) // 60))
         if not cuda:
-            from adapters import _megatron_cpu
+            from ptbench.adapters import _megatron_cpu
 
             _megatron_cpu.enable(announce=self.ctx.rank == 0)
         self.ps = ps
@@ -296,7 +296,7 @@ class MegatronAdapter(Adapter):
     def _compat(self):
         if self.ctx.is_cuda:
             return contextlib.nullcontext()
-        from adapters import _megatron_cpu
+        from ptbench.adapters import _megatron_cpu
 
         return _megatron_cpu.cuda_to_cpu()
 
@@ -484,7 +484,7 @@ class MegatronAdapter(Adapter):
 
 
 def _cpu_changes():
-    from adapters._megatron_cpu import CHANGES
+    from ptbench.adapters._megatron_cpu import CHANGES
 
     return CHANGES
 

@@ -38,14 +38,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from adapters.base import Adapter, Batch
-from adapters import _pipeline as P
-from bench.core.config import BenchConfig
-from bench.core.errors import ConfigError
-from bench.core.optim import build_optimizer
-from bench.core.precision import AutocastModule
-from bench.core.timing import PhaseTimer
-from workloads import build_workload
+from ptbench.adapters.base import Adapter, Batch
+from ptbench.adapters import _pipeline as P
+from ptbench.core.config import BenchConfig
+from ptbench.core.errors import ConfigError
+from ptbench.core.optim import build_optimizer
+from ptbench.core.precision import AutocastModule
+from ptbench.core.timing import PhaseTimer
+from ptbench.workloads import build_workload
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 

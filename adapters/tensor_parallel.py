@@ -25,12 +25,12 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from adapters.base import Adapter, Batch, local_tensor, tensor_bytes
-from adapters import _vocab_parallel as vocab_parallel
-from bench.core.errors import ConfigError
-from bench.core.optim import build_optimizer, refuse_layerwise
-from bench.core.precision import autocast
-from bench.core.timing import PhaseTimer
+from ptbench.adapters.base import Adapter, Batch, local_tensor, tensor_bytes
+from ptbench.adapters import _vocab_parallel as vocab_parallel
+from ptbench.core.errors import ConfigError
+from ptbench.core.optim import build_optimizer, refuse_layerwise
+from ptbench.core.precision import autocast
+from ptbench.core.timing import PhaseTimer
 
 
 def _is_sharded(t: torch.Tensor) -> bool:

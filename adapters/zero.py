@@ -20,12 +20,12 @@ from typing import Sequence
 
 import torch
 
-from adapters.base import Adapter, Batch, local_tensor
-from bench.core.config import BenchConfig
-from bench.core.errors import ConfigError
-from bench.core.precision import HALF_DTYPES
-from bench.core.optim import LAYERWISE, build_optimizer
-from bench.core.timing import PhaseTimer
+from ptbench.adapters.base import Adapter, Batch, local_tensor
+from ptbench.core.config import BenchConfig
+from ptbench.core.errors import ConfigError
+from ptbench.core.precision import HALF_DTYPES
+from ptbench.core.optim import LAYERWISE, build_optimizer
+from ptbench.core.timing import PhaseTimer
 
 # LAYERWISE (bench/core/optim.py): DeepSpeed hands the optimizer flat partitions under ZeRO >= 1 and
 # under its bf16/fp16 optimizers, so a LAMB/LARS trust ratio would be computed over arbitrary slices.

@@ -1,9 +1,9 @@
 """Analysis of run records: `load` (tidy DataFrame), `plots` (the paper's figures), `report` (CLI).
 
-    from analysis import load, plots
+    from ptbench.analysis import load, plots
     df = load("results/demo")
     plots.speedup(df, out="figures")
 """
-from analysis.load import find_runs, load, not_finished, ok, runs
+from ptbench.analysis.load import find_runs, load, not_finished, ok, runs
 
 __all__ = ["find_runs", "load", "not_finished", "ok", "runs"]

@@ -1,4 +1,4 @@
-"""`python -m analysis report RESULTS_DIR --out DIR`: all figures, tables and report.md, no Jupyter."""
+"""`python -m ptbench.analysis report RESULTS_DIR --out DIR`: all figures, tables and report.md, no Jupyter."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis")
+    p = argparse.ArgumentParser(prog="python -m ptbench.analysis")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="figures (PNG+SVG), CSV tables and report.md from a tree of run records")
     r.add_argument("results", help="folder holding run records (searched recursively)")
@@ -20,8 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
-    from analysis.load import AnalysisError
-    from analysis.report import write_report
+    from ptbench.analysis.load import AnalysisError
+    from ptbench.analysis.report import write_report
 
     try:
         path = write_report(args.results, args.out, baseline=args.baseline)

@@ -1,7 +1,7 @@
 """The paper's findings as checks computed from the records ("How to Train Your Neural Network", Lin
 et al.), for the report's "Paper claims" section.
 
-Each check takes the finished runs (`analysis.load.runs` of `ok` records) of one workload and returns
+Each check takes the finished runs (`ptbench.analysis.load.runs` of `ok` records) of one workload and returns
 a verdict: holds, does not hold, or not measured (with what is missing), the numbers it compared and
 the runs it used. Per-GPU memory is each run's `mem_plot_bytes` (the busiest rank's peak: CUDA
 max allocated; on CPU the peak RSS growth over the run, `peak_rss_delta`); epoch time is
@@ -15,7 +15,7 @@ series has several runs at one GPU count, their mean is used.
   step's change < 10 % (needs 3 GPU counts);
 - Megatron's per-GPU memory is U-shaped: its lowest point lies strictly inside the measured range;
 - the fastest framework per workload and GPU count (a measurement, no expected answer).
-With records of `python -m bench.paper`, memory checks read its memory phase (paper-memory-*) and time
+With records of `python -m ptbench.paper`, memory checks read its memory phase (paper-memory-*) and time
 checks its epoch-time phase (paper-epoch-*); other records are used as they are.
 Also listed: every point that was retried with a smaller batch after running out of memory
 (`extra.batch_reduced_from`, bench/sweep.py `oom_retry`).
@@ -153,14 +153,14 @@ TIME_CHECKS = (zero_time_close_to_ddp, fastest)
 
 
 def _phase(runs: pd.DataFrame, prefix: str) -> pd.DataFrame:
-    """The runs of one phase of `python -m bench.paper` (experiment paper-epoch-* / paper-memory-*) when
+    """The runs of one phase of `python -m ptbench.paper` (experiment paper-epoch-* / paper-memory-*) when
     the records hold that phase; otherwise every run."""
     mine = runs[runs["experiment"].astype(str).str.startswith(prefix)] if "experiment" in runs else runs.iloc[:0]
     return mine if len(mine) else runs
 
 
 def claims(per_run: pd.DataFrame) -> dict[str, list[dict]]:
-    """workload -> the checks over its finished runs (rows of `analysis.load.runs` with status ok):
+    """workload -> the checks over its finished runs (rows of `ptbench.analysis.load.runs` with status ok):
     memory checks on the paper's memory phase, time checks on its epoch-time phase, where present."""
     done = per_run[(per_run["status"] == "ok")] if len(per_run) else per_run
     if "mem_plot_bytes" not in done:

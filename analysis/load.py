@@ -85,7 +85,7 @@ def find_runs(root: str | Path) -> list[Path]:
     """Every run folder under root (root itself may be one)."""
     root = Path(root)
     if not root.exists():
-        raise FileNotFoundError(f"results folder {root} does not exist; run `python -m bench ...` or `make demo` first")
+        raise FileNotFoundError(f"results folder {root} does not exist; run `python -m ptbench ...` or `make demo` first")
     found = {p.parent for name in ("summary.json", "config.yaml") for p in root.rglob(name)}
     return sorted(d for d in found if not any(part.startswith(".") for part in d.relative_to(root).parts))
 
@@ -238,11 +238,11 @@ def _comm_fields(cv) -> dict:
             "comm_collectives": json.dumps(cols), "comm_error": None}
 
 
-COMM_FOLDER = "comm"  # `python -m bench.sweep run` stores `python -m bench.comm --out` here
+COMM_FOLDER = "comm"  # `python -m ptbench.sweep run` stores `python -m ptbench.comm --out` here
 
 
 def load_comm(*roots: str | Path) -> list[dict]:
-    """Every `python -m bench.comm` JSON report in a `comm/` folder under the roots (what a sweep
+    """Every `python -m ptbench.comm` JSON report in a `comm/` folder under the roots (what a sweep
     stores beside its records), each with its `path`."""
     out = []
     for root in roots:
@@ -252,7 +252,7 @@ def load_comm(*roots: str | Path) -> list[dict]:
             except (OSError, ValueError):
                 warnings.warn(f"{path}: not JSON, skipped")
                 continue
-            if isinstance(rep, dict) and rep.get("tool") == "bench.comm":
+            if isinstance(rep, dict) and rep.get("tool") == "ptbench.comm":
                 out.append({**rep, "path": str(path)})
     return out
 
@@ -311,7 +311,7 @@ def comm_table(df: pd.DataFrame, reports: list[dict]) -> pd.DataFrame:
     phase(s) the adapter's collectives run in (from the records' phase breakdown; the exposed
     communication is inside them), the recorded communication volume per step, and the time that
     volume takes at the measured bus bandwidth (`comm_time`; "not measured" without a matching
-    `python -m bench.comm` report)."""
+    `python -m ptbench.comm` report)."""
     r = runs(ok(df))
     if r.empty or "comm_bytes_per_step" not in r:
         return pd.DataFrame()

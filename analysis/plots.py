@@ -1,4 +1,4 @@
-"""The paper's figures from the tidy frame of `analysis.load.load`.
+"""The paper's figures from the tidy frame of `ptbench.analysis.load.load`.
 
 Each function takes that frame (one row per run x epoch), returns a matplotlib Figure, and, given
 `out`, saves it there as PNG and SVG. Only finished runs (status ok) make the curves and bars; every
@@ -20,7 +20,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-from analysis.load import AnalysisError, not_finished, ok, runs
+from ptbench.analysis.load import AnalysisError, not_finished, ok, runs
 
 PHASES = ("data", "forward", "forward_backward", "backward", "optimizer")  # stacking order, bottom up
 MIB = 2**20
@@ -182,7 +182,7 @@ def speedup_table(df: pd.DataFrame, baseline: str | None = "best") -> pd.DataFra
     Time is per training sample (the run's epoch time / the samples in that epoch), which is the
     epoch-time ratio when epochs hold the same samples and stays fair when trainer.max_steps caps
     them or the global batch grows with the devices. The epoch time is the run's steady one
-    (`epoch_time_used_s`, see analysis.load.runs; `epoch_time_source` says which was used).
+    (`epoch_time_used_s`, see ptbench.analysis.load.runs; `epoch_time_source` says which was used).
 
     baseline: "best" (or None): per workload the fastest single-device point of any series, as the
     paper does (without a single-device point: the fastest point at the fewest devices, and

@@ -1,6 +1,6 @@
 """A report without Jupyter: every figure (PNG + SVG), the tidy tables as CSV, and report.md.
 
-    python -m analysis report RESULTS_DIR --out DIR [--baseline best|per-series|LABEL]
+    python -m ptbench.analysis report RESULTS_DIR --out DIR [--baseline best|per-series|LABEL]
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import plots
-from analysis.claims import claims_lines
-from analysis.load import EPOCH_TIME_SOURCES, comm_table, load, load_comm, not_finished, ok, runs
+from ptbench.analysis import plots
+from ptbench.analysis.claims import claims_lines
+from ptbench.analysis.load import EPOCH_TIME_SOURCES, comm_table, load, load_comm, not_finished, ok, runs
 
 FIGURES = {
     "epoch_time": "Epoch time vs devices (paper Fig. 5/6)",
@@ -357,7 +357,7 @@ def comm_lines(df: pd.DataFrame, reports: list[dict], out: Path | None = None) -
     return ["## Communication per step", "",
             ("`comm MB/step`: bytes one rank moves per optimizer step (nccl-tests bus volume), from each record's "
              "`comm_volume` (bench/core/comm_volume.py, formulas in `formula`). `at busbw (ms)`: that volume over "
-             "the bus bandwidth `python -m bench.comm` measured (`<results>/<experiment>/comm/`; a sweep stores it) "
+             "the bus bandwidth `python -m ptbench.comm` measured (`<results>/<experiment>/comm/`; a sweep stores it) "
              "on the run's backend at the collective's group size, at the measured message size nearest to the "
              "collective's whole message (log scale; beyond the range, the end point), summed over collectives "
              "with no overlap; `not measured` when no such measurement is here. `phase (ms)`: the mean time of "
@@ -376,7 +376,7 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
     out.mkdir(parents=True, exist_ok=True)
     df = load(results_dir)
     lines = [f"# Benchmark report: {results_dir}", "",
-             f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `python -m analysis report`. "
+             f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `python -m ptbench.analysis report`. "
              f"Tables: `epochs.csv` (one row per run x epoch), `runs.csv` (one row per run), `summary.csv`.", ""]
     if df.empty:
         lines += ["No run records found under this folder.", ""]

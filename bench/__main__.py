@@ -1,9 +1,12 @@
-"""`python -m bench [hydra overrides]`: run one benchmark point (or a sweep with -m)."""
+"""`python -m ptbench [hydra overrides]`: run one benchmark point (or a sweep with -m)."""
 from __future__ import annotations
 
 import os
 import signal
 import sys
+
+if __package__ == "bench":  # `python -m bench` in a checkout: the command's name before the namespace
+    sys.exit("error: `python -m bench` is now `python -m ptbench` (or the `ptbench` command); see README.md")
 
 # Hold preemption signals from the very start: they are unblocked where they can be honoured (the
 # local launcher forwards them to its ranks; a rank turns them into a graceful stop), so a signal
@@ -20,8 +23,8 @@ os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", "USR1")
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from bench.core.errors import ConfigError  # noqa: E402
-from bench.runner.compose import compose, conf_dir, in_multirun, register_configs  # noqa: E402
+from ptbench.core.errors import ConfigError  # noqa: E402
+from ptbench.runner.compose import compose, conf_dir, in_multirun, register_configs  # noqa: E402
 
 register_configs()
 
@@ -33,12 +36,12 @@ _HYDRA_FLAGS = {"-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 def _hydra_main(cfg: DictConfig) -> int:
-    from bench.sweep import apply_hydra_context, skip_if_done
+    from ptbench.sweep import apply_hydra_context, skip_if_done
 
     apply_hydra_context(cfg)  # sweep point id; a multirun's records go to its sweep folder
     if skip_if_done(cfg):
         return 0
-    from bench.runner.launch import launch
+    from ptbench.runner.launch import launch
 
     try:
         code = launch(cfg)
@@ -63,12 +66,12 @@ def _precheck(argv: list[str]) -> None:
 
 
 def _plan(argv: list[str]) -> int:
-    """`python -m bench --plan <overrides>`: the run plan and the predicted memory per rank
+    """`python -m ptbench --plan <overrides>`: the run plan and the predicted memory per rank
     (bench/core/memory_model.py) against this machine's device memory; no rank starts."""
-    from bench.core.memory_model import GIB, device_bytes, fits, predict_run, table
-    from bench.runner.compose import typed
-    from bench.runner.plan import make_plan
-    from workloads import build_workload
+    from ptbench.core.memory_model import GIB, device_bytes, fits, predict_run, table
+    from ptbench.runner.compose import typed
+    from ptbench.runner.plan import make_plan
+    from ptbench.workloads import build_workload
 
     try:
         cfg = typed(compose(argv))

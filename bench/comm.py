@@ -1,6 +1,6 @@
 """Measured network: nccl-tests-style bandwidth of the collectives that training adapters use.
 
-    python -m bench.comm [--world-size N] [--backend auto|gloo|nccl] [--min-bytes 1K]
+    python -m ptbench.comm [--world-size N] [--backend auto|gloo|nccl] [--min-bytes 1K]
                          [--max-bytes 256M] [--iters K] [--warmup W] [--ops all_reduce,...]
                          [--json PATH] [--out DIR]
 
@@ -37,8 +37,8 @@ Python API: `run_rank(rank, world_size, cfg)` is the per-rank function (mp.spawn
 returns the report on rank 0), `measure(cfg)` runs inside an already initialized process group,
 `launch(cfg, world_size)` spawns ranks and returns the report, `write_json(report, path)` stores it beside a
 sweep. `--out DIR` writes DIR/<backend>-<N>.json and the table as DIR/<backend>-<N>.txt: what
-`python -m bench.sweep run` does once per world size of a sweep, into <results>/<experiment>/comm/,
-where `python -m analysis report` finds it.
+`python -m ptbench.sweep run` does once per world size of a sweep, into <results>/<experiment>/comm/,
+where `python -m ptbench.analysis report` finds it.
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from bench.core.comm_volume import ring_factor
-from bench.core.dist import free_port
+from ptbench.core.comm_volume import ring_factor
+from ptbench.core.dist import free_port
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 
@@ -145,7 +145,7 @@ def default_max_bytes(backend: str) -> int:
 def external_launch(env=os.environ) -> dict | None:
     """Rank/world/address when torchrun or srun started this process (the harness's own cluster
     environments, bench/core/environments.py); None when we must spawn."""
-    from bench.core.environments import SlurmEnvironment, TorchrunEnvironment
+    from ptbench.core.environments import SlurmEnvironment, TorchrunEnvironment
 
     if TorchrunEnvironment.detect(env, "local"):
         ctx = TorchrunEnvironment.context(env, "auto")
@@ -408,7 +408,7 @@ def measure(cfg: CommConfig, device: torch.device | None = None) -> dict:
     else:
         device_name = platform.processor() or platform.machine()
     return dict(
-        tool="bench.comm",
+        tool="ptbench.comm",
         backend=backend,
         world_size=n,
         hosts=sorted(set(hosts)),
@@ -451,7 +451,7 @@ def _fmt_time(us: float) -> str:
 def format_table(report: dict) -> str:
     n = report["world_size"]
     lines = [
-        f"# bench.comm: nranks {n} backend {report['backend']} device {report['device']} "
+        f"# ptbench.comm: nranks {n} backend {report['backend']} device {report['device']} "
         f"({report['device_name']}) torch {report['torch_version']}",
         f"# minBytes {report['min_bytes']} maxBytes {report['max_bytes']} step: {report['factor']}(factor) "
         f"warmup iters: {report['warmup']} iters: {report['iters']} type: float (fp32)",
@@ -561,7 +561,7 @@ def launch(cfg: CommConfig, world_size: int) -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.comm",
+        prog="python -m ptbench.comm",
         description="nccl-tests-style bandwidth of all_reduce, all_gather, reduce_scatter, broadcast and "
                     "send_recv (fp32). Spawns --world-size ranks unless started by torchrun or srun.",
         epilog="busbw follows nccl-tests doc/PERFORMANCE.md: algbw = S/t, busbw = algbw x 2(n-1)/n "

@@ -1,16 +1,16 @@
-"""`make demo` / `python -m bench.demo`: a small CPU sweep of the installed adapters, then its report.
+"""`make demo` / `python -m ptbench.demo`: a small CPU sweep of the installed adapters, then its report.
 
-Each point is one `python -m bench ...` subprocess, as a user would run it, on a tiny GPT-2 with
+Each point is one `python -m ptbench ...` subprocess, as a user would run it, on a tiny GPT-2 with
 synthetic data: ddp at 1 and 2 ranks, every other installed adapter at 2 ranks (its
 `smoke_overrides` applied, e.g. a pipeline's micro-batches). A point that fails, times out or is
 refused before launch is recorded as such and the sweep goes on; the report shows it. Records go
 to RESULTS/demo/<run_id>/ (the previous demo's are removed first unless --keep), the report to
 RESULTS/demo/report/.
 
-    python -m bench.demo                                  # the default sweep
-    python -m bench.demo --points ddp:1,ddp:2,zero:2      # choose points (adapter:ranks)
-    python -m bench.demo --adapters ddp,fsdp --ranks 1,2  # a grid
-    python -m bench.demo -- trainer.epochs=3              # extra overrides for every point
+    python -m ptbench.demo                                  # the default sweep
+    python -m ptbench.demo --points ddp:1,ddp:2,zero:2      # choose points (adapter:ranks)
+    python -m ptbench.demo --adapters ddp,fsdp --ranks 1,2  # a grid
+    python -m ptbench.demo -- trainer.epochs=3              # extra overrides for every point
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from adapters import available, get_adapter_class
-from bench.core.records import RunWriter, new_run_id
-from bench.invoke import run_bench
-from bench.smoke import framework_installed
+from ptbench.adapters import available, get_adapter_class
+from ptbench.core.records import RunWriter, new_run_id
+from ptbench.invoke import run_bench
+from ptbench.smoke import framework_installed
 
 # Small enough that the default sweep takes a few minutes on 2 cores; full epochs (no max_steps), so
 # epoch time halves when 2 data-parallel ranks split the same data.
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ptbench.demo", description=__doc__.splitlines()[0])
     p.add_argument("--points", help="comma list ADAPTER:RANKS, e.g. ddp:1,ddp:2,zero:2")
     p.add_argument("--adapters", help="comma list of adapters (with --ranks: a grid)")
     p.add_argument("--ranks", help="comma list of rank counts for --adapters (default 1,2)")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if folder.exists() and not args.keep:
         shutil.rmtree(folder)
     points = parse_points(args)
-    print(f"demo: {len(points)} points into {folder}/ (each a `python -m bench` run)", flush=True)
+    print(f"demo: {len(points)} points into {folder}/ (each a `python -m ptbench` run)", flush=True)
     t0 = time.perf_counter()
     results = []
     for adapter, ranks in points:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {adapter:<16} x{ranks}  {status:<8} {detail}  ({time.perf_counter() - t:.0f}s)", flush=True)
 
     # the report reads the records only: analysis runs as its own command
-    report = subprocess.run([sys.executable, "-m", "analysis", "report", str(folder), "--out", str(folder / "report")])
+    report = subprocess.run([sys.executable, "-m", "ptbench.analysis", "report", str(folder), "--out", str(folder / "report")])
     ok = results.count("ok")
     print(f"demo: {ok}/{len(points)} points ok, {results.count('skipped')} skipped "
           f"(framework not installed) in {time.perf_counter() - t0:.0f}s")

@@ -1,4 +1,4 @@
-"""`make gpu-check` / `python -m bench.gpu_check`: for anyone with a GPU, the one-GPU smoke, then one short
+"""`make gpu-check` / `python -m ptbench.gpu_check`: for anyone with a GPU, the one-GPU smoke, then one short
 bf16 run of gpt2_small and resnet50 per installed adapter on the visible GPUs, as a table (status,
 step time, tokens or images per second, MFU, peak device memory).
 
@@ -12,12 +12,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from adapters import available, get_adapter_class
-from bench.invoke import run_bench
-from bench.runner.compose import visible_gpus
-from bench.smoke import framework_installed
-from bench.smoke import main as smoke_main
-from bench.smoke import smoke_point
+from ptbench.adapters import available, get_adapter_class
+from ptbench.invoke import run_bench
+from ptbench.runner.compose import visible_gpus
+from ptbench.smoke import framework_installed
+from ptbench.smoke import main as smoke_main
+from ptbench.smoke import smoke_point
 
 WORKLOADS = {"gpt2_small": "language", "resnet50": "vision"}
 COMMON = ["data=synthetic", "trainer.precision=bf16", "trainer.epochs=1", "trainer.max_steps=12",
@@ -49,7 +49,7 @@ def row(adapter: str, workload: str, gpus: int, root: Path, timeout: float) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ptbench.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--adapters", default=",".join(available()))
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--skip-smoke", action="store_true")

@@ -1,4 +1,4 @@
-"""Run `python -m bench` in a subprocess, as a user would, and read the record it wrote.
+"""Run `python -m ptbench` in a subprocess, as a user would, and read the record it wrote.
 
 Every driver that runs points (smoke, demo, sweep, overhead, memory study) goes through `run_bench`.
 The run gets its own session, so a timeout ends the launcher *and* its ranks, nothing else.
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.core.records import RunRecord, new_run_id, results_folder
+from ptbench.core.records import RunRecord, new_run_id, results_folder
 
 
 @dataclass
@@ -50,13 +50,13 @@ class BenchRun:
 def run_bench(overrides: list[str], *, root: Path | None = None, experiment: str | None = None,
               run_id: str | None = None, timeout: float | None = None, capture: bool = True,
               env: dict | None = None, run_name: tuple[str, str, int] = ("run", "point", 0)) -> BenchRun:
-    """`python -m bench <overrides>` with its record at <root>/<experiment>/<run_id> (root and experiment
+    """`python -m ptbench <overrides>` with its record at <root>/<experiment>/<run_id> (root and experiment
     None: the point's own); `run_name` (adapter, workload, ranks) names a generated run id. On timeout
     the process group gets SIGTERM, then SIGKILL."""
     run_id = run_id or new_run_id(*run_name)
     where = [*([f"results.root={root}"] if root is not None else []),
              *([f"results.experiment={experiment}"] if experiment is not None else []), f"results.run_id={run_id}"]
-    cmd = [sys.executable, "-m", "bench", *overrides, *where]
+    cmd = [sys.executable, "-m", "ptbench", *overrides, *where]
     run_dir = record_dir([*overrides, *where], run_id)
     pipe = subprocess.PIPE if capture else None
     t0 = time.perf_counter()
@@ -80,9 +80,9 @@ def run_bench(overrides: list[str], *, root: Path | None = None, experiment: str
 
 
 def record_dir(overrides: list[str], run_id: str) -> Path | None:
-    """Where `python -m bench <overrides>` writes its record (None: the overrides do not compose)."""
-    from bench.core.errors import ConfigError
-    from bench.runner.compose import compose
+    """Where `python -m ptbench <overrides>` writes its record (None: the overrides do not compose)."""
+    from ptbench.core.errors import ConfigError
+    from ptbench.runner.compose import compose
 
     try:
         cfg = compose(overrides)

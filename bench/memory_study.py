@@ -1,12 +1,12 @@
 """Model-state memory per rank: DDP, ZeRO-1/2/3 (DeepSpeed) and FSDP2 at several rank counts.
 
-    python -m bench.memory_study                       # gpt2_tiny at 1, 2, 4 ranks
-    python -m bench.memory_study --ranks 2 4 workload=resnet50_tiny
-    python -m bench.memory_study --timing              # step-time ratios vs DDP at 2 ranks
-    python -m bench.memory_study --variants ddp zero3 tensor_parallel pipeline --ranks 2 4
-    python -m bench.memory_study --records results/memory_study   # the tables again from records, no run
+    python -m ptbench.memory_study                       # gpt2_tiny at 1, 2, 4 ranks
+    python -m ptbench.memory_study --ranks 2 4 workload=resnet50_tiny
+    python -m ptbench.memory_study --timing              # step-time ratios vs DDP at 2 ranks
+    python -m ptbench.memory_study --variants ddp zero3 tensor_parallel pipeline --ranks 2 4
+    python -m ptbench.memory_study --records results/memory_study   # the tables again from records, no run
 
-Runs `python -m bench` once per (variant, ranks) point, as a user would, then prints the bytes of
+Runs `python -m ptbench` once per (variant, ranks) point, as a user would, then prints the bytes of
 parameters, gradients and optimizer state each rank reported (read from the framework's tensors, see
 adapters/zero.py and adapters/fsdp.py) beside two predictions for fp32 Adam (Ψ parameters, N ranks):
 
@@ -20,7 +20,7 @@ adapters/zero.py and adapters/fsdp.py) beside two predictions for fp32 Adam (Ψ 
   touches (GPT-2's token embedding is ~94 % of gpt2_tiny: at 2 ranks both ranks keep its gradient);
   stage 3 and FSDP split every tensor, so they follow the formula.
 
-A second table sets bench/core/memory_model.py's prediction (what `python -m bench --plan` prints
+A second table sets bench/core/memory_model.py's prediction (what `python -m ptbench --plan` prints
 and the runner checks before launch) against the record, per variant and rank count, with the
 error of the model-state bytes of the busiest rank: "formula" uses Ψ/N, "model" the per-tensor
 partition rule. The model-parallel variants (tensor_parallel, megatron: TP = N; pipeline: N stages;
@@ -36,8 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.core.memory_model import flat_partition, numel
-from bench.invoke import run_bench
+from ptbench.core.memory_model import flat_partition, numel
+from ptbench.invoke import run_bench
 
 VARIANTS = {
     "ddp": ["adapter=ddp"],
@@ -82,8 +82,8 @@ def paper_formula(variant: str, psi: int, n: int) -> dict[str, float]:
 
 def param_numels(overrides: list[str]) -> list[tuple[int, ...]]:
     """Shapes of the workload's unique parameters, in `model.parameters()` order (DeepSpeed's flat order)."""
-    from bench.runner.compose import compose
-    from workloads import build_workload
+    from ptbench.runner.compose import compose
+    from ptbench.workloads import build_workload
 
     cfg = compose([o for o in overrides if o.split("=")[0].split(".")[0] in ("workload", "data")])
     model = build_workload(cfg.workload, cfg.data).build_model()
@@ -237,11 +237,11 @@ def measured_states(summary: dict) -> dict | None:
 
 def predictions(variant: str, n: int, overrides: list[str]) -> tuple[dict, dict]:
     """(formula, per-tensor model) predictions of bench/core/memory_model.py for one point, from the
-    same composed config and run plan `python -m bench --plan` uses."""
-    from bench.core.memory_model import predict_run
-    from bench.runner.compose import compose, typed
-    from bench.runner.plan import make_plan
-    from workloads import build_workload
+    same composed config and run plan `python -m ptbench --plan` uses."""
+    from ptbench.core.memory_model import predict_run
+    from ptbench.runner.compose import compose, typed
+    from ptbench.runner.plan import make_plan
+    from ptbench.workloads import build_workload
 
     cfg = typed(compose([*variant_overrides(variant, n), *overrides, f"launcher.nprocs={n}"]))
     plan = make_plan(cfg, "local", check=False)
@@ -327,7 +327,7 @@ def timing_table(results: dict, n: int, variants) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.memory_study", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ptbench.memory_study", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="bench overrides for every point, e.g. workload=resnet50_tiny")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--variants", nargs="+", default=["ddp", "zero1", "zero2", "zero3", "fsdp"], choices=ALL_VARIANTS)

@@ -1,8 +1,8 @@
 """Model speed: the harness GPT-2 against megatron-core's GPTModel (and Hugging Face's GPT2LMHeadModel,
 when transformers is installed) of one size, stepped in interleaved blocks inside one process.
 
-    python -m bench.model_speed                       # 4 layers x 256 wide, 8 heads, T=128, batch 8, fp32
-    python -m bench.model_speed --blocks 7 --n-layer 2
+    python -m ptbench.model_speed                       # 4 layers x 256 wide, 8 heads, T=128, batch 8, fp32
+    python -m ptbench.model_speed --blocks 7 --n-layer 2
 
 Each step is a full train step: forward, loss, backward, AdamW step (zero_grad(set_to_none) first).
 What is kept equal, so that the ratio compares models and not set-ups:
@@ -51,8 +51,8 @@ def _adamw(params):
 
 def _harness(n_layer, n_embd, n_head, seq_len, vocab):
     """(model, loss_fn(x, y) -> loss): the harness GPT-2 and its workload's loss."""
-    from bench.core.config import DataConfig, WorkloadConfig
-    from workloads.gpt2 import GPT2Workload
+    from ptbench.core.config import DataConfig, WorkloadConfig
+    from ptbench.workloads.gpt2 import GPT2Workload
 
     cfg = WorkloadConfig(name="gpt2_speed", kind="language", arch="gpt2", n_layer=n_layer, n_head=n_head,
                          n_embd=n_embd, vocab_size=vocab, seq_len=seq_len, dropout=0.0)
@@ -87,11 +87,11 @@ def _megatron_world():
     if own_group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != 1:
-        raise RuntimeError("bench.model_speed runs Megatron on 1 rank; the process group has "
+        raise RuntimeError("ptbench.model_speed runs Megatron on 1 rank; the process group has "
                            f"{dist.get_world_size()}")
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     try:
-        from adapters import _megatron_cpu
+        from ptbench.adapters import _megatron_cpu
 
         _megatron_cpu.enable(announce=False)
         tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -109,7 +109,7 @@ def _megatron(n_layer, n_embd, n_head, seq_len, vocab):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from adapters import _megatron_cpu
+    from ptbench.adapters import _megatron_cpu
 
     config = TransformerConfig(
         num_layers=n_layer, hidden_size=n_embd, num_attention_heads=n_head, ffn_hidden_size=4 * n_embd,
@@ -173,7 +173,7 @@ def compare_models(n_layer=4, n_embd=256, n_head=8, seq_len=128, vocab=50432, ba
     import torch
 
     if torch.cuda.is_available():
-        raise RuntimeError("bench.model_speed compares the models on CPU, and this machine has CUDA, where "
+        raise RuntimeError("ptbench.model_speed compares the models on CPU, and this machine has CUDA, where "
                            "adapters/_megatron_cpu.py refuses to patch Megatron; run it on a CPU-only machine")
     torch.set_num_threads(1)
     sizes = {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "seq_len": seq_len, "vocab": vocab,
@@ -254,7 +254,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.model_speed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ptbench.model_speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--n-head", type=int, default=8)

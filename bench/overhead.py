@@ -2,13 +2,13 @@
 the harness's trainer (phase timers, NVTX, loss bookkeeping, stop agreement, watchdog), in
 interleaved blocks inside one run so both see the same machine state.
 
-    python -m bench.overhead                    # gpt2_tiny, synthetic data, 2 ranks
-    python -m bench.overhead --blocks 8 --steps 10 workload=resnet50_tiny
-    python -m bench.overhead --models           # harness GPT-2 vs Megatron's GPT (and HF's), then data shares
-    python -m bench.overhead --data-shares --variants   # data shares only, plus each vision input option
+    python -m ptbench.overhead                    # gpt2_tiny, synthetic data, 2 ranks
+    python -m ptbench.overhead --blocks 8 --steps 10 workload=resnet50_tiny
+    python -m ptbench.overhead --models           # harness GPT-2 vs Megatron's GPT (and HF's), then data shares
+    python -m ptbench.overhead --data-shares --variants   # data shares only, plus each vision input option
 
 Prints the per-block step times and the ratio harness/bare (goal <= 1.02), plus the time from
-launch to the first finished step of a normal `python -m bench` run when `--startup` is given.
+launch to the first finished step of a normal `python -m ptbench` run when `--startup` is given.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def _compose(overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
 
-    from bench.runner.compose import compose, typed
+    from ptbench.runner.compose import compose, typed
 
     return OmegaConf.to_container(typed(compose(overrides)), resolve=True)
 
@@ -37,13 +37,13 @@ def _rank(rank: int, cfg_dict: dict, world: int, port: int, blocks: int, steps: 
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from adapters.ddp import DDPAdapter
-    from bench.core.dist import DistContext, init_process_group, set_cpu_threads
-    from bench.core.optim import build_optimizer
-    from bench.runner.compose import typed
-    from bench.runner.plan import make_plan
-    from bench.runner.trainer import Trainer
-    from workloads import build_workload
+    from ptbench.adapters.ddp import DDPAdapter
+    from ptbench.core.dist import DistContext, init_process_group, set_cpu_threads
+    from ptbench.core.optim import build_optimizer
+    from ptbench.runner.compose import typed
+    from ptbench.runner.plan import make_plan
+    from ptbench.runner.trainer import Trainer
+    from ptbench.workloads import build_workload
 
     cfg = typed(cfg_dict)
     cfg.trainer.progress = False
@@ -116,10 +116,10 @@ def _rank(rank: int, cfg_dict: dict, world: int, port: int, blocks: int, steps: 
 
 
 def measure_startup(overrides: list[str]) -> float:
-    """Seconds from `python -m bench` starting to its first finished step (from the run's record)."""
+    """Seconds from `python -m ptbench` starting to its first finished step (from the run's record)."""
     from pathlib import Path
 
-    from bench.invoke import run_bench
+    from ptbench.invoke import run_bench
 
     with tempfile.TemporaryDirectory() as tmp:
         run = run_bench(["experiment=smoke", *overrides], root=Path(tmp), experiment="startup", timeout=600)
@@ -150,7 +150,7 @@ def data_shares(nprocs: int, steps: int = 12, warmup: int = 2, points: dict | No
     """Share of the step spent loading data (after warm-up), per bundled workload, from real runs."""
     from pathlib import Path
 
-    from bench.invoke import run_bench
+    from ptbench.invoke import run_bench
 
     lines = [f"data loading share of the step, {nprocs} rank(s), {steps} steps ({warmup} warm-up excluded)",
              f"{'workload':<34} {'data share':>10} {'workers':>8} {'step s':>8}"]
@@ -171,13 +171,13 @@ def data_shares(nprocs: int, steps: int = 12, warmup: int = 2, points: dict | No
 def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
-    from bench.core.dist import free_port
+    from ptbench.core.dist import free_port
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=6)
     p.add_argument("--steps", type=int, default=10, help="steps per block")
     p.add_argument("--nprocs", type=int, default=2)
-    p.add_argument("--startup", action="store_true", help="also measure launch-to-first-step of `python -m bench`")
+    p.add_argument("--startup", action="store_true", help="also measure launch-to-first-step of `python -m ptbench`")
     p.add_argument("--models", action="store_true",
                    help="instead: the harness GPT-2, Megatron's GPT and Hugging Face's GPT-2 of one size stepped in "
                         "interleaved blocks (bench/model_speed.py), then the data-loading share per bundled workload")
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(data_shares(args.nprocs, points={**DATA_SHARE_POINTS, **DATA_SHARE_VARIANTS} if args.variants else None))
         return 0
     if args.models:
-        from bench.model_speed import main as model_speed
+        from ptbench.model_speed import main as model_speed
 
         code = model_speed(["--blocks", str(max(args.blocks, 5))])
         print()

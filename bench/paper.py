@@ -1,10 +1,10 @@
 """The paper's protocol as one command: three sweeps, the second chosen from the first.
 
-    python -m bench.paper plan --workloads gpt2_small --adapters ddp,zero,megatron,gpipe,pipeline \\
+    python -m ptbench.paper plan --workloads gpt2_small --adapters ddp,zero,megatron,gpipe,pipeline \\
         --gpus 1,2,4,8,16,32,64 --gpus-per-node 4 --out paper/ [--submit | --dry-run] [-- overrides]
-    python -m bench.paper stateff paper/ [--submit | --run] [--gpus-per-node 4]   # phase 2, from phase 1's records
-    python -m bench.paper run paper/        # all three phases here, one after another (CPU scale)
-    python -m bench.paper wait paper/       # until every job of the plan (phase 2's arrays too) has left the queue
+    python -m ptbench.paper stateff paper/ [--submit | --run] [--gpus-per-node 4]   # phase 2, from phase 1's records
+    python -m ptbench.paper run paper/        # all three phases here, one after another (CPU scale)
+    python -m ptbench.paper wait paper/       # until every job of the plan (phase 2's arrays too) has left the queue
 
 As in "How to Train Your Neural Network" (Lin et al.):
 1. epoch time at every GPU count per framework (`epoch.txt`: the preset's settings, 2 epochs so the
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.sweep import REPO, read_points, submit_arrays, write_points
+from ptbench.sweep import REPO, read_points, submit_arrays, write_points
 
 PRESET = {"gpt2_small": "paper_language", "gpt2_medium": "paper_language", "gpt2_tiny": "paper_language_small",
           "vgg16": "paper_vision", "resnet50": "paper_vision", "vgg16_tiny": "paper_vision",
@@ -54,7 +54,7 @@ def layout(adapter: str, gpus: int, gpus_per_node: int, layers: int = 12) -> lis
 
 def plan(workloads: list[str], adapters: list[str], gpus: list[int], gpus_per_node: int, extra: list[str]) -> dict:
     """The points of phases 1 and 3 (phase 2 is chosen later from phase 1's records)."""
-    from bench.runner.compose import compose
+    from ptbench.runner.compose import compose
 
     phases = {"epoch": [], "memory": [], "skipped": []}
     for w in workloads:
@@ -82,7 +82,7 @@ def results_root() -> Path:
 def write_plan(out: Path, phases: dict, args_line: str, stateff_epochs: int = 0) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in ("epoch", "memory"):
-        write_points(out / f"{name}.txt", phases[name], f"python -m bench.paper {args_line} (phase {name})")
+        write_points(out / f"{name}.txt", phases[name], f"python -m ptbench.paper {args_line} (phase {name})")
     (out / "plan.json").write_text(json.dumps({"command": args_line, "skipped": phases["skipped"],
                                                "stateff_epochs": stateff_epochs}, indent=2) + "\n")
 
@@ -143,7 +143,7 @@ def choose_stateff(out: Path, results: Path) -> list[list[str]]:
 
 
 def _point_id(overrides: list[str]) -> str:
-    from bench.sweep import point_id
+    from ptbench.sweep import point_id
 
     return point_id(overrides)
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = []
     if "--" in argv:
         argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    p = argparse.ArgumentParser(prog="python -m bench.paper", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ptbench.paper", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     pl = sub.add_parser("plan", help="write the sweep files; --submit: Slurm arrays, phase 2 after phase 1")
     pl.add_argument("--workloads", required=True)
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         dep = f"--dependency=afterok:{':'.join(ids)}"
         phase2 = ["sbatch", "--parsable", dep, "--job-name=bench-paper-stateff", "--ntasks=1",
                   f"--output={results_root().absolute() / 'slurm'}/%x-%j.out",
-                  f"--wrap={sys.executable} -m bench.paper stateff {args.out.absolute()} --submit "
+                  f"--wrap={sys.executable} -m ptbench.paper stateff {args.out.absolute()} --submit "
                   f"--gpus-per-node {args.gpus_per_node}"]
         print(shlex.join(phase2), flush=True)
         if not args.dry_run and code == 0:
@@ -221,14 +221,14 @@ def main(argv: list[str] | None = None) -> int:
             add_jobs(args.out, ids)  # before this job ends, so `wait` sees them
             return code
         if args.run:
-            return subprocess.run([sys.executable, "-m", "bench.sweep", "run", str(args.out / "stateff.txt")]).returncode
+            return subprocess.run([sys.executable, "-m", "ptbench.sweep", "run", str(args.out / "stateff.txt")]).returncode
         return 0
     # run: the whole protocol here
     code = 0
     for phase in PHASES:
         if phase == "stateff":
             choose_stateff(args.out, args.results)
-        code |= subprocess.run([sys.executable, "-m", "bench.sweep", "run", str(args.out / f"{phase}.txt")]).returncode
+        code |= subprocess.run([sys.executable, "-m", "ptbench.sweep", "run", str(args.out / f"{phase}.txt")]).returncode
     return code
 
 

@@ -1,4 +1,4 @@
-"""`make smoke` / `python -m bench.smoke [--world-size N] [ADAPTER ...]`: every installed adapter for a
+"""`make smoke` / `python -m ptbench.smoke [--world-size N] [ADAPTER ...]`: every installed adapter for a
 few steps on the devices there are, one line each.
 
 N defaults to the visible GPUs (a one-GPU CI runner: 1), or 2 on a CPU-only machine. Each adapter
@@ -17,11 +17,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from adapters import available, get_adapter_class
-from bench.core.errors import ConfigError
-from bench.invoke import run_bench
-from bench.runner.compose import compose, typed, visible_gpus
-from bench.runner.plan import make_plan
+from ptbench.adapters import available, get_adapter_class
+from ptbench.core.errors import ConfigError
+from ptbench.invoke import run_bench
+from ptbench.runner.compose import compose, typed, visible_gpus
+from ptbench.runner.plan import make_plan
 
 
 def framework_installed(cls) -> bool:
@@ -64,7 +64,7 @@ def run_one(name: str, world_size: int, root: Path, timeout: float) -> tuple[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.smoke", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ptbench.smoke", description=__doc__.split("\n\n")[0])
     p.add_argument("adapters", nargs="*", help=f"adapters to run (default: all of {', '.join(available())})")
     p.add_argument("--world-size", type=int, default=None,
                    help="devices to use at most (default: the visible GPUs, or 2 on a CPU-only machine)")

@@ -1,12 +1,12 @@
 """Sweep files: one benchmark point per line of Hydra overrides, run here or as a Slurm job array.
 
-    python -m bench.sweep grid adapter=ddp,zero workload=gpt2_small launcher.nprocs=1,2,4 -o sweep.txt
-    python -m bench.sweep run sweep.txt [--resume] [-- trainer.epochs=3 ...]   # here, one after another
-    python -m bench.sweep submit sweep.txt [--resume] [--gpus-per-node 8] [--sbatch=--partition=gpu]  # job arrays
-    python -m bench.sweep point sweep.txt 3 [--resume] [-- overrides]  # "RANKS GPUS_PER_RANK overrides" or "skip"
-    python -m bench.sweep point sweep.txt 3 --oom-retry [-- overrides]  # its OOM retry's overrides, or "skip"
+    python -m ptbench.sweep grid adapter=ddp,zero workload=gpt2_small launcher.nprocs=1,2,4 -o sweep.txt
+    python -m ptbench.sweep run sweep.txt [--resume] [-- trainer.epochs=3 ...]   # here, one after another
+    python -m ptbench.sweep submit sweep.txt [--resume] [--gpus-per-node 8] [--sbatch=--partition=gpu]  # job arrays
+    python -m ptbench.sweep point sweep.txt 3 [--resume] [-- overrides]  # "RANKS GPUS_PER_RANK overrides" or "skip"
+    python -m ptbench.sweep point sweep.txt 3 --oom-retry [-- overrides]  # its OOM retry's overrides, or "skip"
 
-`grid` expands like `python -m bench -m` does (Hydra's own parser and cartesian product, so
+`grid` expands like `python -m ptbench -m` does (Hydra's own parser and cartesian product, so
 `a,b`, `range(1,4)` and quoting mean the same). Point i is the i-th line that is neither blank
 nor a comment, counted from 0 = SLURM_ARRAY_TASK_ID of `sbatch --array=0-N`.
 
@@ -35,8 +35,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from bench.core.records import point_folders, point_records, results_folder
-from bench.invoke import run_bench
+from ptbench.core.records import point_folders, point_records, results_folder
+from ptbench.invoke import run_bench
 
 REPO = Path(__file__).resolve().parents[1]  # a source checkout: slurm/ beside bench/
 
@@ -76,8 +76,8 @@ def point_id_of(cfg, env=os.environ) -> str:
 def point_id(overrides) -> str:
     """`point_id_of` the config these overrides compose to (Hydra's own parsing: quoting and order do
     not matter); overrides that do not compose are hashed as text (the run itself will be refused)."""
-    from bench.core.errors import ConfigError
-    from bench.runner.compose import compose
+    from ptbench.core.errors import ConfigError
+    from ptbench.runner.compose import compose
 
     kept = [o for o in overrides if not _key(o).startswith(("hydra.", "hydra/"))]
     try:
@@ -116,9 +116,9 @@ def layout(overrides: list[str]) -> tuple[int, int]:
 
 
 def compose_point(overrides: list[str]):
-    """The config `python -m bench <overrides>` would run, with its point id (no torch import)."""
-    from bench.core.errors import ConfigError
-    from bench.runner.compose import compose
+    """The config `python -m ptbench <overrides>` would run, with its point id (no torch import)."""
+    from ptbench.core.errors import ConfigError
+    from ptbench.runner.compose import compose
 
     try:
         cfg = compose(list(overrides))
@@ -132,7 +132,7 @@ def compose_point(overrides: list[str]):
 def run_name(overrides: list[str]) -> tuple[str, str, int]:
     """(adapter, workload, ranks) of a point, for its run id; a point that does not compose keeps a generic
     name (its run then fails with the composition error, recorded under that id)."""
-    from bench.core.errors import ConfigError
+    from ptbench.core.errors import ConfigError
 
     try:
         cfg = compose_point(overrides)
@@ -142,7 +142,7 @@ def run_name(overrides: list[str]) -> tuple[str, str, int]:
 
 
 def layout_of(cfg) -> tuple[int, int]:
-    from adapters import get_adapter_class
+    from ptbench.adapters import get_adapter_class
 
     cls = get_adapter_class(cfg.adapter.name)
     return cls.processes(cfg), cls.devices_per_process(cfg)
@@ -155,7 +155,7 @@ def slurm_shape(ranks: int, devices: int, gpus_per_node: int | None) -> tuple[in
     per_node = max(1, gpus_per_node // devices)
     nodes = -(-ranks // per_node)
     if ranks % nodes:
-        from bench.core.errors import ConfigError
+        from ptbench.core.errors import ConfigError
 
         raise ConfigError(f"{ranks} ranks do not split evenly over {nodes} nodes of {gpus_per_node} GPUs; "
                           "change gpus_per_node or the point's rank count")
@@ -174,11 +174,11 @@ def newest_status(cfg) -> str | None:
 
 
 def apply_hydra_context(cfg) -> None:
-    """Inside `python -m bench`: name the point from its overrides; a multirun keeps its records in
+    """Inside `python -m ptbench`: name the point from its overrides; a multirun keeps its records in
     its sweep folder (hydra.sweep.dir), so every point of one sweep lands in one place."""
     from hydra.core.hydra_config import HydraConfig
 
-    from bench.runner.compose import in_multirun
+    from ptbench.runner.compose import in_multirun
 
     if cfg.results.point is None:
         cfg.results.point = point_id_of(cfg)
@@ -201,13 +201,13 @@ def skip_if_done(cfg, out=None) -> bool:
 # --- command line ----------------------------------------------------------------------------------
 def _grid(args) -> int:
     points = expand_grid(args.overrides)
-    header = "python -m bench.sweep grid " + shlex.join(args.overrides)
+    header = "python -m ptbench.sweep grid " + shlex.join(args.overrides)
     if args.output == "-":
         print("\n".join(shlex.join(p) for p in points))
     else:
         write_points(Path(args.output), points, header)
-        print(f"{len(points)} points -> {args.output}; run them here with `python -m bench.sweep run {args.output}`,"
-              f" or on Slurm with `python -m bench.sweep submit {args.output}`")
+        print(f"{len(points)} points -> {args.output}; run them here with `python -m ptbench.sweep run {args.output}`,"
+              f" or on Slurm with `python -m ptbench.sweep submit {args.output}`")
     return 0
 
 
@@ -247,7 +247,7 @@ def _run(args) -> int:
     for i, point in enumerate(points):
         print(f"[{i + 1}/{len(points)}] point {point_id([*point, *args.extra])}: {shlex.join(point)}", flush=True)
         if args.dry_run:
-            print("  " + shlex.join([sys.executable, "-m", "bench", *point, *extra]))
+            print("  " + shlex.join([sys.executable, "-m", "ptbench", *point, *extra]))
             continue
         name = run_name([*point, *extra])
         run = run_bench([*point, *extra], capture=False, run_name=name)  # a failed point does not stop the sweep
@@ -262,14 +262,14 @@ def _run(args) -> int:
     return 1 if failed else 0
 
 
-# a short bench.comm: sizes 1K x 4^k up to its default maximum, fewer calls per size (~20 s for 2 CPU ranks)
+# a short ptbench.comm: sizes 1K x 4^k up to its default maximum, fewer calls per size (~20 s for 2 CPU ranks)
 COMM_ARGS = ("--factor", "4", "--iters", "10", "--warmup", "3")
 
 
 def comm_targets(points: list[list[str]], extra: list[str]) -> list[tuple[Path, int, str]]:
     """(folder, ranks, backend) per distinct multi-rank world size of the sweep's points: where
-    `python -m bench.comm --out` stores <backend>-<N>.json (the records' folder + /comm)."""
-    from bench.core.errors import ConfigError
+    `python -m ptbench.comm --out` stores <backend>-<N>.json (the records' folder + /comm)."""
+    from ptbench.core.errors import ConfigError
 
     out = []
     for point in points:
@@ -285,23 +285,23 @@ def comm_targets(points: list[list[str]], extra: list[str]) -> list[tuple[Path, 
 
 
 def measure_comm(points: list[list[str]], extra: list[str], dry_run: bool = False, resume: bool = False) -> None:
-    """`python -m bench.comm` once per world size of the sweep (bench/comm.py), before its points; a
+    """`python -m ptbench.comm` once per world size of the sweep (bench/comm.py), before its points; a
     failed measurement is reported and the sweep goes on (the report then says "not measured")."""
     for folder, ranks, backend in comm_targets(points, extra):
         if resume and any(folder.glob(f"*-{ranks}.json")):
             print(f"comm: {folder} already holds a {ranks}-rank measurement: kept (--resume)", flush=True)
             continue
-        cmd = [sys.executable, "-m", "bench.comm", "--world-size", str(ranks), "--backend", backend, *COMM_ARGS,
+        cmd = [sys.executable, "-m", "ptbench.comm", "--world-size", str(ranks), "--backend", backend, *COMM_ARGS,
                "--out", str(folder)]
         print(f"comm: {shlex.join(cmd)}", flush=True)
         if not dry_run and subprocess.run(cmd).returncode:
-            print(f"warning: bench.comm at {ranks} ranks failed; the report will say `not measured`", file=sys.stderr)
+            print(f"warning: ptbench.comm at {ranks} ranks failed; the report will say `not measured`", file=sys.stderr)
 
 
 def submit_comm(file: Path, extra: list[str], *, gpus_per_node: int = 0, sbatch: list[str] = (), resume: bool = False,
                 dry_run: bool = False, out=None) -> int:
-    """`bench.sweep submit`'s network measurement: one small job per world size of the sweep running
-    `srun python -m bench.comm --out <records>/comm` (under srun bench.comm is one rank per task)."""
+    """`ptbench.sweep submit`'s network measurement: one small job per world size of the sweep running
+    `srun python -m ptbench.comm --out <records>/comm` (under srun ptbench.comm is one rank per task)."""
     out = out or sys.stdout
     code = 0
     for folder, ranks, backend in comm_targets(read_points(file), extra):
@@ -309,7 +309,7 @@ def submit_comm(file: Path, extra: list[str], *, gpus_per_node: int = 0, sbatch:
             print(f"comm: {folder} already holds a {ranks}-rank measurement: kept (--resume)", file=out, flush=True)
             continue
         nodes, per_node, gpus = slurm_shape(ranks, 1, gpus_per_node)
-        inner = [sys.executable, "-m", "bench.comm", "--backend", backend, *COMM_ARGS, "--out", str(folder.absolute())]
+        inner = [sys.executable, "-m", "ptbench.comm", "--backend", backend, *COMM_ARGS, "--out", str(folder.absolute())]
         cmd = ["sbatch", "--parsable", "--job-name=bench-comm", f"--chdir={REPO}", "--time=00:20:00",
                f"--output={folder.absolute()}/slurm-%j.out", f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
                *([f"--gpus-per-node={gpus}"] if gpus else []), *sbatch, f"--wrap=srun {shlex.join(inner)}"]
@@ -385,12 +385,12 @@ def _submit(args) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--grid"]:  # `python -m bench.sweep --grid ...` reads naturally too
+    if argv[:1] == ["--grid"]:  # `python -m ptbench.sweep --grid ...` reads naturally too
         argv[0] = "grid"
     extra = []
     if "--" in argv:  # overrides after `--` go to every point
         argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    parser = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ptbench.sweep", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("grid", help="write the cartesian product of sweep overrides, one point per line")
     g.add_argument("overrides", nargs="+", help="Hydra overrides, e.g. adapter=ddp,zero launcher.nprocs=1,2,4")
@@ -399,7 +399,7 @@ def main(argv=None) -> int:
     r.add_argument("file", type=Path)
     r.add_argument("--resume", action="store_true", help="skip points that already have an ok record")
     r.add_argument("--dry-run", action="store_true", help="print the commands only")
-    r.add_argument("--no-comm", action="store_true", help="skip the per-sweep `python -m bench.comm` measurement "
+    r.add_argument("--no-comm", action="store_true", help="skip the per-sweep `python -m ptbench.comm` measurement "
                    "(stored in <results>/<experiment>/comm/ for the report)")
     s = sub.add_parser("submit", help="sbatch slurm/array.sbatch once per allocation shape (overrides after -- go to every point)")
     s.add_argument("file", type=Path)
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
     s.add_argument("--sbatch", action="append", default=[], metavar="ARG",
                    help="an sbatch option for every array, e.g. --sbatch=--partition=gpu (repeatable)")
     s.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
-    s.add_argument("--no-comm", action="store_true", help="skip the one small `python -m bench.comm` job per world "
+    s.add_argument("--no-comm", action="store_true", help="skip the one small `python -m ptbench.comm` job per world "
                    "size (stored in <results>/<experiment>/comm/ for the report)")
     p = sub.add_parser("point", help="print RANKS GPUS_PER_RANK OVERRIDES of point INDEX (used by array.sbatch);"
                                      " overrides after -- are the run's other overrides")
@@ -420,7 +420,7 @@ def main(argv=None) -> int:
                    help="after a failed run: RANKS GPUS_PER_RANK and the overrides that retry the point with half its "
                         "per-device batch if its newest record says oom (extra.batch_reduced_from), else `skip`")
     args = parser.parse_args(argv)
-    from bench.core.errors import ConfigError
+    from ptbench.core.errors import ConfigError
 
     try:
         return _dispatch(args, extra)

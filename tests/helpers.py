@@ -1,4 +1,4 @@
-"""Run the harness as a user would (`python -m bench ...`: a fork of a warm interpreter, tests/forkrun.py,
+"""Run the harness as a user would (`python -m ptbench ...`: a fork of a warm interpreter, tests/forkrun.py,
 or a new one), read its records, and compare losses without letting garbage pass.
 
 Every run starts in its own session (process group): on a timeout the whole group is killed, the
@@ -72,8 +72,8 @@ def _run_forked(cmd: list[str], timeout: float, env: dict, cwd: Path) -> subproc
     return subprocess.CompletedProcess(cmd, code, out, err)
 
 
-def bench(*overrides: str, results: Path, timeout: int = 600, env: dict | None = None, module: str = "bench"):
-    """Run `python -m bench` with overrides; returns the CompletedProcess. Records go under `results`."""
+def bench(*overrides: str, results: Path, timeout: int = 600, env: dict | None = None, module: str = "ptbench"):
+    """Run `python -m ptbench` with overrides; returns the CompletedProcess. Records go under `results`."""
     cmd = [sys.executable, "-m", module, *overrides, f"results.root={results}"]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return run(cmd, timeout, full_env)

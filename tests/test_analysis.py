@@ -1,6 +1,6 @@
 """analysis/: the loader, each figure, the report CLI and the notebooks, on records the harness really wrote.
 
-One module-scoped sweep (`python -m bench.demo` with ddp at 1 and 2 ranks and an unknown adapter the
+One module-scoped sweep (`python -m ptbench.demo` with ddp at 1 and 2 ranks and an unknown adapter the
 demo records as failed), one run that fails after launch (the launcher writes its record), and one
 folder with only config.yaml (a run that never got going) make the records tree.
 """
@@ -25,8 +25,8 @@ import pytest  # noqa: E402
 import yaml  # noqa: E402
 from nbclient import NotebookClient  # noqa: E402
 
-from analysis import load, ok, plots, runs  # noqa: E402
-from analysis.load import find_runs  # noqa: E402
+from ptbench.analysis import load, ok, plots, runs  # noqa: E402
+from ptbench.analysis.load import find_runs  # noqa: E402
 from tests.helpers import REPO, bench, events  # noqa: E402
 
 NOTEBOOKS = sorted((REPO / "analysis").glob("*.ipynb"))
@@ -35,7 +35,7 @@ NOTEBOOKS = sorted((REPO / "analysis").glob("*.ipynb"))
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
     root = tmp_path_factory.mktemp("records")
-    demo = subprocess.run([sys.executable, "-m", "bench.demo", "--points", "ddp:1,ddp:2,nosuch:1", "--results", str(root)],
+    demo = subprocess.run([sys.executable, "-m", "ptbench.demo", "--points", "ddp:1,ddp:2,nosuch:1", "--results", str(root)],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     # fails inside the ranks (the data cannot fill one global batch): the launcher writes the record
@@ -215,7 +215,7 @@ def test_breakdown_stacks_the_phases_of_a_step(df, tmp_path):
 
 
 def test_report_cli_writes_figures_and_tables(tree, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "analysis", "report", str(tree["root"]), "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "ptbench.analysis", "report", str(tree["root"]), "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"report: {tmp_path / 'report.md'}"
@@ -241,7 +241,7 @@ def test_report_on_a_tree_with_no_finished_run_lists_the_failures(tree, tmp_path
     for d in find_runs(tree["root"]):
         if not (d / "events.jsonl").exists():
             shutil.copytree(d, src / d.name)
-    proc = subprocess.run([sys.executable, "-m", "analysis", "report", str(src), "--out", str(tmp_path / "out")],
+    proc = subprocess.run([sys.executable, "-m", "ptbench.analysis", "report", str(src), "--out", str(tmp_path / "out")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "out" / "report.md").read_text()
@@ -251,10 +251,10 @@ def test_report_on_a_tree_with_no_finished_run_lists_the_failures(tree, tmp_path
 
 
 def test_report_cli_on_a_missing_folder_says_so(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "analysis", "report", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
+    proc = subprocess.run([sys.executable, "-m", "ptbench.analysis", "report", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: results folder {tmp_path / 'nope'} does not exist; run `python -m bench ...` or `make demo` first"
+    assert proc.stderr.strip() == f"error: results folder {tmp_path / 'nope'} does not exist; run `python -m ptbench ...` or `make demo` first"
 
 
 def test_notebook_kernel_is_this_venv():
@@ -391,7 +391,7 @@ def test_mixed_global_batches_at_one_device_count_are_warned(tmp_path):
 
 
 def write_report_(root, out, baseline="best"):
-    from analysis.report import write_report
+    from ptbench.analysis.report import write_report
 
     return write_report(root, out, baseline=baseline)
 
@@ -509,7 +509,7 @@ def test_speedup_baseline_best_and_per_series(tmp_path):
     ideals = sorted(tuple(ln.get_xdata()) for ln in fig.axes[0].get_lines() if ln.get_label() == "ideal")
     assert ideals == [(1, 2, 4), (2, 4)]  # one ideal line per baseline device count
 
-    proc = subprocess.run([sys.executable, "-m", "analysis", "report", str(root), "--out", str(tmp_path / "o"),
+    proc = subprocess.run([sys.executable, "-m", "ptbench.analysis", "report", str(root), "--out", str(tmp_path / "o"),
                            "--baseline", "per-series"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "o" / "report.md").read_text()

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.core import checkpoint as ckpt
-from bench.core.errors import ConfigError
-from bench.core.records import write_json
+from ptbench.core import checkpoint as ckpt
+from ptbench.core.errors import ConfigError
+from ptbench.core.records import write_json
 from tests.helpers import assert_losses_close, bench, check_ok, events, only_run, step_losses, summary
 
 TINY = ["experiment=smoke", "workload.vocab_size=256", "data.train_samples=64", "trainer.max_steps=0",
@@ -104,7 +104,7 @@ def test_crash_during_a_save_keeps_the_previous_checkpoint_and_pruning_keeps_k(t
 
 # --- no ranks: refusals, commit, prune, lookup --------------------------------------------------------
 def _cfg(*overrides: str):
-    from bench.runner.compose import compose, typed
+    from ptbench.runner.compose import compose, typed
 
     return typed(compose(["experiment=smoke", *overrides]))
 
@@ -115,7 +115,7 @@ def _cfg(*overrides: str):
     (["adapter=ddp", "trainer.inject_stop=3"], "RANK:STEP"),
 ])
 def test_bad_checkpoint_settings_are_refused_before_launch(overrides, message):
-    from adapters import get_adapter_class
+    from ptbench.adapters import get_adapter_class
 
     cfg = _cfg(*overrides)
     with pytest.raises(ConfigError, match=message):
@@ -125,8 +125,8 @@ def test_bad_checkpoint_settings_are_refused_before_launch(overrides, message):
 def test_adapters_that_cannot_checkpoint_say_so(monkeypatch):
     import torch
 
-    from adapters import get_adapter_class
-    from adapters.base import Adapter
+    from ptbench.adapters import get_adapter_class
+    from ptbench.adapters.base import Adapter
 
     assert Adapter.checkpoint_unsupported  # a new adapter refuses until its checkpoints are tested
     for name in ("ddp", "fsdp", "zero", "tensor_parallel", "horovod", "gpipe", "megatron", "pipeline"):
@@ -184,7 +184,7 @@ def test_commit_prune_and_lookup(tmp_path):
 def test_sampler_resumes_at_a_step():
     import torch
 
-    from bench.core.data import StepShardedSampler
+    from ptbench.core.data import StepShardedSampler
 
     data = torch.utils.data.TensorDataset(torch.arange(64))
     whole = StepShardedSampler(data, 2, 1, 4, 1, seed=7)

@@ -1,6 +1,6 @@
-"""bench.comm (measured collectives, nccl-tests bandwidths) and bench.core.comm_volume (bytes per step).
+"""ptbench.comm (measured collectives, nccl-tests bandwidths) and ptbench.core.comm_volume (bytes per step).
 
-The measurement test runs the real CLI: 2 gloo ranks spawned by `python -m bench.comm`, and checks
+The measurement test runs the real CLI: 2 gloo ranks spawned by `python -m ptbench.comm`, and checks
 the JSON it writes; no assertion depends on how fast the machine is.
 """
 import json
@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
 SIZES = [1 << k for k in range(10, 21)]  # 1K .. 1M, factor 2
-# nccl-tests doc/PERFORMANCE.md bus-bandwidth factors, written out independently of bench.comm
+# nccl-tests doc/PERFORMANCE.md bus-bandwidth factors, written out independently of ptbench.comm
 FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
@@ -27,7 +27,7 @@ FACTOR = {
 def _run_comm(tmp_path, *extra):
     """`--out DIR` (what a sweep passes): DIR/<backend>-2.json and the printed table as DIR/<backend>-2.txt."""
     out = tmp_path / "comm"
-    cmd = [sys.executable, "-m", "bench.comm", "--world-size", "2", "--max-bytes", "1M", "--iters", "3",
+    cmd = [sys.executable, "-m", "ptbench.comm", "--world-size", "2", "--max-bytes", "1M", "--iters", "3",
            "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
@@ -108,7 +108,7 @@ def test_ring_reduce_scatter_is_correct(tmp_path):
 
 
 def test_cli_rejects_bad_arguments(capsys):
-    from bench.comm import main  # the CLI's own entry point, in-process: refused before any rank is spawned
+    from ptbench.comm import main  # the CLI's own entry point, in-process: refused before any rank is spawned
 
     for args, why in ((["--ops", "all_reduce,alltoall"], "--ops: unknown ['alltoall']"),
                       (["--min-bytes", "2M", "--max-bytes", "1M"], "need 0 < min_bytes <= max_bytes"),
@@ -121,7 +121,7 @@ def test_cli_rejects_bad_arguments(capsys):
 
 
 def test_parse_size_and_sizes():
-    from bench.comm import parse_size, sizes
+    from ptbench.comm import parse_size, sizes
 
     assert parse_size("1K") == 1024 and parse_size("256M") == 256 << 20 and parse_size("1G") == 1 << 30
     assert parse_size("4096") == 4096 and parse_size("64KiB") == 65536
@@ -133,12 +133,12 @@ def test_parse_size_and_sizes():
 # comm_volume: hand-computed numbers
 
 def test_comm_volume_has_no_torch_at_import():
-    code = "import sys, bench.core.comm_volume; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, ptbench.core.comm_volume; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
 def test_ddp_horovod_zero0_all_reduce():
-    from bench.core.comm_volume import volume
+    from ptbench.core.comm_volume import volume
 
     # 2 (N-1)/N * Psi * B = 2 * 3/4 * 1e6 * 4 = 6e6
     for adapter in ("ddp", "horovod", "zero0"):
@@ -154,7 +154,7 @@ def test_ddp_horovod_zero0_all_reduce():
 
 
 def test_zero12_reduce_scatter_plus_all_gather():
-    from bench.core.comm_volume import volume
+    from ptbench.core.comm_volume import volume
 
     for stage in (1, 2):
         v = volume("zero", stage=stage, params=1_000_000, world_size=4)
@@ -165,7 +165,7 @@ def test_zero12_reduce_scatter_plus_all_gather():
 
 
 def test_zero3_and_fsdp_one_and_a_half_ddp():
-    from bench.core.comm_volume import volume
+    from ptbench.core.comm_volume import volume
 
     for adapter in ("zero3", "fsdp"):
         v = volume(adapter, params=1_000_000, world_size=4)
@@ -178,7 +178,7 @@ def test_zero3_and_fsdp_one_and_a_half_ddp():
 
 
 def test_tensor_parallel_megatron_layers():
-    from bench.core.comm_volume import volume
+    from ptbench.core.comm_volume import volume
 
     # b=2, s=1024, h=768 fp32: one activation = 2*1024*768*4 = 6,291,456 B; t=2: 2(t-1)/t = 1
     # 4 all-reduces/layer * 12 layers * 1 micro-batch * 6,291,456 = 301,989,888 B
@@ -199,7 +199,7 @@ def test_tensor_parallel_megatron_layers():
 
 
 def test_pipeline_and_megatron_3d():
-    from bench.core.comm_volume import volume
+    from ptbench.core.comm_volume import volume
 
     act = 4 * 512 * 1024 * 2  # b=4, s=512, h=1024, bf16 = 4,194,304 B
     # 2 stages: each stage sends one direction, 8 micro-batches
@@ -221,7 +221,7 @@ def test_pipeline_and_megatron_3d():
 
 
 def test_volume_rejects_inconsistent_inputs():
-    from bench.core.comm_volume import volume
+    from ptbench.core.comm_volume import volume
 
     with pytest.raises(ValueError):
         volume("nope", params=1, world_size=2)
@@ -240,7 +240,7 @@ def test_volume_rejects_inconsistent_inputs():
 
 
 def test_time_at_and_report_lookup():
-    from bench.core.comm_volume import busbw_from_report, step_comm_time, time_at, volume
+    from ptbench.core.comm_volume import busbw_from_report, step_comm_time, time_at, volume
 
     assert time_at(6e6, 1.5) == pytest.approx(4e-3)  # 6 MB at 1.5 GB/s
     assert time_at(0, 1.0) == 0

@@ -2,7 +2,7 @@
 
 Memory: the ZeRO paper's own numbers (Fig. 1: Ψ = 7.5 B, N = 64, mixed-precision Adam), DeepSpeed's
 fp32 master copy, the per-tensor partition rule, the GPT-2 shard sizes checked against the real
-model's parameters, Korthikanti et al.'s activation formula, and `python -m bench --plan`.
+model's parameters, Korthikanti et al.'s activation formula, and `python -m ptbench --plan`.
 Which adapter: hand-built record folders (as tests/test_analysis.py builds them) whose winners are
 written out below. Sinks: the MLLOG file parsed back (through mlperf-logging's MLLogger when it is
 installed, and by hand without it); TensorBoard scalars read back (skipped only without tensorboard).
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import yaml
 
-from bench.core import memory_model as mm
-from bench.core import sinks
+from ptbench.core import memory_model as mm
+from ptbench.core import sinks
 
 REPO = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -98,8 +98,8 @@ def test_per_tensor_partition_keeps_straddling_gradients_whole():
 def _gpt2_model(**over):
     import torch
 
-    from bench.runner.compose import compose, typed
-    from workloads import build_workload
+    from ptbench.runner.compose import compose, typed
+    from ptbench.workloads import build_workload
 
     cfg = typed(compose(["workload=gpt2_tiny", *[f"workload.{k}={v}" for k, v in over.items()]]))
     with torch.device("meta"):
@@ -166,16 +166,16 @@ def test_vision_activation_count_and_fits():
                    activation_elements_per_sample=266, precision="bf16")
     assert p["activations"] == 266 * 2 * 16
     assert mm.fits(80, 100) and not mm.fits(95, 100) and mm.fits(95, 100, headroom=1.0) and mm.fits(1e30, None)
-    from bench.core.errors import ConfigError
+    from ptbench.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="exceeds 90% of the device"):
         mm.check_fits(p, device=p["total"] / 2)
 
 
 def test_predict_run_from_a_config_counts_the_model():
-    from bench.runner.compose import compose, typed
-    from bench.runner.plan import make_plan
-    from workloads import build_workload
+    from ptbench.runner.compose import compose, typed
+    from ptbench.runner.plan import make_plan
+    from ptbench.workloads import build_workload
 
     cfg = typed(compose(["adapter=zero", "adapter.stage=2", "launcher.nprocs=2", "workload=gpt2_tiny",
                          "trainer.batch_size=4"]))
@@ -192,7 +192,7 @@ def test_predict_run_from_a_config_counts_the_model():
 
 
 def test_plan_flag_prints_the_prediction_and_starts_no_rank(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "bench", "--plan", "adapter=fsdp", "launcher.nprocs=2",
+    out = subprocess.run([sys.executable, "-m", "ptbench", "--plan", "adapter=fsdp", "launcher.nprocs=2",
                           "workload=gpt2_tiny", f"results.root={tmp_path}"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -201,7 +201,7 @@ def test_plan_flag_prints_the_prediction_and_starts_no_rank(tmp_path):
         assert f"  {part}" in out.stdout
     assert "device memory:" in out.stdout
     assert not any(tmp_path.iterdir())  # no run folder: nothing launched
-    bad = subprocess.run([sys.executable, "-m", "bench", "--plan", "adapter=ddp", "trainer.nosuch=1"],
+    bad = subprocess.run([sys.executable, "-m", "ptbench", "--plan", "adapter=ddp", "trainer.nosuch=1"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "error:" in bad.stderr
 
@@ -262,8 +262,8 @@ def _sweep(root):
 
 
 def test_which_adapter_names_the_winners_and_their_runs(tmp_path):
-    from analysis import load
-    from analysis.report import time_to_target, which_adapter, write_report
+    from ptbench.analysis import load
+    from ptbench.analysis.report import time_to_target, which_adapter, write_report
 
     root = tmp_path / "r"
     _sweep(root)
@@ -301,8 +301,8 @@ def test_which_adapter_names_the_winners_and_their_runs(tmp_path):
 
 
 def test_which_adapter_says_what_it_cannot_decide(tmp_path):
-    from analysis import load
-    from analysis.report import which_adapter, which_adapter_lines
+    from ptbench.analysis import load
+    from ptbench.analysis.report import which_adapter, which_adapter_lines
 
     root = tmp_path / "r"
     # vision, one device count, no validation metric; two runs of one point (spread exists there)
@@ -420,10 +420,10 @@ def test_tensorboard_scalars_read_back(tmp_path):
 
 
 def test_plan_memory_is_one_call_for_the_runner():
-    from bench.core.errors import ConfigError
-    from bench.runner.compose import compose, typed
-    from bench.runner.plan import make_plan
-    from workloads import build_workload
+    from ptbench.core.errors import ConfigError
+    from ptbench.runner.compose import compose, typed
+    from ptbench.runner.plan import make_plan
+    from ptbench.workloads import build_workload
 
     cfg = typed(compose(["adapter=ddp", "launcher.nprocs=1", "workload=gpt2_tiny"]))
     plan = make_plan(cfg, "local", check=False)
@@ -447,9 +447,9 @@ def _gpt2_params(V, s, h, L):
 
 
 def _plan_volume(*overrides):
-    from bench.runner.compose import compose, typed
-    from bench.runner.launch import comm_volume
-    from bench.runner.plan import make_plan
+    from ptbench.runner.compose import compose, typed
+    from ptbench.runner.launch import comm_volume
+    from ptbench.runner.plan import make_plan
 
     cfg = typed(compose(["workload=gpt2_tiny", "workload.vocab_size=256", "launcher.nprocs=2", *overrides]))
     plan = make_plan(cfg, "local", check=False)
@@ -484,7 +484,7 @@ def test_comm_volume_recorded_from_the_plan_matches_hand_counts():
 
 def _comm_json(folder, backend, n, rows):
     folder.mkdir(parents=True, exist_ok=True)
-    rep = {"tool": "bench.comm", "backend": backend, "world_size": n,
+    rep = {"tool": "ptbench.comm", "backend": backend, "world_size": n,
            "results": [{"op": op, "bytes": size, "busbw_GBps": bw} for op, size, bw in rows]}
     (folder / f"{backend}-{n}.json").write_text(json.dumps(rep))
 
@@ -509,9 +509,9 @@ def _coll(op, n, message, bytes_, phase, formula="f"):
 
 
 def test_report_sets_comm_volume_against_measured_busbw(tmp_path):
-    from analysis import load
-    from analysis.load import comm_table, load_comm
-    from analysis.report import comm_lines
+    from ptbench.analysis import load
+    from ptbench.analysis.load import comm_table, load_comm
+    from ptbench.analysis.report import comm_lines
 
     root = tmp_path / "r"
     # ddp x2: steps of 4.0/6 and 2.0/6 s (mean 500 ms), backward 150 ms; 1 MB all-reduce per step
@@ -560,7 +560,7 @@ def test_report_sets_comm_volume_against_measured_busbw(tmp_path):
 
 
 def test_sweep_measures_the_network_once_per_world_size(tmp_path, capsys):
-    from bench import sweep
+    from ptbench import sweep
 
     root = tmp_path / "res"
     points = [["adapter=ddp", "launcher.nprocs=2"], ["adapter=zero", "launcher.nprocs=2"],
@@ -570,16 +570,16 @@ def test_sweep_measures_the_network_once_per_world_size(tmp_path, capsys):
     assert sweep.comm_targets(points, extra) == [(folder, 2, "auto"), (folder, 4, "auto")]
     sweep.measure_comm(points, extra, dry_run=True)
     cmds = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("comm: ")]
-    assert len(cmds) == 2 and all(f"--out {folder}" in c and "-m bench.comm" in c for c in cmds)
+    assert len(cmds) == 2 and all(f"--out {folder}" in c and "-m ptbench.comm" in c for c in cmds)
     assert "--world-size 2 --backend auto" in cmds[0] and "--world-size 4" in cmds[1]
-    # on Slurm: one small job per world size, srun starting one bench.comm rank per task
+    # on Slurm: one small job per world size, srun starting one ptbench.comm rank per task
     sweep_file = tmp_path / "sweep.txt"
     sweep.write_points(sweep_file, points, "test")
     assert sweep.submit_comm(sweep_file, extra, dry_run=True) == 0
     subs = capsys.readouterr().out.splitlines()
     assert len(subs) == 2 and all(c.startswith("sbatch --parsable --job-name=bench-comm") for c in subs)
     assert "--ntasks-per-node=2" in subs[0] and "--ntasks-per-node=4" in subs[1]
-    assert f"--wrap=srun {sys.executable} -m bench.comm --backend auto" in subs[0] and f"--out {folder}'" in subs[0]
+    assert f"--wrap=srun {sys.executable} -m ptbench.comm --backend auto" in subs[0] and f"--out {folder}'" in subs[0]
     _comm_json(folder, "gloo", 2, [])
     sweep.measure_comm(points, extra, dry_run=True, resume=True)
     out = capsys.readouterr().out
@@ -587,20 +587,20 @@ def test_sweep_measures_the_network_once_per_world_size(tmp_path, capsys):
 
 
 def test_a_real_run_records_its_volume_and_the_table_reads_it(tmp_path):
-    """The runner's path, real: one 2-rank ddp point through `bench.sweep run --no-comm` (the measurement
+    """The runner's path, real: one 2-rank ddp point through `ptbench.sweep run --no-comm` (the measurement
     itself is tests/test_comm.py's), its record's `comm_volume`, and the report table over it."""
     from helpers import check_ok, only_run, run, summary
 
-    from analysis import load
-    from analysis.load import comm_table, load_comm
+    from ptbench.analysis import load
+    from ptbench.analysis.load import comm_table, load_comm
 
     sweep_file = tmp_path / "sweep.txt"
     sweep_file.write_text("adapter=ddp launcher.nprocs=2 workload.vocab_size=256 trainer.max_steps=3\n")
     res = tmp_path / "res"
-    out = run([sys.executable, "-m", "bench.sweep", "run", str(sweep_file), "--no-comm", "--", "experiment=smoke",
+    out = run([sys.executable, "-m", "ptbench.sweep", "run", str(sweep_file), "--no-comm", "--", "experiment=smoke",
                f"results.root={res}"], timeout=600)
     check_ok(out)
-    assert "-m bench.comm" not in out.stdout
+    assert "-m ptbench.comm" not in out.stdout
     cv = summary(only_run(res))["comm_volume"]
     assert cv["total_bytes"] == 2 * (2 - 1) / 2 * _gpt2_params(256, 64, 128, 2) * 4 and cv["backend"] == "gloo"
     _comm_json(res / "smoke" / "comm", "gloo", 2, [("all_reduce", 1 << 20, 0.25)])
@@ -610,9 +610,9 @@ def test_a_real_run_records_its_volume_and_the_table_reads_it(tmp_path):
 
 
 def test_optional_sinks_refused_before_launch_when_missing(monkeypatch):
-    from bench.core.errors import ConfigError
-    from bench.runner.checks import check_config
-    from bench.runner.compose import compose, typed
+    from ptbench.core.errors import ConfigError
+    from ptbench.runner.checks import check_config
+    from ptbench.runner.compose import compose, typed
 
     for key in ("wandb", "mlflow"):
         monkeypatch.setitem(sys.modules, key, None)  # as if not installed: import raises ImportError

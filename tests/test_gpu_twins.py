@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from bench.core.errors import ConfigError
-from bench.core.records import nvidia_smi
-from bench.runner.checks import check_devices
-from bench.runner.compose import compose, typed
-from bench.smoke import main as smoke_main
-from bench.smoke import smoke_point
+from ptbench.core.errors import ConfigError
+from ptbench.core.records import nvidia_smi
+from ptbench.runner.checks import check_devices
+from ptbench.runner.compose import compose, typed
+from ptbench.smoke import main as smoke_main
+from ptbench.smoke import smoke_point
 from tests.helpers import check_ok, run
 
 # `nvidia-smi --query-gpu=driver_version,name,memory.total,pci.bus_id --format=csv,noheader` and
@@ -57,7 +57,7 @@ def test_smoke_picks_the_largest_layout_that_fits(tmp_path, adapter, world, expe
 
 
 def test_smoke_skips_with_the_reason_when_nothing_fits(tmp_path, monkeypatch):
-    from adapters import get_adapter_class
+    from ptbench.adapters import get_adapter_class
 
     cls = get_adapter_class("megatron")
     # a layout that no world size <= 2 can take: TP=4 whatever the devices
@@ -85,9 +85,9 @@ def test_nvidia_smi_absent_or_broken_gives_nothing():
 
 
 def test_smoke_command_runs_an_adapter_and_reports_it(tmp_path):
-    """`python -m bench.smoke ddp --world-size 1` end to end: one line per adapter, then the tally, exit 0.
+    """`python -m ptbench.smoke ddp --world-size 1` end to end: one line per adapter, then the tally, exit 0.
     (`make test` no longer runs the whole smoke: see the Makefile's list of the tests covering each case.)"""
-    proc = run([sys.executable, "-m", "bench.smoke", "ddp", "--world-size", "1", "--timeout", "300"], timeout=360,
+    proc = run([sys.executable, "-m", "ptbench.smoke", "ddp", "--world-size", "1", "--timeout", "300"], timeout=360,
                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     check_ok(proc)
     lines = proc.stdout.strip().splitlines()
@@ -103,7 +103,7 @@ def test_smoke_refuses_an_unknown_adapter(capsys):
 @pytest.mark.parametrize("ci, status", [("true", "FAILED"), ("", "skipped")])
 def test_smoke_fails_a_missing_framework_only_under_ci(tmp_path, monkeypatch, ci, status):
     """README: an adapter whose framework is not installed is skipped with the reason, except under CI=true."""
-    import bench.smoke as smoke
+    import ptbench.smoke as smoke
 
     monkeypatch.setattr(smoke, "framework_installed", lambda cls: False)
     monkeypatch.setenv("CI", ci)

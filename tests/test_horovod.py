@@ -55,7 +55,7 @@ def test_gpt2_horovodrun_and_srun_style_equal_ddp(tmp_path, ddp_gpt2_reference):
     hvd = bench(*common, "adapter=horovod", "adapter.fusion_threshold_mb=32", "adapter.cycle_time_ms=2.5",
                 results=tmp_path / "hvd")
     ext = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(_free_port()), "-m", "bench", *common, "adapter=horovod", "launcher=torchrun",
+               str(_free_port()), "-m", "ptbench", *common, "adapter=horovod", "launcher=torchrun",
                f"results.root={tmp_path / 'ext'}"], timeout=600)
     for proc in (hvd, ext):
         check_ok(proc)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.core.environments import SlurmEnvironment, TorchrunEnvironment, expand_nodelist, slurm_port
-from bench.core.errors import ConfigError
-from bench.runner.checks import start_method
-from bench.runner.compose import compose, typed
-from bench.runner.plan import make_plan
+from ptbench.core.environments import SlurmEnvironment, TorchrunEnvironment, expand_nodelist, slurm_port
+from ptbench.core.errors import ConfigError
+from ptbench.runner.checks import start_method
+from ptbench.runner.compose import compose, typed
+from ptbench.runner.plan import make_plan
 from tests.helpers import SMOKE, assert_losses_close, bench, check_ok, only_run, run, step_losses, summary
 
 SMALL = ["experiment=smoke", "trainer.max_steps=3"]
@@ -55,7 +55,7 @@ def local_small(smoke_run):
 def test_run_under_torchrun_equals_local_run(local_small, tmp_path):
     """torchrun starting the ranks changes who starts them, not the training: the same per-step losses."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "bench", "launcher=torchrun", *SMOKE, f"results.root={tmp_path}"]
+           "-m", "ptbench", "launcher=torchrun", *SMOKE, f"results.root={tmp_path}"]
     proc = run(cmd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     check_ok(proc)
     s = summary(only_run(tmp_path))
@@ -114,7 +114,7 @@ BAD = [
 
 
 def _refused(overrides: list[str], tmp_path) -> str:
-    """The one-line message the pre-launch checks give (what `python -m bench` prints after `error: `)."""
+    """The one-line message the pre-launch checks give (what `python -m ptbench` prints after `error: `)."""
     with pytest.raises(ConfigError) as e:
         make_plan(typed(compose([*SMALL, *overrides, f"results.root={tmp_path / 'r'}"])), "local")
     msg = str(e.value)
@@ -131,12 +131,12 @@ def test_bad_input_is_refused_by_the_checks(tmp_path, monkeypatch, overrides, me
 
 # End to end, as a user sees it: exit 2, one line on stderr, no record. A torchrun launcher without
 # torchrun's environment (checked by the launcher, not the plan); fp16 on a machine without a GPU (no
-# visible GPU, so it holds on a GPU runner too); a Hydra schema error (`python -m bench` pre-composes, so
+# visible GPU, so it holds on a GPU runner too); a Hydra schema error (`python -m ptbench` pre-composes, so
 # it is one line too); another adapter's key.
 CLI = [
     (["launcher=torchrun"], "launcher=torchrun but RANK/WORLD_SIZE/LOCAL_RANK are not set", ""),
     (["trainer.precision=fp16"], "trainer.precision=fp16 needs a GPU", ""),
-    (["trainer.batchsize=3"], "trainer.batchsize: Key 'batchsize' not in 'TrainerConfig'", "python -m bench --cfg job"),
+    (["trainer.batchsize=3"], "trainer.batchsize: Key 'batchsize' not in 'TrainerConfig'", "python -m ptbench --cfg job"),
     (["adapter=ddp", "adapter.stage=3"], "adapter.stage is not a key of adapter=ddp", "adapter=zero"),
 ]
 

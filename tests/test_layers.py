@@ -11,36 +11,39 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = ("bench", "adapters", "workloads", "analysis", "hydra_plugins")
+# repository folder -> the import name it installs as (pyproject.toml's package-dir)
+FOLDERS = {"bench": "ptbench", "adapters": "ptbench.adapters", "workloads": "ptbench.workloads",
+           "analysis": "ptbench.analysis"}
 LAYERS = {"plumbing": 0, "workloads": 1, "adapters": 2, "runner": 3, "drivers": 4}
 
 
 def layer(module: str) -> str | None:
     """The layer of an importable module name of this project, None for anything else."""
     parts = module.split(".")
-    if parts[0] == "bench":
-        if len(parts) == 1 or parts[1] == "core":
-            return "plumbing"  # bench/__init__.py is a docstring
-        return "runner" if parts[1] == "runner" else "drivers"
-    if parts[0] in ("workloads", "adapters", "analysis"):
-        return parts[0]
-    if parts[0] == "hydra_plugins" and len(parts) > 1 and parts[1] == "trainbench_launcher":
+    if parts[0] == "hydra_plugins" and len(parts) > 1 and parts[1] == "ptbench_launcher":
         return "drivers"
-    return None
+    if parts[0] != "ptbench":
+        return None
+    if len(parts) == 1 or parts[1] == "core":
+        return "plumbing"  # bench/__init__.py is a docstring
+    if parts[1] in ("workloads", "adapters", "analysis"):
+        return parts[1]
+    return "runner" if parts[1] == "runner" else "drivers"
 
 
 def module_name(path: Path) -> str:
     rel = path.relative_to(REPO).with_suffix("")
     if rel.parts[:3] == ("bench", "plugins", "hydra_plugins"):
-        rel = Path(*rel.parts[2:])
-    parts = list(rel.parts)
+        parts = list(rel.parts[2:])
+    else:
+        parts = [*FOLDERS[rel.parts[0]].split("."), *rel.parts[1:]]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def imported(source: str, module: str, is_package: bool) -> list[tuple[int, list[str]]]:
-    """(line, names) per import statement; `from bench import sweep` names bench and bench.sweep."""
+    """(line, names) per import statement; `from bench import sweep` names bench and ptbench.sweep."""
     out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -74,7 +77,7 @@ def violations(module: str, source: str, is_package: bool = False) -> list[str]:
 
 
 def project_modules() -> list[Path]:
-    return sorted(p for root in ROOTS[:4] for p in (REPO / root).rglob("*.py") if "__pycache__" not in p.parts)
+    return sorted(p for root in FOLDERS for p in (REPO / root).rglob("*.py") if "__pycache__" not in p.parts)
 
 
 def test_no_module_imports_upward():
@@ -84,24 +87,34 @@ def test_no_module_imports_upward():
     assert not found, "\n".join(found)
 
 
+def test_no_module_imports_a_folder_by_its_bare_name():
+    """Everything installs under ptbench: an `import adapters` (or bench, workloads, analysis) would
+    reach another project's package of that name on the index, or nothing."""
+    found = [f"{module_name(path)}:{lineno} imports {name}"
+             for path in project_modules()
+             for lineno, names in imported(path.read_text(), module_name(path), path.name == "__init__.py")
+             for name in names[:1] if name.split(".")[0] in FOLDERS]
+    assert found == []
+
+
 def test_every_module_has_a_layer():
     assert [m for m in map(module_name, project_modules()) if layer(m) is None] == []
-    assert layer(module_name(REPO / "bench/plugins/hydra_plugins/trainbench_launcher/__init__.py")) == "drivers"
+    assert layer(module_name(REPO / "bench/plugins/hydra_plugins/ptbench_launcher/__init__.py")) == "drivers"
 
 
 @pytest.mark.parametrize("module, source", [
-    ("bench.core.records", "def f():\n    from workloads import build_workload\n"),  # plumbing -> workloads, lazily
-    ("workloads.gpt2", "import adapters.base\n"),
-    ("adapters.ddp", "from bench.runner.trainer import Trainer\n"),
-    ("adapters.zero", "from bench import sweep\n"),
-    ("bench.runner.launch", "from bench.smoke import run_one\n"),
-    ("analysis.plots", "from bench.core.records import RunRecord\n"),
-    ("bench.demo", "from analysis.report import write_report\n"),
+    ("ptbench.core.records", "def f():\n    from ptbench.workloads import build_workload\n"),  # plumbing -> workloads, lazily
+    ("ptbench.workloads.gpt2", "import ptbench.adapters.base\n"),
+    ("ptbench.adapters.ddp", "from ptbench.runner.trainer import Trainer\n"),
+    ("ptbench.adapters.zero", "from ptbench import sweep\n"),
+    ("ptbench.runner.launch", "from ptbench.smoke import run_one\n"),
+    ("ptbench.analysis.plots", "from ptbench.core.records import RunRecord\n"),
+    ("ptbench.demo", "from ptbench.analysis.report import write_report\n"),
 ])
 def test_the_check_catches_upward_imports(module, source):
     assert len(violations(module, source)) == 1
 
 
 def test_the_check_allows_downward_imports():
-    assert violations("bench.runner.launch", "from adapters import get_adapter_class\nfrom bench.core import dist\n") == []
-    assert violations("adapters.ddp", "from . import base\nfrom adapters._pipeline import x\n", False) == []
+    assert violations("ptbench.runner.launch", "from ptbench.adapters import get_adapter_class\nfrom ptbench.core import dist\n") == []
+    assert violations("ptbench.adapters.ddp", "from . import base\nfrom ptbench.adapters._pipeline import x\n", False) == []

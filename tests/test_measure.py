@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from bench.core import memory
-from bench.core.data import StepShardedSampler, eval_loader
-from bench.core.timing import PhaseTimer
+from ptbench.core import memory
+from ptbench.core.data import StepShardedSampler, eval_loader
+from ptbench.core.timing import PhaseTimer
 from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, events, only_run, summary
 
 CPU = torch.device("cpu")

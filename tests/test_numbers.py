@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from bench.core.data import data_workers
-from bench.core.dist import dist_timeout_s
-from bench.core.errors import ConfigError
-from bench.core.flops import math_dtype, mfu, peak_for
-from bench.core.optim import build_optimizer, param_groups
-from bench.core.timing import PhaseTimer
-from bench.runner.compose import compose, typed
-from bench.runner.plan import make_plan
+from ptbench.core.data import data_workers
+from ptbench.core.dist import dist_timeout_s
+from ptbench.core.errors import ConfigError
+from ptbench.core.flops import math_dtype, mfu, peak_for
+from ptbench.core.optim import build_optimizer, param_groups
+from ptbench.core.timing import PhaseTimer
+from ptbench.runner.compose import compose, typed
+from ptbench.runner.plan import make_plan
 from tests.helpers import SMOKE, bench, check_ok, events, only_run, step_losses, summary
 
 TINY = SMOKE  # experiment=smoke at vocabulary 256: the settings of the shared smoke_run (conftest)

@@ -26,7 +26,7 @@ def installed(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("pkg")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO),
                     "-w", str(tmp / "dist")], check=True, capture_output=True, cwd=tmp, timeout=600)
-    wheel = next((tmp / "dist").glob("trainbench-*.whl"))
+    wheel = next((tmp / "dist").glob("ptbench-*.whl"))
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     site = Path(subprocess.run([str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -43,20 +43,35 @@ def _run(python: Path, cwd: Path, *args: str, timeout: int = 600) -> subprocess.
 
 
 def test_installed_package_is_not_the_checkout(installed, tmp_path):
-    proc = _run(installed, tmp_path, "-c", "import bench, hydra_plugins.trainbench_launcher as p; print(bench.__file__, p.__file__)")
+    proc = _run(installed, tmp_path, "-c", "import ptbench, hydra_plugins.ptbench_launcher as p; print(ptbench.__file__, p.__file__)")
     assert proc.returncode == 0, proc.stderr
     assert str(REPO) not in proc.stdout and "site-packages" in proc.stdout, proc.stdout
 
 
+def test_everything_installs_under_one_namespace(installed, tmp_path):
+    """The wheel puts ptbench/ and Hydra's plugin folder in site-packages and nothing else: the folders'
+    own names (bench, adapters, workloads, analysis) belong to other projects on the package index."""
+    site = Path(_run(installed, tmp_path, "-c", "import ptbench, pathlib; print(pathlib.Path(ptbench.__file__).parents[1])")
+                .stdout.strip())
+    tops = sorted(p.name for p in site.iterdir() if p.name != "deps.pth" and not p.name.endswith(".dist-info"))
+    assert tops == ["hydra_plugins", "ptbench"], tops
+    assert sorted(p.name for p in (site / "hydra_plugins").iterdir()) == ["ptbench_launcher"]
+    proc = _run(installed, tmp_path, "-c", "import ptbench.adapters, ptbench.workloads, ptbench.analysis, ptbench.conf")
+    assert proc.returncode == 0, proc.stderr
+    for bare in ("bench", "adapters", "workloads", "analysis"):
+        proc = _run(installed, tmp_path, "-c", f"import {bare}")
+        assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr, (bare, proc.stderr)
+
+
 def test_smoke_run_from_any_directory(installed, tmp_path):
-    proc = _run(installed, tmp_path, "-m", "bench", "experiment=smoke", "launcher.nprocs=1", "results.root=out")
+    proc = _run(installed, tmp_path, "-m", "ptbench", "experiment=smoke", "launcher.nprocs=1", "results.root=out")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list((tmp_path / "out").rglob("summary.json"))) == 1
     assert '"status": "ok"' in next((tmp_path / "out").rglob("summary.json")).read_text()
 
 
 def test_submitit_local_multirun_without_pythonpath(installed, tmp_path):
-    proc = _run(installed, tmp_path, "-m", "bench", "-m", "hydra/launcher=submitit_local", "experiment=smoke",
+    proc = _run(installed, tmp_path, "-m", "ptbench", "-m", "hydra/launcher=submitit_local", "experiment=smoke",
                 "launcher.nprocs=1", "trainer.max_steps=2", "results.root=out")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = list((tmp_path / "out").rglob("summary.json"))
@@ -70,8 +85,8 @@ def test_plugin_is_scanned_and_its_config_typed(installed, tmp_path):
     proc = _run(installed, tmp_path, "-c", "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import "
                 "Launcher; print([p.__name__ for p in Plugins.instance().discover(Launcher)])")
     assert proc.returncode == 0 and "BenchSlurmLauncher" in proc.stdout, proc.stdout + proc.stderr
-    proc = _run(installed, tmp_path, "-m", "bench", "hydra/launcher=bench_slurm", "--cfg", "hydra", "-p", "hydra.launcher")
+    proc = _run(installed, tmp_path, "-m", "ptbench", "hydra/launcher=bench_slurm", "--cfg", "hydra", "-p", "hydra.launcher")
     assert proc.returncode == 0 and "BenchSlurmLauncher" in proc.stdout and "signal_delay_s: 120" in proc.stdout, proc.stderr
-    proc = _run(installed, tmp_path, "-m", "bench", "hydra/launcher=bench_slurm", "hydra.launcher.gpus_per_nod=8",
+    proc = _run(installed, tmp_path, "-m", "ptbench", "hydra/launcher=bench_slurm", "hydra.launcher.gpus_per_nod=8",
                 "--cfg", "hydra")
     assert proc.returncode != 0 and "gpus_per_nod" in proc.stderr, proc.stderr

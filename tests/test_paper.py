@@ -1,4 +1,4 @@
-"""The paper's protocol (bench.paper): phase dependency, the OOM fallback, the ZeRO optimizer exception."""
+"""The paper's protocol (ptbench.paper): phase dependency, the OOM fallback, the ZeRO optimizer exception."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from bench.paper import choose_stateff, layout, plan, write_plan
-from bench.runner.compose import compose
+from ptbench.paper import choose_stateff, layout, plan, write_plan
+from ptbench.runner.compose import compose
 from tests.helpers import REPO, run_dirs, summary
 from tests.test_slurm import (  # noqa: F401
     ARRAY,
@@ -46,7 +46,7 @@ def test_layouts_per_gpu_count():
 
 def test_plan_dry_run_submits_phase_two_after_phase_one(tmp_path):
     out = tmp_path / "plan"
-    proc = subprocess.run([sys.executable, "-m", "bench.paper", "plan", "--workloads", "gpt2_tiny", "--adapters", "ddp,gpipe",
+    proc = subprocess.run([sys.executable, "-m", "ptbench.paper", "plan", "--workloads", "gpt2_tiny", "--adapters", "ddp,gpipe",
                            "--gpus", "1,2", "--gpus-per-node", "1", "--out", str(out), "--dry-run"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -56,7 +56,7 @@ def test_plan_dry_run_submits_phase_two_after_phase_one(tmp_path):
     stateff = [ln for ln in lines if "bench-paper-stateff" in ln]
     assert len(stateff) == 1 and len(epoch) == 2 and len(memory) == 2  # 1 and 2 ranks; gpipe x2 needs 2 GPUs on a 1-GPU node
     # phase 2 waits for every phase-1 array, and only for them; phase 3 waits for nothing
-    assert "--dependency=afterok:<epoch-0>:<epoch-1>" in stateff[0] and "bench.paper stateff" in stateff[0]
+    assert "--dependency=afterok:<epoch-0>:<epoch-1>" in stateff[0] and "ptbench.paper stateff" in stateff[0]
     assert not any("--dependency" in ln for ln in epoch + memory)
     assert json.loads((out / "plan.json").read_text())["skipped"] == [
         "gpt2_tiny gpipe x2: one process drives every partition (one node)"]
@@ -66,7 +66,7 @@ def test_stateff_picks_each_adapters_fastest_gpu_count(tmp_path):
     out, results = tmp_path / "plan", tmp_path / "results"
     phases = plan(["gpt2_tiny"], ["ddp"], [1, 2], 0, [])
     write_plan(out, phases, "test")
-    from bench.sweep import point_id
+    from ptbench.sweep import point_id
 
     for point, t in zip(phases["epoch"], (3.0, 2.0)):  # 2 ranks faster
         d = results / "paper-epoch-gpt2_tiny" / f"run-{t}"
@@ -84,7 +84,7 @@ def test_oom_point_is_retried_once_with_half_the_batch(tmp_path):
     sweep = tmp_path / "sweep.txt"
     sweep.write_text("experiment=smoke workload.vocab_size=256 trainer.batch_size=4 launcher.nprocs=1 "
                      "trainer.inject_fault=oom@0:1\n")
-    proc = subprocess.run([sys.executable, "-m", "bench.sweep", "run", str(sweep), "--", f"results.root={tmp_path / 'r'}"],
+    proc = subprocess.run([sys.executable, "-m", "ptbench.sweep", "run", str(sweep), "--", f"results.root={tmp_path / 'r'}"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1 and "once more with trainer.batch_size=2" in proc.stdout, proc.stdout + proc.stderr
     runs = {summary(d)["global_batch"] if summary(d).get("global_batch") else None: d for d in run_dirs(tmp_path / "r")}
@@ -96,9 +96,9 @@ def test_oom_point_is_retried_once_with_half_the_batch(tmp_path):
 
 
 def test_array_task_retries_only_an_oom_record_with_half_the_batch(tmp_path):
-    """`bench.sweep point --oom-retry` (what slurm/array.sbatch asks after a failed srun): the retry's
+    """`ptbench.sweep point --oom-retry` (what slurm/array.sbatch asks after a failed srun): the retry's
     overrides when the point's newest record says oom, `skip` otherwise."""
-    from bench.sweep import compose_point
+    from ptbench.sweep import compose_point
 
     sweep, root = tmp_path / "sweep.txt", tmp_path / "r"
     sweep.write_text("experiment=smoke trainer.batch_size=4 launcher.nprocs=2\n")
@@ -106,7 +106,7 @@ def test_array_task_retries_only_an_oom_record_with_half_the_batch(tmp_path):
     cfg = compose_point(["experiment=smoke", "trainer.batch_size=4", "launcher.nprocs=2", *extra])
 
     def ask() -> str:
-        proc = subprocess.run([sys.executable, "-m", "bench.sweep", "point", str(sweep), "0", "--oom-retry", "--",
+        proc = subprocess.run([sys.executable, "-m", "ptbench.sweep", "point", str(sweep), "0", "--oom-retry", "--",
                                *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
@@ -138,7 +138,7 @@ def test_array_task_on_slurm_retries_an_oom_point_once(slurm, tmp_path):
 
 # --- the report's "Paper claims" section (analysis/claims.py), from hand-built per-run frames ---------
 def frame(rows: list[tuple]):
-    """(adapter, label, devices, MiB, s/sample) -> a frame shaped like analysis.load.runs' rows."""
+    """(adapter, label, devices, MiB, s/sample) -> a frame shaped like ptbench.analysis.load.runs' rows."""
     import pandas as pd
 
     return pd.DataFrame([{"run_id": f"{lab}-x{n}", "run_dir": f"/nowhere/{lab}-{n}", "workload": "w", "adapter": a,
@@ -148,7 +148,7 @@ def frame(rows: list[tuple]):
 
 
 def verdicts(df) -> dict[str, str]:
-    from analysis.claims import claims
+    from ptbench.analysis.claims import claims
 
     return {c["claim"]: c["verdict"] for c in claims(df)["w"]}
 
@@ -168,7 +168,7 @@ def test_claims_hold_on_records_that_show_them():
                  "Megatron per-GPU memory is U-shaped": "holds",
                  "fastest framework at x1": "measured", "fastest framework at x2": "measured",
                  "fastest framework at x4": "measured"}
-    from analysis.claims import claims
+    from ptbench.analysis.claims import claims
 
     found = {c["claim"]: c for c in claims(frame(HOLD))["w"]}
     assert found["fastest framework at x1"]["numbers"].startswith("**ddp** 1e+03 ms/sample; next zero2 1.10x")
@@ -187,7 +187,7 @@ def test_claims_fail_on_records_that_contradict_them():
 
 
 def test_claims_not_measured_without_the_runs_and_oom_retries_named(tmp_path):
-    from analysis.claims import claims_lines, oom_retried
+    from ptbench.analysis.claims import claims_lines, oom_retried
 
     df = frame([("ddp", "ddp", 1, 100, 1.0)])
     assert set(verdicts(df).values()) == {"not measured"}
@@ -206,7 +206,7 @@ def test_stateff_epochs_from_the_plan(tmp_path):
     out, results = tmp_path / "plan", tmp_path / "results"
     phases = plan(["gpt2_tiny"], ["ddp"], [1], 0, [])
     write_plan(out, phases, "test", stateff_epochs=3)
-    from bench.sweep import point_id
+    from ptbench.sweep import point_id
 
     d = results / "paper-epoch-gpt2_tiny" / "run"
     d.mkdir(parents=True)

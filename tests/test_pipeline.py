@@ -129,10 +129,10 @@ def test_interleaved_1f1b_on_2x2_mesh_equals_unpipelined(tmp_path, reference):
 
 # --- in-process checks of the adapters themselves (no process group needed for GPipe) --------------------
 def _gpipe(workload: str, trainer: dict | None = None, **adapter):
-    from adapters.gpipe import GPipeAdapter
-    from bench.core.dist import DistContext
-    from bench.runner.compose import compose, typed
-    from workloads import build_workload
+    from ptbench.adapters.gpipe import GPipeAdapter
+    from ptbench.core.dist import DistContext
+    from ptbench.runner.compose import compose, typed
+    from ptbench.workloads import build_workload
 
     cfg = typed(compose(["adapter=gpipe", f"workload={workload}", "trainer.batch_size=4",
                          *(f"adapter.{k}={v}" for k, v in adapter.items()),
@@ -156,7 +156,7 @@ def test_deferred_batch_norm_keeps_full_batch_running_statistics():
     from the whole mini-batch of 32 inputs it saw (unbiased variance, as torch's BatchNorm keeps), not
     once per micro-batch. Expected values: a plain model run on the same micro-batches, with hooks
     collecting each BatchNorm's inputs."""
-    from bench.core.timing import PhaseTimer
+    from ptbench.core.timing import PhaseTimer
 
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
@@ -234,9 +234,9 @@ def test_bad_input_is_one_line_before_launch(tmp_path):
     (["adapter=gpipe", "adapter.checkpoint=sometimes"], "choose always, except_last, never"),
 ])
 def test_bad_pipeline_config_is_refused(tmp_path, overrides, message):
-    from bench.core.errors import ConfigError
-    from bench.runner.compose import compose, typed
-    from bench.runner.plan import make_plan
+    from ptbench.core.errors import ConfigError
+    from ptbench.runner.compose import compose, typed
+    from ptbench.runner.plan import make_plan
 
     cfg = typed(compose([*overrides, f"results.root={tmp_path}"]))
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")) as e:

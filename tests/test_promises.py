@@ -1,5 +1,5 @@
 """README promises that no other test file covers: sweeps that go on past a failed point, a local Hydra
-multirun, `python -m bench --help` and `--cfg job`, every paper preset composing, bench.overhead, and
+multirun, `python -m ptbench --help` and `--cfg job`, every paper preset composing, ptbench.overhead, and
 training with each optimizer the README lists. Each runs the command a user would type."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.runner.compose import compose, typed
-from bench.runner.plan import make_plan
+from ptbench.runner.compose import compose, typed
+from ptbench.runner.plan import make_plan
 from tests.helpers import REPO, assert_loss_falls, bench, check_ok, events, run, run_dirs, summary
 
 TINY = ["experiment=smoke", "launcher.nprocs=1", "workload.vocab_size=256", "trainer.max_steps=2"]
@@ -23,13 +23,13 @@ def records(root: Path) -> list[dict]:
 
 
 def test_sweep_goes_on_after_a_failed_first_point(tmp_path):
-    """`python -m bench.sweep run FILE`: the first point fails at its first step, the second still runs
+    """`python -m ptbench.sweep run FILE`: the first point fails at its first step, the second still runs
     and ends ok; the sweep's exit status says a point failed and names it."""
     sweep, root = tmp_path / "sweep.txt", tmp_path / "results"
     sweep.write_text("# first point fails, second must still run\n"
                      "'trainer.inject_fault=raise@0\\:0' trainer.seed=1\n"
                      "trainer.seed=2\n")
-    proc = run([sys.executable, "-m", "bench.sweep", "run", str(sweep), "--", *TINY, f"results.root={root}"], timeout=600)
+    proc = run([sys.executable, "-m", "ptbench.sweep", "run", str(sweep), "--", *TINY, f"results.root={root}"], timeout=600)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "point 0 (" in proc.stderr and "exited 1" in proc.stderr and "point 1 (" not in proc.stderr, proc.stderr
     got = sorted((s["status"], s.get("failed_rank")) for s in records(root))
@@ -38,7 +38,7 @@ def test_sweep_goes_on_after_a_failed_first_point(tmp_path):
 
 
 def test_local_multirun_gives_one_ok_record_per_point(tmp_path):
-    """`python -m bench -m adapter=zero,ddp experiment=smoke` (README: `-m adapter=ddp,zero ...`): two points,
+    """`python -m ptbench -m adapter=zero,ddp experiment=smoke` (README: `-m adapter=ddp,zero ...`): two points,
     one after the other on this machine, both ok, in one sweep folder under results.root (nothing in the
     checkout). The multirun process forks both points' ranks: the DDP ranks, started after the ZeRO point,
     carry no DeepSpeed (the launcher imports a framework for its ranks only outside a multirun)."""
@@ -60,7 +60,7 @@ def test_local_multirun_gives_one_ok_record_per_point(tmp_path):
 
 
 def test_help_lists_the_config_groups():
-    proc = run([sys.executable, "-m", "bench", "--help"], timeout=120)
+    proc = run([sys.executable, "-m", "ptbench", "--help"], timeout=120)
     check_ok(proc)
     groups = proc.stdout.split("== Configuration groups ==")[1].split("==")[0]
     for group, option in [("adapter", "zero"), ("workload", "gpt2_small"), ("data", "wikitext2"), ("launcher", "torchrun"),
@@ -69,7 +69,7 @@ def test_help_lists_the_config_groups():
 
 
 def test_cfg_job_prints_the_resolved_config():
-    proc = run([sys.executable, "-m", "bench", "--cfg", "job", "adapter=zero", "trainer.batch_size=7"], timeout=120)
+    proc = run([sys.executable, "-m", "ptbench", "--cfg", "job", "adapter=zero", "trainer.batch_size=7"], timeout=120)
     check_ok(proc)
     cfg = yaml.safe_load(proc.stdout)
     assert cfg["adapter"]["name"] == "zero" and cfg["trainer"]["batch_size"] == 7
@@ -104,7 +104,7 @@ def test_every_paper_experiment_composes():
 
 def test_overhead_prints_its_ratio():
     # a small head (vocabulary 256): what is checked is that the harness and the bare loop both ran and were compared
-    proc = run([sys.executable, "-m", "bench.overhead", "--blocks", "2", "--steps", "3", "workload.vocab_size=256"],
+    proc = run([sys.executable, "-m", "ptbench.overhead", "--blocks", "2", "--steps", "3", "workload.vocab_size=256"],
                timeout=600)
     check_ok(proc)
     m = re.search(r"ratio harness/bare = (\S+)", proc.stdout)

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.core.records import RunRecord, write_json
+from ptbench.core.records import RunRecord, write_json
 from tests.helpers import kill_group, run_dirs, summary
 from tests.helpers import start as start_process
 
@@ -54,7 +54,7 @@ def no_leftovers():
 
 
 def start(results: Path, *overrides: str) -> subprocess.Popen:
-    proc = start_process([sys.executable, "-m", "bench", *SMALL, *overrides, f"results.root={results}"])
+    proc = start_process([sys.executable, "-m", "ptbench", *SMALL, *overrides, f"results.root={results}"])
     _started.append(proc)
     return proc
 

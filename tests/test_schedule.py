@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from bench.core.errors import ConfigError
-from bench.core.schedule import Schedule, lr_factor
-from bench.runner.checks import check_config
-from bench.runner.compose import compose
+from ptbench.core.errors import ConfigError
+from ptbench.core.schedule import Schedule, lr_factor
+from ptbench.runner.checks import check_config
+from ptbench.runner.compose import compose
 from tests.helpers import bench, check_ok, events, only_run, summary
 
 
@@ -95,7 +95,7 @@ def test_zero_steps_deepspeeds_optimizer_on_the_schedule(tmp_path):
 
 
 def test_a_schedule_is_part_of_the_point_and_the_default_keeps_old_ids():
-    from bench.sweep import point_id
+    from ptbench.sweep import point_id
 
     assert point_id([]) == point_id(["schedule=constant", "schedule.gamma=0.5"])  # constant: no schedule settings
     assert point_id(["schedule=step"]) != point_id([]) != point_id(["schedule=warmup_cosine"])

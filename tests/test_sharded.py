@@ -1,6 +1,6 @@
 """Sharded data parallelism: DeepSpeed ZeRO stages 0-3 (adapter=zero) and FSDP2 (adapter=fsdp).
 
-Each variant runs as a user would run it (`python -m bench`, 2 ranks on gloo) and must train exactly
+Each variant runs as a user would run it (`python -m ptbench`, 2 ranks on gloo) and must train exactly
 like 2-rank DDP: same seed, same data, clipping off. The same runs then answer the memory questions:
 the model-state bytes each rank reported (read from the engines' tensors) against the ZeRO formulas.
 """
@@ -13,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bench.core.errors import ConfigError
-from bench.memory_study import VARIANTS, expected_state, paper_formula, param_numels
-from bench.memory_study import main as memory_study_main
-from bench.runner.compose import compose, typed
-from bench.runner.plan import make_plan
+from ptbench.core.errors import ConfigError
+from ptbench.memory_study import VARIANTS, expected_state, paper_formula, param_numels
+from ptbench.memory_study import main as memory_study_main
+from ptbench.runner.compose import compose, typed
+from ptbench.runner.plan import make_plan
 from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, only_run, run_dirs, step_losses, summary
 
 STEPS = ["trainer.max_steps=8", "trainer.batch_size=4", "trainer.max_eval_batches=2", "trainer.progress=false",
@@ -137,7 +137,7 @@ def test_fsdp_holds_half_the_parameters_of_ddp(gpt_runs, vision_runs):
 
 
 def test_memory_study_tables_from_these_records(gpt_runs, tmp_path, capsys):
-    """`python -m bench.memory_study --records DIR` (README): the study's tables from earlier records, running
+    """`python -m ptbench.memory_study --records DIR` (README): the study's tables from earlier records, running
     nothing. The records are these 2-rank runs, named as the study names its points (STAMP-VARIANT-wN)."""
     for variant in ("ddp", *SHARDED):
         shutil.copytree(gpt_runs[variant]["dir"], tmp_path / f"20261123-120000-{variant}-w2")
@@ -204,7 +204,7 @@ def test_zero_and_fsdp_clip_gradients_like_ddp(tmp_path):
     (["adapter=fsdp", "adapter.offload_params=true"], "adapter.offload_params is not a key of adapter=fsdp"),
 ])
 def test_bad_input_fails_before_ranks_start(tmp_path, overrides, message):
-    """Through the pre-launch checks in this process (what `python -m bench` prints after `error: `)."""
+    """Through the pre-launch checks in this process (what `python -m ptbench` prints after `error: `)."""
     with pytest.raises(ConfigError) as e:
         make_plan(typed(compose([*overrides, f"results.root={tmp_path}"])), "local")
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
@@ -227,8 +227,8 @@ def test_offload_without_gpu_is_one_line(tmp_path, overrides, message):
 def test_deepspeed_config_for_gpu_only_settings():
     """The GPU-only branches of the DeepSpeed config (offload, fp16) checked without a GPU."""
 
-    from adapters.zero import deepspeed_config
-    from bench.runner.compose import compose, typed
+    from ptbench.adapters.zero import deepspeed_config
+    from ptbench.runner.compose import compose, typed
 
     cfg = typed(compose(["adapter=zero3", "adapter.offload_optimizer=true", "adapter.offload_params=true"]))
     cfg.trainer.precision, cfg.trainer.grad_clip, cfg.trainer.grad_accum = "fp16", 1.5, 2
@@ -245,7 +245,7 @@ def test_deepspeed_config_for_gpu_only_settings():
     assert "optimizer" not in c and c["zero_force_ds_cpu_optimizer"] is False
 
 
-# --- the memory formulas at 1 and 4 ranks (python -m bench.memory_study's other rank counts) --------------
+# --- the memory formulas at 1 and 4 ranks (python -m ptbench.memory_study's other rank counts) --------------
 SCALED = [*WORKLOADS["gpt2_tiny"],  # (a small head: 4 DeepSpeed ranks on 2 cores)
           "trainer.max_steps=2", "trainer.batch_size=4", "trainer.eval_every_epoch=false", "trainer.progress=false",
           "trainer.grad_clip=0"]

@@ -22,8 +22,8 @@ import psutil
 import pytest
 import yaml
 
-from bench.core.errors import ConfigError
-from bench.sweep import expand_grid, point_id, read_points, slurm_shape
+from ptbench.core.errors import ConfigError
+from ptbench.sweep import expand_grid, point_id, read_points, slurm_shape
 from tests.conftest import require_or_skip
 from tests.helpers import (REPO, assert_losses_close, bench, check_ok, events, kill_group, only_run, run, run_dirs, start,
                            step_losses, summary)
@@ -36,7 +36,7 @@ TINY = ["workload.vocab_size=256", "trainer.max_steps=2"]
 
 
 def sweep_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "bench.sweep", *args], timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return run([sys.executable, "-m", "ptbench.sweep", *args], timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def records(root: Path) -> dict[Path, dict]:
@@ -81,7 +81,7 @@ def test_submit_makes_one_array_per_point_size(tmp_path):
     comm = [line for line in lines if "--job-name=bench-comm" in line]  # the network, once per world size > 1
     lines = [line for line in lines if line not in comm]
     assert len(lines) == 2 and len(comm) == 1, proc.stdout
-    assert "--ntasks-per-node=2 --partition=p1" in comm[0] and "-m bench.comm" in comm[0]
+    assert "--ntasks-per-node=2 --partition=p1" in comm[0] and "-m ptbench.comm" in comm[0]
     assert "--array=0,1 --nodes=1 --ntasks-per-node=1 --partition=p1" in lines[0]
     assert "--array=2,3 --nodes=1 --ntasks-per-node=2 --partition=p1" in lines[1]
     assert all(line.endswith(f"array.sbatch {sweep} --resume trainer.epochs=3") for line in lines)
@@ -190,7 +190,7 @@ def final_states(job: str, steps: bool = False) -> dict[str, tuple[str, str]]:
 
 
 def rank_processes(marker: str) -> list[str]:
-    """Command lines of live processes of `python -m bench` mentioning marker (the run's results root)."""
+    """Command lines of live processes of `python -m ptbench` mentioning marker (the run's results root)."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         cmd = " ".join(p.info["cmdline"] or [])
@@ -321,7 +321,7 @@ def test_preempted_job_requeues_and_resumes_to_the_uninterrupted_losses(slurm, t
     results = tmp_path / "results"
     point = [*REQUEUE_RUN, *REQUEUE_ADAPTERS[name]]
     # the uninterrupted reference, on this machine while the job runs
-    reference = start([sys.executable, "-m", "bench", *point, "launcher.nprocs=2", f"results.root={tmp_path / 'ref'}"])
+    reference = start([sys.executable, "-m", "ptbench", *point, "launcher.nprocs=2", f"results.root={tmp_path / 'ref'}"])
     job = sbatch("--requeue", str(RUN), *point, "trainer.checkpoint_every=4", cwd=tmp_path, env=job_env(results))
     try:
         # Slurm's time-limit warning (--signal=USR1@120) signals every task of the job's steps, as this

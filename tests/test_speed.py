@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.core.data import loader_options
-from bench.core.errors import ConfigError
-from bench.runner.compose import compose, typed
-from bench.runner.plan import make_plan
+from ptbench.core.data import loader_options
+from ptbench.core.errors import ConfigError
+from ptbench.runner.compose import compose, typed
+from ptbench.runner.plan import make_plan
 from tests.helpers import bench, check_ok, events, finite, only_run, summary
 
 SMALL = ["experiment=smoke", "workload.vocab_size=256", "trainer.max_steps=3"]
@@ -59,7 +59,7 @@ def test_compile_recorded_for_ddp_and_kept_out_of_step_stats(tmp_path):
 
 def test_loader_and_layout_decisions_cpu_twin():
     """The CUDA decisions, taken by pure functions of the device type: the CPU twin asks for "cuda"."""
-    from workloads.vision import use_channels_last
+    from ptbench.workloads.vision import use_channels_last
 
     assert loader_options("cuda", 4) == {"pin_memory": True, "persistent_workers": True}
     assert loader_options("cuda", 0) == {"pin_memory": True, "persistent_workers": False}
@@ -69,7 +69,7 @@ def test_loader_and_layout_decisions_cpu_twin():
 
 
 def test_channels_last_model_and_record(tmp_path):
-    from workloads import build_workload
+    from ptbench.workloads import build_workload
 
     cfg = typed(compose(["workload=resnet50_tiny", "workload.channels_last=true"]))
     w = build_workload(cfg.workload, cfg.data)

@@ -79,8 +79,8 @@ def gpt2_tiny_forward_flops(seq_len: int) -> float:
     counter does not see inside CPU scaled_dot_product_attention. Independent of workloads/flops."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from bench.runner.compose import compose, typed
-    from workloads import build_workload
+    from ptbench.runner.compose import compose, typed
+    from ptbench.workloads import build_workload
 
     cfg = typed(compose(["workload=gpt2_tiny", f"workload.seq_len={seq_len}"]))
     model = build_workload(cfg.workload, cfg.data).build_model()
@@ -139,7 +139,7 @@ def test_record_folder_and_summary(tmp_path):
 
 
 def test_default_run_needs_no_arguments(tmp_path):
-    """`python -m bench` alone: tiny GPT-2, synthetic data, DDP, 2 ranks, one epoch."""
+    """`python -m ptbench` alone: tiny GPT-2, synthetic data, DDP, 2 ranks, one epoch."""
     proc = bench(results=tmp_path, timeout=300)
     check_ok(proc)
     s = summary(only_run(tmp_path))

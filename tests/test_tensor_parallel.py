@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.core.errors import ConfigError
-from bench.runner.compose import compose, typed
-from bench.runner.plan import make_plan
+from ptbench.core.errors import ConfigError
+from ptbench.runner.compose import compose, typed
+from ptbench.runner.plan import make_plan
 from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, events, only_run, step_losses, summary
 
 STEPS = 8
@@ -115,8 +115,8 @@ def test_megatron_wikitext2_perplexity_falls(tmp_path, data_root):
 
 def _sharded_and_total_bytes():
     """Parameter bytes of the harness GPT-2 (this test's dimensions) that torch TP shards, and in all."""
-    from bench.core.config import DataConfig, WorkloadConfig
-    from workloads.gpt2 import GPT2Workload
+    from ptbench.core.config import DataConfig, WorkloadConfig
+    from ptbench.workloads.gpt2 import GPT2Workload
 
     cfg = WorkloadConfig(name="gpt2_tiny", kind="language", arch="gpt2", n_layer=2, n_head=4, n_embd=WIDTH, seq_len=32,
                          vocab_size=VOCAB)
@@ -165,7 +165,7 @@ BAD = [
 
 @pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
 def test_bad_layout_is_one_line_before_launch(tmp_path, overrides, message):
-    """Through the pre-launch checks in this process (`python -m bench` prints the same line after `error: `)."""
+    """Through the pre-launch checks in this process (`python -m ptbench` prints the same line after `error: `)."""
     with pytest.raises(ConfigError) as e:
         make_plan(typed(compose(["trainer.max_steps=1", "launcher.nprocs=2", *overrides,
                                  f"results.root={tmp_path / 'r'}"])), "local")
@@ -175,7 +175,7 @@ def test_bad_layout_is_one_line_before_launch(tmp_path, overrides, message):
 
 def test_megatron_cpu_compat_refuses_when_cuda_is_available(monkeypatch):
     """The CPU stand-ins must never replace working CUDA calls."""
-    from adapters import _megatron_cpu
+    from ptbench.adapters import _megatron_cpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="refuses to act"):

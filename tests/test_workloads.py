@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.core.config import DataConfig, WorkloadConfig
-from bench.core.errors import ConfigError
-from workloads import build_workload
-from workloads import data as D
-from workloads.gpt2 import GPT2, CausalSelfAttention, GPT2Config, qkv_from_hf, qkv_to_hf
-from workloads.vision import NarrowResNet, build_vision_model
+from ptbench.core.config import DataConfig, WorkloadConfig
+from ptbench.core.errors import ConfigError
+from ptbench.workloads import build_workload
+from ptbench.workloads import data as D
+from ptbench.workloads.gpt2 import GPT2, CausalSelfAttention, GPT2Config, qkv_from_hf, qkv_to_hf
+from ptbench.workloads.vision import NarrowResNet, build_vision_model
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "workload"
 

@@ -2,9 +2,9 @@
 workload can build (one line each, before any rank starts)."""
 from __future__ import annotations
 
-from bench.core.config import DataConfig, WorkloadConfig
-from bench.core.errors import ConfigError
-from workloads.base import Workload
+from ptbench.core.config import DataConfig, WorkloadConfig
+from ptbench.core.errors import ConfigError
+from ptbench.workloads.base import Workload
 
 ARCHS = ("gpt2", "vgg16", "resnet50")
 DATA_SOURCES = {"vision": ("synthetic", "imagefolder"), "language": ("synthetic", "wikitext")}
@@ -31,11 +31,11 @@ def check_config(cfg: WorkloadConfig, data: DataConfig) -> None:
 
 def build_workload(cfg: WorkloadConfig, data: DataConfig) -> Workload:
     if cfg.arch == "gpt2":
-        from workloads.gpt2 import GPT2Workload
+        from ptbench.workloads.gpt2 import GPT2Workload
 
         return GPT2Workload(cfg, data)
     if cfg.arch in ("vgg16", "resnet50"):
-        from workloads.vision import VisionWorkload
+        from ptbench.workloads.vision import VisionWorkload
 
         return VisionWorkload(cfg, data)
     raise ConfigError(f"unknown workload.arch '{cfg.arch}': choose one of {', '.join(ARCHS)}")

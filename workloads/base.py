@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from bench.core.config import DataConfig, WorkloadConfig
+from ptbench.core.config import DataConfig, WorkloadConfig
 
 
 class Workload(ABC):

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from bench.core.errors import ConfigError
+from ptbench.core.errors import ConfigError
 
 SYNTHETIC_SEED = 0x5EED  # fixed: synthetic data never depends on the trainer seed
 _SPLIT_IDS = {"train": 1, "val": 2}

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.core.config import DataConfig, WorkloadConfig
-from bench.core.errors import ConfigError
-from workloads import data as D
-from workloads.base import Workload
+from ptbench.core.config import DataConfig, WorkloadConfig
+from ptbench.core.errors import ConfigError
+from ptbench.workloads import data as D
+from ptbench.workloads.base import Workload
 
 
 @dataclass

@@ -22,10 +22,10 @@ from torch import nn
 from torchvision.models import resnet as tv_resnet
 from torchvision.models import vgg as tv_vgg
 
-from bench.core.config import DataConfig, WorkloadConfig
-from bench.core.errors import ConfigError
-from workloads import data as D
-from workloads.base import Workload
+from ptbench.core.config import DataConfig, WorkloadConfig
+from ptbench.core.errors import ConfigError
+from ptbench.workloads import data as D
+from ptbench.workloads.base import Workload
 
 
 class NarrowVGG(tv_vgg.VGG):

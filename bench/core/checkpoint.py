@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.core.errors import ConfigError
-from bench.core.records import point_records, read_json, write_json
+from ptbench.core.errors import ConfigError
+from ptbench.core.records import point_records, read_json, write_json
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
@@ -212,7 +212,7 @@ def adopt(old: Path, new: Path) -> None:
     """Move an unfinished record's checkpoints and event log into the fresh record `new` (made by the
     launcher before the ranks started), then remove `old`: one record per point. Each step leaves a
     resumable state: the checkpoints move in one rename, so a crash leaves them in exactly one folder."""
-    from bench.core.records import atomic_write
+    from ptbench.core.records import atomic_write
 
     events = Path(old) / "events.jsonl"
     if events.exists():

@@ -2,7 +2,7 @@
 
 `volume(adapter, params=..., world_size=..., ...)` returns the bytes one rank moves per optimizer
 step in each collective, and their total; `time_at(bytes, busbw_GBps)` turns bytes into seconds at
-a bus bandwidth measured by `python -m bench.comm`.
+a bus bandwidth measured by `python -m ptbench.comm`.
 
 Units. "Bytes" here are the per-rank bus volume of nccl-tests (doc/PERFORMANCE.md,
 https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): for a collective on a buffer
@@ -246,7 +246,7 @@ def time_at(volume_bytes: float, busbw_GBps: float) -> float:
 
 def busbw_from_report(report: dict, op: str, message_bytes: float) -> float:
     """The measured busbw (GB/s) of `op` at the size nearest to `message_bytes` (log scale) in a
-    `python -m bench.comm --json` report. Sizes outside the measured range take the end point,
+    `python -m ptbench.comm --json` report. Sizes outside the measured range take the end point,
     so a message larger than the largest size measured gets that size's bandwidth."""
     rows = [r for r in report.get("results", []) if r.get("op") == op and r.get("busbw_GBps")]
     if not rows:
@@ -257,7 +257,7 @@ def busbw_from_report(report: dict, op: str, message_bytes: float) -> float:
 
 
 def step_comm_time(vol: dict, report: dict) -> dict:
-    """Seconds per collective of `volume(...)` at the bandwidths of a bench.comm report, and the
+    """Seconds per collective of `volume(...)` at the bandwidths of a ptbench.comm report, and the
     total assuming no overlap with compute (an upper bound of the exposed communication)."""
     out = {}
     for it in vol["collectives"]:
@@ -283,7 +283,7 @@ def volume_run(cfg, plan, build_model) -> dict:
     other adapter runs autocast around fp32 weights, so gradients stay 4 bytes and only the
     tensor-parallel activations (outputs of bf16 matmuls) are 2 bytes; the pipeline's stage outputs
     (the residual stream, fp32 under autocast) stay 4 bytes."""
-    from bench.core.memory_model import model_facts, predict_run
+    from ptbench.core.memory_model import model_facts, predict_run
 
     name = cfg.adapter.name
     if cfg.workload.kind == "language":

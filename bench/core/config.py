@@ -135,7 +135,7 @@ class TrainerConfig:
     dist_timeout_s: int = 0
     hang_timeout_s: float = 900.0  # watchdog: no step/eval progress this long = status timeout; 0 = off
     # steps between agreements on a preemption signal: each is a tiny CPU all-reduce that also
-    # lines the ranks up; every step cost ~2-5 % on 50 ms CPU steps (bench.overhead), every 10 is noise
+    # lines the ranks up; every step cost ~2-5 % on 50 ms CPU steps (ptbench.overhead), every 10 is noise
     stop_check_every: int = 10
     # CUDA: phases are timed by CUDA events (no host sync); true adds a device sync at every phase end, a
     # diagnostic that serialises host and device and slows frameworks that overlap host work (recorded)

@@ -3,7 +3,7 @@
 As in Lightning Fabric's `ClusterEnvironment`, each way of starting ranks is a class with
 `detect(env)` and `context(...)`; the runner asks them in order and the first that detects wins:
 - `TorchrunEnvironment`: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in the
-  environment (honoured under `launcher=local` too, so `torchrun -m bench` just works).
+  environment (honoured under `launcher=local` too, so `torchrun -m ptbench` just works).
 - `SlurmEnvironment` (`launcher=slurm`: srun, one task per GPU): SLURM_PROCID / SLURM_NTASKS /
   SLURM_LOCALID; the address is the first host of the step's node list, the port derived from the
   job id.
@@ -19,8 +19,8 @@ import socket
 import subprocess
 from typing import ClassVar, Mapping
 
-from bench.core.dist import DistContext, default_backend
-from bench.core.errors import ConfigError
+from ptbench.core.dist import DistContext, default_backend
+from ptbench.core.errors import ConfigError
 
 
 class ClusterEnvironment:

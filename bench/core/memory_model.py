@@ -443,7 +443,7 @@ def fits(predicted_total: float, device_bytes: float | None, headroom: float = 0
     return predicted_total <= headroom * device_bytes
 
 
-# --- from a model and a config (the runner's and `python -m bench --plan`'s entry points) --------------
+# --- from a model and a config (the runner's and `python -m ptbench --plan`'s entry points) --------------
 _VIEWS = ("Flatten", "Unflatten", "Identity")  # modules whose output is a view of their input
 
 
@@ -496,8 +496,8 @@ def _get(obj, key, default=None):
 
 
 def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool = True) -> dict:
-    """`predict` for a composed config (`bench.core.config.BenchConfig`) and its run plan
-    (`bench.runner.plan.RunPlan`): the one call the runner and `python -m bench --plan` make.
+    """`predict` for a composed config (`ptbench.core.config.BenchConfig`) and its run plan
+    (`ptbench.runner.plan.RunPlan`): the one call the runner and `python -m ptbench --plan` make.
     `build_model`: a no-argument callable returning the workload's nn.Module (e.g.
     `build_workload(cfg.workload, cfg.data).build_model`); it is called under the meta device, so
     nothing is allocated. device: cuda | cpu (default: cuda when torch sees a GPU)."""
@@ -573,7 +573,7 @@ def device_bytes(processes_on_host: int = 1) -> tuple[float | None, str]:
 
 def check_fits(prediction: dict, device: float | None, what: str = "device", headroom: float = 0.9) -> None:
     """Raise ConfigError (the run is refused before launch) when the predicted total does not fit."""
-    from bench.core.errors import ConfigError
+    from ptbench.core.errors import ConfigError
 
     if fits(prediction["total"], device, headroom):
         return
@@ -581,7 +581,7 @@ def check_fits(prediction: dict, device: float | None, what: str = "device", hea
         f"predicted memory per rank {prediction['total'] / GIB:.2f} GiB ({prediction['adapter']}: states "
         f"{prediction['model_states'] / GIB:.2f}, transient {prediction['transient'] / GIB:.2f}, activations "
         f"{prediction['activations'] / GIB:.2f}) exceeds {headroom:.0%} of the {what} ({device / GIB:.2f} GiB); "
-        "`python -m bench --plan ...` shows the breakdown: shard more (zero stage 3, fsdp, tensor/pipeline "
+        "`python -m ptbench --plan ...` shows the breakdown: shard more (zero stage 3, fsdp, tensor/pipeline "
         "parallel), lower trainer.batch_size, or use bf16")
 
 

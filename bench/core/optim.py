@@ -8,8 +8,8 @@ from typing import Iterable
 
 import torch
 
-from bench.core.config import OptimizerConfig
-from bench.core.errors import ConfigError
+from ptbench.core.config import OptimizerConfig
+from ptbench.core.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb", "lars")
 # Optimizers whose update reads each parameter tensor whole (LAMB/LARS trust ratio = ||w|| / ||update||

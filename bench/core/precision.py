@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from bench.core.errors import ConfigError
+from ptbench.core.errors import ConfigError
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # trainer.precision -> dtype, for every adapter
 

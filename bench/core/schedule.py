@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from bench.core.config import ScheduleConfig
-from bench.core.errors import ConfigError
+from ptbench.core.config import ScheduleConfig
+from ptbench.core.errors import ConfigError
 
 SCHEDULES = ("constant", "step", "warmup_poly", "warmup_cosine")
 UNITS = ("epoch", "step")

@@ -246,7 +246,7 @@ def sink_unavailable(name: str) -> str | None:
 def check_sinks(results) -> None:
     """Before launch: every optional sink asked for (results.wandb / results.mlflow) is importable, else
     ConfigError with one line naming the fix."""
-    from bench.core.errors import ConfigError
+    from ptbench.core.errors import ConfigError
 
     for key in OPTIONAL_SINKS:
         if _get(results, key, False) is True:

@@ -2,7 +2,7 @@
 
 Hydra's schema has already refused unknown keys and wrong types (bench/core/config.py,
 adapters/configs.py); these are the checks of values. Workloads check their own fields
-(workloads.check_config), adapters theirs (`Adapter.validate`).
+(ptbench.workloads.check_config), adapters theirs (`Adapter.validate`).
 """
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import re
 import tempfile
 from pathlib import Path
 
-from bench.core.config import BATCH_POLICIES, BenchConfig
-from bench.core.errors import ConfigError
-from bench.core.optim import OPTIMIZERS
-from bench.core.precision import check_precision
-from bench.core.sinks import check_sinks
-from bench.core.schedule import check_schedule
-from workloads import check_config as check_workload
+from ptbench.core.config import BATCH_POLICIES, BenchConfig
+from ptbench.core.errors import ConfigError
+from ptbench.core.optim import OPTIMIZERS
+from ptbench.core.precision import check_precision
+from ptbench.core.sinks import check_sinks
+from ptbench.core.schedule import check_schedule
+from ptbench.workloads import check_config as check_workload
 
 LAUNCHERS = ("local", "torchrun", "slurm")
 START_METHODS = ("auto", "spawn", "fork")
@@ -69,7 +69,7 @@ def check_compile(cfg: BenchConfig) -> None:
     t = cfg.trainer
     if not t.compile:
         return
-    from adapters import get_adapter_class
+    from ptbench.adapters import get_adapter_class
 
     cls = get_adapter_class(cfg.adapter.name)
     if cls.compile_unsupported:

@@ -1,6 +1,6 @@
 """The config tree: where conf/ is, the schemas Hydra checks it against, and composing it.
 
-Used by `python -m bench` (Hydra's main) and by every driver that needs a point's config without
+Used by `python -m ptbench` (Hydra's main) and by every driver that needs a point's config without
 running it (sweep, overhead, memory study), so the Hydra boilerplate is written once.
 """
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from adapters.configs import SCHEMAS, store_schemas
-from bench.core.config import BenchConfig, store_schema
-from bench.core.errors import ConfigError
+from ptbench.adapters.configs import SCHEMAS, store_schemas
+from ptbench.core.config import BenchConfig, store_schema
+from ptbench.core.errors import ConfigError
 
 
 def conf_dir() -> Path:
@@ -21,7 +21,7 @@ def conf_dir() -> Path:
     for candidate in (here.parent / "conf", here / "conf"):
         if (candidate / "config.yaml").is_file():
             return candidate
-    raise FileNotFoundError(f"no conf/config.yaml beside {here} or inside it: reinstall trainbench")
+    raise FileNotFoundError(f"no conf/config.yaml beside {here} or inside it: reinstall ptbench (pip install .)")
 
 
 def visible_gpus(default: int = 0) -> int:
@@ -42,7 +42,7 @@ def register_configs() -> None:
 
 
 def in_multirun() -> bool:
-    """This process runs a Hydra multirun (`python -m bench -m ...`): one point after another in it."""
+    """This process runs a Hydra multirun (`python -m ptbench -m ...`): one point after another in it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -50,7 +50,7 @@ def in_multirun() -> bool:
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    """The config `python -m bench <overrides>` would run (no torch import). Hydra's error, if any, as
+    """The config `python -m ptbench <overrides>` would run (no torch import). Hydra's error, if any, as
     one-line ConfigError."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -94,7 +94,7 @@ def one_line(e: BaseException) -> str:
             if owners:
                 text += f"; it belongs to adapter={' / adapter='.join(owners)}: choose that adapter"
     elif "not in" in lines[0]:
-        text += " (misspelt? `python -m bench --cfg job` prints every key)"
+        text += " (misspelt? `python -m ptbench --cfg job` prints every key)"
     return text
 
 

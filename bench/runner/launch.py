@@ -18,16 +18,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from adapters import get_adapter_class
-from bench.core.dist import DistContext, default_backend, free_port
-from bench.core.environments import BUILTIN, ClusterEnvironment, SlurmEnvironment, TorchrunEnvironment, in_srun_step
-from bench.core.errors import ConfigError
-from bench.core.records import RunWriter
-from bench.core.sinks import write_sinks
-from bench.runner.checks import check_devices, start_method
-from bench.runner.compose import in_multirun, typed
-from bench.runner.plan import RunPlan, make_plan, run_dir_of
-from bench.runner.rank import packages, run_rank
+from ptbench.adapters import get_adapter_class
+from ptbench.core.dist import DistContext, default_backend, free_port
+from ptbench.core.environments import BUILTIN, ClusterEnvironment, SlurmEnvironment, TorchrunEnvironment, in_srun_step
+from ptbench.core.errors import ConfigError
+from ptbench.core.records import RunWriter
+from ptbench.core.sinks import write_sinks
+from ptbench.runner.checks import check_devices, start_method
+from ptbench.runner.compose import in_multirun, typed
+from ptbench.runner.plan import RunPlan, make_plan, run_dir_of
+from ptbench.runner.rank import packages, run_rank
 
 
 def detect(adapter_cls, launcher: str, env=os.environ) -> type[ClusterEnvironment] | None:
@@ -44,7 +44,7 @@ def launch(cfg: DictConfig) -> int:
     adapter_cls = get_adapter_class(cfg.adapter.name)
     environment = detect(adapter_cls, cfg.launcher.name)
     if cfg.launcher.name == "torchrun" and environment is not TorchrunEnvironment:
-        raise ConfigError("launcher=torchrun but RANK/WORLD_SIZE/LOCAL_RANK are not set: start with `torchrun -m bench ...`")
+        raise ConfigError("launcher=torchrun but RANK/WORLD_SIZE/LOCAL_RANK are not set: start with `torchrun -m ptbench ...`")
     if environment is None and in_srun_step() > 1:
         raise ConfigError(f"this process is one of {in_srun_step()} srun tasks but launcher={cfg.launcher.name} would "
                           "start its own ranks in every task: add launcher=slurm (one rank per task)")
@@ -89,8 +89,8 @@ def launch(cfg: DictConfig) -> int:
 def predicted_memory(cfg, plan: RunPlan) -> dict:
     """The memory model's prediction (bench/core/memory_model.py); on CUDA a run that cannot fit the
     device is refused here, before launch. A prediction that fails otherwise is recorded, not fatal."""
-    from bench.core.memory_model import plan_memory
-    from workloads import build_workload
+    from ptbench.core.memory_model import plan_memory
+    from ptbench.workloads import build_workload
 
     try:
         return plan_memory(cfg, plan, build_workload(cfg.workload, cfg.data).build_model)
@@ -102,9 +102,9 @@ def predicted_memory(cfg, plan: RunPlan) -> dict:
 
 def comm_volume(cfg, plan: RunPlan, backend: str) -> dict:
     """Bytes per optimizer step per rank by collective (bench/core/comm_volume.py), with the backend the
-    ranks use, so the report can set them against `python -m bench.comm` at that backend. Never fatal."""
-    from bench.core.comm_volume import record_fields, volume_run
-    from workloads import build_workload
+    ranks use, so the report can set them against `python -m ptbench.comm` at that backend. Never fatal."""
+    from ptbench.core.comm_volume import record_fields, volume_run
+    from ptbench.workloads import build_workload
 
     try:
         return record_fields(volume_run(cfg, plan, build_workload(cfg.workload, cfg.data).build_model), backend)
@@ -119,7 +119,7 @@ def _launch_t0() -> str:
 
 
 def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter, method: str = "spawn") -> int:
-    """Start the ranks with `method` (spawn | fork: bench.runner.checks.start_method), forward stop
+    """Start the ranks with `method` (spawn | fork: ptbench.runner.checks.start_method), forward stop
     signals to them, wait, and record a failed run's outcome."""
     import torch.multiprocessing as mp
 
@@ -184,13 +184,13 @@ def _preload(module: str) -> None:
 
 def run_with_launcher(command: list[str], addr: str, port: int, writer: RunWriter) -> int:
     """Ranks started by the framework's own launcher (horovodrun); each runs
-    `python -m bench.runner.rank RUN_DIR` and reads the config this process wrote there. Our process
+    `python -m ptbench.runner.rank RUN_DIR` and reads the config this process wrote there. Our process
     group's address goes in the environment."""
     import subprocess
 
     start = time.time()
     env = {**os.environ, "MASTER_ADDR": addr, "MASTER_PORT": str(port), "BENCH_LAUNCH_T0": _launch_t0()}
-    proc = subprocess.Popen([*command, sys.executable, "-m", "bench.runner.rank", str(writer.dir)], env=env)
+    proc = subprocess.Popen([*command, sys.executable, "-m", "ptbench.runner.rank", str(writer.dir)], env=env)
 
     def forward(signum, frame):  # horovodrun stops its ranks on SIGTERM (SIGUSR1 would kill it outright)
         proc.send_signal(signal.SIGTERM)

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from adapters import get_adapter_class
-from bench.core.config import BenchConfig
-from bench.core.records import new_run_id, results_folder
-from bench.runner.checks import check_config, check_results_dir
-from workloads import build_workload
+from ptbench.adapters import get_adapter_class
+from ptbench.core.config import BenchConfig
+from ptbench.core.records import new_run_id, results_folder
+from ptbench.runner.checks import check_config, check_results_dir
+from ptbench.workloads import build_workload
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class RunPlan:
     # bench/core/comm_volume.py's bytes per optimizer step per rank (the launcher computes it before the
     # ranks start, for every launcher); recorded as `comm_volume`
     comm_volume: dict | None = field(default=None, repr=False, compare=False)
-    # launcher=local: how the ranks were started (spawn | fork, bench.runner.checks.start_method); None
+    # launcher=local: how the ranks were started (spawn | fork, ptbench.runner.checks.start_method); None
     # when another launcher (torchrun, srun, horovodrun) started them
     start_method: str | None = field(default=None, compare=False)
 

@@ -1,7 +1,7 @@
 """One rank's life: process group, workload, adapter, the training loop, its part of the record.
 
 `run_rank` is what every rank runs, however it was started (spawned by the launcher, torchrun,
-srun, horovodrun). `python -m bench.runner.rank RUN_DIR` is a rank started by a framework's own
+srun, horovodrun). `python -m ptbench.runner.rank RUN_DIR` is a rank started by a framework's own
 launcher for `launcher=local` (horovodrun): the launcher process wrote the run's resolved config to
 RUN_DIR/config.yaml and records the outcome of a failed run, as for spawned ranks.
 
@@ -27,16 +27,16 @@ os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK") o
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-import adapters  # noqa: E402
-from bench.core import checkpoint as ckpt  # noqa: E402
-from bench.core.dist import DistContext, dist_timeout_s, init_process_group, set_cpu_threads  # noqa: E402
-from bench.core.precision import apply_tf32  # noqa: E402
-from bench.core.records import RunWriter, point_folders  # noqa: E402
-from bench.core.sinks import write_sinks  # noqa: E402
-from bench.runner.compose import typed  # noqa: E402
-from bench.runner.console import print_summary  # noqa: E402
-from bench.runner.plan import RunPlan, make_plan, run_dir_of  # noqa: E402
-from workloads import build_workload  # noqa: E402
+from ptbench import adapters  # noqa: E402
+from ptbench.core import checkpoint as ckpt  # noqa: E402
+from ptbench.core.dist import DistContext, dist_timeout_s, init_process_group, set_cpu_threads  # noqa: E402
+from ptbench.core.precision import apply_tf32  # noqa: E402
+from ptbench.core.records import RunWriter, point_folders  # noqa: E402
+from ptbench.core.sinks import write_sinks  # noqa: E402
+from ptbench.runner.compose import typed  # noqa: E402
+from ptbench.runner.console import print_summary  # noqa: E402
+from ptbench.runner.plan import RunPlan, make_plan, run_dir_of  # noqa: E402
+from ptbench.workloads import build_workload  # noqa: E402
 
 
 def packages() -> tuple[str, ...]:
@@ -57,7 +57,7 @@ def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | No
     apply_tf32(cfg.trainer.tf32)
     import torch.distributed as dist
 
-    from bench.core.guard import StopFlag, Watchdog, requeue_slurm_job, slurm_job_requeueable
+    from ptbench.core.guard import StopFlag, Watchdog, requeue_slurm_job, slurm_job_requeueable
 
     stop = StopFlag()
     stop.install()
@@ -73,7 +73,7 @@ def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | No
                                f"{cfg.trainer.hang_timeout_s}): a rank stopped calling collectives or hangs", "")
 
         watchdog = Watchdog(cfg.trainer.hang_timeout_s, on_hang).start()
-        from bench.runner.trainer import CONVENTIONS, Trainer
+        from ptbench.runner.trainer import CONVENTIONS, Trainer
 
         torch.manual_seed(cfg.trainer.seed)
         workload = build_workload(cfg.workload, cfg.data)
@@ -180,12 +180,12 @@ def rank_main(run_dir: str) -> int:
     """A rank started by the adapter's own launcher (`Adapter.launch_command`) for launcher=local."""
     import dataclasses
 
-    from bench.runner.launch import detect
+    from ptbench.runner.launch import detect
 
     cfg = typed(OmegaConf.load(Path(run_dir) / "config.yaml"))
     environment = detect(adapters.get_adapter_class(cfg.adapter.name), cfg.launcher.name)
     if environment is None:
-        raise SystemExit(f"error: python -m bench.runner.rank {run_dir}: no launcher environment found")
+        raise SystemExit(f"error: python -m ptbench.runner.rank {run_dir}: no launcher environment found")
     ctx = environment.context(os.environ, cfg.launcher.backend, cfg.launcher.master_port)
     plan = make_plan(cfg, environment.name, ctx.world_size, check=False)  # the launcher checked
     # the launcher process waits and records a failed run's outcome, as for spawned ranks

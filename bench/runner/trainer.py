@@ -34,21 +34,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from adapters.base import Adapter, compile_stats
-from bench.core import checkpoint as ckpt
-from bench.core import memory
-from bench.core.config import BenchConfig
-from bench.core.data import data_workers, eval_loader, loader_options, train_loader
-from bench.core.dist import DistContext
-from bench.core.errors import ConfigError
-from bench.core.flops import math_dtype, mfu, peak_flops
-from bench.core.guard import StopFlag, Watchdog
-from bench.core.records import RunRecord, atomic_write, write_json
-from bench.core.schedule import Schedule
-from bench.core.timing import PHASES, PhaseTimer
-from bench.runner.console import print_epoch
-from bench.runner.plan import RunPlan
-from workloads.base import Workload
+from ptbench.adapters.base import Adapter, compile_stats
+from ptbench.core import checkpoint as ckpt
+from ptbench.core import memory
+from ptbench.core.config import BenchConfig
+from ptbench.core.data import data_workers, eval_loader, loader_options, train_loader
+from ptbench.core.dist import DistContext
+from ptbench.core.errors import ConfigError
+from ptbench.core.flops import math_dtype, mfu, peak_flops
+from ptbench.core.guard import StopFlag, Watchdog
+from ptbench.core.records import RunRecord, atomic_write, write_json
+from ptbench.core.schedule import Schedule
+from ptbench.core.timing import PHASES, PhaseTimer
+from ptbench.runner.console import print_epoch
+from ptbench.runner.plan import RunPlan
+from ptbench.workloads.base import Workload
 
 CONVENTIONS = {
     "warmup": "first trainer.warmup_steps steps of the run excluded from step stats and throughput",

@@ -1,7 +1,7 @@
-"""The Hydra launcher behind `python -m bench -m hydra/launcher=bench_slurm ...`.
+"""The Hydra launcher behind `python -m ptbench -m hydra/launcher=bench_slurm ...`.
 
 Hydra only instantiates launchers from the `hydra_plugins` namespace package: this package is
-installed as `hydra_plugins.trainbench_launcher` (pyproject.toml maps it from
+installed as `hydra_plugins.ptbench_launcher` (pyproject.toml maps it from
 bench/plugins/hydra_plugins/), Hydra's documented plugin layout, so it is found with no
 sys.path or PYTHONPATH edits. conf/hydra/launcher/bench_slurm.yaml names this class as
 `_target_` and extends the stock plugin's schema (`submitit_slurm`) in its defaults list, with
@@ -11,7 +11,7 @@ Why not the stock submitit Slurm launcher as is: it submits the whole sweep as o
 Slurm gives every task of an array the same resources, while benchmark points differ in rank
 count (the paper's 1..64 GPUs). This one composes each point's config, asks its adapter how many
 ranks it needs, and submits one array per allocation shape: one Slurm task per rank, spread over
-nodes by `gpus_per_node`. Every task runs the Hydra job (`python -m bench`'s task function), which
+nodes by `gpus_per_node`. Every task runs the Hydra job (`python -m ptbench`'s task function), which
 sees SUBMITIT_EXECUTOR=slurm and becomes the rank SLURM_PROCID of the point (bench/runner/launch.py).
 """
 import dataclasses
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 class BenchSlurmLauncher(SlurmLauncher):
     def _shape(self, overrides: Sequence[str]) -> Tuple[int, int, Optional[int]]:
-        from bench.sweep import layout_of, slurm_shape
+        from ptbench.sweep import layout_of, slurm_shape
 
         assert self.hydra_context is not None and self.config is not None
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
