@@ -54,7 +54,8 @@ def test_everything_installs_under_one_namespace(installed, tmp_path):
     site = Path(_run(installed, tmp_path, "-c", "import ptbench, pathlib; print(pathlib.Path(ptbench.__file__).parents[1])")
                 .stdout.strip())
     tops = sorted(p.name for p in site.iterdir() if p.name != "deps.pth" and not p.name.endswith(".dist-info"))
-    assert tops == ["hydra_plugins", "ptbench"], tops
+    assert tops == ["bin", "hydra_plugins", "ptbench"], tops  # bin/: pip --target puts the console script there
+    assert sorted(p.name for p in (site / "bin").iterdir()) == ["ptbench"]
     assert sorted(p.name for p in (site / "hydra_plugins").iterdir()) == ["ptbench_launcher"]
     proc = _run(installed, tmp_path, "-c", "import ptbench.adapters, ptbench.workloads, ptbench.analysis, ptbench.conf")
     assert proc.returncode == 0, proc.stderr
