@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Where the tests find real data (Wikitext-2, GPT-2 tokenizer, CIFAR-10 subset); see README.
 export BENCH_DATA_ROOT ?= $(abspath ../shared/data)
 
-.PHONY: install demo paper-demo test smoke gpu-check horovod slurm-up slurm-down clean
+.PHONY: install demo paper-demo test lint smoke gpu-check horovod slurm-up slurm-down clean
 
 # Strict editable install: a tree of links under build/ that Hydra's plugin scan can list (the default
 # editable mode hides hydra_plugins.ptbench_launcher from it). Links are per file, so the install is
@@ -57,6 +57,11 @@ paper-demo: $(STAMP)
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+
+# ruff's linter and formatter, configured in pyproject.toml (tests/test_lint.py runs the same in `make test`)
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # every installed adapter on the visible GPUs (a one-GPU runner: world size 1), or 2 ranks on a CPU
 smoke: $(STAMP)

@@ -5,10 +5,16 @@ calls from the trainer: `train_step`, `eval_step`, `state_bytes`, and who it sha
 (`dp_rank`, `dp_size`). Everything else (loop, timers, memory, records) lives in bench/.
 
 Class-level hooks run before any rank starts, so bad input fails in the parent with one line:
-  - `validate(cfg, world_size)`: refuse what this adapter cannot do (raise ConfigError)
+  - `check(cfg, world_size)`: refuse what this adapter cannot do (raise ConfigError); the base
+    `validate` runs the checks every adapter needs and then this one, so none is skipped
   - `processes(cfg)`: how many processes to launch (GPipe drives several devices from one)
+  - `layout(cfg, world_size)`: dp x tp x pp, devices per process, micro-batches (ptbench.core.layout.Layout)
+  - `cost_inputs(cfg)`: what the memory and communication models need beyond the layout (CostInputs):
+    they read these, never the adapter's name, so a new adapter touches its own file only
   - `launch_command(cfg, world_size)`: a framework launcher that must start the ranks (horovodrun)
   - `local_batch_size(cfg, world_size)`: the batch one data-parallel replica loads per step
+  - `checkpoint_refusal(cfg)` / `compile_refusal(cfg)`: None where this adapter checkpoints / compiles
+    correctly, else why not (the run is refused before launch)
 
 Checkpoints (bench/core/checkpoint.py; the trainer decides when): `save_checkpoint(path)` and
 `load_checkpoint(path)` write and read this rank's part of the model and optimizer state into a
@@ -16,14 +22,15 @@ folder every rank shares. The default is torch.distributed.checkpoint (DCP) thro
 `get_state_dict`/`set_state_dict` on `checkpoint_module()` and `self.optimizer`: it handles DDP
 wrappers, FSDP2 and tensor-parallel DTensors (each rank writes its shards, replicated tensors once).
 Adapters whose framework has its own API override both (DeepSpeed, Horovod, GPipe). An adapter
-declares that its state is checkpointed correctly with `checkpoint_unsupported = None`; the
-default is a reason, so a new adapter never writes a checkpoint nobody has checked.
+declares that its state is checkpointed correctly by overriding `checkpoint_refusal` to return None;
+the default is a reason, so a new adapter never writes a checkpoint nobody has checked.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar, Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -32,6 +39,7 @@ from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext
 from ptbench.core.environments import ClusterEnvironment
 from ptbench.core.errors import ConfigError
+from ptbench.core.layout import CostInputs, Layout
 from ptbench.core.timing import PhaseTimer
 from ptbench.workloads.base import Workload
 
@@ -57,13 +65,7 @@ class Adapter(ABC):
                                           "activations in bf16/fp16")
     # ways of starting ranks that only this framework has (bench/core/environments.py), e.g. horovodrun
     environments: ClassVar[tuple[type[ClusterEnvironment], ...]] = ()
-    # None: save_checkpoint/load_checkpoint restore this adapter's full training state (checked by
-    # tests/test_checkpoint.py); else why not, and trainer.checkpoint_every > 0 is refused before launch
-    checkpoint_unsupported: ClassVar[str | None] = "no checkpoint support written and tested for this adapter"
     checkpoint_format: ClassVar[str] = "torch.distributed.checkpoint (get_state_dict/set_state_dict)"
-    # None: trainer.compile=true compiles this adapter's model (`compile_module`) and was checked to train;
-    # else why not, and trainer.compile=true is refused before launch (bench/runner/checks.py)
-    compile_unsupported: ClassVar[str | None] = "torch.compile is not wired into this adapter or not shown to work"
     compile_how: ClassVar[str] = ""  # what is compiled (recorded as compile.how)
 
     # --- before launch (class methods: no process group yet) ------------------------------------
@@ -74,19 +76,38 @@ class Adapter(ABC):
 
     @classmethod
     def validate(cls, cfg: BenchConfig, world_size: int) -> None:
+        """Every check before launch: the workload kind and the checkpoint fields, then this adapter's
+        own `check`. Adapters override `check`, never this, so the common checks always run."""
         if cfg.workload.kind not in cls.kinds:
             raise ConfigError(
                 f"adapter={cls.name} does not support {cfg.workload.kind} workloads "
                 f"(workload={cfg.workload.name}); it supports: {', '.join(cls.kinds)}"
             )
         cls.check_checkpointing(cfg)
+        cls.check(cfg, world_size)
+
+    @classmethod
+    def check(cls, cfg: BenchConfig, world_size: int) -> None:
+        """This adapter's own refusals (raise ConfigError with one line naming the problem and the fix)."""
+
+    @classmethod
+    def checkpoint_refusal(cls, cfg: BenchConfig) -> str | None:
+        """None: save_checkpoint/load_checkpoint restore this adapter's full training state (checked by
+        tests/test_checkpoint.py); else why not, and trainer.checkpoint_every > 0 is refused before launch."""
+        return "no checkpoint support written and tested for this adapter"
+
+    @classmethod
+    def compile_refusal(cls, cfg: BenchConfig) -> str | None:
+        """None: trainer.compile=true compiles this adapter's model (`compile_module`) and was checked to
+        train; else why not, and trainer.compile=true is refused before launch (bench/runner/checks.py)."""
+        return "torch.compile is not wired into this adapter or not shown to work"
 
     @classmethod
     def check_checkpointing(cls, cfg: BenchConfig) -> None:
         """The trainer's checkpoint fields, and checkpoint_every > 0 refused where this adapter cannot."""
         from ptbench.core.checkpoint import check_config
 
-        check_config(cfg, cls.name, cls.checkpoint_unsupported)
+        check_config(cfg, cls.name, cls.checkpoint_refusal(cfg))
 
     @classmethod
     def processes(cls, cfg: BenchConfig) -> int:
@@ -99,9 +120,24 @@ class Adapter(ABC):
         return None
 
     @classmethod
-    def data_parallel_size(cls, cfg: BenchConfig, world_size: int) -> int:
-        """Number of model replicas that read different data."""
-        return world_size
+    def layout(cls, cfg: BenchConfig, world_size: int) -> Layout:
+        """How `world_size` processes split the work; default: every process one data-parallel replica."""
+        return Layout(world_size=world_size, dp=world_size)
+
+    @classmethod
+    def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
+        """What this framework does that the cost models cannot see in the layout; default: replicated fp32
+        states under autocast, gradients all-reduced in backward."""
+        return CostInputs()
+
+    @classmethod
+    def devices_per_process(cls, cfg: BenchConfig) -> int:
+        """The layout's devices per process at `processes(cfg)` (what Slurm allocates per task). A layout that
+        cannot split is the point's own run's error (make_plan says it), not this question's: 1 then."""
+        try:
+            return cls.layout(cfg, cls.processes(cfg)).devices_per_process
+        except ConfigError:
+            return 1
 
     @classmethod
     def local_batch_size(cls, cfg: BenchConfig, world_size: int) -> int:
@@ -114,29 +150,20 @@ class Adapter(ABC):
         (GPipe as in the paper: fixed micro-batch size, micro-batches = 4 x partitions).
         """
         policy = cfg.adapter.batch_policy
-        dp = cls.data_parallel_size(cfg, world_size)
+        layout = cls.layout(cfg, world_size)
+        dp = layout.dp
         b = cfg.trainer.batch_size
         if policy == "per_device":
             return b
         if policy == "per_microbatch":
-            return b * cls.microbatches(cfg, world_size)
-        devices = world_size * cls.devices_per_process(cfg)
-        total = b * devices if policy == "linear" else b
+            return b * layout.microbatches
+        total = b * layout.devices if policy == "linear" else b
         if total % dp:
             raise ConfigError(
                 f"adapter.batch_policy={policy}: global batch {total} is not divisible by "
                 f"{dp} data-parallel replicas; change trainer.batch_size"
             )
         return total // dp
-
-    @classmethod
-    def devices_per_process(cls, cfg: BenchConfig) -> int:
-        return 1
-
-    @classmethod
-    def microbatches(cls, cfg: BenchConfig, world_size: int) -> int:
-        """Micro-batches a replica's batch is cut into inside one train_step (pipelines); 1 otherwise."""
-        return 1
 
     # --- on each rank -------------------------------------------------------------------------
     def __init__(self, cfg: BenchConfig, workload: Workload, ctx: DistContext):
@@ -184,7 +211,7 @@ class Adapter(ABC):
 
     @property
     def dp_size(self) -> int:
-        return self.data_parallel_size(self.cfg, self.ctx.world_size)
+        return self.layout(self.cfg, self.ctx.world_size).dp
 
     @property
     def reports_metrics(self) -> bool:

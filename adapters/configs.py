@@ -11,7 +11,6 @@ Defaults are written here once; comments say where a value comes from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -32,7 +31,7 @@ class ZeroConfig(AdapterConfig):
     name: str = "zero"
     stage: int = 1  # 0-3; adapter=zero1..zero3 set it
     # None = DeepSpeed's own default (0.19: true at stage 3, false below); the value used is recorded
-    overlap_comm: Optional[bool] = None
+    overlap_comm: bool | None = None
     contiguous_gradients: bool = True
     # elements; DeepSpeed's default 5e8 allocates ~2 GB per rank
     reduce_bucket_size: int = 5_000_000
@@ -77,7 +76,7 @@ class GPipeConfig(AdapterConfig):
     # the paper's policy: fixed micro-batch size (trainer.batch_size), micro-batches = 4 x partitions
     batch_policy: str = "per_microbatch"
     pipeline_parallel: int = 2  # partitions (devices driven by the one process)
-    balance: Optional[List[int]] = None  # layers per partition; None = torchgpipe's balance_by_time
+    balance: list[int] | None = None  # layers per partition; None = torchgpipe's balance_by_time
     microbatches: int = 0  # chunks; 0 = 4 x partitions
     checkpoint: str = "except_last"  # always | except_last | never
     deferred_batch_norm: bool = True  # BatchNorm running statistics once per mini-batch
@@ -89,7 +88,7 @@ class PipelineConfig(AdapterConfig):
     batch_policy: str = "fixed"  # trainer.batch_size is the global mini-batch (PipeDream's fixed mini-batch)
     schedule: str = "1f1b"  # gpipe | 1f1b (PipeDream-Flush) | interleaved_1f1b
     pipeline_parallel: int = 0  # ranks per pipeline; 0 = every rank (no data parallelism)
-    balance: Optional[List[int]] = None  # layers per stage; None = an even split by layer count
+    balance: list[int] | None = None  # layers per stage; None = an even split by layer count
     microbatches: int = 0  # 0 = 4 x pipeline ranks
 
 

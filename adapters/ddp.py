@@ -6,7 +6,7 @@ The diff from a single-process loop: wrap the model in DDP, skip the gradient al
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -19,13 +19,17 @@ from ptbench.core.timing import PhaseTimer
 
 class DDPAdapter(Adapter):
     name = "ddp"
-    # checkpoints: the base's DCP get_state_dict/set_state_dict on the DDP wrapper (replicated tensors
-    # written once across ranks) and the optimizer
-    checkpoint_unsupported = None
-    # trainer.compile: the module is compiled in place, then wrapped; TorchDynamo's DDPOptimizer splits the
-    # graph at DDP's bucket boundaries, so gradient all-reduces still overlap backward
-    compile_unsupported = None
     compile_how = "module.compile() of the model inside DDP (graph split at DDP buckets by DDPOptimizer)"
+
+    @classmethod
+    def checkpoint_refusal(cls, cfg) -> None:
+        return None  # the base's DCP get_state_dict/set_state_dict on the DDP wrapper (replicated tensors once)
+
+    @classmethod
+    def compile_refusal(cls, cfg) -> None:
+        # the module is compiled in place, then wrapped; TorchDynamo's DDPOptimizer splits the graph at
+        # DDP's bucket boundaries, so gradient all-reduces still overlap backward
+        return None
 
     def setup(self) -> None:
         cfg = self.cfg.adapter

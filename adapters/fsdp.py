@@ -10,16 +10,16 @@ with the root unit, so the tie survives sharding.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from ptbench.adapters.base import Adapter, Batch, local_tensor
-from ptbench.core.precision import HALF_DTYPES
+from ptbench.core.layout import CostInputs
 from ptbench.core.optim import build_optimizer, optimizer_step, refuse_layerwise
+from ptbench.core.precision import HALF_DTYPES
 from ptbench.core.timing import PhaseTimer
-
 
 
 def shard_units(workload, model: nn.Module) -> list[nn.Module]:
@@ -45,19 +45,29 @@ class FSDPAdapter(Adapter):
         "backward": "backward; parameters re-gathered (reshard_after_forward) and gradients reduce-scattered",
         "optimizer": "clip over the global norm of the sharded gradients, step the local shards",
     }
-    # checkpoints: the base's DCP get_state_dict/set_state_dict: each rank writes and reads its own
-    # DTensor shards of parameters and optimizer state (a sharded state dict, never gathered)
-    checkpoint_unsupported = None
-    # trainer.compile: as torchtitan, each shard unit (block) is compiled before fully_shard wraps it, so
-    # FSDP2's all-gather/reduce-scatter hooks stay outside the compiled graphs
-    compile_unsupported = None
     compile_how = "module.compile() of each shard unit before fully_shard (torchtitan's per-block compile)"
     precision_semantics = ("FSDP2 MixedPrecisionPolicy: bf16/fp16 parameters for compute (param_dtype), fp32 "
                            "sharded master parameters and fp32 gradient reduction")
 
     @classmethod
-    def validate(cls, cfg, world_size: int) -> None:
-        super().validate(cfg, world_size)
+    def checkpoint_refusal(cls, cfg) -> None:
+        # the base's DCP get_state_dict/set_state_dict: each rank writes and reads its own DTensor shards of
+        # parameters and optimizer state (a sharded state dict, never gathered)
+        return None
+
+    @classmethod
+    def compile_refusal(cls, cfg) -> None:
+        # as torchtitan, each shard unit (block) is compiled before fully_shard wraps it, so FSDP2's
+        # all-gather/reduce-scatter hooks stay outside the compiled graphs
+        return None
+
+    @classmethod
+    def cost_inputs(cls, cfg) -> CostInputs:
+        # MixedPrecisionPolicy: bf16/fp16 parameters gathered, fp32 sharded master and gradient reduction
+        return CostInputs(sharding="fsdp", half_gather=True, reshard_after_forward=cfg.adapter.reshard_after_forward)
+
+    @classmethod
+    def check(cls, cfg, world_size: int) -> None:
         refuse_layerwise(cfg.optimizer, "adapter=fsdp", "shards every tensor along dim 0 (DTensor shards)")
 
     def setup(self) -> None:

@@ -15,15 +15,16 @@ head weight: the head gets its own copy whose gradient is summed with the embedd
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from ptbench.adapters.base import Adapter, Batch, load_rank0_state, save_rank0_state, tensor_bytes
 from ptbench.adapters import _pipeline as P
+from ptbench.adapters.base import Adapter, Batch, load_rank0_state, save_rank0_state, tensor_bytes
 from ptbench.core.config import BenchConfig
 from ptbench.core.errors import ConfigError
+from ptbench.core.layout import CostInputs, Layout
 from ptbench.core.optim import build_optimizer, optimizer_step
 from ptbench.core.precision import AutocastModule, grad_scaler
 from ptbench.core.timing import PhaseTimer
@@ -36,10 +37,6 @@ class GPipeAdapter(Adapter):
     name = "gpipe"
     framework = "torchgpipe"
     framework_module = "torchgpipe"
-    # checkpoints: one process holds every partition: torch.save of the layers' state_dict under the names
-    # of the unsplit sequential model (balance_by_time may split a resumed run differently; the tied head
-    # copy and deferred BatchNorm buffers included) and the optimizer's (parameters in layer order)
-    checkpoint_unsupported = None
     checkpoint_format = "rank 0 torch.save of model and optimizer state_dict"
     phase_semantics = {
         **Adapter.phase_semantics,
@@ -63,20 +60,26 @@ class GPipeAdapter(Adapter):
         return 1  # one process drives all partitions; launcher.nprocs does not apply
 
     @classmethod
-    def data_parallel_size(cls, cfg: BenchConfig, world_size: int) -> int:
-        return 1
+    def layout(cls, cfg: BenchConfig, world_size: int) -> Layout:
+        """One process (one replica) driving k partitions, one device each; paper: micro-batches = 4 x GPUs."""
+        k = cls.partitions(cfg)
+        return Layout(world_size=world_size, dp=1, pp=k, devices_per_process=k,
+                      microbatches=cfg.adapter.microbatches or 4 * k)
 
     @classmethod
-    def devices_per_process(cls, cfg: BenchConfig) -> int:
-        return cls.partitions(cfg)
+    def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
+        # every micro-batch's forward before any backward; adapter.checkpoint recomputes stage activations
+        return CostInputs(schedule="gpipe", recompute=cfg.adapter.checkpoint)
 
     @classmethod
-    def microbatches(cls, cfg: BenchConfig, world_size: int) -> int:
-        return cfg.adapter.microbatches or 4 * cls.partitions(cfg)  # paper: micro-batches = 4 x GPUs
+    def checkpoint_refusal(cls, cfg: BenchConfig) -> None:
+        # one process holds every partition: torch.save of the layers' state_dict under the names of the
+        # unsplit sequential model (balance_by_time may split a resumed run differently; the tied head copy
+        # and deferred BatchNorm buffers included) and the optimizer's (parameters in layer order)
+        return None
 
     @classmethod
-    def validate(cls, cfg: BenchConfig, world_size: int) -> None:
-        super().validate(cfg, world_size)
+    def check(cls, cfg: BenchConfig, world_size: int) -> None:
         a = cfg.adapter
         k = cls.partitions(cfg)
         if world_size != 1:
@@ -89,7 +92,7 @@ class GPipeAdapter(Adapter):
                               f"GPUs; use at most {torch.cuda.device_count()} partitions")
         workload = build_workload(cfg.workload, cfg.data)
         P.check_split(a.balance, P.layer_count(workload), k, cfg.workload.name, f"adapter.pipeline_parallel={k}")
-        m = cls.microbatches(cfg, world_size)
+        m = cls.layout(cfg, world_size).microbatches
         P.check_microbatches(cls.local_batch_size(cfg, world_size), m, "the mini-batch")
 
     # --- on the rank -----------------------------------------------------------------------------
@@ -103,7 +106,7 @@ class GPipeAdapter(Adapter):
             self._devices = [torch.device("cuda", i) for i in range(k)]
         else:
             self._devices = [torch.device("cpu")] * k
-        self.chunks = self.microbatches(self.cfg, 1)
+        self.chunks = self.layout(self.cfg, 1).microbatches
         self.micro_batch = self.local_batch_size(self.cfg, 1) // self.chunks
 
         seq = self.workload.sequential(self.workload.build_model())

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -37,6 +37,7 @@ from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext, default_backend
 from ptbench.core.environments import ClusterEnvironment
 from ptbench.core.errors import ConfigError
+from ptbench.core.layout import CostInputs
 from ptbench.core.optim import build_optimizer, optimizer_step
 from ptbench.core.precision import autocast, grad_scaler
 from ptbench.core.timing import PhaseTimer
@@ -83,9 +84,6 @@ class HorovodAdapter(Adapter):
     framework = "horovod"
     framework_module = "horovod"
     environments = (HorovodrunEnvironment,)
-    # checkpoints: every replica is equal (broadcast at start, averaged gradients), so rank 0 torch.saves
-    # the model and the optimizer's state_dict; every rank loads that file
-    checkpoint_unsupported = None
     checkpoint_format = "rank 0 torch.save of model and optimizer state_dict"
     phase_semantics = {
         **Adapter.phase_semantics,
@@ -95,8 +93,18 @@ class HorovodAdapter(Adapter):
     }
 
     @classmethod
-    def validate(cls, cfg: BenchConfig, world_size: int) -> None:
-        super().validate(cfg, world_size)
+    def checkpoint_refusal(cls, cfg: BenchConfig) -> None:
+        # every replica is equal (broadcast at start, averaged gradients), so rank 0 torch.saves the model and
+        # the optimizer's state_dict; every rank loads that file
+        return None
+
+    @classmethod
+    def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
+        # a fusion buffer of up to the threshold; the all-reduces are waited for in optimizer.step (synchronize)
+        return CostInputs(fusion_buffer_bytes=int(cfg.adapter.fusion_threshold_mb * 2**20), grad_sync_phase="optimizer")
+
+    @classmethod
+    def check(cls, cfg: BenchConfig, world_size: int) -> None:
         a = cfg.adapter
         if a.compression not in COMPRESSIONS:
             raise ConfigError(f"adapter.compression={a.compression}: choose none or fp16 (hvd.Compression)")

@@ -36,7 +36,7 @@ checkpointed here yet: that combination refuses trainer.checkpoint_every before 
 
 Batch: `batch_policy=linear` (conf/adapter/megatron.yaml), as the paper scales Megatron: the global
 batch is trainer.batch_size x ranks; a replica (TP x PP ranks) loads global / DP samples per
-micro-step and Megatron's schedule runs them as `microbatches(cfg)` micro-batches.
+micro-step and Megatron's schedule runs them as the layout's micro-batches.
 """
 from __future__ import annotations
 
@@ -44,17 +44,18 @@ import contextlib
 import dataclasses
 import importlib.util
 import warnings
+from collections.abc import Sequence
 from functools import partial
-from typing import Sequence
 
 import torch
 
-from ptbench.adapters.base import Adapter, Batch, tensor_bytes
 from ptbench.adapters import _vocab_parallel as vocab_parallel
+from ptbench.adapters._pipeline import check_microbatches
+from ptbench.adapters.base import Adapter, Batch, tensor_bytes
 from ptbench.core.dist import dist_timeout_s
 from ptbench.core.errors import ConfigError
+from ptbench.core.layout import CostInputs, Layout
 from ptbench.core.optim import build_optimizer, refuse_layerwise
-from ptbench.adapters._pipeline import check_microbatches
 from ptbench.core.precision import autocast
 from ptbench.core.timing import PhaseTimer
 
@@ -81,9 +82,6 @@ class MegatronAdapter(Adapter):
     kinds = ("language",)
     framework = "megatron-core"
     framework_module = "megatron.core"
-    # checkpoints: megatron.core.dist_checkpointing (module docstring); per run, `_checkpoint_refusal` (GPU
-    # with Megatron's distributed optimizer) turns them off
-    checkpoint_unsupported = None
     checkpoint_format = "megatron.core.dist_checkpointing (torch_dist): GPTModel.sharded_state_dict + optimizer state"
     phase_semantics = {
         **Adapter.phase_semantics,
@@ -100,21 +98,38 @@ class MegatronAdapter(Adapter):
 
     # --- before launch ----------------------------------------------------------------------------
     @classmethod
-    def _checkpoint_refusal(cls, cfg) -> str | None:
+    def checkpoint_refusal(cls, cfg) -> str | None:
+        """megatron.core.dist_checkpointing (module docstring), except with Megatron's distributed optimizer."""
         if torch.cuda.is_available() and cfg.optimizer.name in _MEGATRON_OPTIMIZERS:
             return (f"Megatron's distributed optimizer (GPU, optimizer={cfg.optimizer.name}) is not checkpointed here "
                     "yet; CPU runs and GPU runs with another optimizer are")
         return None
 
     @classmethod
-    def check_checkpointing(cls, cfg) -> None:
-        from ptbench.core.checkpoint import check_config
-
-        check_config(cfg, cls.name, cls._checkpoint_refusal(cfg))
+    def layout(cls, cfg, world_size: int) -> Layout:
+        """TP x PP ranks per replica; micro-batches: adapter.microbatches, else 1 without a pipeline and
+        4 x stages with one (the paper's GPipe rule; 1F1B needs >= stages to fill the pipeline)."""
+        a = cfg.adapter
+        tp, pp = a.tensor_parallel, a.pipeline_parallel
+        return Layout(world_size=world_size, dp=world_size // max(1, tp * pp), tp=tp, pp=pp,
+                      microbatches=a.microbatches or (1 if pp == 1 else 4 * pp))
 
     @classmethod
-    def validate(cls, cfg, world_size):
-        cls.check_checkpointing(cfg)  # this validate does not call the base one
+    def cost_inputs(cls, cfg) -> CostInputs:
+        a = cfg.adapter
+        return CostInputs(
+            # Megatron's distributed optimizer shards the optimizer state over dp (it is used on CUDA only)
+            sharding="distributed_optimizer" if cfg.optimizer.name in _MEGATRON_OPTIMIZERS else "none",
+            half_activation_comm=True,  # TP all-reduces and stage sends carry bf16 activations under autocast
+            padded_vocab=padded_vocab_size(cfg.workload.vocab_size, max(1, a.tensor_parallel),
+                                           max(1, a.make_vocab_size_divisible_by)),
+            schedule=a.schedule if a.pipeline_parallel > 1 else "none",
+            sequence_parallel=a.sequence_parallel,
+            cpu_attention_scores=True,  # the local layer spec on CPU materializes the scores; TE on CUDA fuses them
+        )
+
+    @classmethod
+    def check(cls, cfg, world_size):
         w, a = cfg.workload, cfg.adapter
         if w.kind != "language" or w.arch != "gpt2":
             raise ConfigError(f"adapter=megatron does not support workload={w.name}: megatron-core builds GPT models "
@@ -154,19 +169,8 @@ class MegatronAdapter(Adapter):
             raise ConfigError("trainer.precision=bf16 with adapter=megatron needs a GPU: Megatron's tensor-parallel "
                               "linear layers register autocast for CUDA only, so their backward fails under CPU "
                               "autocast; use trainer.precision=fp32 on CPU")
-        check_microbatches(cls.local_batch_size(cfg, world_size), cls.microbatches(cfg, world_size),
+        check_microbatches(cls.local_batch_size(cfg, world_size), cls.layout(cfg, world_size).microbatches,
                            "adapter=megatron: the per-replica batch")
-
-    @classmethod
-    def data_parallel_size(cls, cfg, world_size):
-        return world_size // (cfg.adapter.tensor_parallel * cfg.adapter.pipeline_parallel)
-
-    @classmethod
-    def microbatches(cls, cfg, world_size):
-        """Micro-batches per replica batch: adapter.microbatches, else 1 without a pipeline and
-        4 x stages with one (the paper's GPipe rule; 1F1B needs >= stages to fill the pipeline)."""
-        pp = cfg.adapter.pipeline_parallel
-        return cfg.adapter.microbatches or (1 if pp == 1 else 4 * pp)
 
     # --- on each rank -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -180,7 +184,11 @@ class MegatronAdapter(Adapter):
     def _setup(self) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.models.gpt import GPTModel
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -227,7 +235,6 @@ class MegatronAdapter(Adapter):
             model.cuda(torch.cuda.current_device())
 
         self.megatron_optimizer = cuda and self.cfg.optimizer.name in _MEGATRON_OPTIMIZERS
-        self.checkpoint_unsupported = self._checkpoint_refusal(self.cfg)  # the trainer reads this instance's
         self.ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=bool(cuda and a.overlap_comm),  # overlap uses CUDA streams
             use_distributed_optimizer=self.megatron_optimizer,
@@ -256,8 +263,10 @@ class MegatronAdapter(Adapter):
                             torch.triu(torch.ones(w.seq_len, w.seq_len, dtype=torch.bool, device=self.device), 1)[None, None])
 
     def _spec(self):
-        from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                              get_gpt_layer_with_transformer_engine_spec)
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_local_spec,
+            get_gpt_layer_with_transformer_engine_spec,
+        )
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -341,7 +350,7 @@ class MegatronAdapter(Adapter):
             )
 
     def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer):
-        m = self.microbatches(self.cfg, self.ctx.world_size)
+        m = self.layout(self.cfg, self.ctx.world_size).microbatches
         batches = [(xc, yc, None) for x, y in micro_batches for xc, yc in zip(x.chunk(m), y.chunk(m))]
         self.model.zero_grad_buffer()
         self.timers.phase_timer = timer
@@ -395,8 +404,10 @@ class MegatronAdapter(Adapter):
         """(Megatron's sharded state: model and optimizer as ShardedTensors with global keys and this
         rank's offsets, plus the scheduler; this rank's own: optimizer step counts, RNG tracker states)."""
         from megatron.core import tensor_parallel
-        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
-                                                                optim_state_to_sharding_state)
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
 
         model = self.model.module.sharded_state_dict()  # keys as GPTModel.state_dict() names them
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -414,8 +425,9 @@ class MegatronAdapter(Adapter):
 
         from megatron.core import dist_checkpointing
 
-        if self.checkpoint_unsupported:
-            raise RuntimeError(f"adapter=megatron cannot checkpoint: {self.checkpoint_unsupported}")
+        refusal = self.checkpoint_refusal(self.cfg)
+        if refusal:
+            raise RuntimeError(f"adapter=megatron cannot checkpoint: {refusal}")
         folder = Path(path) / "megatron"
         if self.ctx.rank == 0:
             folder.mkdir()
@@ -431,8 +443,9 @@ class MegatronAdapter(Adapter):
         from megatron.core import dist_checkpointing, tensor_parallel
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-        if self.checkpoint_unsupported:
-            raise RuntimeError(f"adapter=megatron cannot resume a checkpoint: {self.checkpoint_unsupported}")
+        refusal = self.checkpoint_refusal(self.cfg)
+        if refusal:
+            raise RuntimeError(f"adapter=megatron cannot resume a checkpoint: {refusal}")
         _init_optim_state(self.optimizer)  # the state tensors the shards are read into (a zero-lr step)
         sharded, _ = self._checkpoint_state()
         with self._compat():
@@ -467,7 +480,7 @@ class MegatronAdapter(Adapter):
             "data_parallel": self.dp_size,
             "sequence_parallel": a.sequence_parallel,
             "schedule": "1f1b" if self.pp > 1 else "no_pipelining",
-            "microbatches": self.microbatches(self.cfg, self.ctx.world_size),
+            "microbatches": self.layout(self.cfg, self.ctx.world_size).microbatches,
             "padded_vocab_size": self.vocab,
             "layer_spec": self.layer_spec,
             "optimizer": ("megatron distributed " if self.megatron_optimizer else "torch ") + self.cfg.optimizer.name,

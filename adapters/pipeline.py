@@ -31,17 +31,18 @@ from __future__ import annotations
 
 import gc
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptbench.adapters.base import Adapter, Batch
 from ptbench.adapters import _pipeline as P
+from ptbench.adapters.base import Adapter, Batch
 from ptbench.core.config import BenchConfig
 from ptbench.core.errors import ConfigError
+from ptbench.core.layout import CostInputs, Layout
 from ptbench.core.optim import build_optimizer
 from ptbench.core.precision import AutocastModule
 from ptbench.core.timing import PhaseTimer
@@ -52,7 +53,6 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
 
 class PipelineAdapter(Adapter):
     name = "pipeline"
-    checkpoint_unsupported = None  # DCP of this rank's stages (module docstring)
     checkpoint_format = "torch.distributed.checkpoint of the stages (get_state_dict, flattened optimizer state)"
     phase_semantics = {
         **Adapter.phase_semantics,
@@ -72,8 +72,19 @@ class PipelineAdapter(Adapter):
         return cfg.adapter.pipeline_parallel or world_size
 
     @classmethod
-    def data_parallel_size(cls, cfg: BenchConfig, world_size: int) -> int:
-        return max(1, world_size // cls.pipeline_size(cfg, world_size))
+    def layout(cls, cfg: BenchConfig, world_size: int) -> Layout:
+        pp = cls.pipeline_size(cfg, world_size)
+        return Layout(world_size=world_size, dp=max(1, world_size // max(1, pp)), pp=pp,
+                      microbatches=cfg.adapter.microbatches or 4 * pp)
+
+    @classmethod
+    def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
+        # the schedule runs the whole step (sends, bubbles, the dp gradient reduction) in one timed phase
+        return CostInputs(schedule=cfg.adapter.schedule, step_phase="forward_backward")
+
+    @classmethod
+    def checkpoint_refusal(cls, cfg: BenchConfig) -> None:
+        return None  # DCP of this rank's stages (module docstring)
 
     @classmethod
     def num_stages(cls, cfg: BenchConfig, world_size: int) -> int:
@@ -83,12 +94,7 @@ class PipelineAdapter(Adapter):
         return 2 * pp if cfg.adapter.schedule == "interleaved_1f1b" else pp
 
     @classmethod
-    def microbatches(cls, cfg: BenchConfig, world_size: int) -> int:
-        return cfg.adapter.microbatches or 4 * cls.pipeline_size(cfg, world_size)
-
-    @classmethod
-    def validate(cls, cfg: BenchConfig, world_size: int) -> None:
-        super().validate(cfg, world_size)
+    def check(cls, cfg: BenchConfig, world_size: int) -> None:
         a = cfg.adapter
         if a.schedule not in SCHEDULES:
             raise ConfigError(f"adapter.schedule={a.schedule}: choose {', '.join(SCHEDULES)}")
@@ -112,7 +118,7 @@ class PipelineAdapter(Adapter):
                               f"entries for {pp} pipeline ranks; give {pp} entries or use adapter.schedule=interleaved_1f1b")
         workload = build_workload(cfg.workload, cfg.data)
         P.check_split(a.balance, P.layer_count(workload), stages, cfg.workload.name, where)
-        m = cls.microbatches(cfg, world_size)
+        m = cls.layout(cfg, world_size).microbatches
         P.check_microbatches(cls.local_batch_size(cfg, world_size), m, "the batch of one pipeline replica")
         if a.schedule == "1f1b" and m < stages:
             raise ConfigError(f"adapter.schedule=1f1b needs at least as many micro-batches as stages: "
@@ -139,7 +145,7 @@ class PipelineAdapter(Adapter):
 
         cfg, a, world = self.cfg, self.cfg.adapter, self.ctx.world_size
         self.pp = self.pipeline_size(cfg, world)
-        dp = self.data_parallel_size(cfg, world)
+        dp = self.layout(cfg, world).dp
         self.pp_rank = self.ctx.rank % self.pp
         mesh = init_device_mesh(self.device.type, (dp, self.pp), mesh_dim_names=("dp", "pp"))
         self.pp_group = mesh.get_group("pp")
@@ -169,7 +175,7 @@ class PipelineAdapter(Adapter):
                               device_ids=[self.device.index] if self.ctx.is_cuda else None)
             stages.append(pipelining.PipelineStage(wrapped, s, n_stages, self.device, group=self.pp_group))
 
-        self.m = self.microbatches(cfg, world)
+        self.m = self.layout(cfg, world).microbatches
         scale = 1.0 / (self.m * cfg.trainer.grad_accum)
 
         def loss_fn(out, y):
@@ -201,7 +207,7 @@ class PipelineAdapter(Adapter):
             group = None
             if r_main != r_copy:
                 # new_group is collective over the world: every rank creates every replica's group
-                for replica in range(self.data_parallel_size(self.cfg, self.ctx.world_size)):
+                for replica in range(self.dp_size):
                     ranks = [replica * self.pp + r_main, replica * self.pp + r_copy]
                     g = dist.new_group(ranks)
                     if self.ctx.rank in ranks:
@@ -297,7 +303,7 @@ class PipelineAdapter(Adapter):
         return {
             "schedule": self.cfg.adapter.schedule,
             "pipeline_ranks": self.pp,
-            "data_parallel_replicas": self.data_parallel_size(self.cfg, self.ctx.world_size),
+            "data_parallel_replicas": self.dp_size,
             "stages": len(self.balance),
             "balance": self.balance,
             "balance_by": "config" if self.cfg.adapter.balance is not None else "layer_count",

@@ -20,14 +20,15 @@ loads trainer.batch_size, so TP=2 on 2 ranks sees the global batch of a single p
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ptbench.adapters.base import Adapter, Batch, local_tensor, tensor_bytes
 from ptbench.adapters import _vocab_parallel as vocab_parallel
+from ptbench.adapters.base import Adapter, Batch, local_tensor, tensor_bytes
 from ptbench.core.errors import ConfigError
+from ptbench.core.layout import CostInputs, Layout
 from ptbench.core.optim import build_optimizer, refuse_layerwise
 from ptbench.core.precision import autocast
 from ptbench.core.timing import PhaseTimer
@@ -45,12 +46,24 @@ class TensorParallelAdapter(Adapter):
         "backward": "backward (TP collectives inside), then the data-parallel gradient all-reduce",
     }
     kinds = ("language",)
-    # checkpoints: the base's DCP get_state_dict/set_state_dict: the TP-sharded DTensors (tied wte/lm_head
-    # included) are written as shards, the replicated parameters once per data-parallel group
-    checkpoint_unsupported = None
 
     @classmethod
-    def validate(cls, cfg, world_size):
+    def checkpoint_refusal(cls, cfg) -> None:
+        # the base's DCP get_state_dict/set_state_dict: the TP-sharded DTensors (tied wte/lm_head included) are
+        # written as shards, the replicated parameters once per data-parallel group
+        return None
+
+    @classmethod
+    def layout(cls, cfg, world_size: int) -> Layout:
+        tp = cfg.adapter.tensor_parallel
+        return Layout(world_size=world_size, dp=world_size // tp if tp >= 1 else 0, tp=tp)
+
+    @classmethod
+    def cost_inputs(cls, cfg) -> CostInputs:
+        return CostInputs(half_activation_comm=True)  # the TP all-reduces carry bf16 matmul outputs
+
+    @classmethod
+    def check(cls, cfg, world_size):
         w, a = cfg.workload, cfg.adapter
         if w.kind != "language" or w.arch != "gpt2":
             raise ConfigError(f"adapter=tensor_parallel does not support workload={w.name}: it shards the harness GPT-2 "
@@ -67,15 +80,10 @@ class TensorParallelAdapter(Adapter):
         if tp > 1:
             refuse_layerwise(cfg.optimizer, f"adapter=tensor_parallel with tensor_parallel={tp}",
                              "gives each rank column/row slices of the weights")
-        cls.check_checkpointing(cfg)
 
     @classmethod
     def smoke_overrides(cls, devices: int) -> list[str]:
         return [f"launcher.nprocs={devices}", f"adapter.tensor_parallel={2 if devices % 2 == 0 else 1}"]
-
-    @classmethod
-    def data_parallel_size(cls, cfg, world_size):
-        return world_size // cfg.adapter.tensor_parallel
 
     def setup(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh

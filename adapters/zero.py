@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ptbench.adapters.base import Adapter, Batch, local_tensor
 from ptbench.core.config import BenchConfig
 from ptbench.core.errors import ConfigError
-from ptbench.core.precision import HALF_DTYPES
+from ptbench.core.layout import CostInputs
 from ptbench.core.optim import LAYERWISE, build_optimizer
+from ptbench.core.precision import HALF_DTYPES
 from ptbench.core.timing import PhaseTimer
 
 # LAYERWISE (bench/core/optim.py): DeepSpeed hands the optimizer flat partitions under ZeRO >= 1 and
@@ -87,19 +88,28 @@ class ZeroAdapter(Adapter):
                     "all-reduce, 2-3: reduce-scatter into partitions), overlapped per overlap_comm",
         "optimizer": "engine.step: clip, step the partition; stages 1-2 all-gather the updated parameters here",
     }
-    # checkpoints: DeepSpeed's own engine.save_checkpoint / load_checkpoint (module states, every rank's
-    # ZeRO partitions of the fp32 master and optimizer state, loss scaler), tag "deepspeed"
-    checkpoint_unsupported = None
     checkpoint_format = "deepspeed engine.save_checkpoint/load_checkpoint"
-    # trainer.compile: DeepSpeed's own engine.compile(backend) (torch.compile of the engine's module, its
-    # ZeRO hooks kept out of the graphs)
-    compile_unsupported = None
     compile_how = "deepspeed engine.compile(backend=trainer.compile_backend)"
     precision_semantics = "DeepSpeed bf16/fp16 mode: bf16/fp16 model weights and gradients, fp32 master partition"
 
     @classmethod
-    def validate(cls, cfg: BenchConfig, world_size: int) -> None:
-        super().validate(cfg, world_size)
+    def checkpoint_refusal(cls, cfg: BenchConfig) -> None:
+        # DeepSpeed's own engine.save_checkpoint / load_checkpoint (module states, every rank's ZeRO partitions
+        # of the fp32 master and optimizer state, loss scaler), tag "deepspeed"
+        return None
+
+    @classmethod
+    def compile_refusal(cls, cfg: BenchConfig) -> None:
+        return None  # DeepSpeed's own engine.compile(backend): its ZeRO hooks kept out of the graphs
+
+    @classmethod
+    def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
+        # bf16/fp16 mode: 2-byte weights and gradients (gathered and reduced as such), an fp32 master
+        # partition; stage 3 gathers parameters again in backward
+        return CostInputs(sharding=f"zero{cfg.adapter.stage}", half_states=True, half_gather=True)
+
+    @classmethod
+    def check(cls, cfg: BenchConfig, world_size: int) -> None:
         a, cuda = cfg.adapter, torch.cuda.is_available()
         if a.stage not in (0, 1, 2, 3):
             raise ConfigError(f"adapter.stage={a.stage}: ZeRO stages are 0, 1, 2 or 3")

@@ -1,7 +1,7 @@
 """The paper's findings as checks computed from the records ("How to Train Your Neural Network", Lin
 et al.), for the report's "Paper claims" section.
 
-Each check takes the finished runs (`ptbench.analysis.load.runs` of `ok` records) of one workload and returns
+Each check takes the finished runs (`ptbench.analysis.tables.runs` of `ok` records) of one workload and returns
 a verdict: holds, does not hold, or not measured (with what is missing), the numbers it compared and
 the runs it used. Per-GPU memory is each run's `mem_plot_bytes` (the busiest rank's peak: CUDA
 max allocated; on CPU the peak RSS growth over the run, `peak_rss_delta`); epoch time is
@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import yaml
+
+from ptbench.analysis.load import read_yaml
 
 HOLDS, FAILS, NOT_MEASURED, MEASURED = "holds", "does not hold", "not measured", "measured"
 ZERO_MEMORY_SHARE = (0.42, 0.66)
@@ -160,7 +162,7 @@ def _phase(runs: pd.DataFrame, prefix: str) -> pd.DataFrame:
 
 
 def claims(per_run: pd.DataFrame) -> dict[str, list[dict]]:
-    """workload -> the checks over its finished runs (rows of `ptbench.analysis.load.runs` with status ok):
+    """workload -> the checks over its finished runs (rows of `ptbench.analysis.tables.runs` with status ok):
     memory checks on the paper's memory phase, time checks on its epoch-time phase, where present."""
     done = per_run[(per_run["status"] == "ok")] if len(per_run) else per_run
     if "mem_plot_bytes" not in done:
@@ -175,7 +177,8 @@ def claims(per_run: pd.DataFrame) -> dict[str, list[dict]]:
 
 def oom_retried(per_run: pd.DataFrame) -> pd.DataFrame:
     """Runs of points retried with a smaller per-device batch after an OOM: the `batch_reduced_from`
-    column when the frame has it, else extra.batch_reduced_from in each run's config.yaml."""
+    column when the frame has it (`load` reads it from config.yaml), else extra.batch_reduced_from in
+    each run's config.yaml."""
     if "batch_reduced_from" in per_run:
         reduced = pd.to_numeric(per_run["batch_reduced_from"], errors="coerce")
     else:
@@ -187,7 +190,7 @@ def oom_retried(per_run: pd.DataFrame) -> pd.DataFrame:
 def _reduced_from(run_dir) -> float:
     path = Path(str(run_dir)) / "config.yaml"
     try:
-        extra = (yaml.safe_load(path.read_text()) or {}).get("extra") if path.exists() else None
+        extra = (read_yaml(path) or {}).get("extra") if path.exists() else None
     except yaml.YAMLError:
         return np.nan
     v = extra.get("batch_reduced_from") if isinstance(extra, dict) else None

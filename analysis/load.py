@@ -1,13 +1,14 @@
 """Any tree of run records -> one tidy DataFrame (one row per run x epoch).
 
-A run folder is any folder holding `summary.json` or `config.yaml` (see bench/records.py). Runs that
+A run folder is any folder holding `summary.json` or `config.yaml` (see ptbench.core.records). Runs that
 produced no epoch (failed before the first epoch ended, still running, or missing: a folder with a
 config but no summary) still appear, as one row with `epoch` NaN, their `status` and `error`, so a
 sweep's holes stay visible instead of vanishing from the plots. Only `status == "ok"` counts as
 finished (`ok`); a preempted run keeps its own status and is listed with the runs that did not finish.
 
 Columns: identity (run_id, run_dir, experiment, adapter, workload, kind, label), layout (world_size,
-devices, stage, tp, pp, schedule, microbatches, batch_policy, global_batch, ...), outcome (status,
+devices, stage, tp, pp, schedule, microbatches, batch_policy, global_batch, ...; tp/pp/dp from the summary's
+`layout` where the record has one, else the adapter's config keys), outcome (status,
 error, failed_rank), every scalar of the epoch event (epoch_time_s, *_time_mean_s, samples_per_s,
 val_loss, partial, ...), the summary's `epoch_time_steady_s`, plus derived: `val_metric`/`val_metric_name`
 (accuracy for vision, perplexity for language), `samples_per_epoch`, and memory of the busiest rank
@@ -53,7 +54,10 @@ CONFIG_FIELDS = {
     "data.source": "data_source",
     "results.experiment": "experiment",
     "results.point": "point",  # sweep point id (bench/sweep.py)
+    "extra.batch_reduced_from": "batch_reduced_from",  # a point retried after an OOM (bench/sweep.py oom_retry)
 }
+# summary["layout"] fields taken as columns where a record has them (over the config's tp/pp keys)
+LAYOUT_FIELDS = ("tp", "pp", "dp", "devices_per_process")
 # Settings that make two runs of one adapter different series, in label order, with the value at
 # which a setting is left out of the label (None: shown whenever the record has it). tp/pp are left
 # out: they usually follow the device count within one series. The batch policy, batch size and
@@ -69,12 +73,18 @@ LABEL_SETTINGS = {
 }
 LABEL_ALWAYS = {"pipeline": ("schedule",)}  # shown even at the default value: it names the series
 LABEL_NAMES = {"sequence_parallel": "sp", "grad_accum": "accum"}
-# kept for callers of the old name: the fields a label may read
-LABEL_FIELDS = (*LABEL_SETTINGS, "offload_optimizer", "offload_params", "batch_policy", "batch_size")
 EVENT_SKIP = {"type", "ranks", "train_losses"}
 STATE_PARTS = ("params", "grads", "optimizer")
 # what a global batch of B follows, per adapter.batch_policy (global batch = B x that)
 BATCH_UNITS = {"per_device": "/replica", "linear": "/device", "fixed": "", "per_microbatch": "/microbatch"}
+
+
+# libyaml's parser where PyYAML has it (the pure-Python one is most of a large study's load time)
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def read_yaml(path: Path):
+    return yaml.load(path.read_text(), Loader=YAML_LOADER)
 
 
 class AnalysisError(ValueError):
@@ -219,10 +229,6 @@ def _memory_fields(event: dict, offload_optimizer=None, offload_params=None) -> 
     return out
 
 
-def _state_of_peak_rank(event: dict) -> dict:  # the old name (notebooks, callers)
-    return _memory_fields(event)
-
-
 # --- communication volume and the measured network ----------------------------------------------------
 def _comm_fields(cv) -> dict:
     """The record's `comm_volume` (bench/core/comm_volume.py, bytes per optimizer step per rank) as
@@ -255,93 +261,6 @@ def load_comm(*roots: str | Path) -> list[dict]:
             if isinstance(rep, dict) and rep.get("tool") == "ptbench.comm":
                 out.append({**rep, "path": str(path)})
     return out
-
-
-def busbw_at(report: dict, op: str, message_bytes: float) -> tuple[float, int] | None:
-    """(busbw GB/s, size measured) of `op` at the measured size nearest to `message_bytes` on a log
-    scale (a tie goes to the larger size; beyond the range, the end point), or None when the report
-    has no measured `op`. The same rule as bench/core/comm_volume.busbw_from_report."""
-    rows = [r for r in report.get("results", []) if r.get("op") == op and r.get("busbw_GBps")]
-    if not rows:
-        return None
-    target = max(float(message_bytes), 1.0)
-    best = min(rows, key=lambda r: (abs(np.log(r["bytes"] / target)), -r["bytes"]))
-    return float(best["busbw_GBps"]), int(best["bytes"])
-
-
-def _matching_report(reports: list[dict], backend, op: str, group_size: int) -> dict | None:
-    """The measurement for a collective over `group_size` ranks on `backend`: one taken at that many
-    ranks (send/recv, which is pairwise: any measurement at 2 or more ranks, the nearest count first)."""
-    same = [r for r in reports if r.get("backend") == backend]
-    exact = [r for r in same if r.get("world_size") == group_size]
-    if exact:
-        return exact[-1]
-    if op == "send_recv":
-        pairs = sorted((r for r in same if (r.get("world_size") or 0) >= 2),
-                       key=lambda r: abs(r["world_size"] - group_size))
-        return pairs[0] if pairs else None
-    return None
-
-
-def _size(n: int) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div} {unit}"
-    return f"{n} B"
-
-
-def comm_time(collectives: list[dict], backend, reports: list[dict]) -> tuple[float | None, str]:
-    """Seconds the per-step volume takes at the measured bus bandwidth (sum over collectives of
-    bytes / busbw at the nearest measured size, no overlap), and how each busbw was chosen; None
-    with the reason when a collective has no matching measurement."""
-    total, used = 0.0, []
-    for c in collectives:
-        rep = _matching_report(reports, backend, c["op"], int(c["group_size"]))
-        hit = busbw_at(rep, c["op"], c["message_bytes"]) if rep else None
-        if hit is None:
-            return None, f"not measured: no {c['op']} at {c['group_size']} ranks on {backend}"
-        bw, size = hit
-        total += float(c["bytes"]) / (bw * 1e9)
-        used.append(f"{c['op']} {bw:.3g} GB/s at {_size(size)}")
-    return total, "; ".join(dict.fromkeys(used))
-
-
-def comm_table(df: pd.DataFrame, reports: list[dict]) -> pd.DataFrame:
-    """One row per (workload, series, devices) of finished runs: measured step time, the time of the
-    phase(s) the adapter's collectives run in (from the records' phase breakdown; the exposed
-    communication is inside them), the recorded communication volume per step, and the time that
-    volume takes at the measured bus bandwidth (`comm_time`; "not measured" without a matching
-    `python -m ptbench.comm` report)."""
-    r = runs(ok(df))
-    if r.empty or "comm_bytes_per_step" not in r:
-        return pd.DataFrame()
-    rows = []
-    def text(v) -> str:  # a string column's value; NaN / None (no volume recorded) -> ""
-        return v if isinstance(v, str) else ""
-
-    for (wl, lab, d), sub in r.groupby(["workload", "label", "devices"]):
-        first = sub.iloc[0]
-        phases = [p for p in text(first.get("comm_phases")).split(",") if p]
-        phase_s = None
-        if phases and all(f"{p}_time_mean_s" in sub for p in phases):
-            phase_s = float(sum(pd.to_numeric(sub[f"{p}_time_mean_s"], errors="coerce").mean() for p in phases))
-        vol = first.get("comm_bytes_per_step")
-        cols = json.loads(first["comm_collectives"]) if text(first.get("comm_collectives")) else None
-        if cols is None:
-            err = text(first.get("comm_error"))
-            t, how = None, f"no volume in the record{': ' + err if err else ''}"
-        elif not cols:
-            t, how = 0.0, "no collectives"
-        else:
-            t, how = comm_time(cols, first.get("comm_backend"), reports)
-        step = pd.to_numeric(sub["step_time_mean_s"], errors="coerce").mean() if "step_time_mean_s" in sub else np.nan
-        rows.append({"workload": wl, "series": lab, "devices": int(d), "runs": len(sub), "step (ms)": step * 1e3,
-                     "comm phase": "+".join(phases) or "-",
-                     "phase (ms)": phase_s * 1e3 if phase_s is not None else np.nan,
-                     "comm MB/step": vol / 1e6 if vol is not None and not _missing(vol) else np.nan,
-                     "at busbw (ms)": t * 1e3 if t is not None else "not measured",
-                     "busbw used": how, "formula": text(first.get("comm_formula")) or "-"})
-    return pd.DataFrame(rows)
 
 
 # --- labels ------------------------------------------------------------------------------------------
@@ -421,7 +340,7 @@ def load_run(run_dir: str | Path) -> list[dict]:
     cfg = {}
     if (run_dir / "config.yaml").exists():
         try:
-            cfg = _flatten(yaml.safe_load((run_dir / "config.yaml").read_text()) or {})
+            cfg = _flatten(read_yaml(run_dir / "config.yaml") or {})
         except yaml.YAMLError as e:
             warnings.warn(f"{run_dir / 'config.yaml'}: {e}")
     summary = {}
@@ -441,7 +360,12 @@ def load_run(run_dir: str | Path) -> list[dict]:
     base.update(_comm_fields(summary.get("comm_volume")))
     for col in ("adapter", "workload", "experiment", "point"):
         base[col] = summary.get(col) or base[col]
-    world = summary.get("world_size") or base["nprocs"]
+    # the run's layout as its adapter laid it out (summary "layout"); older records: the config's keys
+    layout = summary.get("layout") if isinstance(summary.get("layout"), dict) else {}
+    for col in LAYOUT_FIELDS:
+        if layout.get(col) is not None:
+            base[col] = layout[col]
+    world = summary.get("world_size") or layout.get("world_size") or base["nprocs"]
     base.update(
         run_dir=str(run_dir),
         run_id=summary.get("run_id") or run_dir.name,
@@ -509,95 +433,3 @@ def load(*roots: str | Path) -> pd.DataFrame:
     order = ["experiment", "workload", "label", "adapter", "devices", "world_size", "status", "epoch", "run_id"]
     df = df[order + [c for c in df.columns if c not in order]]
     return df.sort_values(["workload", "label", "devices", "run_id", "epoch"], na_position="last").reset_index(drop=True)
-
-
-# --- per run -----------------------------------------------------------------------------------------
-EPOCH_TIME_SOURCES = {
-    "steady": "summary epoch_time_steady_s",
-    "after_first": "mean of the epochs after the first",
-    "first": "the first epoch only (includes warm-up)",
-}
-
-
-def _timing_of_run(sub: pd.DataFrame) -> dict:
-    """The epoch time a run's speedup uses, the samples it covers, and where it came from: the
-    summary's `epoch_time_steady_s` when present, else the mean over the epochs after the first
-    when there are two or more, else the first epoch. Partial epochs are left out unless every
-    epoch is partial (all capped by trainer.max_steps: time per sample still compares)."""
-    ep = sub[sub["epoch"].notna()].sort_values("epoch")
-    none = {"epoch_time_used_s": np.nan, "samples_per_epoch_used": np.nan, "time_per_sample_used_s": np.nan,
-            "epoch_time_source": None}
-    if ep.empty:
-        return none
-    complete = ep[~ep["partial"]]
-    pool, note = (complete, "") if len(complete) else (ep, ", every epoch partial")
-    after = pool[pool["epoch"] > ep["epoch"].min()]
-    steady = sub["epoch_time_steady_s"].dropna() if "epoch_time_steady_s" in sub else pd.Series(dtype=float)
-    if len(steady):
-        rows, time, source = (after if len(after) else pool), float(steady.iloc[0]), EPOCH_TIME_SOURCES["steady"]
-    elif len(pool) >= 2 and len(after):
-        rows, source = after, EPOCH_TIME_SOURCES["after_first"]
-        time = float(after["epoch_time_s"].mean())
-    else:
-        rows, source = pool.iloc[:1], EPOCH_TIME_SOURCES["first"]
-        time = float(rows["epoch_time_s"].iloc[0])
-    samples = float(rows["samples_per_epoch"].mean())
-    return {"epoch_time_used_s": time, "samples_per_epoch_used": samples,
-            "time_per_sample_used_s": time / samples if samples else np.nan, "epoch_time_source": source + note}
-
-
-def runs(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per run: means over its complete epochs (partial ones are left out unless all are)
-    for times and rates, the last epoch for metrics and memory state, the highest per-rank peak
-    memory over epochs; plus the epoch time speedup uses (`epoch_time_used_s`,
-    `time_per_sample_used_s`, `epoch_time_source`, see `_timing_of_run`) and `partial_epochs`."""
-    if df.empty:
-        return df
-    keys = ["run_dir"]
-    mean_cols = [c for c in df.columns if c.endswith("_time_mean_s") or c in (
-        "epoch_time_s", "step_time_mean_s", "step_time_p50_s", "step_time_p95_s", "samples_per_s",
-        "epoch_samples_per_s", "tokens_per_s", "flops_per_s", "mfu", "val_time_s", "time_per_sample_s")]
-    last_cols = [c for c in df.columns if c not in mean_cols and c not in keys]
-    df = df.sort_values("epoch")
-    partial = df["partial"] if "partial" in df else pd.Series(False, index=df.index)
-    measured = df["epoch"].notna()
-    has_complete = (measured & ~partial).groupby(df["run_dir"]).transform("any")
-    use = measured & (~partial | ~has_complete)
-    g = df.groupby(keys, sort=False, dropna=False)
-    out = g[last_cols].last()  # last non-null per column: the final epoch's metrics and the run's identity
-    nums = df[mean_cols].apply(pd.to_numeric, errors="coerce").where(use, np.nan)  # all-None columns are object
-    out[mean_cols] = nums.groupby(df["run_dir"], sort=False).mean()
-    for col in ("peak_memory_max", "mem_plot_bytes"):
-        if col in df:
-            out[col] = pd.to_numeric(df[col], errors="coerce").groupby(df["run_dir"], sort=False).max()
-    out["epochs"] = g["epoch"].count()
-    out["partial_epochs"] = (partial & measured).groupby(df["run_dir"], sort=False).sum().astype(int)
-    if "partial" in out:
-        out = out.drop(columns="partial")
-    timing = pd.DataFrame({run: _timing_of_run(sub) for run, sub in
-                           df.assign(partial=partial).groupby("run_dir", sort=False)}).T
-    for col in timing.columns:
-        out[col] = timing[col].reindex(out.index)
-    for col in ("epoch_time_used_s", "samples_per_epoch_used", "time_per_sample_used_s"):
-        out[col] = pd.to_numeric(out[col], errors="coerce")
-    out = out.reset_index()
-    return out.sort_values(["workload", "label", "devices", "run_id"]).reset_index(drop=True)
-
-
-def ok(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows of finished runs (status ok; preempted, failed, oom, timeout, ... are not) with measurements."""
-    if df.empty:
-        return df
-    return df[(df["status"] == "ok") & df["epoch"].notna()]
-
-
-def not_finished(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per run that did not finish (any status but ok: failed, oom, timeout, preempted,
-    missing, ...), with what a figure needs to mark it: workload, label, devices, status."""
-    if df.empty:
-        return df
-    r = runs(df)
-    bad = r[r["status"] != "ok"]
-    cols = [c for c in ("workload", "label", "adapter", "devices", "status", "run_id", "error", "global_batch")
-            if c in bad]
-    return bad[cols].reset_index(drop=True)

@@ -1,7 +1,9 @@
-"""The paper's figures from the tidy frame of `ptbench.analysis.load.load`.
+"""The paper's figures, drawn from the tables of `ptbench.analysis.tables`.
 
-Each function takes that frame (one row per run x epoch), returns a matplotlib Figure, and, given
-`out`, saves it there as PNG and SVG. Only finished runs (status ok) make the curves and bars; every
+Each function takes a `Study` (the epoch frame and its tables, computed once and shared by every
+figure of a report) or the tidy frame of `ptbench.analysis.load.load` (one row per run x epoch; a
+Study is made of it), returns a matplotlib Figure, and, given `out`, saves it there as PNG and SVG.
+Figures compute nothing but their layout. Only finished runs (status ok) make the curves and bars; every
 point that did not finish (failed, oom, timeout, preempted, missing, ...) is marked on every figure
 with a red x and its status. The table each figure draws is attached as `fig.bench_data` and the
 points it marks as not finished as `fig.bench_failed`, so a notebook or a test can check the picture
@@ -12,41 +14,46 @@ display and no figure is left open; Jupyter still renders a returned Figure inli
 """
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import matplotlib as mpl
 import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-from ptbench.analysis.load import AnalysisError, not_finished, ok, runs
+from ptbench.analysis.load import AnalysisError
+from ptbench.analysis.tables import MEMORY_METRICS, Study, _concat, _join
 
-PHASES = ("data", "forward", "forward_backward", "backward", "optimizer")  # stacking order, bottom up
-MIB = 2**20
+DPI = 120
 
 
 def save(fig: Figure, out: str | Path | None, name: str) -> Figure:
+    """PNG and SVG, cropped to the drawing ("tight"). The layout and the crop are worked out once for both
+    files (savefig would redo the constrained layout and a crop pass per file: 4 layouts, 4 draws)."""
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        for ext in ("png", "svg"):
-            fig.savefig(out / f"{name}.{ext}", dpi=120, bbox_inches="tight")
+        fig.set_dpi(DPI)
+        fig.draw_without_rendering()  # runs the constrained layout
+        bbox = fig.get_tightbbox().padded(mpl.rcParams["savefig.pad_inches"])
+        engine = fig.get_layout_engine()
+        fig.set_layout_engine("none")  # keep the positions just computed
+        try:
+            for ext in ("png", "svg"):
+                fig.savefig(out / f"{name}.{ext}", dpi=DPI, bbox_inches=bbox)
+        finally:
+            fig.set_layout_engine(engine)
     return fig
 
 
 def _palette(labels) -> dict:
     labels = sorted(set(labels))
     return dict(zip(labels, sns.color_palette("colorblind", max(len(labels), 1))))
-
-
-def _ok_runs(df: pd.DataFrame) -> pd.DataFrame:
-    r = runs(ok(df))
-    if r.empty:
-        raise AnalysisError("no finished run with epoch records in this frame: nothing to plot")
-    r = r.copy()
-    r["devices"] = r["devices"].astype(int)
-    return r
 
 
 def _log2_devices(ax, devices) -> None:
@@ -89,10 +96,10 @@ def _legend(ax, **kw) -> None:
 FAILED_LEGEND = "not finished (see report)"
 
 
-def _failed_points(df: pd.DataFrame, workload: str, label: str | None = None) -> pd.DataFrame:
+def _failed_points(study: Study, workload: str, label: str | None = None) -> pd.DataFrame:
     """The runs of `workload` (and series `label`) that did not finish and have a device count
     (`skipped` points, whose framework is not installed, were never attempted: the report lists them)."""
-    bad = not_finished(df)
+    bad = study.not_finished
     if bad.empty:
         return bad
     bad = bad[(bad["workload"] == workload) & bad["devices"].notna() & (bad["status"] != "skipped")]
@@ -101,11 +108,11 @@ def _failed_points(df: pd.DataFrame, workload: str, label: str | None = None) ->
     return bad
 
 
-def _mark_failed(ax, df: pd.DataFrame, workload: str, label: str | None = None, x_of=None) -> pd.DataFrame:
+def _mark_failed(ax, study: Study, workload: str, label: str | None = None, x_of=None) -> pd.DataFrame:
     """A red x at the bottom of the axes for every point that did not finish (oom, failed, timeout,
     preempted, ...), at its device count (`x_of(label, devices)` gives the x where the axis is not
     the device count), with its status written above it; returns the points marked."""
-    bad = _failed_points(df, workload, label)
+    bad = _failed_points(study, workload, label)
     if bad.empty:
         return bad.assign(x=[])
     bad = bad.assign(x=[int(d) if x_of is None else x_of(lab, int(d)) for lab, d in zip(bad["label"], bad["devices"])])
@@ -119,10 +126,10 @@ def _mark_failed(ax, df: pd.DataFrame, workload: str, label: str | None = None, 
     return bad
 
 
-def _list_failed(ax, df: pd.DataFrame, workload: str) -> pd.DataFrame:
+def _list_failed(ax, study: Study, workload: str) -> pd.DataFrame:
     """For axes whose x is not the device count: one legend entry (a red x) per point that did not
     finish, "series xN: status"."""
-    bad = _failed_points(df, workload)
+    bad = _failed_points(study, workload)
     for _, b in bad.iterrows():
         ax.plot([], [], marker="x", color="crimson", linestyle="none",
                 label=f"{b['label']} x{int(b['devices'])}: {b['status']} (not finished)")
@@ -130,15 +137,12 @@ def _list_failed(ax, df: pd.DataFrame, workload: str) -> pd.DataFrame:
 
 
 # --- Fig 5/6: epoch time vs devices ----------------------------------------------------------------
-def epoch_time(df: pd.DataFrame, out=None, name: str = "epoch_time") -> Figure:
+def epoch_time(data: pd.DataFrame | Study, out=None, name: str = "epoch_time") -> Figure:
     """Epoch time per run vs number of devices (log2 axis), one line per series: the epoch time
     speedup uses (`epoch_time_used_s`: the summary's steady epoch time, else the mean of the complete
     epochs after the first, else the first epoch; partial epochs left out), bars = sd over repeats."""
-    r = _ok_runs(df)
-    data = r.groupby(["workload", "label", "devices"], as_index=False).agg(
-        epoch_time_s=("epoch_time_used_s", "mean"), epoch_time_sd=("epoch_time_used_s", "std"),
-        runs=("run_id", "count"), samples_per_epoch=("samples_per_epoch_used", "mean"),
-        epoch_time_source=("epoch_time_source", _join))
+    study = Study.of(data)
+    data = study.epoch_time
     workloads = sorted(data["workload"].unique())
     fig, axes = _grid(1, len(workloads))
     colors = _palette(data["label"])
@@ -146,7 +150,7 @@ def epoch_time(df: pd.DataFrame, out=None, name: str = "epoch_time") -> Figure:
     for ax, wl in zip(axes[0], workloads):
         sub = data[data["workload"] == wl]
         _lines(ax, sub, "devices", "epoch_time_s", "label", colors, sd="epoch_time_sd")  # bars: sd over repeats
-        bad = _mark_failed(ax, df, wl)
+        bad = _mark_failed(ax, study, wl)
         failed.append(bad)
         _log2_devices(ax, [*sub["devices"], *bad["devices"]])
         ax.set_ylim(bottom=0)
@@ -158,76 +162,12 @@ def epoch_time(df: pd.DataFrame, out=None, name: str = "epoch_time") -> Figure:
     return save(fig, out, name)
 
 
-def _join(values) -> str | None:
-    """The distinct values of a group, as one string ("a; b"), None if none."""
-    vals = {v for v in values if v is not None and v is not pd.NA and not (isinstance(v, float) and np.isnan(v))}
-    nums = all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in vals)
-    text = [str(int(v)) if nums and float(v).is_integer() else str(v) for v in (sorted(vals) if nums else vals)]
-    return "; ".join(text if nums else sorted(text)) if text else None
-
-
-def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
-    parts = [p for p in parts if len(p)]
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(
-        columns=["workload", "label", "devices", "status", "run_id", "x"])
-
-
 # --- Fig 10: speedup and scaling efficiency ----------------------------------------------------------
-BASELINES = ("best", "per-series")
-
-
-def speedup_table(df: pd.DataFrame, baseline: str | None = "best") -> pd.DataFrame:
-    """Speedup and scaling efficiency of every (workload, series, devices) point.
-
-    Time is per training sample (the run's epoch time / the samples in that epoch), which is the
-    epoch-time ratio when epochs hold the same samples and stays fair when trainer.max_steps caps
-    them or the global batch grows with the devices. The epoch time is the run's steady one
-    (`epoch_time_used_s`, see ptbench.analysis.load.runs; `epoch_time_source` says which was used).
-
-    baseline: "best" (or None): per workload the fastest single-device point of any series, as the
-    paper does (without a single-device point: the fastest point at the fewest devices, and
-    efficiency is relative to that device count); "per-series": each series against its own point
-    at its fewest devices; any other string: that series (`label`) at its fewest devices, for every
-    series of the workload.
-    """
-    mode = "best" if baseline in (None, "best") else baseline
-    r = _ok_runs(df)
-    pts = r.groupby(["workload", "label", "devices"], as_index=False).agg(
-        time_per_sample_s=("time_per_sample_used_s", "mean"), epoch_time_s=("epoch_time_used_s", "mean"),
-        global_batch=("global_batch", _join), epoch_time_source=("epoch_time_source", _join))
-    parts = []
-    for wl, sub in pts.groupby("workload"):
-        sub = sub.copy()
-        if mode == "per-series":
-            bases = {lab: s.loc[s["devices"].idxmin()] for lab, s in sub.groupby("label")}
-        else:
-            if mode == "best":
-                fewest = sub[sub["devices"] == sub["devices"].min()]
-                base = fewest.loc[fewest["time_per_sample_s"].idxmin()]
-            else:
-                mine = sub[sub["label"] == mode]
-                if mine.empty:
-                    raise AnalysisError(f"baseline '{mode}' has no finished run for workload {wl}; choose "
-                                        f"{' or '.join(BASELINES)}, or a series: {', '.join(sorted(sub['label'].unique()))}")
-                base = mine.loc[mine["devices"].idxmin()]
-            bases = {lab: base for lab in sub["label"].unique()}
-        b = pd.DataFrame([bases[lab] for lab in sub["label"]], index=sub.index)
-        sub["speedup"] = b["time_per_sample_s"] / sub["time_per_sample_s"]
-        sub["efficiency"] = sub["speedup"] * b["devices"] / sub["devices"]
-        sub["baseline"] = [f"{lab} on {int(d)} device{'s' if d > 1 else ''}" for lab, d in zip(b["label"], b["devices"])]
-        sub["baseline_mode"] = mode if mode in BASELINES else "series"
-        sub["baseline_label"] = b["label"]
-        sub["baseline_devices"] = b["devices"].astype(int)
-        sub["baseline_epoch_time_s"] = b["epoch_time_s"]
-        sub["baseline_time_per_sample_s"] = b["time_per_sample_s"]
-        parts.append(sub)
-    return pd.concat(parts, ignore_index=True)
-
-
-def speedup(df: pd.DataFrame, out=None, baseline: str | None = "best", name: str = "speedup") -> Figure:
+def speedup(data: pd.DataFrame | Study, out=None, baseline: str | None = "best", name: str = "speedup") -> Figure:
     """Speedup (left) and scaling efficiency (right) vs devices against the baseline (see
-    `speedup_table`); points that did not finish are marked on both."""
-    data = speedup_table(df, baseline)
+    `ptbench.analysis.tables.speedup_table`); points that did not finish are marked on both."""
+    study = Study.of(data)
+    data = study.speedup(baseline)
     workloads = sorted(data["workload"].unique())
     fig, axes = _grid(len(workloads), 2)
     colors = _palette(data["label"])
@@ -236,7 +176,7 @@ def speedup(df: pd.DataFrame, out=None, baseline: str | None = "best", name: str
         sub = data[data["workload"] == wl]
         per_series = (sub["baseline_mode"] == "per-series").all()
         for ax, col in ((row[0], "speedup"), (row[1], "efficiency")):
-            bad = _mark_failed(ax, df, wl)
+            bad = _mark_failed(ax, study, wl)
             devs = sorted({*sub["devices"], *bad["devices"].astype(int)})
             for b0 in sorted(sub["baseline_devices"].unique()):  # one ideal line per baseline device count
                 mine = [d for d in devs if d >= b0]
@@ -263,12 +203,13 @@ def speedup(df: pd.DataFrame, out=None, baseline: str | None = "best", name: str
 
 
 # --- Fig 9 / Fig 11: validation metric vs epoch and vs wall time -------------------------------------
-def val_metric(df: pd.DataFrame, out=None, x: str = "epoch", name: str | None = None) -> Figure:
+def val_metric(data: pd.DataFrame | Study, out=None, x: str = "epoch", name: str | None = None) -> Figure:
     """Validation accuracy (vision) or perplexity (language) per epoch (`x="epoch"`, Fig 9) or
     against wall time since the run started (`x="wall_time_s"`, Fig 11), one line per run."""
     if x not in ("epoch", "wall_time_s"):
         raise AnalysisError(f"x={x!r}: choose 'epoch' or 'wall_time_s'")
-    d = ok(df)
+    study = Study.of(data)
+    d = study.ok_epochs
     d = d[d["val_metric"].notna()].copy()
     if d.empty:
         raise AnalysisError("no validation metric in this frame (trainer.eval_every_epoch=false?): nothing to plot")
@@ -281,11 +222,12 @@ def val_metric(df: pd.DataFrame, out=None, x: str = "epoch", name: str | None = 
     failed = []
     for ax, wl in zip(axes[0], workloads):
         sub = d[d["workload"] == wl]
-        for (series, _), run in sub.groupby(["series", "run_id"], sort=True):  # one line per run, repeats share a colour
-            run = run.sort_values("epoch")
-            ax.plot(run[x], run["val_metric"], marker="o", color=colors[series], label=series)
-
-        failed.append(_list_failed(ax, df, wl))  # x here is not the device count: a legend entry each
+        # one line per run, repeats share a colour: a series' runs are one Line2D broken by NaN between runs
+        # (drawn the same as a line each, at a fraction of the artists a study of thousands of runs needs)
+        for series, runs_of in sub.sort_values(["run_id", "epoch"]).groupby("series", sort=True):
+            xs, ys = _broken(runs_of, x), _broken(runs_of, "val_metric")
+            ax.plot(xs, ys, marker="o", color=colors[series], label=series)
+        failed.append(_list_failed(ax, study, wl))  # x here is not the device count: a legend entry each
         metric = sub["val_metric_name"].iloc[0]
         if metric == "val_perplexity":
             ax.set_yscale("log")
@@ -300,61 +242,26 @@ def val_metric(df: pd.DataFrame, out=None, x: str = "epoch", name: str | None = 
     return save(fig, out, name or f"val_metric_vs_{'epoch' if x == 'epoch' else 'time'}")
 
 
+def _broken(runs_of: pd.DataFrame, col: str) -> np.ndarray:
+    """`col` of consecutive runs (rows sorted by run, then epoch) with a NaN between runs."""
+    ids = runs_of["run_id"].to_numpy()
+    new_run = np.flatnonzero(ids[1:] != ids[:-1]) + 1  # the first row of each run but the first
+    values = runs_of[col].to_numpy(dtype=float)
+    return np.insert(values, new_run, np.nan)
+
+
 # --- Fig 12: memory per rank vs devices --------------------------------------------------------------
-MEMORY_METRICS = {
-    "peak_rss_delta": "peak RSS - RSS before step 1, per process (MiB)",
-    "peak_rss": "peak RSS per process (MiB)",
-    "peak_allocated": "peak allocated per GPU (MiB)",
-}
-
-
-def memory_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per point: the highest per-rank (per-device for gpipe) peak memory, split into the model states
-    held on that device (params, grads, optimizer of that rank) and the rest (activations, buffers,
-    and with CPU `peak_rss` the process itself), in MiB. The peak is `mem_plot_metric`: on CPU
-    `peak_rss_delta` when the records have it, else `peak_rss`. States held in host memory on a GPU
-    run (ZeRO offload) are not device memory: `host_mib` and `offload`, not in the stack."""
-    r = _ok_runs(df)
-    cols = ["peak_memory_max", "mem_plot_bytes", "state_params", "state_grads", "state_optimizer",
-            "dev_state_params", "dev_state_grads", "dev_state_optimizer", "host_state_bytes"]
-    for c in cols:
-        r[c] = pd.to_numeric(r[c], errors="coerce") if c in r else np.nan
-    for c in ("mem_plot_metric", "host_state_parts", "mem_note", "memory_metric"):
-        if c not in r:
-            r[c] = None
-    peak = r["mem_plot_bytes"].fillna(r["peak_memory_max"])
-    r["peak_used"] = peak
-    # records before the plotted-metric field: the event's own metric
-    r["mem_plot_metric"] = r["mem_plot_metric"].where(r["mem_plot_metric"].notna(), r["memory_metric"])
-    for part in ("params", "grads", "optimizer"):
-        r[f"dev_state_{part}"] = r[f"dev_state_{part}"].fillna(r[f"state_{part}"])
-    keys = ["workload", "label", "devices"]
-    g = r.groupby(keys, as_index=False)
-    data = g[["peak_memory_max", "peak_used", "dev_state_params", "dev_state_grads", "dev_state_optimizer",
-              "host_state_bytes"]].mean()
-    text = g.agg(memory_metric=("mem_plot_metric", _join), offload=("host_state_parts", _join),
-                 mem_note=("mem_note", _join))
-    data = data.merge(text, on=keys)
-    data["peak_mib"] = data["peak_used"] / MIB
-    for part in ("params", "grads", "optimizer"):
-        data[f"{part}_mib"] = data[f"dev_state_{part}"] / MIB
-    states = data[["params_mib", "grads_mib", "optimizer_mib"]].sum(axis=1, min_count=1)
-    data["states_mib"] = states
-    data["other_mib"] = (data["peak_mib"] - states.fillna(0)).clip(lower=0)
-    data["host_mib"] = data["host_state_bytes"] / MIB
-    return data.drop(columns=["peak_used"])
-
-
-def memory(df: pd.DataFrame, out=None, name: str = "memory", max_cols: int = 4) -> Figure:
+def memory(data: pd.DataFrame | Study, out=None, name: str = "memory", max_cols: int = 4) -> Figure:
     """Stacked bars per series: peak memory of the busiest rank vs devices, model states vs the rest.
     One panel per (workload, series), `max_cols` to a row; panels of one workload share the y axis.
     A series whose runs all failed gets a panel too, holding its red x marks."""
-    data = memory_table(df)
-    bad_all = not_finished(df)
+    study = Study.of(data)
+    data = study.memory
+    bad_all = study.not_finished
     panels = []
     for wl in sorted(data["workload"].unique()):
         drawn = sorted(data.loc[data["workload"] == wl, "label"].unique())
-        only_failed = sorted(set(_failed_points(df, wl)["label"]) - set(drawn)) if len(bad_all) else []
+        only_failed = sorted(set(_failed_points(study, wl)["label"]) - set(drawn)) if len(bad_all) else []
         panels += [(wl, lab) for lab in [*drawn, *only_failed]]
     rows = []  # workloads start on a new row
     for wl in sorted(data["workload"].unique()):
@@ -377,7 +284,7 @@ def memory(df: pd.DataFrame, out=None, name: str = "memory", max_cols: int = 4) 
                 ax.sharey(first_of[wl])
             first_of.setdefault(wl, ax)
             sub = data[(data["workload"] == wl) & (data["label"] == lab)].sort_values("devices")
-            bad = _failed_points(df, wl, lab) if len(bad_all) else pd.DataFrame(columns=["devices"])
+            bad = _failed_points(study, wl, lab) if len(bad_all) else pd.DataFrame(columns=["devices"])
             devs = sorted({*sub["devices"].astype(int), *bad["devices"].astype(int)})
             pos = {d: i for i, d in enumerate(devs)}
             offload = _join(sub["offload"])
@@ -400,7 +307,7 @@ def memory(df: pd.DataFrame, out=None, name: str = "memory", max_cols: int = 4) 
             if len(sub):  # the stack's top is the peak unless the states exceed it (a CPU delta without params)
                 ax.plot(xs, sub["peak_mib"], marker="_", markersize=22, markeredgewidth=1.5, color="black",
                         linestyle="none", label="measured peak")
-            failed.append(_mark_failed(ax, df, wl, lab, x_of=lambda _lab, d, pos=pos: pos[d]) if len(bad) else bad)
+            failed.append(_mark_failed(ax, study, wl, lab, x_of=lambda _lab, d, pos=pos: pos[d]) if len(bad) else bad)
             ax.set_xticks(range(len(devs)), [str(d) for d in devs])
             ax.set_xlim(-0.6, len(devs) - 0.4)
             ax.margins(y=0.1)
@@ -419,36 +326,21 @@ def memory(df: pd.DataFrame, out=None, name: str = "memory", max_cols: int = 4) 
 
 
 # --- Fig 7: time breakdown ---------------------------------------------------------------------------
-def breakdown_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per point: mean time per step in each phase (means over ranks), and the rest of the slowest
-    rank's step time ("other": waiting on other ranks, unattributed work), in milliseconds."""
-    r = _ok_runs(df)
-    phases = [p for p in PHASES if f"{p}_time_mean_s" in r]
-    cols = [f"{p}_time_mean_s" for p in phases] + ["step_time_mean_s"]
-    data = r.groupby(["workload", "label", "devices"], as_index=False)[cols].mean()
-    for p in phases:
-        data[f"{p}_ms"] = data[f"{p}_time_mean_s"] * 1e3
-    data["step_ms"] = data["step_time_mean_s"] * 1e3
-    data["other_ms"] = (data["step_ms"] - data[[f"{p}_ms" for p in phases]].fillna(0).sum(axis=1)).clip(lower=0)
-    data["point"] = data["label"] + " x" + data["devices"].astype(str)
-    data.attrs["phases"] = phases
-    return data
-
-
-def breakdown(df: pd.DataFrame, out=None, name: str = "breakdown") -> Figure:
+def breakdown(data: pd.DataFrame | Study, out=None, name: str = "breakdown") -> Figure:
     """Stacked bars: data / forward / backward / optimizer (and other) time per step, per point;
     points that did not finish get a place of their own with a red x and their status."""
-    data = breakdown_table(df)
+    study = Study.of(data)
+    data = study.breakdown
     phases = data.attrs["phases"] + ["other"]
     workloads = sorted(data["workload"].unique())
-    bad_all = not_finished(df)
+    bad_all = study.not_finished
     n = max(len(data[data["workload"] == w]) for w in workloads) + (len(bad_all) if len(bad_all) else 0)
     fig, axes = _grid(1, len(workloads), w=min(max(4.0, 0.9 * n + 2), 30), h=3.8)
     colors = dict(zip(phases, sns.color_palette("deep", len(phases))))
     failed = []
     for ax, wl in zip(axes[0], workloads):
         sub = data[data["workload"] == wl].sort_values(["label", "devices"])
-        bad = _failed_points(df, wl) if len(bad_all) else pd.DataFrame(columns=["label", "devices"])
+        bad = _failed_points(study, wl) if len(bad_all) else pd.DataFrame(columns=["label", "devices"])
         points = sorted({*zip(sub["label"], sub["devices"].astype(int)),
                          *zip(bad["label"], bad["devices"].astype(int))})
         pos = {p: i for i, p in enumerate(points)}
@@ -461,7 +353,7 @@ def breakdown(df: pd.DataFrame, out=None, name: str = "breakdown") -> Figure:
             ax.bar(xs, vals, bottom=bottom, color=colors[p], label=p, width=0.6)
             bottom = bottom + vals
         if len(bad):
-            failed.append(_mark_failed(ax, df, wl, x_of=lambda lab, d, pos=pos: pos[(lab, d)]))
+            failed.append(_mark_failed(ax, study, wl, x_of=lambda lab, d, pos=pos: pos[(lab, d)]))
         ax.set_xticks(range(len(points)), [f"{lab} x{d}" for lab, d in points])
         ax.set_xlim(-0.6, len(points) - 0.4)
         ax.set_ylabel("time per step (ms)")
@@ -475,20 +367,58 @@ def breakdown(df: pd.DataFrame, out=None, name: str = "breakdown") -> Figure:
     return save(fig, out, name)
 
 
-def all_figures(df: pd.DataFrame, out, baseline: str | None = "best") -> tuple[dict[str, Figure], dict[str, str]]:
+FIGURES = ("epoch_time", "speedup", "val_metric_vs_epoch", "val_metric_vs_time", "memory", "breakdown")
+
+
+def _draw(key: str, study: Study, out, baseline: str | None) -> Figure:
+    if key == "speedup":
+        return speedup(study, out, baseline=baseline)
+    if key.startswith("val_metric"):
+        return val_metric(study, out, x="epoch" if key == "val_metric_vs_epoch" else "wall_time_s")
+    return {"epoch_time": epoch_time, "memory": memory, "breakdown": breakdown}[key](study, out)
+
+
+def all_figures(data: pd.DataFrame | Study, out, baseline: str | None = "best") -> tuple[dict[str, Figure], dict[str, str]]:
     """Every figure above, and {name: reason} for those whose data are absent (skipped)."""
-    makers = {
-        "epoch_time": lambda: epoch_time(df, out),
-        "speedup": lambda: speedup(df, out, baseline=baseline),
-        "val_metric_vs_epoch": lambda: val_metric(df, out, x="epoch"),
-        "val_metric_vs_time": lambda: val_metric(df, out, x="wall_time_s"),
-        "memory": lambda: memory(df, out),
-        "breakdown": lambda: breakdown(df, out),
-    }
+    study = Study.of(data)
     figs, skipped = {}, {}
-    for key, make in makers.items():
+    for key in FIGURES:
         try:
-            figs[key] = make()
+            figs[key] = _draw(key, study, out, baseline)
         except AnalysisError as e:
             skipped[key] = str(e)
     return figs, skipped
+
+
+_STUDY: Study | None = None  # the study a forked worker of `save_all` draws from (inherited, not pickled)
+SLOWEST_FIRST = ("memory", "val_metric_vs_epoch", "val_metric_vs_time", "breakdown", "speedup", "epoch_time")
+
+
+def _save_one(key: str, out, baseline: str | None, study: Study | None = None) -> str | None:
+    try:
+        _draw(key, study or _STUDY, out, baseline).clear()
+        return None
+    except AnalysisError as e:
+        return str(e)
+
+
+def save_all(data: pd.DataFrame | Study, out, baseline: str | None = "best", workers: int | None = None) -> dict:
+    """Every figure saved under `out`: {name: None when drawn, else the reason it was skipped}. Drawing is
+    most of a report's time and the figures are independent: with more than one CPU they are drawn in
+    forked worker processes (`workers`, default one per CPU) that share the tables computed here once."""
+    global _STUDY
+    study = Study.of(data)
+    workers = min(len(FIGURES), workers or len(os.sched_getaffinity(0)))
+    if workers < 2 or "fork" not in mp.get_all_start_methods():
+        return {key: _save_one(key, out, baseline, study) for key in FIGURES}
+    try:  # the tables every figure reads, once, before the fork
+        study.not_finished, study.memory, study.breakdown, study.epoch_time, study.speedup(baseline)
+    except AnalysisError:
+        pass  # no finished run (or no such baseline): each figure says so itself
+    _STUDY = study
+    try:
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+            jobs = {key: pool.submit(_save_one, key, out, baseline) for key in SLOWEST_FIRST}
+            return {key: jobs[key].result() for key in FIGURES}
+    finally:
+        _STUDY = None

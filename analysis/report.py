@@ -13,7 +13,8 @@ import pandas as pd
 
 from ptbench.analysis import plots
 from ptbench.analysis.claims import claims_lines
-from ptbench.analysis.load import EPOCH_TIME_SOURCES, comm_table, load, load_comm, not_finished, ok, runs
+from ptbench.analysis.load import load, load_comm
+from ptbench.analysis.tables import EPOCH_TIME_SOURCES, Study, comm_table, summary_table, time_to_target
 
 FIGURES = {
     "epoch_time": "Epoch time vs devices (paper Fig. 5/6)",
@@ -26,37 +27,15 @@ FIGURES = {
 WARNING = "**Warning:**"
 
 
-def summary_table(df: pd.DataFrame, baseline: str | None = "best") -> pd.DataFrame:
-    """One row per (workload, series, devices) point of finished runs: the numbers behind the figures.
-    `global_batch` lists every value its runs used ("8; 16" when they differ); `epoch time (s)` is the
-    one speedup uses, `epoch time from` says where it came from."""
-    r = runs(ok(df))
-    if r.empty:
-        return pd.DataFrame()
-    g = r.groupby(["workload", "label", "devices"], as_index=False).agg(
-        runs=("run_id", "count"), global_batch=("global_batch", plots._join), epochs=("epochs", "max"),
-        epoch_time_s=("epoch_time_used_s", "mean"), epoch_time_from=("epoch_time_source", plots._join),
-        step_ms=("step_time_mean_s", "mean"), samples_per_s=("samples_per_s", "mean"),
-        metric=("val_metric_name", "first"), final_val=("val_metric", "mean"))
-    g["step_ms"] *= 1e3
-    mem = plots.memory_table(df)[["workload", "label", "devices", "peak_mib", "states_mib"]]
-    g["devices"] = g["devices"].astype(int)
-    mem["devices"] = mem["devices"].astype(int)
-    g = g.merge(mem, on=["workload", "label", "devices"], how="left")
-    sp = plots.speedup_table(df, baseline)[["workload", "label", "devices", "speedup", "efficiency"]]
-    sp["devices"] = sp["devices"].astype(int)
-    return g.merge(sp, on=["workload", "label", "devices"], how="left")
-
-
 def _gb(v) -> str:
     return _fmt(int(v) if isinstance(v, float) and v.is_integer() else v)
 
 
-def batch_warnings(df: pd.DataFrame) -> list[str]:
+def batch_warnings(data: pd.DataFrame | Study) -> list[str]:
     """Warning lines where points that a figure sets side by side differ in global batch: runs of one
     series at one device count (their means mix batches), and the series of one workload at one
     device count (their epoch times compare different batches)."""
-    r = runs(ok(df))
+    r = Study.of(data).ok_runs
     if r.empty or "global_batch" not in r:
         return []
     r = r[r["global_batch"].notna()]
@@ -128,9 +107,9 @@ def _epoch_time_lines(per_run: pd.DataFrame) -> list[str]:
     return lines
 
 
-def _memory_lines(df: pd.DataFrame) -> list[str]:
+def _memory_lines(study: Study) -> list[str]:
     try:
-        mem = plots.memory_table(df)
+        mem = study.memory
     except Exception:  # noqa: BLE001 - no finished run: nothing to say
         return []
     metrics = sorted({m for ms in mem["memory_metric"].dropna() for m in ms.split("; ")})
@@ -141,6 +120,7 @@ def _memory_lines(df: pd.DataFrame) -> list[str]:
         "peak_allocated": "`peak_allocated` (CUDA: max allocated)",
     }
     lines = ["Memory metric: " + "; ".join(text.get(m, f"`{m}`") for m in metrics) + "."]
+    df = study.epochs
     cpu = df[df["memory_metric"] == "peak_rss"] if "memory_metric" in df else df.iloc[:0]
     if "peak_rss" in metrics and len(cpu):
         lines.append("These CPU records carry no `peak_rss_delta`: the memory figure falls back to `peak_rss`.")
@@ -176,43 +156,18 @@ def _runner_up(values: list[tuple[float, str]], lower_is_better: bool, unit: str
     return f"; next {who} {fmt(nxt)}{unit}, {100 * gap:.1f} % behind{close}"
 
 
-def time_to_target(df: pd.DataFrame) -> pd.DataFrame:
-    """Per workload: the target validation metric (the best value every finished run with validation
-    reached: the largest of the runs' lowest perplexities, the smallest of their highest accuracies) and,
-    per run, the wall time (`wall_time_s` of the first epoch whose metric reached it; time since the first
-    epoch began, validation included) and that epoch. Columns: workload, metric, target, run_id, label,
-    devices, time_s, epoch, best."""
-    e = ok(df)
-    if e.empty or "wall_time_s" not in e:
-        return pd.DataFrame()
-    e = e[e["val_metric"].notna()]
-    rows = []
-    for wl, sub in e.groupby("workload"):
-        metric = sub["val_metric_name"].iloc[0]
-        lower = metric == "val_perplexity"
-        best = sub.groupby("run_id")["val_metric"].agg("min" if lower else "max")
-        target = best.max() if lower else best.min()
-        tol = 1e-9 * abs(target)
-        for run_id, r in sub.sort_values("epoch").groupby("run_id"):
-            hit = r[(r["val_metric"] <= target + tol) if lower else (r["val_metric"] >= target - tol)]
-            first = hit.iloc[0]
-            rows.append(dict(workload=wl, metric=metric, target=target, run_id=run_id, label=first["label"],
-                             devices=int(first["devices"]), time_s=float(first["wall_time_s"]),
-                             epoch=int(first["epoch"]) + 1, best=float(best[run_id])))
-    return pd.DataFrame(rows)
-
-
-def which_adapter(df: pd.DataFrame, baseline: str | None = "best") -> dict:
+def which_adapter(data: pd.DataFrame | Study, baseline: str | None = "best") -> dict:
     """The "Which adapter" verdicts per workload, computed from the finished runs:
     {workload: {"fastest": {...} | None, "memory": [{devices, label, mib, states_mib, metric, runs}],
     "scaling": {...} | None, "undecided": [reasons]}}."""
     out: dict = {}
-    per_run = runs(ok(df)) if len(ok(df)) else pd.DataFrame()
+    study = Study.of(data)
+    per_run = study.ok_runs if len(study.ok_epochs) else pd.DataFrame()
     if per_run.empty:
         return out
-    ttt = time_to_target(df)
+    ttt = time_to_target(study)
     try:
-        sp = plots.speedup_table(df, baseline)
+        sp = study.speedup(baseline)
     except Exception:  # noqa: BLE001 - a baseline this workload lacks: scaling undecided below
         sp = pd.DataFrame()
     for wl, r in per_run.groupby("workload"):
@@ -302,14 +257,15 @@ def which_adapter(df: pd.DataFrame, baseline: str | None = "best") -> dict:
     return out
 
 
-def which_adapter_lines(df: pd.DataFrame, baseline: str | None = "best") -> list[str]:
+def which_adapter_lines(data: pd.DataFrame | Study, baseline: str | None = "best") -> list[str]:
     """The report's closing "Which adapter" section (markdown lines)."""
     lines = ["## Which adapter", "",
              "Computed from the finished runs of this folder only; each answer names the runs it came from.", ""]
-    verdicts = which_adapter(df, baseline)
+    study = Study.of(data)
+    verdicts = which_adapter(study, baseline)
     if not verdicts:
         return lines + ["No finished run: nothing to compare.", ""]
-    bad = not_finished(df)
+    bad = study.not_finished
     for wl, v in verdicts.items():
         lines += [f"### {wl}", ""]
         f = v["fastest"]
@@ -345,10 +301,10 @@ def which_adapter_lines(df: pd.DataFrame, baseline: str | None = "best") -> list
     return lines
 
 
-def comm_lines(df: pd.DataFrame, reports: list[dict], out: Path | None = None) -> list[str]:
+def comm_lines(data: pd.DataFrame | Study, reports: list[dict], out: Path | None = None) -> list[str]:
     """The "Communication" section: per point the measured step time, the phase(s) holding its
     collectives, the recorded volume per step and the time it takes at the measured bus bandwidth."""
-    table = comm_table(df, reports)
+    table = comm_table(data, reports)
     if table.empty or table["comm MB/step"].isna().all():  # records from before `comm_volume`: no section
         return []
     if out is not None:
@@ -384,7 +340,8 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
         path.write_text("\n".join(lines))
         return path
     df.to_csv(out / "epochs.csv", index=False)
-    per_run = runs(df)
+    study = Study(df)  # every table below and every figure is computed once, from this
+    per_run = study.runs
     per_run.to_csv(out / "runs.csv", index=False)
 
     counts = per_run["status"].value_counts()
@@ -392,32 +349,32 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
                               "Only `ok` runs make the curves; the others are marked with a red x on every figure "
                               "and listed below."), ""]
 
-    table = summary_table(df, baseline) if len(ok(df)) else pd.DataFrame()
+    table = summary_table(study, baseline) if len(study.ok_epochs) else pd.DataFrame()
     if not table.empty:
         table.to_csv(out / "summary.csv", index=False)
-        sp = plots.speedup_table(df, baseline)
+        sp = study.speedup(baseline)
         lines += ["## Summary (finished runs)", ""]
         lines += _baseline_lines(sp, baseline)
         lines += ["", ("Series labels come from each run's own record: adapter, settings, and `gb=` the global batch "
                        "as its batch policy sets it (`gb=B/replica`: B per data-parallel replica; `gb=B/device`: B per "
                        "device; `gb=B/microbatch`: B per micro-batch; `gb=B`: fixed). The `global_batch` column gives "
                        "each point's actual value."), ""]
-        warn = batch_warnings(df)
+        warn = batch_warnings(study)
         if warn:
             lines += [*warn, ""]
         lines += ["", markdown_table(table.rename(columns={
             "label": "series", "epoch_time_s": "epoch time (s)", "epoch_time_from": "epoch time from",
             "step_ms": "step (ms)", "samples_per_s": "samples/s", "final_val": "final val",
             "peak_mib": "peak MiB/rank", "states_mib": "model states MiB"}))]
-        capped = ok(df).groupby("workload")["samples_per_epoch"].nunique()
+        capped = study.ok_epochs.groupby("workload")["samples_per_epoch"].nunique()
         if (capped > 1).any():
             lines += [("Epochs of one workload hold different numbers of samples (trainer.max_steps or a growing "
                        "global batch): speedup is computed per training sample, so it stays comparable."), ""]
         lines += [*_epoch_time_lines(per_run), "Epoch time excludes validation.", ""]
-        lines += [*_memory_lines(df), ""]
-        lines += comm_lines(df, load_comm(results_dir), out)
+        lines += [*_memory_lines(study), ""]
+        lines += comm_lines(study, load_comm(results_dir), out)
 
-    bad = not_finished(df)
+    bad = study.not_finished
     lines += ["## Runs that did not finish", "",
               ("Any status but `ok` (failed, oom, timeout, preempted, missing, skipped): left out of the curves, "
                "marked on every figure."), "",
@@ -425,14 +382,14 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
               else "_none_\n", ""]
 
     lines += claims_lines(per_run)  # the paper's findings checked against these records (analysis/claims.py)
-    figs, skipped = plots.all_figures(df, out / "figures", baseline=baseline)
+    skipped = plots.save_all(study, out / "figures", baseline=baseline)
     lines += ["## Figures", ""]
     for key, title in FIGURES.items():
-        if key in figs:
+        if skipped.get(key) is None:
             lines += [f"### {title}", "", f"![{title}](figures/{key}.png)", "", f"[SVG](figures/{key}.svg)", ""]
         else:
             lines += [f"### {title}", "", f"_not drawn: {skipped.get(key)}_", ""]
-    lines += which_adapter_lines(df, baseline)
+    lines += which_adapter_lines(study, baseline)
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path

@@ -36,7 +36,7 @@ _HYDRA_FLAGS = {"-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 def _hydra_main(cfg: DictConfig) -> int:
-    from ptbench.sweep import apply_hydra_context, skip_if_done
+    from ptbench.runner.points import apply_hydra_context, skip_if_done
 
     apply_hydra_context(cfg)  # sweep point id; a multirun's records go to its sweep folder
     if skip_if_done(cfg):
@@ -67,31 +67,38 @@ def _precheck(argv: list[str]) -> None:
 
 def _plan(argv: list[str]) -> int:
     """`python -m ptbench --plan <overrides>`: the run plan and the predicted memory per rank
-    (bench/core/memory_model.py) against this machine's device memory; no rank starts."""
-    from ptbench.core.memory_model import GIB, device_bytes, fits, predict_run, table
+    (bench/core/memory_model.py) against this machine's device memory, and the comm volume per step; no
+    rank starts. The launcher's own `plan_run` computes them, so this prints what a run would record."""
+    from ptbench.core.memory_model import GIB, table
     from ptbench.runner.compose import typed
-    from ptbench.runner.plan import make_plan
-    from ptbench.workloads import build_workload
+    from ptbench.runner.launch import plan_run
 
     try:
-        cfg = typed(compose(argv))
-        plan = make_plan(cfg, "local", check=False)
-        pred = predict_run(cfg, plan, build_workload(cfg.workload, cfg.data).build_model)
+        plan, pred = plan_run(typed(compose(argv)), "local", check=False, refuse=False)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if pred is None:
+        print(f"error: {plan.predicted_memory['error']}", file=sys.stderr)
         return 2
     d = plan.describe()
     print(f"plan: adapter={d['adapter']} workload={d['workload']} ranks={d['world_size']} devices={d['devices']} "
           f"dp={d['dp_size']} microbatches={d['microbatches']} local_batch={d['local_batch']} "
           f"global_batch={d['global_batch']} precision={d['precision']}")
     print(table(pred))
-    cap, what = device_bytes(plan.world_size)
-    if cap is None:
+    mem, vol = plan.predicted_memory, plan.comm_volume
+    if mem["device_bytes"] is None:
         print("device memory: unknown (no check)")
     else:
-        verdict = "fits" if fits(pred["total"], cap) else "does NOT fit (the run would be refused)"
-        print(f"device memory: {cap / GIB:.2f} GiB ({what}); predicted {pred['total'] / GIB:.3f} GiB per rank "
-              f"{verdict} within 90 %")
+        verdict = "fits" if mem["fits"] else "does NOT fit (the run would be refused)"
+        print(f"device memory: {mem['device_bytes'] / GIB:.2f} GiB ({mem['device']}); predicted "
+              f"{pred['total'] / GIB:.3f} GiB per rank {verdict} within 90 %")
+    if "error" in vol:
+        print(f"comm volume: not modelled ({vol['error']})")
+    else:
+        ops = ", ".join(f"{op} {b / 2**20:.2f}" for op, b in vol["by_op"].items()) or "no collectives"
+        print(f"comm volume per optimizer step per rank: {vol['total_bytes'] / 2**20:.2f} MiB ({ops} MiB; "
+              f"backend {vol['backend']})")
     return 0
 
 

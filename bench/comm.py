@@ -4,9 +4,12 @@
                          [--max-bytes 256M] [--iters K] [--warmup W] [--ops all_reduce,...]
                          [--json PATH] [--out DIR]
 
-Without torchrun/srun around it, this spawns N ranks itself (torch.multiprocessing, a free port on
-127.0.0.1). Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or srun (SLURM_PROCID/SLURM_NTASKS) the
-process is one rank of the job and measures with the others.
+Without torchrun/srun around it, this spawns N ranks itself (torch.multiprocessing with the local
+launcher's start method, ptbench.runner.checks.start_method: fork on a CPU, spawn with CUDA; a free
+port on 127.0.0.1). Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or srun (SLURM_PROCID/SLURM_NTASKS)
+the process is one rank of the job and measures with the others. Rank and address come from the
+harness's cluster environments (bench/core/environments.py), the backend choice and the process
+group from bench/core/dist.py, the JSON writing from bench/core/records.py, as for a training run.
 
 What is measured, per op and size (fp32, out-of-place where torch allows it):
 - all_reduce (sum), all_gather, reduce_scatter (sum), broadcast (root 0), send_recv (each rank
@@ -33,10 +36,9 @@ Reduce-scatter: the backend's native reduce_scatter when it has one; otherwise (
 (n-1)/n * S bytes per rank as a native ring; the result's `impl` field says which ran. If neither
 can run the op is reported as n/a with the reason, never replaced by another collective.
 
-Python API: `run_rank(rank, world_size, cfg)` is the per-rank function (mp.spawn calls it; it
-returns the report on rank 0), `measure(cfg)` runs inside an already initialized process group,
-`launch(cfg, world_size)` spawns ranks and returns the report, `write_json(report, path)` stores it beside a
-sweep. `--out DIR` writes DIR/<backend>-<N>.json and the table as DIR/<backend>-<N>.txt: what
+Python API: `run_rank(ctx, cfg)` is the per-rank function (a `DistContext`; it returns the report on
+rank 0), `measure(cfg)` runs inside an already initialized process group, `launch(cfg, world_size)`
+spawns ranks and returns the report. `--out DIR` writes DIR/<backend>-<N>.json and the table as DIR/<backend>-<N>.txt: what
 `python -m ptbench.sweep run` does once per world size of a sweep, into <results>/<experiment>/comm/,
 where `python -m ptbench.analysis report` finds it.
 """
@@ -44,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import re
@@ -54,13 +55,14 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field, replace
-
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ptbench.core.comm_volume import ring_factor
-from ptbench.core.dist import free_port
+from ptbench.core.dist import DistContext, default_backend, free_port, init_process_group, set_cpu_threads
+from ptbench.core.records import read_json, write_json
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 
@@ -130,31 +132,20 @@ def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     return out
 
 
-def resolve_backend(requested: str) -> str:
-    if requested not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"backend must be auto, gloo or nccl, got {requested!r}")
-    if requested != "auto":
-        return requested
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def default_max_bytes(backend: str) -> int:
     return DEFAULT_MAX_BYTES_CUDA if backend == "nccl" else DEFAULT_MAX_BYTES_CPU
 
 
-def external_launch(env=os.environ) -> dict | None:
-    """Rank/world/address when torchrun or srun started this process (the harness's own cluster
+def external_launch(backend: str, env=os.environ) -> DistContext | None:
+    """This rank's place when torchrun or srun started this process (the harness's own cluster
     environments, bench/core/environments.py); None when we must spawn."""
     from ptbench.core.environments import SlurmEnvironment, TorchrunEnvironment
 
     if TorchrunEnvironment.detect(env, "local"):
-        ctx = TorchrunEnvironment.context(env, "auto")
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        ctx = SlurmEnvironment.context(env, "auto")
-    else:
-        return None
-    return dict(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank, master_addr=ctx.master_addr,
-                master_port=ctx.master_port, launcher=ctx.launcher)
+        return TorchrunEnvironment.context(env, backend)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # any srun task: `srun python -m ptbench.comm`
+        return SlurmEnvironment.context(env, backend)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -483,42 +474,21 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_json(report: dict, path: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 # ----------------------------------------------------------------------------------------------
 # ranks and launch
 
 
-def run_rank(rank: int, world_size: int, cfg: CommConfig, local_rank: int | None = None) -> dict | None:
-    """One rank: init the process group, measure, rank 0 prints/writes; returns the report on rank 0.
-
-    mp.spawn calls run_rank(i, world_size, cfg); torchrun/srun ranks call it with their own rank.
-    """
-    local_rank = rank if local_rank is None else local_rank
-    backend = resolve_backend(cfg.backend)
-    if backend == "nccl":
+def run_rank(ctx: DistContext, cfg: CommConfig) -> dict | None:
+    """One rank: start the process group (the harness's own, bench/core/dist.py), measure, rank 0 prints
+    and writes; returns the report on rank 0."""
+    if ctx.backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("backend nccl needs CUDA; use --backend gloo on CPU")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+        device = ctx.device
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(1)  # one thread per rank: ranks share the cores
-    os.environ.update(MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(cfg.master_port))
-    dist.init_process_group(
-        backend=backend, rank=rank, world_size=world_size,
-        init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}",
-        timeout=datetime.timedelta(seconds=cfg.timeout_s),
-        **({"device_id": device} if device.type == "cuda" else {}),
-    )
+        set_cpu_threads(1)  # one thread per rank: ranks share the cores
+    init_process_group(ctx, cfg.timeout_s)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # deprecation notes of c10d wrappers
@@ -526,20 +496,29 @@ def run_rank(rank: int, world_size: int, cfg: CommConfig, local_rank: int | None
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    if rank != 0:
+    if ctx.rank != 0:
         return None
     if not cfg.quiet:
         print(format_table(report), flush=True)
     if cfg.json_path:
-        write_json(report, cfg.json_path)
+        write_json(Path(cfg.json_path), report)
     return report
 
 
+def _spawned_rank(local_rank: int, world_size: int, cfg: CommConfig) -> None:
+    run_rank(DistContext(rank=local_rank, world_size=world_size, local_rank=local_rank, local_world_size=world_size,
+                         master_addr=cfg.master_addr, master_port=cfg.master_port, backend=cfg.backend), cfg)
+
+
 def launch(cfg: CommConfig, world_size: int) -> dict:
-    """Spawn `world_size` ranks on this machine (free port on 127.0.0.1) and return rank 0's report."""
+    """Start `world_size` ranks on this machine as the local launcher does (its start method; a free port on
+    127.0.0.1) and return rank 0's report."""
     import torch.multiprocessing as mp
 
-    backend = resolve_backend(cfg.backend)
+    from ptbench.runner.checks import start_method
+
+    backend = default_backend(cfg.backend)
+    cuda = torch.cuda.is_available()
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise RuntimeError(
             f"--world-size {world_size} > {torch.cuda.device_count()} CUDA devices: NCCL needs one GPU per rank"
@@ -551,9 +530,10 @@ def launch(cfg: CommConfig, world_size: int) -> dict:
     run_cfg = replace(cfg, backend=backend, master_addr="127.0.0.1", master_port=free_port(),
                       json_path=cfg.json_path or tmp)
     try:
-        mp.spawn(run_rank, args=(world_size, run_cfg), nprocs=world_size, join=True)
-        with open(run_cfg.json_path) as f:
-            return json.load(f)
+        sys.stdout.flush()  # a forked rank would print this process's unflushed output again
+        mp.start_processes(_spawned_rank, args=(world_size, run_cfg), nprocs=world_size,
+                           start_method=start_method("auto", cuda), join=True)
+        return read_json(run_cfg.json_path)
     finally:
         if tmp and os.path.exists(tmp):
             os.unlink(tmp)
@@ -604,19 +584,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     # validate sizes up front, before any rank starts
     try:
-        sizes(cfg.min_bytes, cfg.max_bytes or max(cfg.min_bytes, default_max_bytes(resolve_backend(cfg.backend))),
+        sizes(cfg.min_bytes, cfg.max_bytes or max(cfg.min_bytes, default_max_bytes(default_backend(cfg.backend))),
               cfg.factor)
     except ValueError as e:
         _parser().error(str(e))
-    ext = external_launch()
+    ext = external_launch(cfg.backend)
     if args.out:
         if args.json_path:
             _parser().error("give --json or --out, not both")
-        stem = os.path.join(args.out, f"{resolve_backend(cfg.backend)}-{ext['world_size'] if ext else args.world_size}")
+        stem = os.path.join(args.out, f"{default_backend(cfg.backend)}-{ext.world_size if ext else args.world_size}")
         cfg = replace(cfg, json_path=stem + ".json")
     if ext is not None:
-        cfg = replace(cfg, master_addr=ext["master_addr"], master_port=ext["master_port"])
-        report = run_rank(ext["rank"], ext["world_size"], cfg, local_rank=ext["local_rank"])
+        report = run_rank(ext, replace(cfg, backend=ext.backend))
     else:
         if args.world_size < 1:
             _parser().error("--world-size must be >= 1")

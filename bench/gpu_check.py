@@ -15,9 +15,8 @@ from pathlib import Path
 from ptbench.adapters import available, get_adapter_class
 from ptbench.invoke import run_bench
 from ptbench.runner.compose import visible_gpus
-from ptbench.smoke import framework_installed
+from ptbench.smoke import framework_installed, smoke_point
 from ptbench.smoke import main as smoke_main
-from ptbench.smoke import smoke_point
 
 WORKLOADS = {"gpt2_small": "language", "resnet50": "vision"}
 COMMON = ["data=synthetic", "trainer.precision=bf16", "trainer.epochs=1", "trainer.max_steps=12",

@@ -8,13 +8,15 @@
 
 Runs `python -m ptbench` once per (variant, ranks) point, as a user would, then prints the bytes of
 parameters, gradients and optimizer state each rank reported (read from the framework's tensors, see
-adapters/zero.py and adapters/fsdp.py) beside two predictions for fp32 Adam (Ψ parameters, N ranks):
+adapters/zero.py and adapters/fsdp.py) beside two predictions for fp32 Adam (Ψ parameters, N ranks), both
+from bench/core/memory_model.py (the one memory model), for the sharding each adapter's cost inputs state:
 
-- paper: the ZeRO paper's model-state formula. DDP 16Ψ; ZeRO-1 4Ψ+4Ψ+8Ψ/N; ZeRO-2 4Ψ+12Ψ/N;
+- paper: the ZeRO paper's model-state formula (the model's Ψ/N rule). DDP 16Ψ; ZeRO-1 4Ψ+4Ψ+8Ψ/N; ZeRO-2 4Ψ+12Ψ/N;
   ZeRO-3 16Ψ/N; FSDP (fully sharded, like ZeRO-3) 16Ψ/N. "+master" adds the fp32 copy of its
   partition (4Ψ/N) that DeepSpeed keeps for stages >= 1 even when the model is fp32: its optimizer
   steps that copy and copies the result back into the model's parameters.
-- expected: what the algorithm holds for this model's tensor shapes (`expected_state`): DeepSpeed
+- expected: what the algorithm holds for this model's tensor shapes (`expected_state`, the model's
+  per-tensor rule for that rank): DeepSpeed
   stages 1-2 cut one flat buffer of all parameters into N equal partitions but keep gradients for
   whole tensors, so a tensor that straddles a partition edge keeps its full gradient on every rank it
   touches (GPT-2's token embedding is ~94 % of gpt2_tiny: at 2 ranks both ranks keep its gradient);
@@ -31,12 +33,12 @@ orientation only: it also holds allocator slack and the lazily allocated gradien
 from __future__ import annotations
 
 import argparse
-import math
+import functools
 import sys
 import time
 from pathlib import Path
 
-from ptbench.core.memory_model import flat_partition, numel
+from ptbench.core.memory_model import numel, predict
 from ptbench.invoke import run_bench
 
 VARIANTS = {
@@ -67,17 +69,22 @@ def variant_overrides(variant: str, ranks: int) -> list[str]:
     return RANKED_VARIANTS[variant](ranks)
 
 
-# --- predictions -------------------------------------------------------------------------------
+# --- predictions: bench/core/memory_model.py, the one memory model ---------------------------------------
+@functools.cache
+def sharding_of(variant: str) -> str:
+    """How the variant's adapter splits the model states: its cost inputs (`Adapter.cost_inputs`)."""
+    from ptbench.adapters import get_adapter_class
+    from ptbench.runner.compose import compose, typed
+
+    cfg = typed(compose(variant_overrides(variant, 2)))
+    return get_adapter_class(cfg.adapter.name).cost_inputs(cfg).sharding
+
+
 def paper_formula(variant: str, psi: int, n: int) -> dict[str, float]:
-    """The ZeRO paper's model-state bytes per rank for fp32 Adam; `master` is DeepSpeed's extra fp32 partition."""
-    p, g, o = 4 * psi, 4 * psi, 8 * psi
-    parts = {
-        "ddp": (p, g, o), "zero0": (p, g, o),
-        "zero1": (p, g, o / n), "zero2": (p, g / n, o / n),
-        "zero3": (p / n, g / n, o / n), "fsdp": (p / n, g / n, o / n),
-    }[variant]
-    master = 4 * psi / n if variant in ("zero1", "zero2", "zero3") else 0.0
-    return {"total": sum(parts), "master": master}
+    """The ZeRO paper's model-state bytes per rank for fp32 Adam (the memory model's Ψ/N rule at its peak:
+    ZeRO-1's full gradients during backward included); `master` is DeepSpeed's extra fp32 partition."""
+    p = predict(sharding_of(variant), params=psi, world_size=n)
+    return {"total": p["model_states"] - p["master"] + p["transient"], "master": p["master"]}
 
 
 def param_numels(overrides: list[str]) -> list[tuple[int, ...]]:
@@ -91,41 +98,19 @@ def param_numels(overrides: list[str]) -> list[tuple[int, ...]]:
 
 
 def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: int, precision: str = "fp32") -> dict[str, int]:
-    """Bytes rank `rank` of `n` should hold for Adam, from the tensor shapes and the partitioning rule.
+    """Bytes rank `rank` of `n` should hold for Adam, from the tensor shapes and the partitioning rule of
+    the memory model (`predict` with `shapes` and `rank`): {params, grads, optimizer (moments + master)}.
 
-    DDP / ZeRO-0: everything whole. ZeRO-1/2: parameters whole (4Ψ); the optimizer holds exp_avg,
-    exp_avg_sq and the fp32 master for an equal 1/N slice of the flat buffer (12 bytes per element);
-    gradients, when the optimizer step begins, for every tensor overlapping that slice, whole (ZeRO-1
-    in DeepSpeed 0.19 reduces after backward and keeps the same partition as ZeRO-2; its full
-    gradients are transient, see `grads_peak_backward` in the record). ZeRO-3: each tensor split
-    into N flat pieces of ceil(numel/N); parameters, gradients, master (4 bytes each) and two moments.
-    FSDP2: each tensor split along dim 0 in torch.chunk pieces; no master copy.
-    Mixed precision (bf16/fp16): DeepSpeed stages 1-3 hold parameters and gradients in 2 bytes and
-    keep the 12 bytes of master + moments per partition element (the paper's 2Ψ + 2Ψ + 12Ψ split);
-    FSDP2's MixedPrecisionPolicy and DDP's autocast keep fp32 state, so nothing changes for them.
-    """
-    numels = [numel(s) for s in shapes]
-    psi = sum(numels)
-    b = 2 if precision in ("bf16", "fp16") and variant in ("zero1", "zero2", "zero3") else 4
+    DDP / ZeRO-0: everything whole. ZeRO-1/2: parameters whole; moments and the fp32 master for an equal
+    1/N slice of the flat buffer; gradients, when the optimizer step begins, for every tensor overlapping
+    that slice, whole. ZeRO-3: each tensor split into ceil(numel/N). FSDP2: each tensor split along dim 0
+    in torch.chunk pieces; no master copy. bf16/fp16: DeepSpeed stages 1-3 hold 2-byte parameters and
+    gradients; FSDP2's MixedPrecisionPolicy and DDP's autocast keep fp32 state."""
     if variant == "zero0" and precision != "fp32":
         raise ValueError("zero0 in half precision uses DeepSpeed's BF16/FP16 optimizer wrappers: not modelled")
-    if variant in ("ddp", "zero0"):
-        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
-    if variant in ("zero1", "zero2"):
-        part, overlap = flat_partition(numels, n, rank)
-        return {"params": b * psi, "grads": b * overlap, "optimizer": 12 * part}
-    if variant == "zero3":
-        local = sum(math.ceil(k / n) for k in numels)
-        return {"params": b * local, "grads": b * local, "optimizer": 12 * local}
-    if variant == "fsdp":
-        local = 0
-        for s in shapes:
-            rows = s[0] if s else 1
-            chunk = math.ceil(rows / n)
-            mine = max(0, min(chunk, rows - rank * chunk))
-            local += mine * (numel(s) // rows if rows else 0)
-        return {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
-    raise ValueError(f"unknown variant {variant}")
+    p = predict(sharding_of(variant), params=sum(numel(s) for s in shapes), world_size=n, shapes=shapes, rank=rank,
+                precision=precision)
+    return {"params": p["params"], "grads": p["grads"], "optimizer": p["optimizer"] + p["master"]}
 
 
 # --- running the points -----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ As in "How to Train Your Neural Network" (Lin et al.):
 Each adapter's batch policy is its own (adapter.batch_policy: per-device for DDP/ZeRO, linear for
 Megatron, per micro-batch for GPipe, fixed for the pipeline schedules); layouts per GPU count come
 from `layout()`. A point that runs out of memory is retried once with half the per-device batch
-(bench/sweep.py `oom_retry`, recorded as `extra.batch_reduced_from`).
+(bench/runner/points.py `oom_retry`, recorded as `extra.batch_reduced_from`).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from ptbench.sweep import REPO, read_points, submit_arrays, write_points
+from ptbench.runner.points import read_points, write_points
+from ptbench.runner.slurm import REPO, submit_arrays
 
 PRESET = {"gpt2_small": "paper_language", "gpt2_medium": "paper_language", "gpt2_tiny": "paper_language_small",
           "vgg16": "paper_vision", "resnet50": "paper_vision", "vgg16_tiny": "paper_vision",
@@ -143,7 +144,7 @@ def choose_stateff(out: Path, results: Path) -> list[list[str]]:
 
 
 def _point_id(overrides: list[str]) -> str:
-    from ptbench.sweep import point_id
+    from ptbench.runner.points import point_id
 
     return point_id(overrides)
 

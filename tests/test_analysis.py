@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 import yaml  # noqa: E402
 from nbclient import NotebookClient  # noqa: E402
 
-from ptbench.analysis import load, ok, plots, runs  # noqa: E402
+from ptbench.analysis import load, ok, plots, runs, tables  # noqa: E402
 from ptbench.analysis.load import find_runs  # noqa: E402
 from tests.helpers import REPO, bench, events  # noqa: E402
 
@@ -118,7 +118,7 @@ def _steady(run_dir):
 
 
 def test_speedup_of_the_baseline_is_exactly_one(df, tmp_path):
-    table = plots.speedup_table(df)
+    table = tables.speedup_table(df)
     base = table[table["devices"] == 1].iloc[0]
     assert base["speedup"] == 1.0 and base["efficiency"] == 1.0
     assert (table["baseline"] == f"{DDP} on 1 device").all()
@@ -138,10 +138,10 @@ def test_speedup_of_the_baseline_is_exactly_one(df, tmp_path):
 
 
 def test_speedup_against_a_named_baseline_and_a_wrong_name(df):
-    table = plots.speedup_table(df, baseline=DDP)
+    table = tables.speedup_table(df, baseline=DDP)
     assert table.set_index("devices").loc[1, "speedup"] == 1.0
     with pytest.raises(ValueError, match=f"baseline 'zero' has no finished run.*choose best or per-series, or a series: {DDP}"):
-        plots.speedup_table(df, baseline="zero")
+        tables.speedup_table(df, baseline="zero")
 
 
 def test_epoch_time_plot_matches_the_frame(df, tmp_path):
@@ -464,7 +464,7 @@ def test_preempted_runs_keep_their_status_and_are_not_counted_ok(tmp_path):
     per_run = runs(df).set_index("run_id")
     assert per_run.loc["pre2", "status"] == "preempted"
     assert set(ok(df)["run_id"]) == {"ok1"}
-    table = plots.speedup_table(df)
+    table = tables.speedup_table(df)
     assert list(table["devices"]) == [1]  # the preempted point is not on the curve
     fig = plots.epoch_time(df)
     assert list(fig.bench_failed["status"]) == ["preempted"] and _x_marks(fig.axes[0]) == ([2.0], ["preempted"])
@@ -487,16 +487,16 @@ def test_speedup_baseline_best_and_per_series(tmp_path):
     df = load(root)
     A, B = "ddp gb=8/replica", "zero stage=2 gb=8/replica"
 
-    best = plots.speedup_table(df, "best").set_index(["label", "devices"])
+    best = tables.speedup_table(df, "best").set_index(["label", "devices"])
     assert best.loc[(A, 1), "speedup"] == pytest.approx(1.0)
     assert best.loc[(A, 2), "speedup"] == pytest.approx(0.125 / 0.075)
     assert best.loc[(A, 2), "efficiency"] == pytest.approx(0.125 / 0.075 / 2)
     assert best.loc[(B, 2), "speedup"] == pytest.approx(0.125 / 0.05)
     assert best.loc[(B, 4), "speedup"] == pytest.approx(4.0) and best.loc[(B, 4), "efficiency"] == pytest.approx(1.0)
     assert set(best["baseline"]) == {f"{A} on 1 device"}
-    assert plots.speedup_table(df, None).equals(plots.speedup_table(df, "best"))
+    assert tables.speedup_table(df, None).equals(tables.speedup_table(df, "best"))
 
-    per = plots.speedup_table(df, "per-series").set_index(["label", "devices"])
+    per = tables.speedup_table(df, "per-series").set_index(["label", "devices"])
     assert per.loc[(A, 2), "speedup"] == pytest.approx(0.125 / 0.075)
     assert per.loc[(B, 2), "speedup"] == pytest.approx(1.0) and per.loc[(B, 2), "efficiency"] == pytest.approx(1.0)
     assert per.loc[(B, 4), "speedup"] == pytest.approx(0.05 / 0.03125)
@@ -543,7 +543,7 @@ def test_steady_epoch_time_is_used_for_speedup_and_partial_epochs_are_left_out(t
     assert r.loc["steady", "epoch_time_s"] == pytest.approx(7.0)
     assert r.loc["fallback", "epoch_time_s"] == pytest.approx((12 + 4 + 6) / 3)
     assert r.loc["steady", "partial_epochs"] == 1 and r.loc["single", "partial_epochs"] == 0
-    sp = plots.speedup_table(df).set_index("devices")
+    sp = tables.speedup_table(df).set_index("devices")
     assert sp.loc[2, "speedup"] == pytest.approx((4.5 / 80) / (5.0 / 80))
     assert sp.loc[4, "speedup"] == pytest.approx((4.5 / 80) / (7.0 / 96))
     fig = plots.epoch_time(df)
@@ -572,7 +572,7 @@ def test_memory_uses_the_cpu_delta_and_says_when_it_falls_back(tmp_path):
     ranks = [{"rank": 0, "memory": {"peak_rss": 700 * MIB, "peak_rss_delta": 40 * MIB}, "state_bytes": states},
              {"rank": 1, "memory": {"peak_rss": 720 * MIB, "peak_rss_delta": 30 * MIB}, "state_bytes": states}]
     write_run(root, "d", "ddp", 2, epochs=[_epoch(0, 2.0, 6, 16, 2, ranks=ranks), _epoch(1, 1.0, 6, 16, 2, ranks=ranks)])
-    data = plots.memory_table(load(root)).iloc[0]
+    data = tables.memory_table(load(root)).iloc[0]
     assert data["peak_mib"] == 40 and data["memory_metric"] == "peak_rss_delta"  # rank 0: the largest delta
     assert data["states_mib"] == 16 and data["other_mib"] == 24
     text = write_report_(root, tmp_path / "o1").read_text()
@@ -582,7 +582,7 @@ def test_memory_uses_the_cpu_delta_and_says_when_it_falls_back(tmp_path):
 
     root = tmp_path / "rss"  # an older record: no delta
     write_run(root, "r", "ddp", 2, epochs=_two_epochs(1.0, 6, 16, 2, peak=700 * MIB, states=states))
-    data = plots.memory_table(load(root)).iloc[0]
+    data = tables.memory_table(load(root)).iloc[0]
     assert data["peak_mib"] == 700 and data["memory_metric"] == "peak_rss"
     text = write_report_(root, tmp_path / "o2").read_text()
     assert "no `peak_rss_delta`: the memory figure falls back to `peak_rss`" in text
@@ -597,7 +597,7 @@ def test_memory_keeps_offloaded_state_out_of_device_memory(tmp_path):
     tagged = {**states, "device": {"params": "cuda:0", "grads": "cuda:0", "optimizer": "cpu"}}
     write_run(root, "tag", "zero", 4, settings={"stage": 3},
               epochs=_two_epochs(1.0, 3, 32, 4, peak=90 * MIB, states=tagged, metric="peak_allocated"))
-    data = plots.memory_table(load(root)).set_index(["label", "devices"])
+    data = tables.memory_table(load(root)).set_index(["label", "devices"])
     off = data.loc[("zero stage=3 offload=optimizer gb=8/replica", 2)]
     assert off["optimizer_mib"] == 0 and off["host_mib"] == 40 and off["offload"] == "optimizer"
     assert off["states_mib"] == 20 and off["other_mib"] == 80
@@ -621,7 +621,7 @@ def test_memory_of_gpipe_sets_the_busiest_device_against_its_own_states(tmp_path
     # a record from before per-device memory: no states detail, ranks without memory: loads, no numbers invented
     write_run(root, "bare", "gpipe", 4, batch_size=4, epochs=[_epoch(0, 1.0, 3, 64, 4, metric="peak_allocated",
                                                                      ranks=[{"rank": 0}])])
-    data = plots.memory_table(load(root)).set_index("devices")
+    data = tables.memory_table(load(root)).set_index("devices")
     assert data.loc[2, "peak_mib"] == 200
     assert (data.loc[2, "params_mib"], data.loc[2, "grads_mib"], data.loc[2, "optimizer_mib"]) == (30, 30, 60)
     assert data.loc[2, "mem_note"] == "states of cuda:0, the busiest device of the rank"

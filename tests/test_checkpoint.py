@@ -128,9 +128,10 @@ def test_adapters_that_cannot_checkpoint_say_so(monkeypatch):
     from ptbench.adapters import get_adapter_class
     from ptbench.adapters.base import Adapter
 
-    assert Adapter.checkpoint_unsupported  # a new adapter refuses until its checkpoints are tested
+    cfg = _cfg("adapter=ddp")
+    assert Adapter.checkpoint_refusal(cfg)  # a new adapter refuses until its checkpoints are tested
     for name in ("ddp", "fsdp", "zero", "tensor_parallel", "horovod", "gpipe", "megatron", "pipeline"):
-        assert get_adapter_class(name).checkpoint_unsupported is None, name
+        assert get_adapter_class(name).checkpoint_refusal(cfg) is None, name
     # megatron on a GPU steps with Megatron's distributed optimizer, whose state is not checkpointed yet
     megatron = get_adapter_class("megatron")
     megatron.check_checkpointing(_cfg("adapter=megatron", "trainer.checkpoint_every=2"))  # CPU: fine

@@ -141,39 +141,37 @@ def test_ddp_horovod_zero0_all_reduce():
     from ptbench.core.comm_volume import volume
 
     # 2 (N-1)/N * Psi * B = 2 * 3/4 * 1e6 * 4 = 6e6
-    for adapter in ("ddp", "horovod", "zero0"):
-        v = volume(adapter, params=1_000_000, world_size=4)
+    for sharding in ("none", "distributed_optimizer", "zero0"):  # ddp, horovod, megatron, zero stage 0
+        v = volume(sharding, params=1_000_000, world_size=4)
         assert v["total"] == pytest.approx(6e6)
         assert v["bytes"] == {"dp_grad_all_reduce": pytest.approx(6e6)}
-    assert volume("zero", stage=0, params=1_000_000, world_size=4)["total"] == pytest.approx(6e6)
     # fp16 gradients halve it; one rank moves nothing
-    assert volume("ddp", params=1_000_000, world_size=4, bytes_per_elem=2)["total"] == pytest.approx(3e6)
-    assert volume("ddp", params=1_000_000, world_size=1)["total"] == 0
+    assert volume("none", params=1_000_000, world_size=4, bytes_per_elem=2)["total"] == pytest.approx(3e6)
+    assert volume("none", params=1_000_000, world_size=1)["total"] == 0
     # N = 8: 2 * 7/8 * 1e6 * 4 = 7e6
-    assert volume("ddp", params=1_000_000, world_size=8)["total"] == pytest.approx(7e6)
+    assert volume("none", params=1_000_000, world_size=8)["total"] == pytest.approx(7e6)
 
 
 def test_zero12_reduce_scatter_plus_all_gather():
     from ptbench.core.comm_volume import volume
 
     for stage in (1, 2):
-        v = volume("zero", stage=stage, params=1_000_000, world_size=4)
+        v = volume(f"zero{stage}", params=1_000_000, world_size=4)
         # (N-1)/N * Psi * B = 3/4 * 4e6 = 3e6 each, 6e6 together (= DDP, ZeRO paper 7.2.1)
         assert v["bytes"] == {"dp_grad_reduce_scatter": pytest.approx(3e6), "dp_param_all_gather": pytest.approx(3e6)}
         assert v["total"] == pytest.approx(6e6)
-        assert volume(f"zero{stage}", params=1_000_000, world_size=4)["total"] == pytest.approx(6e6)
 
 
 def test_zero3_and_fsdp_one_and_a_half_ddp():
     from ptbench.core.comm_volume import volume
 
-    for adapter in ("zero3", "fsdp"):
-        v = volume(adapter, params=1_000_000, world_size=4)
+    for sharding in ("zero3", "fsdp"):
+        v = volume(sharding, params=1_000_000, world_size=4)
         assert v["total"] == pytest.approx(9e6)  # 3 * 3/4 * 4e6
         assert sorted(v["bytes"]) == ["dp_grad_reduce_scatter", "dp_param_all_gather_bwd", "dp_param_all_gather_fwd"]
     # FSDP without resharding after forward skips the backward all-gather
     assert volume("fsdp", params=1_000_000, world_size=4, reshard_after_forward=False)["total"] == pytest.approx(6e6)
-    ddp = volume("ddp", params=10**9, world_size=64)["total"]
+    ddp = volume("none", params=10**9, world_size=64)["total"]
     assert volume("zero3", params=10**9, world_size=64)["total"] == pytest.approx(1.5 * ddp)
 
 
@@ -182,16 +180,16 @@ def test_tensor_parallel_megatron_layers():
 
     # b=2, s=1024, h=768 fp32: one activation = 2*1024*768*4 = 6,291,456 B; t=2: 2(t-1)/t = 1
     # 4 all-reduces/layer * 12 layers * 1 micro-batch * 6,291,456 = 301,989,888 B
-    v = volume("tensor_parallel", params=124_000_000, world_size=2, tp=2, layers=12, hidden=768, seq_len=1024,
+    v = volume("none", params=124_000_000, world_size=2, tp=2, layers=12, hidden=768, seq_len=1024,
                micro_batch=2)
     assert v["dp"] == 1
     assert v["bytes"] == {"tp_activation_all_reduce": pytest.approx(301_989_888)}
     # t=4: factor 1.5; with 2 micro-batches x2
-    v4 = volume("tensor_parallel", params=124_000_000, world_size=4, tp=4, layers=12, hidden=768, seq_len=1024,
+    v4 = volume("none", params=124_000_000, world_size=4, tp=4, layers=12, hidden=768, seq_len=1024,
                 micro_batch=2, microbatches=2)
     assert v4["total"] == pytest.approx(301_989_888 * 1.5 * 2)
     # 2-D TP x DP: world 8 = tp 2 x dp 4; DP all-reduce of Psi/tp = 2 * 3/4 * 62e6 * 4
-    v8 = volume("tensor_parallel", params=124_000_000, world_size=8, tp=2, layers=12, hidden=768, seq_len=1024,
+    v8 = volume("none", params=124_000_000, world_size=8, tp=2, layers=12, hidden=768, seq_len=1024,
                 micro_batch=2)
     assert v8["dp"] == 4
     assert v8["bytes"]["dp_grad_all_reduce"] == pytest.approx(2 * 0.75 * 62e6 * 4)
@@ -203,15 +201,15 @@ def test_pipeline_and_megatron_3d():
 
     act = 4 * 512 * 1024 * 2  # b=4, s=512, h=1024, bf16 = 4,194,304 B
     # 2 stages: each stage sends one direction, 8 micro-batches
-    v2 = volume("pipeline", params=10**8, world_size=2, hidden=1024, seq_len=512, micro_batch=4, microbatches=8,
+    v2 = volume("none", params=10**8, world_size=2, pp=2, hidden=1024, seq_len=512, micro_batch=4, microbatches=8,
                 bytes_per_elem=2)
     assert v2["pp"] == 2 and v2["total"] == pytest.approx(8 * act)
     # 4 stages: an inner stage sends activations forward and gradients back
-    v4 = volume("pipeline", params=10**8, world_size=4, hidden=1024, seq_len=512, micro_batch=4, microbatches=8,
+    v4 = volume("none", params=10**8, world_size=4, pp=4, hidden=1024, seq_len=512, micro_batch=4, microbatches=8,
                 bytes_per_elem=2)
     assert v4["bytes"] == {"pp_activation_send": pytest.approx(8 * act), "pp_gradient_send": pytest.approx(8 * act)}
     # megatron t=2 p=2 d=2, 24 layers -> 12 per stage, 4 micro-batches, fp16
-    v = volume("megatron", params=350_000_000, world_size=8, tp=2, pp=2, layers=24, hidden=1024, seq_len=512,
+    v = volume("none", params=350_000_000, world_size=8, tp=2, pp=2, layers=24, hidden=1024, seq_len=512,
                micro_batch=4, microbatches=4, bytes_per_elem=2)
     assert (v["dp"], v["tp"], v["pp"]) == (2, 2, 2)
     assert v["bytes"]["dp_grad_all_reduce"] == pytest.approx(1.0 * 350e6 / 4 * 2)  # 2(2-1)/2 * Psi/(t p) * B
@@ -223,36 +221,29 @@ def test_pipeline_and_megatron_3d():
 def test_volume_rejects_inconsistent_inputs():
     from ptbench.core.comm_volume import volume
 
+    with pytest.raises(ValueError, match="unknown sharding"):
+        volume("ddp", params=1, world_size=2)  # an adapter's name: the volume reads the sharding it states
+    with pytest.raises(ValueError, match="unknown sharding"):
+        volume("zero4", params=1, world_size=4)
     with pytest.raises(ValueError):
-        volume("nope", params=1, world_size=2)
+        volume("none", params=1, world_size=6, tp=4, layers=2, hidden=8, seq_len=8, micro_batch=1)
     with pytest.raises(ValueError):
-        volume("ddp", params=1, world_size=4, tp=2)
+        volume("none", params=1, world_size=4, tp=2)  # no activation shape
     with pytest.raises(ValueError):
-        volume("zero", params=1, world_size=4, stage=4)
-    with pytest.raises(ValueError):
-        volume("zero1", params=1, world_size=4, stage=3)
-    with pytest.raises(ValueError):
-        volume("megatron", params=1, world_size=6, tp=4, layers=2, hidden=8, seq_len=8, micro_batch=1)
-    with pytest.raises(ValueError):
-        volume("megatron", params=1, world_size=4, tp=2)  # no activation shape
-    with pytest.raises(ValueError):
-        volume("ddp", params=1, world_size=4, dp=2)
+        volume("none", params=1, world_size=4, dp=2)
 
 
-def test_time_at_and_report_lookup():
-    from ptbench.core.comm_volume import busbw_from_report, step_comm_time, time_at, volume
+def test_the_reports_comm_time_rule():
+    """The one comm-time rule (the report's, ptbench.analysis.tables): bytes / busbw at the nearest size."""
+    from ptbench.analysis.tables import busbw_at, comm_time
+    from ptbench.core.comm_volume import volume
 
-    assert time_at(6e6, 1.5) == pytest.approx(4e-3)  # 6 MB at 1.5 GB/s
-    assert time_at(0, 1.0) == 0
-    with pytest.raises(ValueError):
-        time_at(1e6, 0)
-    report = {"world_size": 4, "results": [
+    report = {"backend": "gloo", "world_size": 4, "results": [
         {"op": "all_reduce", "bytes": 1 << 20, "busbw_GBps": 2.0},
         {"op": "all_reduce", "bytes": 4 << 20, "busbw_GBps": 3.0},
     ]}
-    assert busbw_from_report(report, "all_reduce", 1 << 20) == 2.0
-    assert busbw_from_report(report, "all_reduce", 100 << 20) == 3.0  # beyond range: largest size
-    with pytest.raises(ValueError):
-        busbw_from_report(report, "all_gather", 1 << 20)
-    t = step_comm_time(volume("ddp", params=1_000_000, world_size=4), report)
-    assert t["total_s"] == pytest.approx(6e6 / 3e9)  # 4 MB gradient message -> the 4M row
+    assert busbw_at(report, "all_reduce", 1 << 20) == (2.0, 1 << 20)
+    assert busbw_at(report, "all_reduce", 100 << 20) == (3.0, 4 << 20)  # beyond range: largest size
+    assert busbw_at(report, "all_gather", 1 << 20) is None
+    t, how = comm_time(volume("none", params=1_000_000, world_size=4)["collectives"], "gloo", [report])
+    assert t == pytest.approx(6e6 / 3e9) and "3 GB/s at 4 MiB" in how  # 4 MB gradient message -> the 4M row

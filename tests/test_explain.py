@@ -28,15 +28,15 @@ MIB = 2**20
 
 
 # --- predicted memory ------------------------------------------------------------------------------
-def _states(adapter, psi, n, **kw):
-    return mm.predict(adapter, params=psi, world_size=n, **kw)
+def _states(sharding, psi, n, **kw):
+    return mm.predict(sharding, params=psi, world_size=n, **kw)
 
 
 def test_zero_paper_figure_1_numbers():
     """ZeRO paper Fig. 1: Ψ = 7.5 B, N_d = 64, mixed-precision Adam (K = 12 with the fp32 master):
     baseline 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB per device."""
     psi, n = 7_500_000_000, 64
-    ddp = _states("ddp", psi, n, precision="bf16")  # autocast: fp32 states = the paper's 16Ψ
+    ddp = _states("none", psi, n, precision="bf16")  # autocast: fp32 states = the paper's 16Ψ
     assert ddp["model_states"] / GB == pytest.approx(120.0)
     z1 = _states("zero1", psi, n, precision="bf16")
     # at the optimizer step ZeRO-1 (DeepSpeed 0.19) holds its gradient partition; during backward the
@@ -46,7 +46,7 @@ def test_zero_paper_figure_1_numbers():
     z2 = _states("zero2", psi, n, precision="bf16")
     assert z2["model_states"] / GB == pytest.approx(2 * 7.5 + 14 * 7.5 / 64)  # 16.64
     assert round(z2["model_states"] / GB, 1) == 16.6
-    z3 = _states("zero", psi, n, stage=3, precision="bf16")
+    z3 = _states("zero3", psi, n, precision="bf16")
     assert round(z3["model_states"] / GB, 1) == 1.9
     assert z3["model_states"] == pytest.approx(16 * psi / n)
 
@@ -63,18 +63,21 @@ def test_fp32_master_copy_optimizers_and_sharded_adapters():
     assert mm.optimizer_state_bytes("adamw") == mm.optimizer_state_bytes("lamb") == 8
     assert mm.optimizer_state_bytes("sgd") == mm.optimizer_state_bytes("lars") == 4
     assert mm.optimizer_state_bytes("sgd", momentum=0.0) == 0
-    assert _states("ddp", psi, 2, optimizer="sgd")["model_states"] == 12 * psi
+    assert _states("none", psi, 2, optimizer="sgd")["model_states"] == 12 * psi
     # Megatron's distributed optimizer shards the moments over DP on CUDA; the CPU torch optimizer does not
-    cuda = mm.predict("megatron", params=psi, world_size=4, tp=2, device="cuda", replicated_params=0)
-    cpu = mm.predict("megatron", params=psi, world_size=4, tp=2, device="cpu", replicated_params=0)
+    cuda = mm.predict("distributed_optimizer", params=psi, world_size=4, tp=2, device="cuda", replicated_params=0)
+    cpu = mm.predict("distributed_optimizer", params=psi, world_size=4, tp=2, device="cpu", replicated_params=0)
     assert cuda["optimizer"] == pytest.approx(8 * psi / 2 / 2) and cpu["optimizer"] == pytest.approx(8 * psi / 2)
     # horovod: DDP's states plus a fusion buffer of up to the threshold
-    hv = _states("horovod", psi, 2, fusion_buffer_bytes=64 * MIB)
+    hv = _states("none", psi, 2, fusion_buffer_bytes=64 * MIB)
     assert hv["model_states"] == 16 * psi and hv["transient"] == 4 * psi
-    with pytest.raises(ValueError, match="unknown adapter"):
-        _states("nosuch", psi, 2)
+    with pytest.raises(ValueError, match="unknown sharding"):
+        _states("ddp", psi, 2)  # an adapter's name: the model reads the sharding its cost inputs state
     with pytest.raises(ValueError, match="dp\\*tp\\*pp"):
-        mm.predict("megatron", params=psi, world_size=4, dp=3, tp=2)
+        mm.predict("none", params=psi, world_size=4, dp=3, tp=2)
+    # GPipe: one process driving 2 devices, one replica; per device
+    gp = mm.predict("none", params=psi, world_size=1, pp=2, devices_per_process=2)
+    assert gp["dp"] == 1 and gp["params_per_rank"] == psi / 2
 
 
 def test_per_tensor_partition_keeps_straddling_gradients_whole():
@@ -122,7 +125,7 @@ def test_gpt2_shards_match_the_real_model():
     emb = model.wte.weight.numel() + model.wpe.weight.numel()
     assert first == emb + 2 * block
     assert last == 2 * block + sum(p.numel() for p in model.ln_f.parameters()) + model.wte.weight.numel()
-    tp = mm.predict("tensor_parallel", params=psi, world_size=2, tp=2, layers=w.n_layer, hidden=w.n_embd,
+    tp = mm.predict("none", params=psi, world_size=2, tp=2, layers=w.n_layer, hidden=w.n_embd,
                     heads=w.n_head, seq_len=w.seq_len)
     assert tp["params_per_rank"] == pytest.approx((psi - whole) / 2 + whole)
 
@@ -130,27 +133,27 @@ def test_gpt2_shards_match_the_real_model():
 def test_korthikanti_activation_formula():
     s, b, h, a, L, V = 1024, 2, 1024, 16, 24, 50257
     kw = dict(params=350_000_000, world_size=1, layers=L, hidden=h, heads=a, seq_len=s, vocab=V, micro_batch=b)
-    bf16 = mm.predict("ddp", precision="bf16", **kw)
+    bf16 = mm.predict("none", precision="bf16", **kw)
     per_layer = s * b * h * (34 + 5 * a * s / h)
     assert bf16["activations"] == pytest.approx(L * per_layer + 4 * s * b * V)
-    fp32 = mm.predict("ddp", precision="fp32", **kw)
+    fp32 = mm.predict("none", precision="fp32", **kw)
     assert fp32["activations"] == pytest.approx(2 * L * per_layer + 4 * s * b * V)
-    fused = mm.predict("ddp", precision="bf16", attention_scores=False, **kw)
+    fused = mm.predict("none", precision="bf16", attention_scores=False, **kw)
     assert fused["activations"] == pytest.approx(L * s * b * h * 34 + 4 * s * b * V)
     # tensor parallel t without sequence parallelism: sbh(10 + 24/t + 5as/(ht)); logits split by vocab
     t = 4
-    tp = mm.predict("megatron", precision="bf16", tp=t, **{**kw, "world_size": 4}, replicated_params=0)
+    tp = mm.predict("none", precision="bf16", tp=t, **{**kw, "world_size": 4}, replicated_params=0)
     assert tp["activations"] == pytest.approx(L * s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) + 4 * s * b * V / t)
-    sp = mm.predict("megatron", precision="bf16", tp=t, sequence_parallel=True, **{**kw, "world_size": 4},
+    sp = mm.predict("none", precision="bf16", tp=t, sequence_parallel=True, **{**kw, "world_size": 4},
                     replicated_params=0)
     assert sp["activations"] == pytest.approx(L * per_layer / t + 4 * s * b * V / t)
     # 1F1B over 4 stages, 8 micro-batches: the first stage keeps 4 micro-batches of 6 layers (= L layers)
-    pipe = mm.predict("pipeline", precision="bf16", pp=4, microbatches=8, **{**kw, "world_size": 4})
+    pipe = mm.predict("none", precision="bf16", pp=4, microbatches=8, **{**kw, "world_size": 4})
     first_acts = 4 * 6 * per_layer
     assert pipe["busiest"] in ("first", "last")
     if pipe["busiest"] == "first":
         assert pipe["activations"] == pytest.approx(first_acts)
-    gp = mm.predict("pipeline", precision="bf16", pp=4, microbatches=8, schedule="gpipe", **{**kw, "world_size": 4})
+    gp = mm.predict("none", precision="bf16", pp=4, microbatches=8, schedule="gpipe", **{**kw, "world_size": 4})
     assert gp["activations"] >= 8 * 6 * per_layer  # GPipe keeps every micro-batch
 
 
@@ -162,7 +165,7 @@ def test_vision_activation_count_and_fits():
         model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
     # conv output (4 x 8 x 8) + linear output (10); the in-place ReLU and the Flatten view add nothing
     assert mm.activation_elements(model, (3, 8, 8)) == 4 * 8 * 8 + 10
-    p = mm.predict("ddp", params=1000, world_size=1, kind="vision", micro_batch=16,
+    p = mm.predict("none", params=1000, world_size=1, kind="vision", micro_batch=16,
                    activation_elements_per_sample=266, precision="bf16")
     assert p["activations"] == 266 * 2 * 16
     assert mm.fits(80, 100) and not mm.fits(95, 100) and mm.fits(95, 100, headroom=1.0) and mm.fits(1e30, None)
@@ -184,7 +187,7 @@ def test_predict_run_from_a_config_counts_the_model():
     pred = mm.predict_run(cfg, plan, build, device="cpu")
     model = build()
     psi = sum(p.numel() for p in model.parameters())
-    assert pred["inputs"]["params"] == psi and pred["dp"] == 2 and pred["variant"] == "zero2"
+    assert pred["inputs"]["params"] == psi and pred["dp"] == 2 and pred["sharding"] == "zero2"
     assert pred["inputs"]["micro_batch"] == 4 and pred["inputs"]["attention_scores"] is False
     # gpt2_tiny's token embedding (94 % of Ψ) straddles the two partitions: both ranks keep its gradient
     assert pred["grads"] > 4 * psi / 2
@@ -432,7 +435,7 @@ def test_plan_memory_is_one_call_for_the_runner():
     json.dumps(rec)  # JSON-ready for the summary
     assert rec["total"] == rec["model_states"] + rec["transient"] + rec["activations"] or \
         abs(rec["total"] - rec["model_states"] - rec["transient"] - rec["activations"]) <= 2
-    assert rec["fits"] is True and rec["variant"] == "ddp"
+    assert rec["fits"] is True and rec["sharding"] == "none"
     big = typed(compose(["adapter=ddp", "launcher.nprocs=1", "workload=gpt2_medium", "trainer.batch_size=4096"]))
     with pytest.raises(ConfigError, match="predicted memory per rank"):
         mm.plan_memory(big, make_plan(big, "local", check=False), build_workload(big.workload, big.data).build_model,
@@ -510,8 +513,9 @@ def _coll(op, n, message, bytes_, phase, formula="f"):
 
 def test_report_sets_comm_volume_against_measured_busbw(tmp_path):
     from ptbench.analysis import load
-    from ptbench.analysis.load import comm_table, load_comm
+    from ptbench.analysis.load import load_comm
     from ptbench.analysis.report import comm_lines
+    from ptbench.analysis.tables import comm_table
 
     root = tmp_path / "r"
     # ddp x2: steps of 4.0/6 and 2.0/6 s (mean 500 ms), backward 150 ms; 1 MB all-reduce per step
@@ -592,7 +596,8 @@ def test_a_real_run_records_its_volume_and_the_table_reads_it(tmp_path):
     from helpers import check_ok, only_run, run, summary
 
     from ptbench.analysis import load
-    from ptbench.analysis.load import comm_table, load_comm
+    from ptbench.analysis.load import load_comm
+    from ptbench.analysis.tables import comm_table
 
     sweep_file = tmp_path / "sweep.txt"
     sweep_file.write_text("adapter=ddp launcher.nprocs=2 workload.vocab_size=256 trainer.max_steps=3\n")
@@ -601,8 +606,13 @@ def test_a_real_run_records_its_volume_and_the_table_reads_it(tmp_path):
                f"results.root={res}"], timeout=600)
     check_ok(out)
     assert "-m ptbench.comm" not in out.stdout
-    cv = summary(only_run(res))["comm_volume"]
+    s = summary(only_run(res))
+    cv = s["comm_volume"]
     assert cv["total_bytes"] == 2 * (2 - 1) / 2 * _gpt2_params(256, 64, 128, 2) * 4 and cv["backend"] == "gloo"
+    # the plan's layout (ptbench.core.layout.Layout), recorded for analysis; the cost inputs in the plan
+    assert s["layout"] == {"world_size": 2, "dp": 2, "tp": 1, "pp": 1, "devices_per_process": 1, "microbatches": 1,
+                           "devices": 2}
+    assert s["plan"]["layout"] == s["layout"] and s["plan"]["cost"]["sharding"] == "none"
     _comm_json(res / "smoke" / "comm", "gloo", 2, [("all_reduce", 1 << 20, 0.25)])
     row = comm_table(load(res / "smoke"), load_comm(res / "smoke")).iloc[0]
     assert row["at busbw (ms)"] == pytest.approx(cv["total_bytes"] / 0.25e9 * 1e3)

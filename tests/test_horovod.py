@@ -15,7 +15,18 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_or_skip
-from tests.helpers import GPT2_REFERENCE, REPO, assert_loss_falls, assert_losses_close, bench, check_ok, only_run, run, step_losses, summary
+from tests.helpers import (
+    GPT2_REFERENCE,
+    REPO,
+    assert_loss_falls,
+    assert_losses_close,
+    bench,
+    check_ok,
+    only_run,
+    run,
+    step_losses,
+    summary,
+)
 
 pytestmark = pytest.mark.horovod
 

@@ -189,3 +189,33 @@ def test_key_of_another_adapter_names_its_owner():
         with pytest.raises(ConfigError) as e:
             compose(overrides)
         assert message in str(e.value) and owner in str(e.value), str(e.value)
+
+
+def test_the_plan_is_made_once_with_one_meta_model(tmp_path, monkeypatch):
+    """`plan_run` (what `launch` runs and `python -m ptbench --plan` prints) builds the workload's model once,
+    on the meta device, for both the memory prediction and the comm volume it puts in the plan."""
+    import torch
+
+    from ptbench.runner.launch import plan_run
+    from ptbench.workloads.gpt2 import GPT2Workload
+
+    devices = []
+    build = GPT2Workload.build_model
+    monkeypatch.setattr(GPT2Workload, "build_model",
+                        lambda self: devices.append(torch.get_default_device().type) or build(self))
+    cfg = typed(compose([*SMALL, "adapter=zero", "adapter.stage=3", "launcher.nprocs=2", f"results.root={tmp_path}"]))
+    plan, prediction = plan_run(cfg, "local")
+    assert devices == ["meta"]
+    assert plan.predicted_memory["total"] == round(prediction["total"]) and plan.predicted_memory["fits"] is True
+    assert plan.comm_volume["backend"] == "gloo" and set(plan.comm_volume["by_op"]) == {"all_gather", "reduce_scatter"}
+    assert plan.start_method == start_method("auto", torch.cuda.is_available())
+    assert not any(tmp_path.iterdir())  # planning writes nothing
+
+
+def test_a_typed_config_is_typed_once():
+    cfg = typed(compose(["adapter=zero"]))
+    assert typed(cfg) is cfg  # already merged into its schema: returned as it is
+    from omegaconf import OmegaConf
+
+    again = typed(OmegaConf.to_container(cfg, resolve=True))  # a spawned rank's plain dict is typed
+    assert again is not cfg and again.adapter.stage == cfg.adapter.stage

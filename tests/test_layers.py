@@ -118,3 +118,58 @@ def test_the_check_catches_upward_imports(module, source):
 def test_the_check_allows_downward_imports():
     assert violations("ptbench.runner.launch", "from ptbench.adapters import get_adapter_class\nfrom ptbench.core import dist\n") == []
     assert violations("ptbench.adapters.ddp", "from . import base\nfrom ptbench.adapters._pipeline import x\n", False) == []
+
+
+def import_graph(package: str) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports (lazy imports included), for every module in it."""
+    modules = {module_name(p): p for p in project_modules() if module_name(p).startswith(package + ".")}
+    graph = {}
+    for name, path in modules.items():
+        names = {n for _, ns in imported(path.read_text(), name, path.name == "__init__.py") for n in ns}
+        graph[name] = {n for n in names if n in modules and n != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle of `graph`, each once, as the path from its first module back to it."""
+    found, seen = [], set()
+
+    def walk(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                circle = path[path.index(nxt):]
+                key = frozenset(circle)
+                if key not in seen:
+                    seen.add(key)
+                    found.append([*circle, nxt])
+            elif len(path) < len(graph):
+                walk(nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        walk(start, [start])
+    return found
+
+
+def test_no_import_cycle_inside_the_runner():
+    """launch starts ranks, a rank never needs the launcher: the runner's modules import one way."""
+    graph = import_graph("ptbench.runner")
+    assert {"ptbench.runner.launch", "ptbench.runner.rank"} <= graph.keys()
+    assert cycles(graph) == [], "\n".join(" -> ".join(c) for c in cycles(graph))
+
+
+def test_the_cycle_check_catches_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    launch, rank = "ptbench.runner.launch", "ptbench.runner.rank"
+    lazy = imported("def rank_main():\n    from ptbench.runner.launch import detect\n", rank, False)
+    assert launch in {n for _, ns in lazy for n in ns}  # a lazy import is an edge too
+    assert cycles({launch: {rank}, rank: {launch}}) == [[launch, rank, launch]]
+
+
+def test_one_run_needs_no_other_command():
+    """`python -m ptbench` takes point identity from the runner (bench/runner/points.py): it imports no
+    other command (sweep, paper, smoke ...), so a change to a driver cannot break a single run."""
+    main = REPO / "bench" / "__main__.py"
+    names = {n for _, ns in imported(main.read_text(), "ptbench.__main__", False) for n in ns}
+    assert {n for n in names if layer(n) == "drivers"} == set()
+    assert {"ptbench.runner.points.apply_hydra_context", "ptbench.runner.points.skip_if_done"} <= names

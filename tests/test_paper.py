@@ -138,7 +138,7 @@ def test_array_task_on_slurm_retries_an_oom_point_once(slurm, tmp_path):
 
 # --- the report's "Paper claims" section (analysis/claims.py), from hand-built per-run frames ---------
 def frame(rows: list[tuple]):
-    """(adapter, label, devices, MiB, s/sample) -> a frame shaped like ptbench.analysis.load.runs' rows."""
+    """(adapter, label, devices, MiB, s/sample) -> a frame shaped like ptbench.analysis.tables.runs' rows."""
     import pandas as pd
 
     return pd.DataFrame([{"run_id": f"{lab}-x{n}", "run_dir": f"/nowhere/{lab}-{n}", "workload": "w", "adapter": a,

@@ -11,7 +11,16 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, events, only_run, step_losses, summary
+from tests.helpers import (
+    assert_loss_falls,
+    assert_losses_close,
+    bench,
+    check_ok,
+    events,
+    only_run,
+    step_losses,
+    summary,
+)
 
 COMMON = ["trainer.max_steps=8", "trainer.progress=false", "trainer.warmup_steps=1", "data.train_samples=128",
           "data.val_samples=16"]

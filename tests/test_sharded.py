@@ -18,7 +18,16 @@ from ptbench.memory_study import VARIANTS, expected_state, paper_formula, param_
 from ptbench.memory_study import main as memory_study_main
 from ptbench.runner.compose import compose, typed
 from ptbench.runner.plan import make_plan
-from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, only_run, run_dirs, step_losses, summary
+from tests.helpers import (
+    assert_loss_falls,
+    assert_losses_close,
+    bench,
+    check_ok,
+    only_run,
+    run_dirs,
+    step_losses,
+    summary,
+)
 
 STEPS = ["trainer.max_steps=8", "trainer.batch_size=4", "trainer.max_eval_batches=2", "trainer.progress=false",
          "trainer.grad_clip=0", "launcher.nprocs=2"]

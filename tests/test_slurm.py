@@ -23,10 +23,23 @@ import pytest
 import yaml
 
 from ptbench.core.errors import ConfigError
-from ptbench.sweep import expand_grid, point_id, read_points, slurm_shape
+from ptbench.runner.points import expand_grid, point_id, read_points
+from ptbench.runner.slurm import slurm_shape
 from tests.conftest import require_or_skip
-from tests.helpers import (REPO, assert_losses_close, bench, check_ok, events, kill_group, only_run, run, run_dirs, start,
-                           step_losses, summary)
+from tests.helpers import (
+    REPO,
+    assert_losses_close,
+    bench,
+    check_ok,
+    events,
+    kill_group,
+    only_run,
+    run,
+    run_dirs,
+    start,
+    step_losses,
+    summary,
+)
 
 CLUSTER = REPO / "slurm" / "local_cluster.sh"
 ARRAY = REPO / "slurm" / "array.sbatch"
@@ -212,7 +225,7 @@ def test_job_array_runs_point_i_in_task_i_and_resume_reruns_only_missing(slurm, 
     first = records(results)
     by_task = {int(r["env"]["slurm"]["SLURM_ARRAY_TASK_ID"]): (d, r) for d, r in first.items()}
     assert sorted(by_task) == [0, 1, 2], job_logs(tmp_path)
-    for task, (run_dir, r) in by_task.items():
+    for task, (_run_dir, r) in by_task.items():
         s = r["summary"]
         assert r["env"]["slurm"]["SLURM_ARRAY_JOB_ID"] == job
         assert f"-j{job}_{task}-" in s["run_id"]  # run ids carry array job and task, plus time and random

@@ -7,7 +7,17 @@ import math
 import pytest
 import torch
 
-from tests.helpers import GPT2_REFERENCE, assert_loss_falls, assert_losses_close, bench, check_ok, events, only_run, step_losses, summary
+from tests.helpers import (
+    GPT2_REFERENCE,
+    assert_loss_falls,
+    assert_losses_close,
+    bench,
+    check_ok,
+    events,
+    only_run,
+    step_losses,
+    summary,
+)
 
 TINY_GPT = ["workload=gpt2_tiny", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=64"]
 

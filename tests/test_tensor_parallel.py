@@ -13,7 +13,16 @@ import torch
 from ptbench.core.errors import ConfigError
 from ptbench.runner.compose import compose, typed
 from ptbench.runner.plan import make_plan
-from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, events, only_run, step_losses, summary
+from tests.helpers import (
+    assert_loss_falls,
+    assert_losses_close,
+    bench,
+    check_ok,
+    events,
+    only_run,
+    step_losses,
+    summary,
+)
 
 STEPS = 8
 # A 4096-token vocabulary: the vocabulary size is not what these tests test, and GPT-2's 50257 rows made
@@ -154,7 +163,9 @@ def test_torch_tensor_parallel_2d_tp2_x_dp2(gpt2_one_process, tmp_path):
 
 
 BAD = [
-    (["adapter=megatron", "workload=resnet50_tiny"], "adapter=megatron does not support workload=resnet50_tiny"),
+    # the base validate's check (it always runs, before the adapter's own)
+    (["adapter=megatron", "workload=resnet50_tiny"], "adapter=megatron does not support vision workloads "
+                                                     "(workload=resnet50_tiny); it supports: language"),
     (["adapter=megatron", "adapter.tensor_parallel=3"], "does not divide the 2 ranks"),
     (["adapter=megatron", "adapter.sequence_parallel=true"], "needs adapter.tensor_parallel > 1"),
     (["adapter=megatron", "adapter.pipeline_parallel=2", "adapter.microbatches=3"], "not divisible by 3 micro-batches"),

@@ -39,7 +39,7 @@ class GPT2Config:
     dropout: float = 0.0
 
     @classmethod
-    def from_workload(cls, cfg: WorkloadConfig) -> "GPT2Config":
+    def from_workload(cls, cfg: WorkloadConfig) -> GPT2Config:
         return cls(cfg.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout)
 
     @property

@@ -1,15 +1,17 @@
-"""Communication bytes per optimizer step per rank of each adapter: pure functions, no torch.
+"""Communication bytes per optimizer step per rank: pure functions, no torch at import.
 
-`volume(adapter, params=..., world_size=..., ...)` returns the bytes one rank moves per optimizer
-step in each collective, and their total; `time_at(bytes, busbw_GBps)` turns bytes into seconds at
-a bus bandwidth measured by `python -m ptbench.comm`.
+`volume(sharding, params=..., world_size=..., ...)` returns the bytes one rank moves per optimizer
+step in each collective, and their total; `volume_run(cfg, plan, build_model)` fills it from a run
+plan's layout and its adapter's cost inputs (no adapter is named here). Seconds at a bus bandwidth
+measured by `python -m ptbench.comm` are the report's business (analysis/load.py `comm_time`: the one
+rule, bytes / busbw at the nearest measured size).
 
 Units. "Bytes" here are the per-rank bus volume of nccl-tests (doc/PERFORMANCE.md,
 https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): for a collective on a buffer
 of S bytes over n ranks a rank moves S * factor, with factor 2(n-1)/n for all-reduce, (n-1)/n for
 all-gather and reduce-scatter (S = the full, unsharded array), 1 for broadcast and send/recv. The
 same factor turns nccl-tests' algbw into busbw, so time = bytes / busbw holds for every op and
-`time_at` needs no per-op case. Values are floats: (n-1)/n is seldom an integer fraction.
+needs no per-op case. Values are floats: (n-1)/n is seldom an integer fraction.
 
 Symbols: Psi = parameters (elements), N = data-parallel group size, B = bytes per element,
 t = tensor-parallel size, p = pipeline stages, b = micro-batch size (sequences), s = sequence
@@ -40,18 +42,13 @@ from __future__ import annotations
 
 import math
 
-# adapter name -> how gradients are synchronised across data-parallel ranks
-_DP_STYLE = {
-    "ddp": "all_reduce",
-    "horovod": "all_reduce",
-    "zero": None,  # by stage
-    "fsdp": "zero3",
-    "megatron": "all_reduce",
-    "tensor_parallel": "all_reduce",
-    "pipeline": "all_reduce",
-    "gpipe": "all_reduce",
-}
-ADAPTERS = tuple(_DP_STYLE) + ("zero0", "zero1", "zero2", "zero3")
+from ptbench.core.layout import SHARDING
+
+# state sharding (an adapter's cost inputs) -> how gradients are synchronised across data-parallel ranks.
+# Megatron's distributed optimizer is counted as an all-reduce (on CUDA it reduce-scatters the gradients and
+# all-gathers the parameters: the same bytes).
+_DP_SYNC = {"none": "all_reduce", "distributed_optimizer": "all_reduce", "zero0": "all_reduce", "zero1": "zero12",
+            "zero2": "zero12", "zero3": "zero3", "fsdp": "zero3"}
 
 # ring factors of nccl-tests doc/PERFORMANCE.md (per-rank bus volume = S * factor)
 def ring_factor(op: str, n: int) -> float:
@@ -72,13 +69,15 @@ def _item(name: str, op: str, group: str, group_size: int, message_bytes: float,
                 calls=calls, bytes=bytes_, formula=formula, phase=phase, bytes_per_elem=bytes_per_elem)
 
 
-# The timed phase (bench/core/timing.py PHASES) each adapter's collectives run in, as its
-# `phase_semantics` (adapters/*.py) state: where their exposed remainder shows in the breakdown.
-def _phase(adapter: str, name: str) -> str:
-    if adapter == "pipeline":
-        return "forward_backward"  # the schedule's whole step is one phase
+# The timed phase (bench/core/timing.py PHASES) each collective runs in, as the adapters' `phase_semantics`
+# state: where its exposed remainder shows in the breakdown. An adapter moves the gradient all-reduce
+# (`grad_sync_phase`: Horovod synchronizes in step()) or puts the whole step in one phase (`step_phase`:
+# a pipeline schedule) through its cost inputs.
+def _phase(name: str, grad_sync_phase: str, step_phase: str | None) -> str:
+    if step_phase:
+        return step_phase
     if name == "dp_grad_all_reduce":
-        return "optimizer" if adapter == "horovod" else "backward"  # Horovod synchronizes in step()
+        return grad_sync_phase
     if name == "dp_param_all_gather":
         return "optimizer"  # ZeRO-1/2 gather the updated parameters in engine.step
     if name == "dp_param_all_gather_fwd":
@@ -91,7 +90,7 @@ def _phase(adapter: str, name: str) -> str:
 
 
 def volume(
-    adapter: str,
+    sharding: str = "none",
     *,
     params: int,
     world_size: int,
@@ -99,7 +98,6 @@ def volume(
     dp: int | None = None,
     tp: int = 1,
     pp: int = 1,
-    stage: int = 0,
     layers: int = 0,
     hidden: int = 0,
     seq_len: int = 0,
@@ -108,11 +106,16 @@ def volume(
     reshard_after_forward: bool = True,
     grad_bytes_per_elem: int | None = None,
     activation_bytes_per_elem: int | None = None,
+    grad_sync_phase: str = "backward",
+    step_phase: str | None = None,
+    label: str | None = None,
 ) -> dict:
-    """Per-rank communication bytes of one optimizer step of `adapter`.
+    """Per-rank communication bytes of one optimizer step.
 
-    adapter: ddp | horovod | zero (with stage=0..3) | zero0..zero3 | fsdp | megatron |
-             tensor_parallel | pipeline | gpipe.
+    sharding: how model states are split over the data-parallel ranks (ptbench.core.layout.SHARDING, an
+             adapter's `cost_inputs().sharding`): none | distributed_optimizer | zero0 (gradient
+             all-reduce) | zero1, zero2 (reduce-scatter + parameter all-gather) | zero3, fsdp (gathers
+             in forward and backward + reduce-scatter).
     params: Psi, all parameters of the model (elements). Model-parallel ranks hold Psi / (t p)
             (replicated norms and biases are counted as sharded: a slight under-estimate).
     world_size: devices in the job = dp * tp * pp (for gpipe, the devices the one process drives).
@@ -120,44 +123,28 @@ def volume(
     layers, hidden, seq_len, micro_batch: needed when tp > 1 or pp > 1 (the b x s x h activation).
     microbatches: micro-batches per optimizer step (pipeline micro-batches or gradient accumulation
                   steps); scales the activation traffic, not the once-per-step gradient traffic.
-    reshard_after_forward: FSDP only; False keeps the gathered parameters from forward to
+    reshard_after_forward: zero3 / fsdp; False keeps the gathered parameters from forward to
                   backward, so the backward all-gather disappears.
     bytes_per_elem: parameters as gathered; grad_bytes_per_elem: gradients as reduced (FSDP2 with
                   bf16 gathers 2-byte parameters but reduce-scatters fp32 gradients);
                   activation_bytes_per_elem: the b x s x h activation (bf16 under autocast). Both
                   default to bytes_per_elem.
+    grad_sync_phase, step_phase: the timed phases the collectives run in (see `_phase`).
+    label: what the run is called (the adapter's name; only recorded).
 
-    Returns {adapter, stage, world_size, dp, tp, pp, bytes_per_elem, params_per_rank,
+    Returns {adapter (the label), sharding, world_size, dp, tp, pp, bytes_per_elem, params_per_rank,
     collectives: [{name, op, group, group_size, message_bytes, calls, bytes, formula, phase,
     bytes_per_elem}] (phase: the timed phase(s) the collective runs in, comma-separated),
     bytes: {name: bytes}, total: bytes}. `bytes` are per rank per step in nccl-tests' bus volume.
     """
-    name = adapter.strip().lower()
-    if name not in ADAPTERS:
-        raise ValueError(f"unknown adapter {adapter!r}; known: {', '.join(ADAPTERS)}")
-    if name.startswith("zero") and name != "zero":
-        named_stage = int(name[4:])
-        if stage not in (0, named_stage):
-            raise ValueError(f"adapter {adapter!r} names stage {named_stage} but stage={stage} was given")
-        name, stage = "zero", named_stage
+    name = sharding.strip().lower()
+    if name not in SHARDING:
+        raise ValueError(f"unknown sharding {sharding!r}; known: {', '.join(SHARDING)}")
     for key, val, lo in (("params", params, 0), ("world_size", world_size, 1), ("bytes_per_elem", bytes_per_elem, 1),
                          ("tp", tp, 1), ("pp", pp, 1), ("microbatches", microbatches, 1), ("layers", layers, 0),
                          ("hidden", hidden, 0), ("seq_len", seq_len, 0), ("micro_batch", micro_batch, 0)):
         if not isinstance(val, int) or isinstance(val, bool) or val < lo:
             raise ValueError(f"{key} must be an integer >= {lo}, got {val!r}")
-    if name == "zero" and stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
-    if name != "zero" and stage != 0:
-        raise ValueError(f"stage applies to zero only, got stage={stage} for {adapter!r}")
-    if name in ("ddp", "horovod", "zero", "fsdp") and (tp > 1 or pp > 1):
-        raise ValueError(f"{adapter} is pure data parallel here: tp and pp must be 1")
-    if name == "tensor_parallel" and pp > 1:
-        raise ValueError("tensor_parallel has no pipeline dimension: pp must be 1")
-    if name in ("pipeline", "gpipe"):
-        if tp > 1:
-            raise ValueError(f"{adapter} has no tensor-parallel dimension: tp must be 1")
-        if pp == 1:
-            pp = world_size  # one stage per device
     if world_size % (tp * pp):
         raise ValueError(f"world_size {world_size} is not a multiple of tp*pp = {tp * pp}")
     if dp is None:
@@ -181,12 +168,11 @@ def volume(
     items: list[dict] = []
 
     def add(item_name, op, group, n, message, calls, bytes_, formula, b):
-        items.append(_item(item_name, op, group, n, message, calls, bytes_, formula, _phase(name, item_name), b))
+        items.append(_item(item_name, op, group, n, message, calls, bytes_, formula,
+                           _phase(item_name, grad_sync_phase, step_phase), b))
 
     # --- data parallel: once per optimizer step, over the dp group -----------------------------
-    style = _DP_STYLE[name]
-    if name == "zero":
-        style = "all_reduce" if stage == 0 else ("zero12" if stage in (1, 2) else "zero3")
+    style = _DP_SYNC[name]
     N = dp
     if N > 1:
         ar, g = ring_factor("all_reduce", N), ring_factor("all_gather", N)
@@ -202,7 +188,7 @@ def volume(
             # [ZeRO] 7.2.2 (P_os+g+p) and FSDP: all-gather the parameters in forward and again in
             # backward, reduce-scatter the gradients: 3 (N-1)/N * Psi * B, 1.5x DDP
             add("dp_param_all_gather_fwd", "all_gather", "dp", N, full, 1, g * full, "(N-1)/N * Psi * B", B)
-            if reshard_after_forward or name == "zero":
+            if reshard_after_forward:
                 add("dp_param_all_gather_bwd", "all_gather", "dp", N, full, 1, g * full, "(N-1)/N * Psi * B", B)
             add("dp_grad_reduce_scatter", "reduce_scatter", "dp", N, gfull, 1, g * gfull, "(N-1)/N * Psi * B", Bg)
 
@@ -227,47 +213,9 @@ def volume(
 
     per = {it["name"]: it["bytes"] for it in items}
     return dict(
-        adapter=adapter, stage=stage if name == "zero" else None, world_size=world_size, dp=dp, tp=tp, pp=pp,
+        adapter=label or name, sharding=name, world_size=world_size, dp=dp, tp=tp, pp=pp,
         bytes_per_elem=B, params_per_rank=psi_rank, collectives=items, bytes=per, total=sum(per.values()),
     )
-
-
-def time_at(volume_bytes: float, busbw_GBps: float) -> float:
-    """Seconds to move `volume_bytes` (per-rank bus volume) at `busbw_GBps` (nccl-tests busbw, 1e9 B/s).
-
-    Because busbw = algbw * factor and bytes = S * factor, bytes / busbw = S / algbw = the time
-    nccl-tests measured for that op and size."""
-    if busbw_GBps <= 0 or not math.isfinite(busbw_GBps):
-        raise ValueError(f"busbw must be a positive finite number of GB/s, got {busbw_GBps!r}")
-    if volume_bytes < 0:
-        raise ValueError(f"volume must be >= 0 bytes, got {volume_bytes!r}")
-    return volume_bytes / (busbw_GBps * 1e9)
-
-
-def busbw_from_report(report: dict, op: str, message_bytes: float) -> float:
-    """The measured busbw (GB/s) of `op` at the size nearest to `message_bytes` (log scale) in a
-    `python -m ptbench.comm --json` report. Sizes outside the measured range take the end point,
-    so a message larger than the largest size measured gets that size's bandwidth."""
-    rows = [r for r in report.get("results", []) if r.get("op") == op and r.get("busbw_GBps")]
-    if not rows:
-        raise ValueError(f"no measured {op} in the report")
-    target = max(float(message_bytes), 1.0)
-    best = min(rows, key=lambda r: (abs(math.log(r["bytes"] / target)), -r["bytes"]))
-    return float(best["busbw_GBps"])
-
-
-def step_comm_time(vol: dict, report: dict) -> dict:
-    """Seconds per collective of `volume(...)` at the bandwidths of a ptbench.comm report, and the
-    total assuming no overlap with compute (an upper bound of the exposed communication)."""
-    out = {}
-    for it in vol["collectives"]:
-        if it["group_size"] != report.get("world_size"):
-            note = f" (measured at {report.get('world_size')} ranks, group has {it['group_size']})"
-        else:
-            note = ""
-        bw = busbw_from_report(report, it["op"], it["message_bytes"])
-        out[it["name"]] = dict(seconds=time_at(it["bytes"], bw), busbw_GBps=bw, note=note.strip())
-    return dict(per_collective=out, total_s=sum(v["seconds"] for v in out.values()))
 
 
 # --- from a composed config and its run plan (the runner's entry point) --------------------------------
@@ -277,51 +225,45 @@ HALF = ("bf16", "fp16")
 def volume_run(cfg, plan, build_model) -> dict:
     """`volume` for a composed config (`BenchConfig`) and its run plan (`RunPlan`), with the same
     parameter count, layout and micro-batch as the memory prediction (memory_model.predict_run's
-    inputs: Megatron's padded vocabulary included). Element sizes follow each adapter's precision
-    semantics: DeepSpeed's bf16/fp16 modes hold 2-byte parameters and gradients; FSDP2 gathers
-    2-byte parameters and reduce-scatters fp32 gradients (its MixedPrecisionPolicy here); every
-    other adapter runs autocast around fp32 weights, so gradients stay 4 bytes and only the
-    tensor-parallel activations (outputs of bf16 matmuls) are 2 bytes; the pipeline's stage outputs
-    (the residual stream, fp32 under autocast) stay 4 bytes."""
+    inputs: a padded vocabulary included). The layout and the element sizes come from the plan's
+    layout and the adapter's cost inputs: `half_states` (DeepSpeed's bf16/fp16 modes: 2-byte parameters
+    and gradients), `half_gather` (FSDP2 gathers 2-byte parameters and reduce-scatters fp32 gradients),
+    `half_activation_comm` (tensor-parallel activations are outputs of bf16 matmuls); everything else
+    runs autocast around fp32 weights, so gradients stay 4 bytes, and a pipeline's stage outputs (the
+    residual stream, fp32 under autocast) stay 4 bytes."""
     from ptbench.core.memory_model import model_facts, predict_run
 
-    name = cfg.adapter.name
+    layout, cost = plan.layout, plan.cost
     if cfg.workload.kind == "language":
         inputs = predict_run(cfg, plan, build_model, device="cpu", shapes=False)["inputs"]
-    else:  # vision: Ψ and the stage count only (predict_run's activation count is not needed here)
+    else:  # vision: Ψ only (predict_run's activation count is not needed here)
         import torch
 
         with torch.device("meta"):
-            params = model_facts(build_model())["params"]
-        pp = {"pipeline": plan.world_size // max(1, plan.dp_size), "gpipe": plan.devices_per_process}.get(name, 1)
-        inputs = dict(params=params, tp=1, pp=pp, stage=int(getattr(cfg.adapter, "stage", 0) or 0) if name == "zero"
-                      else 0)
+            inputs = {"params": model_facts(build_model())["params"]}
     half = cfg.trainer.precision in HALF
     accum = int(cfg.trainer.grad_accum)
-    kw = dict(params=int(inputs["params"]), world_size=int(plan.devices), tp=int(inputs["tp"]), pp=int(inputs["pp"]))
-    if name == "zero":
-        kw.update(stage=int(inputs["stage"]), bytes_per_elem=2 if half else 4)
-    elif name == "fsdp":
-        kw.update(bytes_per_elem=2 if half else 4, grad_bytes_per_elem=4,
-                  reshard_after_forward=bool(getattr(cfg.adapter, "reshard_after_forward", True)))
-    else:
-        kw.update(bytes_per_elem=4, activation_bytes_per_elem=2 if half and name in ("tensor_parallel", "megatron")
-                  else 4)
+    kw = dict(params=int(inputs["params"]), world_size=layout.devices, dp=layout.dp, tp=layout.tp, pp=layout.pp,
+              bytes_per_elem=2 if half and (cost.half_states or cost.half_gather) else 4,
+              grad_bytes_per_elem=2 if half and cost.half_states else 4,
+              activation_bytes_per_elem=2 if half and cost.half_activation_comm else 4,
+              reshard_after_forward=cost.reshard_after_forward, grad_sync_phase=cost.grad_sync_phase,
+              step_phase=cost.step_phase, label=cfg.adapter.name)
     vision = cfg.workload.kind != "language"
-    if kw["tp"] > 1 or kw["pp"] > 1:
+    if layout.tp > 1 or layout.pp > 1:
         if vision:  # no b x s x h for a CNN: placeholders, and the activation items are dropped below
             kw.update(layers=1, hidden=1, seq_len=1, micro_batch=1)
         else:
             kw.update(layers=int(inputs["layers"]), hidden=int(inputs["hidden"]), seq_len=int(inputs["seq_len"]),
                       micro_batch=int(inputs["micro_batch"]), microbatches=int(inputs["microbatches"]) * accum)
     notes = []
-    if accum > 1 and name in ("zero", "fsdp"):
+    if accum > 1 and cost.sharding in ("zero0", "zero1", "zero2", "zero3", "fsdp"):
         notes.append(f"trainer.grad_accum={accum}: parameter gathers (and DeepSpeed's gradient reductions) repeat "
                      "per micro-batch; counted once here")
-    if name == "gpipe" and kw["pp"] > 1:
-        notes.append("gpipe: stage-to-stage traffic is device-to-device copies inside one process, not a collective")
-    vol = volume(name, **kw)
-    if vision and kw["pp"] > 1:
+    if layout.devices_per_process > 1 and layout.pp > 1:
+        notes.append("stages in one process: stage-to-stage traffic is device-to-device copies, not a collective")
+    vol = volume(cost.sharding, **kw)
+    if vision and layout.pp > 1:
         vol["collectives"] = [it for it in vol["collectives"] if it["group"] != "pp"]
         vol["bytes"] = {it["name"]: it["bytes"] for it in vol["collectives"]}
         vol["total"] = sum(vol["bytes"].values())
@@ -341,7 +283,7 @@ def record_fields(vol: dict, backend: str | None = None) -> dict:
     for it in vol["collectives"]:
         phases += [p for p in it["phase"].split(",") if p not in phases]
     return dict(model="bench/core/comm_volume.py", unit="bytes per optimizer step per rank (nccl-tests bus volume)",
-                backend=backend, adapter=vol["adapter"], stage=vol["stage"], world_size=vol["world_size"],
+                backend=backend, adapter=vol["adapter"], sharding=vol["sharding"], world_size=vol["world_size"],
                 dp=vol["dp"], tp=vol["tp"], pp=vol["pp"], bytes_per_elem=vol["bytes_per_elem"],
                 params_per_rank=int(round(vol["params_per_rank"])), total_bytes=float(vol["total"]), by_op=by_op,
                 phases=phases, collectives=[dict(it) for it in vol["collectives"]], notes=list(vol.get("notes", [])))

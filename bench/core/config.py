@@ -9,7 +9,7 @@ rank starts. The runner registers both (bench/runner/compose.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -33,7 +33,7 @@ class WorkloadConfig:
     dropout: float = 0.0
     # vision: conv weights (and so activations) in channels_last memory format; None = on CUDA only
     # (tensor-core convolutions want NHWC), off on CPU (workloads/vision.py use_channels_last)
-    channels_last: Optional[bool] = None
+    channels_last: bool | None = None
 
 
 @dataclass
@@ -42,7 +42,7 @@ class OptimizerConfig:
     lr: float = 1e-3
     weight_decay: float = 0.01  # the paper's "L2"
     momentum: float = 0.9
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
 
 
@@ -64,14 +64,14 @@ class ScheduleConfig:
 @dataclass
 class DataConfig:
     source: str = "synthetic"  # synthetic | imagefolder | wikitext
-    root: Optional[str] = None  # imagefolder: folder with train/ and val/; wikitext: folder with train.txt/valid.txt
-    tokenizer_dir: Optional[str] = None  # GPT-2 BPE files (vocab.json + merges.txt)
-    cache_dir: Optional[str] = None  # token-id memmap cache; default <root>/.bench_cache
+    root: str | None = None  # imagefolder: folder with train/ and val/; wikitext: folder with train.txt/valid.txt
+    tokenizer_dir: str | None = None  # GPT-2 BPE files (vocab.json + merges.txt)
+    cache_dir: str | None = None  # token-id memmap cache; default <root>/.bench_cache
     train_samples: int = 2048  # synthetic only
     val_samples: int = 512  # synthetic only
     # DataLoader workers per rank; None = from the CPUs per rank (SLURM_CPUS_PER_TASK, else the CPUs
     # of the node shared by its ranks), minus the rank's own: min(8, cpus - 1)
-    num_workers: Optional[int] = None
+    num_workers: int | None = None
     augment: bool = True  # vision: torchvision reference train transforms
     # imagefolder: torchvision = torchvision.io.decode_image (libjpeg-turbo) and the reference transforms on
     # uint8 tensors; pil = PIL images through the same transforms (torchvision's reference path, slower)
@@ -140,13 +140,13 @@ class TrainerConfig:
     # CUDA: phases are timed by CUDA events (no host sync); true adds a device sync at every phase end, a
     # diagnostic that serialises host and device and slows frameworks that overlap host work (recorded)
     sync_timing: bool = False
-    progress: Optional[bool] = None  # tqdm bars; None = only when stdout is a terminal (not in batch logs)
+    progress: bool | None = None  # tqdm bars; None = only when stdout is a terminal (not in batch logs)
     log_step_losses: bool = True
     # Fault injection for resilience tests: "KIND@RANK:STEP", KIND = raise | oom | hang | exit
-    inject_fault: Optional[str] = None
+    inject_fault: str | None = None
     # A deterministic stop for tests of preemption and resume: "RANK:STEP" = that rank is asked to stop
     # right after global step STEP, as by SIGUSR1 (the ranks agree at the next stop check)
-    inject_stop: Optional[str] = None
+    inject_stop: str | None = None
     # Checkpoints (bench/core/checkpoint.py) under RUN_DIR/checkpoints/step-NNNNNN: every this many global
     # steps (0 = none), and on a stop signal whenever checkpoint_every > 0 or resume=auto; the newest
     # checkpoint_keep are kept. epoch_time_s leaves the time spent saving out (checkpoint_time_s)
@@ -162,14 +162,14 @@ class TrainerConfig:
 class ResultsConfig:
     root: str = "results"
     experiment: str = "default"
-    run_id: Optional[str] = None  # None = generated (time + host + random), unique across requeues
+    run_id: str | None = None  # None = generated (time + host + random), unique across requeues
     # Sweep point id (bench/sweep.py): a hash of the run's command-line overrides, stored in the
     # summary. None = computed from the overrides; set it to name a point yourself.
-    point: Optional[str] = None
+    point: str | None = None
     # true: skip the run if <root>/<experiment> already holds an ok record of the same point
     resume: bool = False
     # parent folder of the run's record; None = <root>/<experiment> (a Hydra multirun uses its sweep folder)
-    dir: Optional[str] = None
+    dir: str | None = None
     # standard sinks written from the finished record (bench/core/sinks.py), never required:
     mllog: bool = True  # MLPerf-logging `:::MLLOG` lines in RUN_DIR/mllog.txt
     tensorboard: bool = False  # TensorBoard scalars in RUN_DIR/tensorboard/ (needs the tensorboard package)

@@ -17,7 +17,8 @@ import re
 import shutil
 import socket
 import subprocess
-from typing import ClassVar, Mapping
+from collections.abc import Mapping
+from typing import ClassVar
 
 from ptbench.core.dist import DistContext, default_backend
 from ptbench.core.errors import ConfigError
@@ -88,6 +89,15 @@ class SlurmEnvironment(ClusterEnvironment):
 
 
 BUILTIN = (TorchrunEnvironment, SlurmEnvironment)
+
+
+def detect(adapter_cls, launcher: str, env: Mapping[str, str] = os.environ) -> type[ClusterEnvironment] | None:
+    """The environment that started this process (the adapter's own first), or None: we start the ranks.
+    `adapter_cls` is read for its `environments` only (core imports no adapter)."""
+    for environment in (*adapter_cls.environments, *BUILTIN):
+        if environment.detect(env, launcher):
+            return environment
+    return None
 
 
 def in_srun_step(env: Mapping[str, str] = os.environ) -> int:

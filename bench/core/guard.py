@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -77,7 +77,7 @@ class Watchdog:
     def beat(self) -> None:
         self._last = time.monotonic()
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         if self.timeout_s > 0:
             self.beat()
             self._thread = threading.Thread(target=self._watch, name="bench-watchdog", daemon=True)

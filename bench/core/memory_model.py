@@ -1,19 +1,21 @@
 """Predicted memory per rank of each adapter: pure formulas (no torch or framework import at module level).
 
-`predict(adapter, params=..., world_size=..., dp=..., ...)` returns the bytes the busiest rank (the
+`predict(sharding, params=..., world_size=..., dp=..., ...)` returns the bytes the busiest rank (the
 busiest device, for gpipe, which drives several from one process) should hold: parameters,
 gradients, optimizer state, DeepSpeed's fp32 master copy, transient buffers and activations, and
 their total. `fits(total, device_bytes)` says whether that total fits a device. `predict_run(cfg,
 plan, build_model)` fills every argument from a composed config and its run plan (the one call the
-runner makes); `device_bytes()` is the memory a rank may use on this machine.
+runner makes): the layout and the adapter's cost inputs (ptbench.core.layout) come from the plan, so
+no adapter is named here. `device_bytes()` is the memory a rank may use on this machine.
 
 Model states ([ZeRO] Rajbhandari et al., SC 2020, Sec. 3.1 and 5, Fig. 1), Ψ = parameters (elements)
-of the rank's model-parallel shard P, N = data-parallel size, K = optimizer state bytes per element:
+of the rank's model-parallel shard P, N = data-parallel size, K = optimizer state bytes per element,
+by the state sharding an adapter states (its `cost_inputs().sharding`):
 
-    adapter (fp32)                     params   grads        optimizer   master   transient
-    ddp, horovod, zero0, tensor_parallel, pipeline, gpipe, megatron (CPU)
-                                       4P       4P           K P         -        horovod: fusion buffer
-    megatron on CUDA (distributed optimizer for sgd/adam/adamw)
+    sharding (fp32)                    params   grads        optimizer   master   transient
+    none (ddp, horovod, tensor_parallel, pipeline, gpipe), zero0, distributed_optimizer on a CPU
+                                       4P       4P           K P         -        fusion buffer (horovod)
+    distributed_optimizer on CUDA (megatron with sgd/adam/adamw)
                                        4P       4P           K P/N       -
     zero1 (DeepSpeed 0.19)             4P       4P/N (*)     K P/N       4P/N     full gradients in backward
     zero2                              4P       4P/N (*)     K P/N       4P/N
@@ -62,7 +64,7 @@ accumulation frees each micro-batch before the next); 1F1B (torch pipelining 1f1
 Megatron) the first stage keeps min(p, m) micro-batches of ceil(L/p) layers (interleaving adds
 (p-1)/(p v) more: not modelled); the GPipe schedule keeps all m; torchgpipe with checkpointing keeps
 each micro-batch's stage input (s b h) and recomputes one micro-batch's layers at a time
-(`checkpoint=always`: m inputs + 1 micro-batch; `except_last`: m inputs + 2; `never`: m).
+(`recompute=always`: m inputs + 1 micro-batch; `except_last`: m inputs + 2; `never`: m).
 
 Activations, vision: no closed formula covers VGG and ResNet, so the estimate counts them: one
 forward of the real model on the meta device (`activation_elements`, no memory, no FLOPs) with a
@@ -85,8 +87,9 @@ from __future__ import annotations
 
 import math
 
-ADAPTERS = ("ddp", "horovod", "zero", "zero0", "zero1", "zero2", "zero3", "fsdp", "tensor_parallel", "pipeline",
-            "gpipe", "megatron")
+from ptbench.core.layout import SHARDING
+
+REPLICATED = ("none", "distributed_optimizer", "zero0")  # shardings whose parameters and gradients stay whole
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lars": 4, "sgd": 4}
 PRECISIONS = ("fp32", "bf16", "fp16")
 PARTS = ("params", "grads", "optimizer", "master", "transient", "activations")
@@ -144,33 +147,32 @@ def gpt2_stage_params(params: int, *, layers: int, hidden: int, seq_len: int, vo
     return int(round(first)), int(round(last))
 
 
-def _dp_shard(adapter: str, shapes, n: int) -> dict:
-    """Per-tensor partition of DeepSpeed / FSDP over n ranks: elements of the busiest rank.
+def _dp_shard(sharding: str, shapes, n: int, rank: int | None = None) -> dict:
+    """Per-tensor partition of DeepSpeed / FSDP over n ranks: elements of `rank` (None: the busiest rank).
     Returns {part: elements of the flat partition (stages 1-2) or of the local pieces (3, fsdp),
-    grad_elems: gradient elements held at the step, rank}."""
+    grad_elems: gradient elements held at the step, param_elems, rank}."""
     numels = [numel(s) for s in shapes]
     psi = sum(numels)
     best = None
-    for rank in range(n):
-        if adapter in ("zero1", "zero2"):
-            part, overlap = flat_partition(numels, n, rank)
+    for r in range(n) if rank is None else (rank,):
+        if sharding in ("zero1", "zero2"):
+            part, overlap = flat_partition(numels, n, r)
             cand = {"part": part, "grad_elems": overlap, "param_elems": psi}
-        elif adapter == "zero3":
+        elif sharding == "zero3":
             local = sum(math.ceil(k / n) for k in numels)
-            cand = {"part": local, "grad_elems": local, "param_elems": local}
-            cand["rank"] = 0
-            return cand  # every rank holds ceil(numel/N) of each tensor
-        elif adapter == "fsdp":
+            return {"part": local, "grad_elems": local, "param_elems": local, "rank": 0 if rank is None else rank}
+            # every rank holds ceil(numel/N) of each tensor
+        elif sharding == "fsdp":
             local = 0
             for s in shapes:
                 rows = s[0] if s else 1
                 chunk = math.ceil(rows / n)
-                mine = max(0, min(chunk, rows - rank * chunk))
+                mine = max(0, min(chunk, rows - r * chunk))
                 local += mine * (numel(s) // rows if rows else 0)
             cand = {"part": local, "grad_elems": local, "param_elems": local}
         else:
-            raise ValueError(adapter)
-        cand["rank"] = rank
+            raise ValueError(sharding)
+        cand["rank"] = r
         key = cand["param_elems"] + cand["grad_elems"] + cand["part"]
         if best is None or key > best[0]:
             best = (key, cand)
@@ -189,14 +191,14 @@ def _gpt2_layer_activation_bytes(s: int, b: int, h: int, a: int, tp: int, sequen
 
 
 def predict(
-    adapter: str,
+    sharding: str = "none",
     *,
     params: int,
     world_size: int,
     dp: int | None = None,
     tp: int = 1,
     pp: int = 1,
-    stage: int = 0,
+    devices_per_process: int = 1,
     precision: str = "fp32",
     optimizer: str = "adamw",
     momentum: float = 0.9,
@@ -209,87 +211,76 @@ def predict(
     micro_batch: int = 0,
     microbatches: int = 1,
     schedule: str = "1f1b",
-    checkpoint: str = "never",
+    recompute: str = "never",
     sequence_parallel: bool = False,
     attention_scores: bool = True,
     image_size: int = 0,
     activation_elements_per_sample: float | None = None,
     shapes: list | None = None,
+    rank: int | None = None,
     stage_params: list[int] | None = None,
     replicated_params: int | None = None,
     largest_unit_params: int = 0,
     fusion_buffer_bytes: int = 0,
+    half_states: bool | None = None,
     device: str = "cuda",
+    label: str | None = None,
 ) -> dict:
-    """Bytes per rank (the busiest one) of `adapter` training a model of `params` elements.
+    """Bytes per rank (the busiest one) training a model of `params` elements whose states are split by
+    `sharding` (ptbench.core.layout.SHARDING, what an adapter's `cost_inputs` states).
 
-    adapter: ddp | horovod | zero (with stage) | zero0..zero3 | fsdp | tensor_parallel | pipeline |
-        gpipe | megatron. world_size: processes; dp x tp x pp must equal it, except gpipe (one
-        process driving pp devices: world_size = dp, and the numbers are per device).
+    sharding: none (every rank holds its shard's full states: DDP, Horovod, tensor parallel, pipelines) |
+        distributed_optimizer (Megatron's: the optimizer state over dp, on CUDA only) | zero0..zero3
+        (DeepSpeed) | fsdp (FSDP2). world_size: processes; dp x tp x pp must equal world_size x
+        devices_per_process (gpipe: one process driving pp devices; the numbers are per device).
     precision: fp32 | bf16 | fp16. optimizer: adam | adamw | sgd | lamb | lars (momentum: sgd's).
+        half_states: parameters and gradients in 2 bytes under bf16/fp16 (default: DeepSpeed's stages).
     kind: language (GPT-2: layers, hidden, heads, seq_len, vocab, micro_batch) | vision
         (activation_elements_per_sample, from `activation_elements`; image_size is informational).
     micro_batch: samples per micro-batch on one replica; microbatches: per optimizer step (pipelines).
-    schedule: the pipeline schedule (1f1b | interleaved_1f1b | gpipe); checkpoint: gpipe's
-        (never | except_last | always). attention_scores: False for fused attention (no s^2 term).
-    shapes: the parameter shapes (per-tensor partitioning for zero1-3 and fsdp, see module doc).
+    schedule: the pipeline schedule (1f1b | interleaved_1f1b | gpipe); recompute: activation
+        checkpointing of the stages (never | except_last | always, torchgpipe's). attention_scores:
+        False for fused attention (no s^2 term).
+    shapes: the parameter shapes (per-tensor partitioning for zero1-3 and fsdp, see module doc); rank:
+        the rank whose partition is taken (None: the busiest).
     stage_params: parameters of each pipeline stage (else the GPT-2 split, or Ψ/p for vision).
     replicated_params: parameters kept whole on every TP rank (else GPT-2's, see
         `gpt2_replicated_under_tp`, when the dimensions are given; 0 for vision).
     largest_unit_params: the largest group of parameters zero3 / fsdp gather at once.
-    fusion_buffer_bytes: horovod's fusion threshold (a buffer of up to that size).
-    device: cuda | cpu (Megatron shards its optimizer only on CUDA, with its distributed optimizer).
+    fusion_buffer_bytes: a gradient fusion buffer of up to that size (Horovod's threshold).
+    device: cuda | cpu (Megatron shards its optimizer only on CUDA). label: what the run is called (the
+        adapter's name; only printed).
 
-    Returns {adapter, variant, stage, world_size, dp, tp, pp, precision, optimizer_name, kind, busiest,
+    Returns {adapter (the label), sharding, world_size, dp, tp, pp, precision, optimizer_name, kind, busiest,
     params_per_rank (elements of the model-parallel shard), and the bytes of each of PARTS (params,
     grads, optimizer, master, transient, activations), model_states, total}; every byte field
     is a float (N rarely divides Ψ); `model_states` = params + grads + optimizer + master;
     `total` = model_states + transient + activations; `busiest` names the stage taken (pipelines);
     `formula` says per part what was used; `notes` what is uncertain."""
-    name = adapter.strip().lower()
-    if name not in ADAPTERS:
-        raise ValueError(f"unknown adapter {adapter!r}; known: {', '.join(ADAPTERS)}")
-    if name.startswith("zero") and name != "zero":
-        named = int(name[4:])
-        if stage not in (0, named):
-            raise ValueError(f"adapter {adapter!r} names stage {named} but stage={stage} was given")
-        stage = named
-    if name == "zero":
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
-        name = f"zero{stage}"
-    elif not name.startswith("zero") and stage:
-        raise ValueError(f"stage applies to zero only, got stage={stage} for {adapter!r}")
+    name = sharding.strip().lower()
+    if name not in SHARDING:
+        raise ValueError(f"unknown sharding {sharding!r}; known: {', '.join(SHARDING)}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if kind not in ("language", "vision"):
         raise ValueError(f"kind must be language or vision, got {kind!r}")
     for key, val, lo in (("params", params, 0), ("world_size", world_size, 1), ("tp", tp, 1), ("pp", pp, 1),
-                         ("microbatches", microbatches, 1), ("micro_batch", micro_batch, 0)):
+                         ("devices_per_process", devices_per_process, 1), ("microbatches", microbatches, 1),
+                         ("micro_batch", micro_batch, 0)):
         if not isinstance(val, int) or isinstance(val, bool) or val < lo:
             raise ValueError(f"{key} must be an integer >= {lo}, got {val!r}")
-    if name in ("ddp", "horovod", "fsdp") or name.startswith("zero"):
-        if tp > 1 or pp > 1:
-            raise ValueError(f"{adapter} is pure data parallel: tp and pp must be 1")
-    if name == "tensor_parallel" and pp > 1:
-        raise ValueError("tensor_parallel has no pipeline dimension: pp must be 1")
-    if name in ("pipeline", "gpipe") and tp > 1:
-        raise ValueError(f"{adapter} has no tensor-parallel dimension: tp must be 1")
-    if name == "pipeline" and pp == 1:
-        pp = world_size // (dp or 1) if dp else world_size
-    if name == "gpipe":
-        dp = dp or world_size  # one process per replica, pp devices each
-        if dp != world_size:
-            raise ValueError(f"gpipe: dp must equal world_size (processes), got dp={dp}, world_size={world_size}")
-    else:
-        if world_size % (tp * pp):
-            raise ValueError(f"world_size {world_size} is not a multiple of tp*pp = {tp * pp}")
-        dp = dp or world_size // (tp * pp)
-        if dp * tp * pp != world_size:
-            raise ValueError(f"dp*tp*pp must equal world_size: {dp}*{tp}*{pp} != {world_size}")
+    devices = world_size * devices_per_process
+    if devices % (tp * pp):
+        raise ValueError(f"{devices} device(s) are not a multiple of tp*pp = {tp * pp}")
+    dp = dp or devices // (tp * pp)
+    if dp * tp * pp != devices:
+        raise ValueError(f"dp*tp*pp must equal the devices (world_size x devices_per_process): "
+                         f"{dp}*{tp}*{pp} != {devices}")
     if kind == "language" and micro_batch and not (layers and hidden and heads and seq_len):
         raise ValueError("language activations need layers, hidden, heads and seq_len (or micro_batch=0 for states only)")
 
+    if half_states is None:
+        half_states = name in ("zero0", "zero1", "zero2", "zero3")  # DeepSpeed's bf16/fp16 modes
     N = dp
     K = optimizer_state_bytes(optimizer, momentum)
     half = precision in ("bf16", "fp16")
@@ -346,11 +337,11 @@ def predict(
         per_stage_layers = math.ceil(layers / pp)
         logits = 4 * seq_len * b * vocab / tp if stage_name in ("all", "last", "any") else 0.0
         alive, how = _alive(stage_name)
-        if name == "gpipe" and checkpoint in ("always", "except_last") and microbatches > 1:
-            full = 1 if checkpoint == "always" else 2
+        if recompute in ("always", "except_last") and microbatches > 1:
+            full = 1 if recompute == "always" else 2
             inputs = microbatches * seq_len * b * hidden * act_b
             total = inputs + full * per_stage_layers * layer + (logits if stage_name != "first" else 0.0)
-            return total, (f"gpipe checkpoint={checkpoint}: m stage inputs (s b h) + {full} micro-batch(es) of "
+            return total, (f"recompute={recompute}: m stage inputs (s b h) + {full} micro-batch(es) of "
                            f"ceil(L/p)={per_stage_layers} layers [Korthikanti]" + (" + 4 s b V" if logits else ""))
         last_alive = 1 if (pp > 1 and schedule != "gpipe") else alive
         total = alive * per_stage_layers * layer + (last_alive * logits if logits else 0.0)
@@ -362,7 +353,7 @@ def predict(
     def _alive(stage_name: str) -> tuple[int, str]:
         if pp == 1:
             return 1, "1 micro-batch"
-        if name == "gpipe" or schedule == "gpipe":
+        if schedule == "gpipe":
             return microbatches, f"m={microbatches} micro-batches (GPipe schedule)"
         if stage_name == "last":
             return 1, "1 micro-batch (1F1B, last stage)"
@@ -376,21 +367,19 @@ def predict(
     for stage_name, P in stages:
         formula = dict(shared_formula)
         out = dict.fromkeys(PARTS, 0.0)
-        b = 2 if half and name in ("zero1", "zero2", "zero3") else 4
-        if name == "zero0" and half:
-            b = 2
+        b = 2 if half and half_states else 4
         if name in ("zero1", "zero2", "zero3", "fsdp") and shapes and N > 1:
-            sh = _dp_shard(name, shapes, N)
+            sh = _dp_shard(name, shapes, N, rank)
             part, grad_elems, param_elems = sh["part"], sh["grad_elems"], sh["param_elems"]
             rule = "per tensor"
         else:
             part = P / N
-            grad_elems = P if name in ("ddp", "horovod", "zero0", "tensor_parallel", "pipeline", "gpipe", "megatron") else P / N
+            grad_elems = P if name in REPLICATED else P / N
             param_elems = P / N if name in ("zero3", "fsdp") else P
             rule = "Ψ/N"
-        if name in ("ddp", "horovod", "zero0", "tensor_parallel", "pipeline", "gpipe", "megatron"):
+        if name in REPLICATED:
             out["params"], out["grads"] = b * P, b * P
-            if name == "megatron" and device == "cuda" and optimizer in ("sgd", "adam", "adamw"):
+            if name == "distributed_optimizer" and device == "cuda":
                 out["optimizer"] = K * P / N
                 formula["optimizer"] = f"{K} P/N (Megatron distributed optimizer)"
             else:
@@ -403,7 +392,7 @@ def predict(
                 formula["master"] = "4 P"
                 notes.append("zero0 in half precision (DeepSpeed's BF16/FP16 optimizer wrapper) modelled as an "
                              "unsharded fp32 master + moments: not validated")
-            if name == "horovod" and fusion_buffer_bytes:
+            if fusion_buffer_bytes:
                 out["transient"] = min(float(fusion_buffer_bytes), 4 * P)
                 formula["transient"] = "min(fusion threshold, 4P) fusion buffer"
         else:  # zero1-3, fsdp
@@ -428,7 +417,7 @@ def predict(
         out["total"] = out["model_states"] + out["transient"] + out["activations"]
         results.append((stage_name, P, out, formula))
     stage_name, P, out, formula = max(results, key=lambda r: r[2]["total"])
-    return dict(adapter=adapter, variant=name, stage=stage if name.startswith("zero") else None,
+    return dict(adapter=label or name, sharding=name,
                 world_size=world_size, dp=N, tp=tp, pp=pp, precision=precision, optimizer_name=optimizer,
                 optimizer_bytes_per_elem=K, kind=kind, busiest=stage_name, params_per_rank=P, **out,
                 formula=formula, notes=sorted(set(notes)))
@@ -487,20 +476,13 @@ def model_facts(model) -> dict:
     return {"params": sum(numel(s) for s in shapes), "shapes": shapes, "largest_unit_params": largest}
 
 
-def _get(obj, key, default=None):
-    try:
-        v = getattr(obj, key)
-    except Exception:  # noqa: BLE001 - a key another adapter's schema has
-        return default
-    return default if v is None else v
-
-
 def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool = True) -> dict:
     """`predict` for a composed config (`ptbench.core.config.BenchConfig`) and its run plan
-    (`ptbench.runner.plan.RunPlan`): the one call the runner and `python -m ptbench --plan` make.
-    `build_model`: a no-argument callable returning the workload's nn.Module (e.g.
-    `build_workload(cfg.workload, cfg.data).build_model`); it is called under the meta device, so
-    nothing is allocated. device: cuda | cpu (default: cuda when torch sees a GPU)."""
+    (`ptbench.runner.plan.RunPlan`): the one call the runner and `python -m ptbench --plan` make. The
+    layout and the adapter's cost inputs come from the plan (`plan.layout`, `plan.cost`), the model's
+    dimensions from the workload config. `build_model`: a no-argument callable returning the workload's
+    nn.Module (e.g. `build_workload(cfg.workload, cfg.data).build_model`); it is called under the meta
+    device, so nothing is allocated. device: cuda | cpu (default: cuda when torch sees a GPU)."""
     import torch
 
     if device is None:
@@ -508,48 +490,31 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
     with torch.device("meta"):
         model = build_model()
     facts = model_facts(model)
-    w, a, t = cfg.workload, cfg.adapter, cfg.trainer
-    name = a.name
-    tp = int(_get(a, "tensor_parallel", 1) or 1) if name in ("megatron", "tensor_parallel") else 1
-    if name == "megatron":
-        pp = int(_get(a, "pipeline_parallel", 1) or 1)
-    elif name == "pipeline":
-        pp = int(_get(a, "pipeline_parallel", 0) or 0) or plan.world_size // max(1, plan.dp_size)
-    elif name == "gpipe":
-        pp = int(plan.devices_per_process)
-    else:
-        pp = 1
-    m = max(1, int(plan.microbatches))
-    micro = math.ceil(plan.local_batch / m) if name in ("pipeline", "gpipe", "megatron") else plan.local_batch
+    w, t, layout, cost = cfg.workload, cfg.trainer, plan.layout, plan.cost
+    m = layout.microbatches
     params = facts["params"]
-    vocab = int(_get(w, "vocab_size", 0) or 0) if w.kind == "language" else 0
-    if name == "megatron" and vocab:  # Megatron-LM pads the vocabulary to a multiple of divisor x TP
-        div = int(_get(a, "make_vocab_size_divisible_by", 128) or 128) * tp
-        padded = math.ceil(vocab / div) * div
-        params += (padded - vocab) * int(w.n_embd)
-        vocab = padded
-    kw = dict(params=params, world_size=plan.world_size, dp=plan.dp_size, tp=tp, pp=pp,
-              stage=int(_get(a, "stage", 0) or 0) if name == "zero" else 0, precision=t.precision,
+    vocab = int(w.vocab_size) if w.kind == "language" else 0
+    if cost.padded_vocab and vocab:  # the vocabulary the framework really builds (Megatron pads it)
+        params += (cost.padded_vocab - vocab) * int(w.n_embd)
+        vocab = cost.padded_vocab
+    kw = dict(params=params, world_size=layout.world_size, dp=layout.dp, tp=layout.tp, pp=layout.pp,
+              devices_per_process=layout.devices_per_process, precision=t.precision,
               optimizer=cfg.optimizer.name, momentum=float(cfg.optimizer.momentum), kind=w.kind,
-              micro_batch=int(micro), microbatches=m, device=device,
-              schedule=str(_get(a, "schedule", "1f1b")) if name in ("pipeline", "megatron") else "1f1b",
-              checkpoint=str(_get(a, "checkpoint", "never")) if name == "gpipe" else "never",
-              sequence_parallel=bool(_get(a, "sequence_parallel", False)),
-              largest_unit_params=facts["largest_unit_params"])
-    if name == "horovod":
-        kw["fusion_buffer_bytes"] = int(float(_get(a, "fusion_threshold_mb", 0)) * MIB)
-    if shapes and name in ("zero", "fsdp"):
+              micro_batch=math.ceil(plan.local_batch / m), microbatches=m, device=device,
+              schedule=cost.schedule, recompute=cost.recompute, sequence_parallel=cost.sequence_parallel,
+              largest_unit_params=facts["largest_unit_params"], fusion_buffer_bytes=cost.fusion_buffer_bytes,
+              half_states=cost.half_states)
+    if shapes and cost.sharding in ("zero1", "zero2", "zero3", "fsdp"):
         kw["shapes"] = facts["shapes"]
     if w.kind == "language":
-        # harness GPT-2: torch scaled_dot_product_attention (fused); Megatron's local spec on CPU
-        # materializes the scores, Transformer Engine on CUDA does not
-        scores = name == "megatron" and device != "cuda"
+        # the harness GPT-2 uses torch scaled_dot_product_attention (fused); a framework whose attention keeps
+        # the scores on a CPU says so (Megatron's local spec; Transformer Engine on CUDA does not)
         kw.update(layers=int(w.n_layer), hidden=int(w.n_embd), heads=int(w.n_head), seq_len=int(w.seq_len),
-                  vocab=vocab, attention_scores=scores)
+                  vocab=vocab, attention_scores=cost.cpu_attention_scores and device != "cuda")
     else:
         kw.update(image_size=int(w.image_size),
                   activation_elements_per_sample=activation_elements(model, (3, int(w.image_size), int(w.image_size))))
-    out = predict(name, **kw)
+    out = predict(cost.sharding, label=cfg.adapter.name, **kw)
     out["inputs"] = {k: v for k, v in kw.items() if k != "shapes"}
     return out
 
@@ -590,7 +555,7 @@ def record_fields(prediction: dict) -> dict:
     summary as `predicted_memory`."""
     p = prediction
     out = {k: int(round(p[k])) for k in (*PARTS, "model_states", "total")}
-    out.update(variant=p["variant"], busiest=p["busiest"], params_per_rank=int(round(p["params_per_rank"])),
+    out.update(sharding=p["sharding"], busiest=p["busiest"], params_per_rank=int(round(p["params_per_rank"])),
                dp=p["dp"], tp=p["tp"], pp=p["pp"], notes=p["notes"], model="bench/core/memory_model.py")
     return out
 
@@ -613,7 +578,7 @@ def table(prediction: dict) -> str:
     """The prediction as lines for a terminal."""
     p = prediction
     head = (f"predicted memory per rank: {p['adapter']}"
-            + (f" stage {p['stage']}" if p.get("stage") is not None else "")
+            + (f" ({p['sharding']})" if p["sharding"] not in ("none", p["adapter"]) else "")
             + f", {p['world_size']} rank(s) (dp={p['dp']} tp={p['tp']} pp={p['pp']}), {p['precision']}, "
               f"{p['optimizer_name']}; busiest: {p['busiest']}, {p['params_per_rank']:,.0f} parameters")
     lines = [head, f"  {'part':<12} {'MiB':>12}  formula"]

@@ -4,7 +4,7 @@ LAMB and LARS (the paper's GPT-2 and MLPerf vision optimizers) come from timm: t
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

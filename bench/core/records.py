@@ -5,8 +5,11 @@
     events.jsonl   one line per epoch (appended; each append rewrites the file via temp + rename)
     summary.json   status (ok / failed / oom / timeout / preempted / running) and the run's totals
 
+Every key of those files is listed in bench/core/schema.py; a key it does not list is refused here.
+
 A crash at any point leaves every file either in its previous state or its new one, never half.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -19,6 +22,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from ptbench.core import schema
 
 # versions every record states; the runner adds each adapter's framework (from the adapter registry)
 BASE_PACKAGES = ("torch", "torchvision", "hydra-core", "nvtx")
@@ -100,6 +105,7 @@ class RunRecord:
         write_json(self.dir / "env.json", environment(packages))
 
     def append_event(self, event: dict) -> None:
+        schema.check(event, schema.EPOCH_EVENT, "events.jsonl")
         path = self.dir / "events.jsonl"
         old = path.read_text() if path.exists() else ""
         atomic_write(path, old + json.dumps(event, sort_keys=True, default=str) + "\n")
@@ -116,6 +122,7 @@ class RunRecord:
 
     def write_summary(self, summary: dict) -> None:
         assert summary.get("status") in STATUSES, summary.get("status")
+        schema.check(summary, schema.SUMMARY, "summary.json")
         write_json(self.dir / "summary.json", summary)
 
     def write_rank_error(self, rank: int, error: dict) -> None:
@@ -146,8 +153,9 @@ class RunWriter:
         current = self.record.summary() or {}
         if current.get("status") not in (None, "running"):
             return
-        self.record.write_summary({**current, **self.identity, "status": status, "error": error,
-                                   "failed_rank": failed_rank, **extra})
+        self.record.write_summary(
+            {**current, **self.identity, "status": status, "error": error, "failed_rank": failed_rank, **extra}
+        )
 
     def finish(self, summary: dict) -> None:
         self.record.write_summary({**summary, **self.identity})
@@ -189,7 +197,7 @@ def environment(packages: tuple[str, ...] = ()) -> dict:
             env.update(gpu_environment(torch))
     except ImportError:
         pass
-    return env
+    return schema.check(env, schema.ENV, "env.json")
 
 
 def gpu_environment(torch) -> dict:
@@ -224,8 +232,13 @@ def nvidia_smi(run=None) -> dict:
 
     out: dict = {}
     try:
-        rows = [r.split(", ") for r in run(["--query-gpu=driver_version,name,memory.total,pci.bus_id",
-                                            "--format=csv,noheader"]).strip().splitlines() if r.strip()]
+        rows = [
+            r.split(", ")
+            for r in run(["--query-gpu=driver_version,name,memory.total,pci.bus_id", "--format=csv,noheader"])
+            .strip()
+            .splitlines()
+            if r.strip()
+        ]
         if rows:
             out["driver"] = rows[0][0]
             out["nvidia_smi_gpus"] = [{"name": r[1], "memory": r[2], "bus_id": r[3]} for r in rows if len(r) >= 4]

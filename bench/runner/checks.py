@@ -15,8 +15,8 @@ from ptbench.core.config import BATCH_POLICIES, BenchConfig
 from ptbench.core.errors import ConfigError
 from ptbench.core.optim import OPTIMIZERS
 from ptbench.core.precision import check_precision
-from ptbench.core.sinks import check_sinks
 from ptbench.core.schedule import check_schedule
+from ptbench.core.sinks import check_sinks
 from ptbench.workloads import check_config as check_workload
 
 LAUNCHERS = ("local", "torchrun", "slurm")
@@ -72,8 +72,9 @@ def check_compile(cfg: BenchConfig) -> None:
     from ptbench.adapters import get_adapter_class
 
     cls = get_adapter_class(cfg.adapter.name)
-    if cls.compile_unsupported:
-        raise ConfigError(f"trainer.compile=true: adapter={cls.name} does not support it ({cls.compile_unsupported}); "
+    refusal = cls.compile_refusal(cfg)
+    if refusal:
+        raise ConfigError(f"trainer.compile=true: adapter={cls.name} does not support it ({refusal}); "
                           "drop trainer.compile or use adapter=ddp, fsdp or zero")
     if t.warmup_steps < 1:
         raise ConfigError("trainer.compile=true compiles in the first step(s), which must stay out of the step "

@@ -99,9 +99,13 @@ def one_line(e: BaseException) -> str:
 
 
 def typed(cfg_dict) -> BenchConfig:
-    """A resolved config (dict or DictConfig) merged into its schema, for typed attribute access."""
+    """A resolved config (dict or DictConfig) merged into its schema, for typed attribute access. One that is
+    typed already is returned as it is: a process types its config once, however many callers ask."""
     name = cfg_dict["adapter"]["name"]
     if name not in SCHEMAS:
         raise ConfigError(f"unknown adapter '{name}': choose one of {', '.join(sorted(SCHEMAS))} (adapter=NAME)")
+    if OmegaConf.is_config(cfg_dict) and OmegaConf.get_type(cfg_dict) is BenchConfig \
+            and OmegaConf.get_type(cfg_dict, "adapter") is SCHEMAS[name]:
+        return cfg_dict
     base = OmegaConf.structured(BenchConfig(adapter=SCHEMAS[name]()))
     return OmegaConf.merge(base, cfg_dict)  # type: ignore[return-value]

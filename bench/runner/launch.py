@@ -19,8 +19,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ptbench.adapters import get_adapter_class
+from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext, default_backend, free_port
-from ptbench.core.environments import BUILTIN, ClusterEnvironment, SlurmEnvironment, TorchrunEnvironment, in_srun_step
+from ptbench.core.environments import SlurmEnvironment, TorchrunEnvironment, detect, in_srun_step
 from ptbench.core.errors import ConfigError
 from ptbench.core.records import RunWriter
 from ptbench.core.sinks import write_sinks
@@ -30,17 +31,10 @@ from ptbench.runner.plan import RunPlan, make_plan, run_dir_of
 from ptbench.runner.rank import packages, run_rank
 
 
-def detect(adapter_cls, launcher: str, env=os.environ) -> type[ClusterEnvironment] | None:
-    """The environment that started this process (the adapter's own first), or None: we start the ranks."""
-    for environment in (*adapter_cls.environments, *BUILTIN):
-        if environment.detect(env, launcher):
-            return environment
-    return None
-
-
 def launch(cfg: DictConfig) -> int:
     """Run one benchmark point; returns the process exit code (0 ok/preempted, 1 failed, 2 bad input)."""
-    cfg = typed(cfg)
+    cfg = typed(cfg)  # once in this process: the ranks it becomes or forks take it as it is
+    OmegaConf.resolve(cfg)  # every rank sees the values the launcher saw (${visible_gpus_or:2} ...)
     adapter_cls = get_adapter_class(cfg.adapter.name)
     environment = detect(adapter_cls, cfg.launcher.name)
     if cfg.launcher.name == "torchrun" and environment is not TorchrunEnvironment:
@@ -48,7 +42,6 @@ def launch(cfg: DictConfig) -> int:
     if environment is None and in_srun_step() > 1:
         raise ConfigError(f"this process is one of {in_srun_step()} srun tasks but launcher={cfg.launcher.name} would "
                           "start its own ranks in every task: add launcher=slurm (one rank per task)")
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
 
     if environment is not None:  # this process is one rank of a job someone else started
         ctx = environment.context(os.environ, cfg.launcher.backend, cfg.launcher.master_port)
@@ -57,22 +50,15 @@ def launch(cfg: DictConfig) -> int:
             raise ConfigError(f"this submitit job has {ctx.world_size} task(s) but the point needs "
                               f"{adapter_cls.processes(cfg)} ranks: use hydra/launcher=bench_slurm "
                               "(conf/hydra/launcher/bench_slurm.yaml), which sizes each job")
-        plan = make_plan(cfg, environment.name, ctx.world_size)
-        if ctx.rank == 0:  # the one rank that writes the summary
-            plan = dataclasses.replace(plan, comm_volume=comm_volume(cfg, plan, ctx.backend))
-        return run_rank(cfg_dict, plan, ctx, run_dir=None)
+        # the one rank that writes the summary records the comm volume; the memory check is the local launcher's
+        plan, _ = plan_run(cfg, environment.name, ctx.world_size, memory=False,
+                           backend=ctx.backend if ctx.rank == 0 else None)
+        return run_rank(cfg, plan, ctx, run_dir=None)
 
-    plan = make_plan(cfg, "local")
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        check_devices(plan.world_size, plan.devices_per_process, torch.cuda.device_count())
-    method = start_method(cfg.launcher.start_method, cuda)
+    plan, _ = plan_run(cfg, "local")
     command = adapter_cls.launch_command(cfg, plan.world_size)
-    plan = dataclasses.replace(plan, start_method=None if command else method,
-                               predicted_memory=predicted_memory(cfg, plan),
-                               comm_volume=comm_volume(cfg, plan, default_backend(cfg.launcher.backend)))
+    if command:
+        plan = dataclasses.replace(plan, start_method=None)
     writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
     writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
     port = cfg.launcher.master_port or free_port()
@@ -80,34 +66,99 @@ def launch(cfg: DictConfig) -> int:
     if command:
         code = run_with_launcher(command, cfg.launcher.master_addr, port, writer)
     else:
-        code = spawn_local(cfg_dict, plan, port, writer, method)
+        code = spawn_local(OmegaConf.to_container(cfg, resolve=True), plan, port, writer, plan.start_method)
     write_sinks(writer.dir, mllog=cfg.results.mllog, tensorboard=cfg.results.tensorboard, wandb=cfg.results.wandb,
                 mlflow=cfg.results.mlflow)
     return code
 
 
-def predicted_memory(cfg, plan: RunPlan) -> dict:
-    """The memory model's prediction (bench/core/memory_model.py); on CUDA a run that cannot fit the
-    device is refused here, before launch. A prediction that fails otherwise is recorded, not fatal."""
-    from ptbench.core.memory_model import plan_memory
+def plan_run(cfg: BenchConfig, environment: str, world_size: int | None = None, *, check: bool = True,
+             memory: bool = True, refuse: bool | None = None, backend: str | None = "auto") -> tuple[RunPlan, dict | None]:
+    """The plan of one launch with its predictions: what `launch` runs and `python -m ptbench --plan` prints,
+    from this one function so the two cannot drift.
+
+    `make_plan` (every check when `check`; environment local: the devices and the start method too), then the
+    workload's model built ONCE on the meta device for both the memory prediction (`memory`; `refuse`: refuse
+    a run that does not fit, None = on CUDA only) and the comm volume at `backend` ("auto": the launcher's
+    choice; None: not computed). Returns the plan carrying both as record fields, and the memory model's full
+    prediction (its formulas, for a table; None when not predicted or when the model failed)."""
     from ptbench.workloads import build_workload
 
+    workload = build_workload(cfg.workload, cfg.data)
+    plan = make_plan(cfg, environment, world_size, check=check, workload=workload)
+    if environment == "local":
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if cuda and check:
+            check_devices(plan.world_size, plan.devices_per_process, torch.cuda.device_count())
+        plan = dataclasses.replace(plan, start_method=start_method(cfg.launcher.start_method, cuda))
+    if not memory and backend is None:
+        return plan, None
+    model = meta_model(workload)
+    prediction = None
+    if memory:
+        record, prediction = predicted_memory(cfg, plan, model, refuse)
+        plan = dataclasses.replace(plan, predicted_memory=record)
+    if backend is not None:
+        volume = comm_volume(cfg, plan, default_backend(cfg.launcher.backend if backend == "auto" else backend), model)
+        plan = dataclasses.replace(plan, comm_volume=volume)
+    return plan, prediction
+
+
+def meta_model(workload):
+    """The workload's model on the meta device (shapes only, nothing allocated), built once per launch for
+    both predictions; the exception instead when it cannot be built (each prediction then records it)."""
+    import torch
+
     try:
-        return plan_memory(cfg, plan, build_workload(cfg.workload, cfg.data).build_model)
+        with torch.device("meta"):
+            return workload.build_model()
+    except Exception as e:  # noqa: BLE001 - the predictions must never stop a run they cannot model
+        return e
+
+
+def _builder(model):
+    """The no-argument model callable the memory and volume models take, over the one meta model."""
+    def build():
+        if isinstance(model, Exception):
+            raise model
+        return model
+    return build
+
+
+def predicted_memory(cfg, plan: RunPlan, model, refuse: bool | None = None) -> tuple[dict, dict | None]:
+    """(record field, full prediction) of the memory model (bench/core/memory_model.py, as its `plan_memory`):
+    a run that cannot fit the device is refused here, before launch (`refuse`; None: on CUDA only). A
+    prediction that fails otherwise is recorded, not fatal."""
+    from ptbench.core.memory_model import check_fits, device_bytes, fits, predict_run, record_fields
+
+    try:
+        pred = predict_run(cfg, plan, _builder(model))
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the prediction must never stop a run it cannot model
-        return {"error": f"{type(e).__name__}: {e}"}
+        return {"error": f"{type(e).__name__}: {e}"}, None
+    cap, what = device_bytes(plan.world_size)
+    if refuse or (refuse is None and pred["inputs"]["device"] == "cuda"):
+        check_fits(pred, cap, what)
+    record = {**record_fields(pred), "device_bytes": None if cap is None else int(cap), "device": what,
+              "fits": fits(pred["total"], cap)}
+    return record, pred
 
 
-def comm_volume(cfg, plan: RunPlan, backend: str) -> dict:
+def comm_volume(cfg, plan: RunPlan, backend: str, model=None) -> dict:
     """Bytes per optimizer step per rank by collective (bench/core/comm_volume.py), with the backend the
-    ranks use, so the report can set them against `python -m ptbench.comm` at that backend. Never fatal."""
+    ranks use, so the report can set them against `python -m ptbench.comm` at that backend. `model`: the
+    launch's meta model (None: built here). Never fatal."""
     from ptbench.core.comm_volume import record_fields, volume_run
-    from ptbench.workloads import build_workload
 
     try:
-        return record_fields(volume_run(cfg, plan, build_workload(cfg.workload, cfg.data).build_model), backend)
+        if model is None:
+            from ptbench.workloads import build_workload
+
+            model = meta_model(build_workload(cfg.workload, cfg.data))
+        return record_fields(volume_run(cfg, plan, _builder(model)), backend)
     except Exception as e:  # noqa: BLE001 - a volume the model cannot compute must never stop a run
         return {"error": f"{type(e).__name__}: {e}", "backend": backend}
 
@@ -230,9 +281,11 @@ def record_failure(writer: RunWriter, exc: Exception, elapsed: float) -> None:
 
 
 def _spawned_rank(local_rank: int, cfg_dict: dict, plan: RunPlan, port: int, run_dir: str) -> None:
+    """A rank started by `spawn_local`: the resolved config comes as a plain dict (what pickles to a spawned
+    process) and is typed once here."""
     ctx = DistContext(rank=local_rank, world_size=plan.world_size, local_rank=local_rank,
                       local_world_size=plan.world_size, master_port=port,
                       backend=default_backend(cfg_dict["launcher"]["backend"]), launcher="local")
-    code = run_rank(cfg_dict, plan, ctx, Path(run_dir))
+    code = run_rank(typed(cfg_dict), plan, ctx, Path(run_dir))
     if code:
         sys.exit(code)

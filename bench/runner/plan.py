@@ -1,17 +1,18 @@
 """The run plan: everything about a point that is known before any rank starts, computed once.
 
 `make_plan` runs every check (generic, workload, adapter, data, results folder) and returns a
-`RunPlan` that the launcher, every rank and the trainer share: the adapter class, world size,
-devices, data-parallel size, local and global batch, the point id and the workload's facts. The
+`RunPlan` that the launcher, every rank and the trainer share: the adapter class, its layout and cost
+inputs (ptbench.core.layout), local and global batch, the point id and the workload's facts. The
 record's identity fields come from here, so every summary (running, failed, ok) names a run alike.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ptbench.adapters import get_adapter_class
 from ptbench.core.config import BenchConfig
+from ptbench.core.layout import CostInputs, Layout
 from ptbench.core.records import new_run_id, results_folder
 from ptbench.runner.checks import check_config, check_results_dir
 from ptbench.workloads import build_workload
@@ -25,10 +26,8 @@ class RunPlan:
     experiment: str
     point: str | None  # sweep point id (bench/sweep.py): what --resume matches
     environment: str  # what starts the ranks: local | torchrun | slurm | horovodrun ...
-    world_size: int  # processes
-    devices_per_process: int  # GPipe drives several devices from one process
-    dp_size: int  # model replicas reading different data
-    microbatches: int  # per replica batch, inside one train_step (pipelines); 1 otherwise
+    layout: Layout  # processes, devices, dp x tp x pp, micro-batches (the adapter's `layout`)
+    cost: CostInputs  # what the memory and communication models need beyond the layout (`cost_inputs`)
     local_batch: int  # samples one replica loads per micro-step
     grad_accum: int
     batch_policy: str
@@ -45,9 +44,26 @@ class RunPlan:
     # when another launcher (torchrun, srun, horovodrun) started them
     start_method: str | None = field(default=None, compare=False)
 
+    # the layout's numbers under the names the launcher, ranks and trainer use
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size  # processes
+
+    @property
+    def devices_per_process(self) -> int:
+        return self.layout.devices_per_process  # GPipe drives several devices from one process
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp  # model replicas reading different data
+
+    @property
+    def microbatches(self) -> int:
+        return self.layout.microbatches  # per replica batch, inside one train_step (pipelines); 1 otherwise
+
     @property
     def devices(self) -> int:
-        return self.world_size * self.devices_per_process
+        return self.layout.devices
 
     @property
     def global_batch(self) -> int:
@@ -59,12 +75,18 @@ class RunPlan:
                 "world_size": self.world_size, "devices": self.devices}
 
     def describe(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("adapter_cls", "predicted_memory", "comm_volume")}
-        d.update(devices=self.devices, global_batch=self.global_batch)
+        """The plan as the record states it (`summary["plan"]`): `layout` and `cost` as dicts, and the
+        layout's numbers also under the plan's own names."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in ("adapter_cls", "predicted_memory", "comm_volume", "layout", "cost")}
+        d.update(layout=self.layout.as_dict(), cost=self.cost.as_dict(), world_size=self.world_size,
+                 devices_per_process=self.devices_per_process, dp_size=self.dp_size, microbatches=self.microbatches,
+                 devices=self.devices, global_batch=self.global_batch)
         return d
 
 
-def make_plan(cfg: BenchConfig, environment: str, world_size: int | None = None, check: bool = True) -> RunPlan:
+def make_plan(cfg: BenchConfig, environment: str, world_size: int | None = None, check: bool = True,
+              workload=None) -> RunPlan:
     """The plan of `cfg` on `world_size` processes (None: as many as the adapter launches).
 
     check=True runs every check first; ranks started by the launcher (which checked) pass False."""
@@ -72,9 +94,10 @@ def make_plan(cfg: BenchConfig, environment: str, world_size: int | None = None,
     world = world_size if world_size is not None else cls.processes(cfg)
     if check:
         check_config(cfg)
-    workload = build_workload(cfg.workload, cfg.data)
+    workload = workload or build_workload(cfg.workload, cfg.data)  # the launcher's own, built once
     if check:
         cls.validate(cfg, world)
+    layout = cls.layout(cfg, world)  # validated once (ConfigError on dp x tp x pp != devices)
     local = cls.local_batch_size(cfg, world)  # raises on a batch the layout cannot split
     if check:
         workload.check_data()
@@ -82,8 +105,7 @@ def make_plan(cfg: BenchConfig, environment: str, world_size: int | None = None,
     return RunPlan(
         adapter=cfg.adapter.name, workload=cfg.workload.name, kind=cfg.workload.kind,
         experiment=cfg.results.experiment, point=cfg.results.point, environment=environment,
-        world_size=world, devices_per_process=cls.devices_per_process(cfg),
-        dp_size=cls.data_parallel_size(cfg, world), microbatches=cls.microbatches(cfg, world),
+        layout=layout, cost=cls.cost_inputs(cfg),
         local_batch=local, grad_accum=cfg.trainer.grad_accum, batch_policy=cfg.adapter.batch_policy,
         precision=cfg.trainer.precision, tokens_per_sample=workload.tokens_per_sample(),
         train_flops_per_sample=workload.train_flops_per_sample(), adapter_cls=cls,

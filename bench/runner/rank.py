@@ -29,7 +29,9 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from ptbench import adapters  # noqa: E402
 from ptbench.core import checkpoint as ckpt  # noqa: E402
+from ptbench.core.config import BenchConfig  # noqa: E402
 from ptbench.core.dist import DistContext, dist_timeout_s, init_process_group, set_cpu_threads  # noqa: E402
+from ptbench.core.environments import detect  # noqa: E402
 from ptbench.core.precision import apply_tf32  # noqa: E402
 from ptbench.core.records import RunWriter, point_folders  # noqa: E402
 from ptbench.core.sinks import write_sinks  # noqa: E402
@@ -50,9 +52,9 @@ def frameworks_imported() -> list[str]:
     return sorted(m for m in tops if m in sys.modules)
 
 
-def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | None) -> int:
-    """Everything one rank does. `run_dir` None: rank 0 creates the record and tells the others."""
-    cfg = typed(cfg_dict)
+def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | None) -> int:
+    """Everything one rank does, on the config typed once in this process. `run_dir` None: rank 0 creates
+    the record and tells the others."""
     threads = set_cpu_threads(cfg.launcher.threads_per_rank)
     apply_tf32(cfg.trainer.tf32)
     import torch.distributed as dist
@@ -90,7 +92,8 @@ def run_rank(cfg_dict: dict, plan: RunPlan, ctx: DistContext, run_dir: Path | No
                 summary["requeue"] = {"slurm_job_id": requeue, "time": time.time()}
         if ctx.rank == 0:
             extra = OmegaConf.to_container(cfg.extra) if OmegaConf.is_config(cfg.extra) else cfg.extra
-            summary.update(adapter_settings=adapter.describe(), plan=plan.describe(), precision=plan.precision,
+            summary.update(adapter_settings=adapter.describe(), plan=plan.describe(), layout=plan.layout.as_dict(),
+                           precision=plan.precision,
                            predicted_memory=plan.predicted_memory, comm_volume=plan.comm_volume, extra=extra,
                            batch_reduced_from=(extra or {}).get("batch_reduced_from") if isinstance(extra, dict) else None,
                            phase_semantics=adapter.phase_semantics, precision_semantics=adapter.precision_semantics,
@@ -141,7 +144,7 @@ def _agree_on_run_dir(cfg, plan: RunPlan, ctx: DistContext, run_dir: Path | None
     box = [None, None, None]
     if ctx.rank == 0:
         found = None
-        if cfg.trainer.resume == "auto" and ckpt.enabled(cfg, plan.adapter_cls.checkpoint_unsupported):
+        if cfg.trainer.resume == "auto" and ckpt.enabled(cfg, plan.adapter_cls.checkpoint_refusal(cfg)):
             found = ckpt.find_resumable(point_folders(cfg.results), plan.point, plan.adapter, plan.world_size,
                                         exclude=run_dir)
         info = None
@@ -180,8 +183,6 @@ def rank_main(run_dir: str) -> int:
     """A rank started by the adapter's own launcher (`Adapter.launch_command`) for launcher=local."""
     import dataclasses
 
-    from ptbench.runner.launch import detect
-
     cfg = typed(OmegaConf.load(Path(run_dir) / "config.yaml"))
     environment = detect(adapters.get_adapter_class(cfg.adapter.name), cfg.launcher.name)
     if environment is None:
@@ -189,8 +190,7 @@ def rank_main(run_dir: str) -> int:
     ctx = environment.context(os.environ, cfg.launcher.backend, cfg.launcher.master_port)
     plan = make_plan(cfg, environment.name, ctx.world_size, check=False)  # the launcher checked
     # the launcher process waits and records a failed run's outcome, as for spawned ranks
-    return run_rank(OmegaConf.to_container(cfg, resolve=True), plan, dataclasses.replace(ctx, launcher="local"),
-                    Path(run_dir))
+    return run_rank(cfg, plan, dataclasses.replace(ctx, launcher="local"), Path(run_dir))
 
 
 if __name__ == "__main__":

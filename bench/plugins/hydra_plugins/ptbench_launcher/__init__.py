@@ -17,11 +17,13 @@ sees SUBMITIT_EXECUTOR=slurm and becomes the rank SLURM_PROCID of the point (ben
 import dataclasses
 import logging
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, filter_overrides
+
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 
@@ -29,15 +31,16 @@ log = logging.getLogger(__name__)
 
 
 class BenchSlurmLauncher(SlurmLauncher):
-    def _shape(self, overrides: Sequence[str]) -> Tuple[int, int, Optional[int]]:
-        from ptbench.sweep import layout_of, slurm_shape
+    def _shape(self, overrides: Sequence[str]) -> tuple[int, int, int | None]:
+        from ptbench.runner.points import layout_of
+        from ptbench.runner.slurm import slurm_shape
 
         assert self.hydra_context is not None and self.config is not None
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         ranks, devices = layout_of(cfg)
         return slurm_shape(ranks, devices, self.params.get("gpus_per_node"))
 
-    def _executor(self, nodes: int, tasks_per_node: int, gpus_per_node: Optional[int]) -> Any:
+    def _executor(self, nodes: int, tasks_per_node: int, gpus_per_node: int | None) -> Any:
         import submitit
 
         params = dict(self.params)
@@ -54,7 +57,7 @@ class BenchSlurmLauncher(SlurmLauncher):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info(f"submitit 'slurm' sweep output dir: {sweep_dir}")
-        by_shape: Dict[tuple, List[Tuple[int, List[str]]]] = defaultdict(list)
+        by_shape: dict[tuple, list[tuple[int, list[str]]]] = defaultdict(list)
         for num, overrides in enumerate(job_overrides, initial_job_idx):
             by_shape[self._shape(overrides)].append((num, list(overrides)))
         # Submit every shape's array first, then wait: the points run concurrently.

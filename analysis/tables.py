@@ -1,0 +1,482 @@
+"""The derived tables of the report, from the tidy frame of `ptbench.analysis.load.load`: one row per
+run (`runs`), per (workload, series, devices) point (speedup, memory, time breakdown, communication,
+summary), and time to a target metric.
+
+A report computes each of them once: `Study` holds the epoch frame and builds every table on first
+use, so the figures (ptbench.analysis.plots) and the report's sections share one per-run aggregation
+instead of recomputing it per figure and per panel. Every table function takes an epoch frame or a
+`Study` (`Study.of`), so a notebook may call it with `load(...)`'s frame as before.
+"""
+from __future__ import annotations
+
+import json
+from functools import cached_property
+
+import numpy as np
+import pandas as pd
+
+from ptbench.analysis.load import AnalysisError, _missing
+
+PHASES = ("data", "forward", "forward_backward", "backward", "optimizer")  # stacking order, bottom up
+MIB = 2**20
+
+
+class Study:
+    """One epoch frame and every table derived from it, each computed on first use and kept."""
+
+    def __init__(self, epochs: pd.DataFrame):
+        self.epochs = epochs
+        self._speedup: dict = {}
+
+    @classmethod
+    def of(cls, data: pd.DataFrame | Study) -> Study:
+        """`data` itself when it is a Study, else a new one over that epoch frame."""
+        return data if isinstance(data, Study) else cls(data)
+
+    @cached_property
+    def ok_epochs(self) -> pd.DataFrame:
+        return ok(self.epochs)
+
+    @cached_property
+    def runs(self) -> pd.DataFrame:
+        """One row per run, every status (`runs`)."""
+        return runs(self.epochs)
+
+    @cached_property
+    def ok_runs(self) -> pd.DataFrame:
+        """One row per finished run with epochs (`runs` of `ok` rows)."""
+        return runs(self.ok_epochs)
+
+    @cached_property
+    def finished_runs(self) -> pd.DataFrame:
+        """`ok_runs` for the figures: devices as int; AnalysisError when there is none."""
+        r = self.ok_runs
+        if r.empty:
+            raise AnalysisError("no finished run with epoch records in this frame: nothing to plot")
+        r = r.copy()
+        r["devices"] = r["devices"].astype(int)
+        return r
+
+    @cached_property
+    def not_finished(self) -> pd.DataFrame:
+        return _not_finished(self.runs) if len(self.epochs) else self.epochs
+
+    def speedup(self, baseline: str | None = "best") -> pd.DataFrame:
+        key = "best" if baseline in (None, "best") else baseline
+        if key not in self._speedup:
+            self._speedup[key] = _speedup_table(self, key)
+        return self._speedup[key]
+
+    @cached_property
+    def memory(self) -> pd.DataFrame:
+        return _memory_table(self)
+
+    @cached_property
+    def breakdown(self) -> pd.DataFrame:
+        return _breakdown_table(self)
+
+    @cached_property
+    def epoch_time(self) -> pd.DataFrame:
+        return _epoch_time_table(self)
+
+    @cached_property
+    def time_to_target(self) -> pd.DataFrame:
+        return _time_to_target(self.ok_epochs)
+
+
+# --- per run --------------------------------------------------------------------------------------
+EPOCH_TIME_SOURCES = {
+    "steady": "summary epoch_time_steady_s",
+    "after_first": "mean of the epochs after the first",
+    "first": "the first epoch only (includes warm-up)",
+}
+
+
+def _timing(df: pd.DataFrame, partial: pd.Series) -> pd.DataFrame:
+    """Per run (index run_dir): the epoch time its speedup uses, the samples it covers, and where it
+    came from: the summary's `epoch_time_steady_s` when present, else the mean over the epochs after
+    the first when there are two or more, else the first epoch. Partial epochs are left out unless
+    every epoch is partial (all capped by trainer.max_steps: time per sample still compares).
+    `df` is sorted by epoch; one vectorized pass over all runs (no per-run frame)."""
+    run = df["run_dir"]
+    measured = df["epoch"].notna()
+    pool = measured & (~partial | ~(measured & ~partial).groupby(run).transform("any"))
+    first_epoch = df["epoch"].where(measured).groupby(run).transform("min")
+    after = pool & (df["epoch"] > first_epoch)
+    t = pd.to_numeric(df["epoch_time_s"], errors="coerce")
+    s = pd.to_numeric(df["samples_per_epoch"], errors="coerce")
+    steady_col = df["epoch_time_steady_s"] if "epoch_time_steady_s" in df else pd.Series(np.nan, index=df.index)
+    g = pd.DataFrame({"n_pool": pool, "n_after": after, "t_after": t.where(after), "s_after": s.where(after),
+                      "s_pool": s.where(pool), "steady": pd.to_numeric(steady_col, errors="coerce"),
+                      "all_partial": ~(measured & ~partial)}).groupby(run, sort=False)
+    agg = g.agg(n_pool=("n_pool", "sum"), n_after=("n_after", "sum"), t_after=("t_after", "mean"),
+                s_after=("s_after", "mean"), s_pool=("s_pool", "mean"), steady=("steady", "first"),
+                all_partial=("all_partial", "all"))
+    first = pd.DataFrame({"t": t, "s": s, "run": run})[pool].drop_duplicates("run").set_index("run")
+    agg["t_first"], agg["s_first"] = first["t"].reindex(agg.index), first["s"].reindex(agg.index)
+    has_steady = agg["steady"].notna()
+    use_after = ~has_steady & (agg["n_pool"] >= 2) & (agg["n_after"] > 0)
+    time = agg["steady"].where(has_steady, agg["t_after"].where(use_after, agg["t_first"]))
+    samples = agg["s_first"].where(~use_after, agg["s_after"])
+    samples = samples.where(~has_steady, agg["s_after"].where(agg["n_after"] > 0, agg["s_pool"]))
+    source = pd.Series(EPOCH_TIME_SOURCES["first"], index=agg.index, dtype=object)
+    source[has_steady] = EPOCH_TIME_SOURCES["steady"]
+    source[use_after] = EPOCH_TIME_SOURCES["after_first"]
+    source = source + np.where(agg["all_partial"], ", every epoch partial", "")
+    none = agg["n_pool"] == 0
+    out = pd.DataFrame({"epoch_time_used_s": time.where(~none), "samples_per_epoch_used": samples.where(~none),
+                        "time_per_sample_used_s": (time / samples.where(samples != 0)).where(~none),
+                        "epoch_time_source": source.where(~none, None)})
+    return out
+
+
+def runs(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: means over its complete epochs (partial ones are left out unless all are)
+    for times and rates, the last epoch for metrics and memory state, the highest per-rank peak
+    memory over epochs; plus the epoch time speedup uses (`epoch_time_used_s`,
+    `time_per_sample_used_s`, `epoch_time_source`, see `_timing`) and `partial_epochs`."""
+    if df.empty:
+        return df
+    keys = ["run_dir"]
+    mean_cols = [c for c in df.columns if c.endswith("_time_mean_s") or c in (
+        "epoch_time_s", "step_time_mean_s", "step_time_p50_s", "step_time_p95_s", "samples_per_s",
+        "epoch_samples_per_s", "tokens_per_s", "flops_per_s", "mfu", "val_time_s", "time_per_sample_s")]
+    last_cols = [c for c in df.columns if c not in mean_cols and c not in keys]
+    df = df.sort_values("epoch")
+    partial = df["partial"] if "partial" in df else pd.Series(False, index=df.index)
+    measured = df["epoch"].notna()
+    has_complete = (measured & ~partial).groupby(df["run_dir"]).transform("any")
+    use = measured & (~partial | ~has_complete)
+    g = df.groupby(keys, sort=False, dropna=False)
+    out = g[last_cols].last()  # last non-null per column: the final epoch's metrics and the run's identity
+    nums = df[mean_cols].apply(pd.to_numeric, errors="coerce").where(use, np.nan)  # all-None columns are object
+    out[mean_cols] = nums.groupby(df["run_dir"], sort=False).mean()
+    for col in ("peak_memory_max", "mem_plot_bytes"):
+        if col in df:
+            out[col] = pd.to_numeric(df[col], errors="coerce").groupby(df["run_dir"], sort=False).max()
+    out["epochs"] = g["epoch"].count()
+    out["partial_epochs"] = (partial & measured).groupby(df["run_dir"], sort=False).sum().astype(int)
+    if "partial" in out:
+        out = out.drop(columns="partial")
+    timing = _timing(df, partial.astype(bool))
+    for col in timing.columns:
+        out[col] = timing[col].reindex(out.index)
+    out = out.reset_index()
+    return out.sort_values(["workload", "label", "devices", "run_id"]).reset_index(drop=True)
+
+
+def ok(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of finished runs (status ok; preempted, failed, oom, timeout, ... are not) with measurements."""
+    if df.empty:
+        return df
+    return df[(df["status"] == "ok") & df["epoch"].notna()]
+
+
+def not_finished(data: pd.DataFrame | Study) -> pd.DataFrame:
+    """One row per run that did not finish (any status but ok: failed, oom, timeout, preempted,
+    missing, ...), with what a figure needs to mark it: workload, label, devices, status."""
+    return Study.of(data).not_finished
+
+
+def _not_finished(r: pd.DataFrame) -> pd.DataFrame:
+    bad = r[r["status"] != "ok"]
+    cols = [c for c in ("workload", "label", "adapter", "devices", "status", "run_id", "error", "global_batch")
+            if c in bad]
+    return bad[cols].reset_index(drop=True)
+
+
+def _join(values) -> str | None:
+    """The distinct values of a group, as one string ("a; b"), None if none."""
+    vals = {v for v in values if v is not None and v is not pd.NA and not (isinstance(v, float) and np.isnan(v))}
+    nums = all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in vals)
+    text = [str(int(v)) if nums and float(v).is_integer() else str(v) for v in (sorted(vals) if nums else vals)]
+    return "; ".join(text if nums else sorted(text)) if text else None
+
+
+def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
+    parts = [p for p in parts if len(p)]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(
+        columns=["workload", "label", "devices", "status", "run_id", "x"])
+
+
+# --- Fig 10: speedup and scaling efficiency ----------------------------------------------------------
+BASELINES = ("best", "per-series")
+
+
+def speedup_table(data: pd.DataFrame | Study, baseline: str | None = "best") -> pd.DataFrame:
+    """Speedup and scaling efficiency of every (workload, series, devices) point.
+
+    Time is per training sample (the run's epoch time / the samples in that epoch), which is the
+    epoch-time ratio when epochs hold the same samples and stays fair when trainer.max_steps caps
+    them or the global batch grows with the devices. The epoch time is the run's steady one
+    (`epoch_time_used_s`, see `runs`; `epoch_time_source` says which was used).
+
+    baseline: "best" (or None): per workload the fastest single-device point of any series, as the
+    paper does (without a single-device point: the fastest point at the fewest devices, and
+    efficiency is relative to that device count); "per-series": each series against its own point
+    at its fewest devices; any other string: that series (`label`) at its fewest devices, for every
+    series of the workload.
+    """
+    return Study.of(data).speedup(baseline)
+
+
+def _epoch_time_table(study: Study) -> pd.DataFrame:
+    """Per point: the mean and sd over repeats of the epoch time speedup uses, runs, samples per epoch."""
+    return study.finished_runs.groupby(["workload", "label", "devices"], as_index=False).agg(
+        epoch_time_s=("epoch_time_used_s", "mean"), epoch_time_sd=("epoch_time_used_s", "std"),
+        runs=("run_id", "count"), samples_per_epoch=("samples_per_epoch_used", "mean"),
+        epoch_time_source=("epoch_time_source", _join))
+
+
+def _speedup_table(study: Study, mode: str) -> pd.DataFrame:
+    r = study.finished_runs
+    pts = r.groupby(["workload", "label", "devices"], as_index=False).agg(
+        time_per_sample_s=("time_per_sample_used_s", "mean"), epoch_time_s=("epoch_time_used_s", "mean"),
+        global_batch=("global_batch", _join), epoch_time_source=("epoch_time_source", _join))
+    parts = []
+    for wl, sub in pts.groupby("workload"):
+        sub = sub.copy()
+        if mode == "per-series":
+            bases = {lab: s.loc[s["devices"].idxmin()] for lab, s in sub.groupby("label")}
+        else:
+            if mode == "best":
+                fewest = sub[sub["devices"] == sub["devices"].min()]
+                base = fewest.loc[fewest["time_per_sample_s"].idxmin()]
+            else:
+                mine = sub[sub["label"] == mode]
+                if mine.empty:
+                    raise AnalysisError(f"baseline '{mode}' has no finished run for workload {wl}; choose "
+                                        f"{' or '.join(BASELINES)}, or a series: {', '.join(sorted(sub['label'].unique()))}")
+                base = mine.loc[mine["devices"].idxmin()]
+            bases = {lab: base for lab in sub["label"].unique()}
+        b = pd.DataFrame([bases[lab] for lab in sub["label"]], index=sub.index)
+        sub["speedup"] = b["time_per_sample_s"] / sub["time_per_sample_s"]
+        sub["efficiency"] = sub["speedup"] * b["devices"] / sub["devices"]
+        sub["baseline"] = [f"{lab} on {int(d)} device{'s' if d > 1 else ''}" for lab, d in zip(b["label"], b["devices"])]
+        sub["baseline_mode"] = mode if mode in BASELINES else "series"
+        sub["baseline_label"] = b["label"]
+        sub["baseline_devices"] = b["devices"].astype(int)
+        sub["baseline_epoch_time_s"] = b["epoch_time_s"]
+        sub["baseline_time_per_sample_s"] = b["time_per_sample_s"]
+        parts.append(sub)
+    return pd.concat(parts, ignore_index=True)
+
+
+# --- Fig 12: memory per rank vs devices --------------------------------------------------------------
+MEMORY_METRICS = {
+    "peak_rss_delta": "peak RSS - RSS before step 1, per process (MiB)",
+    "peak_rss": "peak RSS per process (MiB)",
+    "peak_allocated": "peak allocated per GPU (MiB)",
+}
+
+
+def memory_table(data: pd.DataFrame | Study) -> pd.DataFrame:
+    """Per point: the highest per-rank (per-device for gpipe) peak memory, split into the model states
+    held on that device (params, grads, optimizer of that rank) and the rest (activations, buffers,
+    and with CPU `peak_rss` the process itself), in MiB. The peak is `mem_plot_metric`: on CPU
+    `peak_rss_delta` when the records have it, else `peak_rss`. States held in host memory on a GPU
+    run (ZeRO offload) are not device memory: `host_mib` and `offload`, not in the stack."""
+    return Study.of(data).memory
+
+
+def _memory_table(study: Study) -> pd.DataFrame:
+    r = study.finished_runs.copy()
+    cols = ["peak_memory_max", "mem_plot_bytes", "state_params", "state_grads", "state_optimizer",
+            "dev_state_params", "dev_state_grads", "dev_state_optimizer", "host_state_bytes"]
+    for c in cols:
+        r[c] = pd.to_numeric(r[c], errors="coerce") if c in r else np.nan
+    for c in ("mem_plot_metric", "host_state_parts", "mem_note", "memory_metric"):
+        if c not in r:
+            r[c] = None
+    peak = r["mem_plot_bytes"].fillna(r["peak_memory_max"])
+    r["peak_used"] = peak
+    # records before the plotted-metric field: the event's own metric
+    r["mem_plot_metric"] = r["mem_plot_metric"].where(r["mem_plot_metric"].notna(), r["memory_metric"])
+    for part in ("params", "grads", "optimizer"):
+        r[f"dev_state_{part}"] = r[f"dev_state_{part}"].fillna(r[f"state_{part}"])
+    keys = ["workload", "label", "devices"]
+    g = r.groupby(keys, as_index=False)
+    data = g[["peak_memory_max", "peak_used", "dev_state_params", "dev_state_grads", "dev_state_optimizer",
+              "host_state_bytes"]].mean()
+    text = g.agg(memory_metric=("mem_plot_metric", _join), offload=("host_state_parts", _join),
+                 mem_note=("mem_note", _join))
+    data = data.merge(text, on=keys)
+    data["peak_mib"] = data["peak_used"] / MIB
+    for part in ("params", "grads", "optimizer"):
+        data[f"{part}_mib"] = data[f"dev_state_{part}"] / MIB
+    states = data[["params_mib", "grads_mib", "optimizer_mib"]].sum(axis=1, min_count=1)
+    data["states_mib"] = states
+    data["other_mib"] = (data["peak_mib"] - states.fillna(0)).clip(lower=0)
+    data["host_mib"] = data["host_state_bytes"] / MIB
+    return data.drop(columns=["peak_used"])
+
+
+# --- Fig 7: time breakdown ---------------------------------------------------------------------------
+def breakdown_table(data: pd.DataFrame | Study) -> pd.DataFrame:
+    """Per point: mean time per step in each phase (means over ranks), and the rest of the slowest
+    rank's step time ("other": waiting on other ranks, unattributed work), in milliseconds."""
+    return Study.of(data).breakdown
+
+
+def _breakdown_table(study: Study) -> pd.DataFrame:
+    r = study.finished_runs
+    phases = [p for p in PHASES if f"{p}_time_mean_s" in r]
+    cols = [f"{p}_time_mean_s" for p in phases] + ["step_time_mean_s"]
+    data = r.groupby(["workload", "label", "devices"], as_index=False)[cols].mean()
+    for p in phases:
+        data[f"{p}_ms"] = data[f"{p}_time_mean_s"] * 1e3
+    data["step_ms"] = data["step_time_mean_s"] * 1e3
+    data["other_ms"] = (data["step_ms"] - data[[f"{p}_ms" for p in phases]].fillna(0).sum(axis=1)).clip(lower=0)
+    data["point"] = data["label"] + " x" + data["devices"].astype(str)
+    data.attrs["phases"] = phases
+    return data
+
+
+# --- the report's summary ----------------------------------------------------------------------------
+def summary_table(data: pd.DataFrame | Study, baseline: str | None = "best") -> pd.DataFrame:
+    """One row per (workload, series, devices) point of finished runs: the numbers behind the figures.
+    `global_batch` lists every value its runs used ("8; 16" when they differ); `epoch time (s)` is the
+    one speedup uses, `epoch time from` says where it came from."""
+    study = Study.of(data)
+    r = study.ok_runs
+    if r.empty:
+        return pd.DataFrame()
+    g = r.groupby(["workload", "label", "devices"], as_index=False).agg(
+        runs=("run_id", "count"), global_batch=("global_batch", _join), epochs=("epochs", "max"),
+        epoch_time_s=("epoch_time_used_s", "mean"), epoch_time_from=("epoch_time_source", _join),
+        step_ms=("step_time_mean_s", "mean"), samples_per_s=("samples_per_s", "mean"),
+        metric=("val_metric_name", "first"), final_val=("val_metric", "mean"))
+    g["step_ms"] *= 1e3
+    mem = study.memory[["workload", "label", "devices", "peak_mib", "states_mib"]]
+    g["devices"] = g["devices"].astype(int)
+    mem["devices"] = mem["devices"].astype(int)
+    g = g.merge(mem, on=["workload", "label", "devices"], how="left")
+    sp = study.speedup(baseline)[["workload", "label", "devices", "speedup", "efficiency"]]
+    sp["devices"] = sp["devices"].astype(int)
+    return g.merge(sp, on=["workload", "label", "devices"], how="left")
+
+
+# --- time to target ----------------------------------------------------------------------------------
+def time_to_target(data: pd.DataFrame | Study) -> pd.DataFrame:
+    """Per workload: the target validation metric (the best value every finished run with validation
+    reached: the largest of the runs' lowest perplexities, the smallest of their highest accuracies) and,
+    per run, the wall time (`wall_time_s` of the first epoch whose metric reached it; time since the first
+    epoch began, validation included) and that epoch. Columns: workload, metric, target, run_id, label,
+    devices, time_s, epoch, best."""
+    return Study.of(data).time_to_target
+
+
+def _time_to_target(e: pd.DataFrame) -> pd.DataFrame:
+    if e.empty or "wall_time_s" not in e:
+        return pd.DataFrame()
+    e = e[e["val_metric"].notna()]
+    parts = []
+    for wl, sub in e.groupby("workload"):
+        metric = sub["val_metric_name"].iloc[0]
+        lower = metric == "val_perplexity"
+        best = sub.groupby("run_id")["val_metric"].agg("min" if lower else "max")
+        target = best.max() if lower else best.min()
+        tol = 1e-9 * abs(target)
+        hit = sub[(sub["val_metric"] <= target + tol) if lower else (sub["val_metric"] >= target - tol)]
+        first = hit.sort_values(["run_id", "epoch"]).drop_duplicates("run_id")  # each run's first epoch there
+        parts.append(pd.DataFrame({
+            "workload": wl, "metric": metric, "target": target, "run_id": first["run_id"].to_numpy(),
+            "label": first["label"].to_numpy(), "devices": first["devices"].astype(int).to_numpy(),
+            "time_s": first["wall_time_s"].astype(float).to_numpy(),
+            "epoch": first["epoch"].astype(int).to_numpy() + 1,
+            "best": best.reindex(first["run_id"]).astype(float).to_numpy()}))
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+
+# --- communication -----------------------------------------------------------------------------------
+def busbw_at(report: dict, op: str, message_bytes: float) -> tuple[float, int] | None:
+    """(busbw GB/s, size measured) of `op` at the measured size nearest to `message_bytes` on a log
+    scale (a tie goes to the larger size; beyond the range, the end point), or None when the report
+    has no measured `op`. The same rule as bench/core/comm_volume.busbw_from_report."""
+    rows = [r for r in report.get("results", []) if r.get("op") == op and r.get("busbw_GBps")]
+    if not rows:
+        return None
+    target = max(float(message_bytes), 1.0)
+    best = min(rows, key=lambda r: (abs(np.log(r["bytes"] / target)), -r["bytes"]))
+    return float(best["busbw_GBps"]), int(best["bytes"])
+
+
+def _matching_report(reports: list[dict], backend, op: str, group_size: int) -> dict | None:
+    """The measurement for a collective over `group_size` ranks on `backend`: one taken at that many
+    ranks (send/recv, which is pairwise: any measurement at 2 or more ranks, the nearest count first)."""
+    same = [r for r in reports if r.get("backend") == backend]
+    exact = [r for r in same if r.get("world_size") == group_size]
+    if exact:
+        return exact[-1]
+    if op == "send_recv":
+        pairs = sorted((r for r in same if (r.get("world_size") or 0) >= 2),
+                       key=lambda r: abs(r["world_size"] - group_size))
+        return pairs[0] if pairs else None
+    return None
+
+
+def _size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def comm_time(collectives: list[dict], backend, reports: list[dict]) -> tuple[float | None, str]:
+    """Seconds the per-step volume takes at the measured bus bandwidth (sum over collectives of
+    bytes / busbw at the nearest measured size, no overlap), and how each busbw was chosen; None
+    with the reason when a collective has no matching measurement."""
+    total, used = 0.0, []
+    for c in collectives:
+        rep = _matching_report(reports, backend, c["op"], int(c["group_size"]))
+        hit = busbw_at(rep, c["op"], c["message_bytes"]) if rep else None
+        if hit is None:
+            return None, f"not measured: no {c['op']} at {c['group_size']} ranks on {backend}"
+        bw, size = hit
+        total += float(c["bytes"]) / (bw * 1e9)
+        used.append(f"{c['op']} {bw:.3g} GB/s at {_size(size)}")
+    return total, "; ".join(dict.fromkeys(used))
+
+
+def comm_table(data: pd.DataFrame | Study, reports: list[dict]) -> pd.DataFrame:
+    """One row per (workload, series, devices) of finished runs: measured step time, the time of the
+    phase(s) the adapter's collectives run in (from the records' phase breakdown; the exposed
+    communication is inside them), the recorded communication volume per step, and the time that
+    volume takes at the measured bus bandwidth (`comm_time`; "not measured" without a matching
+    `python -m ptbench.comm` report)."""
+    return _comm_table(Study.of(data).ok_runs, reports)
+
+
+def _comm_table(r: pd.DataFrame, reports: list[dict]) -> pd.DataFrame:
+    if r.empty or "comm_bytes_per_step" not in r:
+        return pd.DataFrame()
+    rows = []
+    def text(v) -> str:  # a string column's value; NaN / None (no volume recorded) -> ""
+        return v if isinstance(v, str) else ""
+
+    for (wl, lab, d), sub in r.groupby(["workload", "label", "devices"]):
+        first = sub.iloc[0]
+        phases = [p for p in text(first.get("comm_phases")).split(",") if p]
+        phase_s = None
+        if phases and all(f"{p}_time_mean_s" in sub for p in phases):
+            phase_s = float(sum(pd.to_numeric(sub[f"{p}_time_mean_s"], errors="coerce").mean() for p in phases))
+        vol = first.get("comm_bytes_per_step")
+        cols = json.loads(first["comm_collectives"]) if text(first.get("comm_collectives")) else None
+        if cols is None:
+            err = text(first.get("comm_error"))
+            t, how = None, f"no volume in the record{': ' + err if err else ''}"
+        elif not cols:
+            t, how = 0.0, "no collectives"
+        else:
+            t, how = comm_time(cols, first.get("comm_backend"), reports)
+        step = pd.to_numeric(sub["step_time_mean_s"], errors="coerce").mean() if "step_time_mean_s" in sub else np.nan
+        rows.append({"workload": wl, "series": lab, "devices": int(d), "runs": len(sub), "step (ms)": step * 1e3,
+                     "comm phase": "+".join(phases) or "-",
+                     "phase (ms)": phase_s * 1e3 if phase_s is not None else np.nan,
+                     "comm MB/step": vol / 1e6 if vol is not None and not _missing(vol) else np.nan,
+                     "at busbw (ms)": t * 1e3 if t is not None else "not measured",
+                     "busbw used": how, "formula": text(first.get("comm_formula")) or "-"})
+    return pd.DataFrame(rows)
+
+
+

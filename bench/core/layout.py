@@ -1,0 +1,81 @@
+"""How a run is laid out over devices, and what its adapter tells the cost models: two frozen records.
+
+Each adapter returns both from one class method each (`Adapter.layout(cfg, world_size)`,
+`Adapter.cost_inputs(cfg)`); the run plan carries them and the summary records the layout, so the
+memory model (core/memory_model.py), the communication volume (core/comm_volume.py) and analysis
+read numbers, never adapter names. A new adapter states its own and touches no other module.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ptbench.core.errors import ConfigError
+
+# how the model states (parameters, gradients, optimizer state) are split over the data-parallel ranks
+SHARDING = ("none", "distributed_optimizer", "zero0", "zero1", "zero2", "zero3", "fsdp")
+RECOMPUTE = ("never", "except_last", "always")
+SCHEDULES = ("none", "1f1b", "interleaved_1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Processes, devices and the parallel dimensions of one run.
+
+    dp x tp x pp = devices = world_size x devices_per_process: every device holds one (tp, pp) shard of
+    one data-parallel replica. GPipe is one process driving pp devices (world_size 1, dp 1)."""
+
+    world_size: int  # processes
+    dp: int  # model replicas reading different data
+    tp: int = 1  # tensor-parallel ranks per replica
+    pp: int = 1  # pipeline stages (ranks or devices) per replica
+    devices_per_process: int = 1
+    microbatches: int = 1  # a replica's batch is cut into these inside one train_step (pipelines)
+
+    def __post_init__(self) -> None:
+        for key in ("world_size", "dp", "tp", "pp", "devices_per_process", "microbatches"):
+            val = getattr(self, key)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ConfigError(f"layout: {key}={val!r} must be an integer >= 1; check launcher.nprocs and the "
+                                  "adapter's parallel sizes")
+        if self.dp * self.tp * self.pp != self.devices:
+            raise ConfigError(f"layout: dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.dp * self.tp * self.pp} "
+                              f"does not equal the {self.devices} device(s) ({self.world_size} process(es) x "
+                              f"{self.devices_per_process}); make launcher.nprocs a multiple of the adapter's "
+                              "tensor/pipeline sizes")
+
+    @property
+    def devices(self) -> int:
+        return self.world_size * self.devices_per_process
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "devices": self.devices}
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """What an adapter's framework does that the memory and communication models cannot see in the layout."""
+
+    sharding: str = "none"  # SHARDING; distributed_optimizer: Megatron's, optimizer state over dp on CUDA only
+    half_states: bool = False  # bf16/fp16: parameters and gradients held in 2 bytes (DeepSpeed's bf16/fp16 mode)
+    half_gather: bool = False  # bf16/fp16: parameters gathered in 2 bytes (DeepSpeed, FSDP2's param_dtype)
+    half_activation_comm: bool = False  # bf16/fp16: tensor/pipeline-parallel activations sent in 2 bytes
+    reshard_after_forward: bool = True  # zero3 / fsdp: parameters gathered again in backward
+    padded_vocab: int = 0  # the vocabulary the model really holds (Megatron pads it); 0: the workload's
+    schedule: str = "none"  # SCHEDULES: the pipeline schedule (what micro-batches stay alive)
+    recompute: str = "never"  # RECOMPUTE: activation checkpointing of pipeline stages (torchgpipe's modes)
+    sequence_parallel: bool = False
+    cpu_attention_scores: bool = False  # the s x s attention scores kept on a CPU (no fused attention there)
+    fusion_buffer_bytes: int = 0  # a gradient fusion buffer of up to this size (Horovod)
+    grad_sync_phase: str = "backward"  # the timed phase the gradient all-reduce's exposed part shows in
+    step_phase: str | None = None  # one timed phase holding every collective of the step (a pipeline schedule)
+
+    def __post_init__(self) -> None:
+        for key, val, allowed in (("sharding", self.sharding, SHARDING), ("recompute", self.recompute, RECOMPUTE),
+                                  ("schedule", self.schedule, SCHEDULES)):
+            if val not in allowed:
+                raise ConfigError(f"cost inputs: {key}={val!r} is not one of {', '.join(allowed)}")
+        if self.padded_vocab < 0 or self.fusion_buffer_bytes < 0:
+            raise ConfigError("cost inputs: padded_vocab and fusion_buffer_bytes must be >= 0")
+
+    def as_dict(self) -> dict:
+        return asdict(self)

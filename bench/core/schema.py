@@ -1,0 +1,441 @@
+"""The run record's fields, once: every key of an epoch event (events.jsonl), of summary.json and of
+env.json, with its unit and meaning.
+
+Writers go through it (bench/runner/meter.py builds the event and the summary with `build`;
+bench/core/records.py refuses a top-level key not listed here), results/README.md's field table is
+`markdown()` (tests/test_schema.py keeps the two equal), and tests/test_schema.py checks that every
+key a real run writes, and every key analysis/, core/sinks.py and memory_study.py read, is listed.
+A renamed key therefore fails a test instead of silently emptying a figure.
+
+A nested dict is a Field of kind "dict" (a JSON list of dicts: "table") with its own fields;
+`closed=False` lists the usual keys of a nested dict written elsewhere (an adapter's settings, the
+cost models) without refusing others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# ptbench.core.timing.PHASES (tests/test_schema.py keeps them equal): not imported, as it imports torch and
+# the records module (sweeps, drivers) must not
+PHASES = ("data", "forward", "backward", "forward_backward", "optimizer")
+
+
+class SchemaError(ValueError):
+    """A record key that is not in this schema (a writer's bug, named with its fix)."""
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    unit: str  # "" when the value has none (a name, a flag, a text)
+    meaning: str
+    kind: str = "scalar"  # scalar | list (of scalars) | dict | table (a list of dicts)
+    fields: tuple[Field, ...] = ()  # dict / table: the keys of the nested dict (of each row)
+    closed: bool = True  # dict / table: a key not in `fields` is an error (False: the keys listed are the usual ones)
+
+
+def F(name: str, unit: str, meaning: str, *fields: Field, kind: str = "scalar", closed: bool = True) -> Field:
+    if fields and kind == "scalar":
+        kind = "dict"
+    return Field(name, unit, meaning, kind, tuple(fields), closed)
+
+
+def T(name: str, meaning: str, *fields: Field, closed: bool = True) -> Field:
+    """A list of dicts (one per rank, per save, per restart, ...)."""
+    return Field(name, "", meaning, "table", tuple(fields), closed)
+
+
+def OPEN(name: str, meaning: str, *fields: Field) -> Field:
+    """A dict whose keys its writer owns (an adapter's settings, a cost model): the usual keys listed."""
+    return Field(name, "", meaning, "dict", tuple(fields), False)
+
+
+# --- shared parts ------------------------------------------------------------------------------------
+STATE_BYTES = (
+    F("params", "bytes", "parameters this rank holds"),
+    F("grads", "bytes", "gradients this rank holds (sharded adapters: its shard)"),
+    F("optimizer", "bytes", "optimizer state this rank holds"),
+    F("grads_peak_backward", "bytes", "ZeRO: the full gradients held during backward, before the reduction"),
+    F("params_tp_sharded", "bytes", "Megatron: the part of params split over tensor-parallel ranks"),
+    F("device", "", "where the states are: a device, or {part: device} (offload)"),
+    T("per_partition", "GPipe: the states of each partition and its device", closed=False),
+    T("per_device", "the states on each device of the rank", closed=False),
+)
+VAL_METRICS = (  # ptbench.workloads.base.Workload.metrics
+    F("val_loss", "nats", "mean validation loss per sample (vision) or token (language)"),
+    F("val_samples", "samples", "validation samples evaluated"),
+    F("val_accuracy", "fraction", "top-1 validation accuracy (vision)"),
+    F("val_perplexity", "", "exp(val_loss) (language)"),
+    F("val_token_accuracy", "fraction", "next-token accuracy (language)"),
+)
+MEMORY = F(
+    "memory",
+    "bytes",
+    "the rank's peak memory over the epoch's training steps (reset each epoch)",
+    F("peak_allocated", "bytes", "CUDA max_memory_allocated (null on CPU)"),
+    F("peak_reserved", "bytes", "CUDA max_memory_reserved (null on CPU)"),
+    F("peak_rss", "bytes", "host VmHWM of the process (always; holds the whole interpreter)"),
+    F("peak_rss_delta", "bytes", "peak_rss minus the RSS before the epoch's first step: what training added"),
+    T(
+        "per_device",
+        "a process driving several devices (GPipe): one reading per device",
+        F("device", "", "the device"),
+        F("peak_allocated", "bytes", ""),
+        F("peak_reserved", "bytes", ""),
+        F("peak_rss", "bytes", ""),
+        closed=False,
+    ),
+)
+RANK = (
+    F("rank", "", "global rank"),
+    F("host", "", "host name"),
+    MEMORY,
+    OPEN("state_bytes", "model-state bytes this rank holds (ptbench.adapters.base.Adapter.state_bytes)", *STATE_BYTES),
+    F("epoch_time_s", "s", "this rank's epoch time"),
+)
+COMPILE_EVENT = (
+    F("train_frames", "count", "frames torch._dynamo compiled during the epoch's training steps"),
+    F("train_time_s", "s", "torch._dynamo compile time during the training steps"),
+    F("timed_step_frames", "count", "frames compiled after the warm-up (recompiles inside timed steps)"),
+    F("eval_frames", "count", "frames compiled during validation"),
+    F("eval_time_s", "s", "compile time during validation"),
+)
+
+# --- events.jsonl: one epoch event per line ---------------------------------------------------------
+EPOCH_EVENT = (
+    F("type", "", '"epoch"'),
+    F("epoch", "epoch", "0-based epoch index"),
+    F("steps", "steps", "optimizer steps in the epoch"),
+    F("timed_steps", "steps", "steps in the step statistics (after trainer.warmup_steps of the run)"),
+    F("warmup_steps_excluded", "steps", "steps of this epoch left out as warm-up"),
+    F("global_batch", "samples", "samples per optimizer step over all replicas"),
+    F("devices", "count", "world_size x devices per process"),
+    F(
+        "epoch_time_s",
+        "s",
+        "wall time of the epoch's training steps, the slowest rank's; warm-up included, "
+        "validation and checkpoint saving excluded",
+    ),
+    F("partial", "", "true when cut short (trainer.max_steps, a stop): left out of epoch-time means"),
+    F("val_time_s", "s", "validation time"),
+    F("wall_time_s", "s", "since the start of training (this attempt) at the end of validation"),
+    F("step_time_mean_s", "s", "mean step time after warm-up (per step the slowest rank)"),
+    F("step_time_p50_s", "s", "median step time"),
+    F("step_time_p95_s", "s", "95th percentile step time"),
+    F("step_time_cv", "", "coefficient of variation of the step time"),
+    *(F(f"{p}_time_mean_s", "s", f"mean time of phase `{p}` per timed step, mean over ranks") for p in PHASES),
+    F("data_share", "fraction", "data_time_mean_s / step_time_mean_s"),
+    F("samples_per_s", "samples/s", "global_batch / step_time_mean_s"),
+    F("epoch_samples_per_s", "samples/s", "samples of the epoch / epoch_time_s (warm-up included)"),
+    F("tokens_per_s", "tokens/s", "samples_per_s x tokens per sample (language)"),
+    F("train_flops_per_sample", "FLOP", "analytic training FLOPs per sample (3 x forward)"),
+    F("flops_per_s", "FLOP/s", "achieved: samples_per_s x train_flops_per_sample"),
+    F("mfu", "fraction", "flops_per_s / (peak FLOP/s x devices); only against a known peak, never > 1"),
+    F("mfu_note", "", "why there is no MFU"),
+    F("train_loss", "nats", "mean over the epoch's steps of the per-step loss (mean over ranks)"),
+    F("train_losses", "nats", "every step's loss (trainer.log_step_losses)", kind="list"),
+    F("lr_epoch_start", "", "learning rate of the epoch's first step"),
+    F("lrs", "", "with an lr schedule: every step's learning rate", kind="list"),
+    F("memory_metric", "", "peak_allocated (CUDA) or peak_rss (CPU): what peak_memory_* compare"),
+    F("peak_memory_max", "bytes", "highest memory_metric over ranks"),
+    F("peak_memory_min", "bytes", "lowest memory_metric over ranks"),
+    T("ranks", "one row per rank, in rank order", *RANK),
+    *VAL_METRICS,
+    F("checkpoint_time_s", "s", "time spent saving checkpoints in this epoch (left out of epoch_time_s)"),
+    F("compile", "", "trainer.compile: torch._dynamo counters over the epoch", *COMPILE_EVENT),
+    F("resumed", "", "the epoch ran in two attempts; its losses and step times are the parts joined"),
+    F("resumed_at_step", "steps", "global step of the checkpoint the epoch resumed from"),
+    F("restart_gap_excluded", "", "the time between the attempts is left out of epoch_time_s"),
+    F("memory_note", "", "what the memory readings of a resumed epoch cover"),
+)
+
+# --- summary.json -----------------------------------------------------------------------------------
+SAVE = (
+    F("step", "steps", "global step saved"),
+    F("epoch", "epoch", "epoch of the save"),
+    F("step_in_epoch", "steps", "steps of that epoch done"),
+    F("reason", "", "every | stop"),
+    F("time", "Unix s", "when saved"),
+    F("bytes", "bytes", "size on disk"),
+    F("save_time_s", "s", "time the save took"),
+    F("name", "", "checkpoint folder name"),
+)
+LAYOUT = (  # ptbench.core.layout.Layout.as_dict()
+    F("world_size", "count", "processes"),
+    F("dp", "count", "data-parallel replicas"),
+    F("tp", "count", "tensor-parallel ranks per replica"),
+    F("pp", "count", "pipeline stages per replica"),
+    F("devices_per_process", "count", "devices one process drives (GPipe: its partitions)"),
+    F("microbatches", "count", "micro-batches per replica batch inside one step (pipelines)"),
+    F("devices", "count", "world_size x devices_per_process = dp x tp x pp"),
+)
+SUMMARY = (
+    # identity: every summary, whatever its status (ptbench.core.records.RunWriter, RunPlan.identity)
+    F("run_id", "", "the record folder's name"),
+    F("experiment", "", "results.experiment"),
+    F("point", "", "sweep point id: the run's identity over repeats"),
+    F("adapter", "", "adapter name"),
+    F("workload", "", "workload name"),
+    F("world_size", "count", "processes"),
+    F("devices", "count", "world_size x devices per process"),
+    F("overrides", "", "a point a driver never ran: its overrides", kind="list"),
+    # outcome
+    F("status", "", "running / ok / failed / oom / timeout / preempted / skipped"),
+    F("error", "", "one line: why the run failed"),
+    F("failed_rank", "", "the rank whose error is the cause"),
+    T("rank_errors", "every rank's error, earliest first", F("rank", "", ""), F("status", "", ""), F("error", "", "")),
+    F("resuming_from", "", "status running: the checkpoint being resumed"),
+    F(
+        "requeue",
+        "",
+        "a stop inside a requeueable Slurm job",
+        F("slurm_job_id", "", "the job requeued"),
+        F("time", "Unix s", "when"),
+        F("error", "", "scontrol requeue's error"),
+    ),
+    F("stop_signal", "", "the signal that stopped the run (preempted)"),
+    # checkpoints and restarts
+    F(
+        "checkpoint",
+        "",
+        "trainer.checkpoint_every / resume: the saves (null when off)",
+        F("every", "steps", "trainer.checkpoint_every"),
+        F("keep", "count", "trainer.checkpoint_keep"),
+        F("on_stop", "", "a stop signal saves"),
+        F("format", "", "the adapter's checkpoint format"),
+        T("saved", "every save of the record, earlier attempts' included", *SAVE),
+        F("latest", "", "the newest checkpoint kept"),
+    ),
+    T(
+        "resumed_from",
+        "one row per restart of this record",
+        F("step", "steps", "global step resumed at"),
+        F("epoch", "epoch", ""),
+        F("step_in_epoch", "steps", ""),
+        F("time", "Unix s", "when resumed"),
+        F("attempt", "count", "the attempt (the first is 1)"),
+        F("checkpoint", "", "checkpoint name"),
+        F("checkpoint_time", "Unix s", "when it was saved"),
+        F("restart_gap_s", "s", "from the save to the resume"),
+        F("previous_run_id", "", "the record saved into"),
+        F("previous_status", "", "that record's status"),
+        F("events_replaced", "", "epochs whose events were rewritten"),
+        F("host", "", "host of the resumed attempt"),
+        F("slurm_job_id", "", ""),
+        F("slurm_restart_count", "", ""),
+    ),
+    F("restart_gap_excluded", "", "restart gaps are left out of the epoch times"),
+    # totals (ptbench.runner.meter)
+    F("startup_s", "s", "launch of the command to the end of the first step"),
+    F("epochs_completed", "epoch", "epochs with an event"),
+    F("total_time_s", "s", "training time of the run (all attempts, restart gaps excluded)"),
+    F("steps", "steps", "optimizer steps of the run"),
+    F("global_batch", "samples", "samples per optimizer step over all replicas"),
+    F("local_batch", "samples", "samples per rank per micro-step"),
+    F("samples_dropped_per_epoch", "samples", "the incomplete last global batch"),
+    F("data_workers", "count", "DataLoader workers per rank"),
+    OPEN(
+        "data_pipeline",
+        "loader and input settings as used (pin_memory, persistent_workers; vision: channels_last, decoder, cache)",
+    ),
+    F(
+        "compile",
+        "",
+        "trainer.compile (null when off)",
+        F("backend", "", "trainer.compile_backend"),
+        F("how", "", "what the adapter compiled"),
+        F("time_s", "s", "torch._dynamo's compile time"),
+        F("frames", "count", ""),
+        F("graphs", "count", ""),
+        F("warmup_steps", "steps", ""),
+        F("timed_step_frames", "count", "frames compiled after the warm-up"),
+    ),
+    F("step_time_mean_s", "s", "mean step time over the timed steps of all epochs"),
+    F("samples_per_s", "samples/s", "global_batch / step_time_mean_s"),
+    F("tokens_per_s", "tokens/s", "samples_per_s x tokens per sample (language)"),
+    F("epoch_time_mean_s", "s", "mean over whole epochs (over all, flagged, when every epoch was cut short)"),
+    F("epoch_time_mean_includes_partial", "", "epoch_time_mean_s includes cut-short epochs"),
+    F("epoch_time_steady_s", "s", "mean over whole epochs after the first: what speedup uses"),
+    F(
+        "timing",
+        "",
+        "how steps were timed",
+        F("clock", "", "CUDA events or the host clock"),
+        F("phase_sync", "", "per-phase device sync (trainer.sync_timing)"),
+    ),
+    F("tf32", "", "trainer.tf32"),
+    F("warnings", "", "what makes the numbers suspect (input-bound, recompiles, no MFU)", kind="list"),
+    T("state_bytes_per_rank", "the last epoch's model-state bytes per rank", *STATE_BYTES, closed=False),
+    F("hosts", "", "host per rank, in rank order", kind="list"),
+    F("val_loss", "nats", "the last epoch's"),
+    F("val_accuracy", "fraction", "the last epoch's"),
+    F("val_perplexity", "", "the last epoch's"),
+    F("train_loss", "nats", "the last epoch's"),
+    F("peak_memory_max", "bytes", "the last epoch's"),
+    F("peak_memory_min", "bytes", "the last epoch's"),
+    F("mfu", "fraction", "the last epoch's"),
+    # the run's setup (ptbench.runner.rank)
+    OPEN("adapter_settings", "the adapter's settings as used (Adapter.describe)"),
+    OPEN("plan", "the run plan (ptbench.runner.plan.RunPlan.describe)"),
+    F("layout", "", "how the run is laid out over devices (ptbench.core.layout.Layout)", *LAYOUT),
+    F("precision", "", "fp32 / bf16 / fp16 as run"),
+    OPEN(
+        "predicted_memory",
+        "predicted peak memory of the busiest rank (ptbench.core.memory_model)",
+        F("params", "bytes", ""),
+        F("grads", "bytes", ""),
+        F("optimizer", "bytes", ""),
+        F("master", "bytes", ""),
+        F("model_states", "bytes", ""),
+        F("transient", "bytes", ""),
+        F("activations", "bytes", ""),
+        F("total", "bytes", "the predicted peak"),
+        F("device_bytes", "bytes", "memory of the device"),
+        F("fits", "", "total <= device_bytes"),
+        F("variant", "", ""),
+        F("busiest", "", ""),
+    ),
+    OPEN(
+        "comm_volume",
+        "predicted communication per optimizer step per rank (ptbench.core.comm_volume)",
+        F("total_bytes", "bytes", "bus volume per step per rank"),
+        F("backend", "", ""),
+        F("by_op", "bytes", "per collective op"),
+        F("phases", "", "the timed phases the collectives run in"),
+        T("collectives", "one row per collective", closed=False),
+        F("error", "", "why there is no volume"),
+    ),
+    OPEN("extra", "the config's free `extra` group"),
+    F("batch_reduced_from", "samples", "the batch size a driver lowered to fit"),
+    OPEN("phase_semantics", "what each timed phase holds for this adapter"),
+    F("precision_semantics", "", 'what "bf16"/"fp16" means for this adapter'),
+    F("batch_policy", "", "adapter.batch_policy: what a global batch follows"),
+    F("warmup_steps", "steps", "trainer.warmup_steps"),
+    F("launcher", "", "local / torchrun / slurm / horovodrun"),
+    OPEN("conventions", "how the numbers were measured (ptbench.runner.meter.CONVENTIONS)"),
+    F("frameworks_imported", "", "frameworks besides torch this process imported", kind="list"),
+    F("cpu_threads_per_rank", "count", "torch intra-op threads per rank"),
+)
+
+# --- env.json ---------------------------------------------------------------------------------------
+ENV = (
+    F("python", "", "Python version"),
+    OPEN(
+        "versions",
+        "package -> version: torch, torchvision, hydra-core, nvtx and each adapter's framework",
+        F("torch", "", ""),
+    ),
+    F("host", "", "host name"),
+    F("platform", "", ""),
+    F("cpu", "", ""),
+    F("cpu_count", "count", ""),
+    F("git_sha", "", "the checkout's commit"),
+    OPEN("slurm", "SLURM_* ids of the job"),
+    F("time", "", "ISO time of the record's creation"),
+    F("cuda_available", "", ""),
+    F("cuda", "", "torch's CUDA version"),
+    F("gpus", "", "GPU names", kind="list"),
+    F("gpu_count", "count", ""),
+    F("gpu_memory_bytes", "bytes", "per GPU", kind="list"),
+    F("cudnn", "", ""),
+    F("nccl", "", ""),
+    OPEN("tf32", "TF32 flags (matmul, cudnn)"),
+    OPEN("gpu_env", "NCCL_* / CUDA_* variables"),
+    F("driver", "", "NVIDIA driver"),
+    T("nvidia_smi_gpus", "nvidia-smi --query-gpu rows", closed=False),
+    F("topology", "", "nvidia-smi topo -m"),
+)
+
+FILES = {"events.jsonl": EPOCH_EVENT, "summary.json": SUMMARY, "env.json": ENV}
+
+
+def _index(fields) -> dict[str, Field]:
+    return {f.name: f for f in fields}
+
+
+def unknown(record: dict, fields=SUMMARY, prefix: str = "", deep: bool = True, closed: bool = True) -> list[str]:
+    """The keys of `record` not in `fields`, as dotted paths (a table's rows as name[]); `deep` also
+    looks into the nested dicts the schema lists (an open one only at the keys it lists)."""
+    known = _index(fields)
+    out = []
+    for key, value in record.items():
+        f = known.get(key)
+        if f is None:
+            out += [prefix + key] if closed else []
+            continue
+        if not deep or f.kind not in ("dict", "table"):
+            continue
+        rows = (
+            [value]
+            if f.kind == "dict" and isinstance(value, dict)
+            else ([v for v in value if isinstance(v, dict)] if f.kind == "table" and isinstance(value, list) else [])
+        )
+        for row in rows:
+            out += unknown(row, f.fields, f"{prefix}{key}{'[]' if f.kind == 'table' else ''}.", deep, f.closed)
+    return list(dict.fromkeys(out))
+
+
+def check(record: dict, fields=SUMMARY, what: str = "summary.json", deep: bool = False) -> dict:
+    """`record` itself; raises SchemaError naming the first key the schema does not list."""
+    bad = unknown(record, fields, deep=deep)
+    if bad:
+        raise SchemaError(
+            f"{what} key {bad[0]!r} is not in ptbench/core/schema.py: add it there (name, unit, "
+            f"meaning) or fix the writer's spelling"
+        )
+    return record
+
+
+def names(fields=None) -> set[str]:
+    """Every field name at any depth (of one file's fields, or of all files)."""
+    out: set[str] = set()
+    for f in fields if fields is not None else [f for fs in FILES.values() for f in fs]:
+        out.add(f.name)
+        out |= names(f.fields)
+    return out
+
+
+def _rows(fields, prefix: str = ""):
+    for f in fields:
+        name = prefix + f.name + ("[]" if f.kind == "table" else "")
+        unit = f.unit + (" (list)" if f.kind == "list" else "")
+        meaning = f.meaning + ("" if f.closed else " (open: its writer may add keys)")
+        yield f"| `{name}` | {unit} | {meaning} |"
+        yield from _rows(f.fields, name + ".")
+
+
+def markdown() -> str:
+    """The field tables of results/README.md."""
+    parts = []
+    for file, fields in FILES.items():
+        parts += [f"### {file}", "", "| field | unit | meaning |", "|---|---|---|", *_rows(fields), ""]
+    return "\n".join(parts)
+
+
+BEGIN, END = "<!-- schema:begin (python -m ptbench.core.schema results/README.md) -->", "<!-- schema:end -->"
+
+
+def readme_block(text: str) -> str | None:
+    """The generated part of a README (between the markers), None without markers."""
+    if BEGIN not in text or END not in text:
+        return None
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def write_readme(path: Path) -> None:
+    text = Path(path).read_text()
+    if readme_block(text) is None:
+        raise SystemExit(f"error: {path} has no '{BEGIN}' ... '{END}' markers; add them where the tables go")
+    head, rest = text.split(BEGIN, 1)
+    Path(path).write_text(f"{head}{BEGIN}\n{markdown()}\n{END}{rest.split(END, 1)[1]}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) > 1:
+        write_readme(Path(sys.argv[1]))
+    else:
+        print(markdown())

@@ -1,0 +1,53 @@
+"""Failures on purpose, for the tests of failure capture and of resume (trainer.inject_fault, inject_stop).
+
+Checked before launch (bench/runner/checks.py, bench/core/checkpoint.py); here only their effect.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ptbench.core.config import TrainerConfig
+from ptbench.core.errors import ConfigError
+from ptbench.core.guard import StopFlag
+
+
+class Faults:
+    """This rank's injected fault (`trainer.inject_fault`) and stop request (`trainer.inject_stop`)."""
+
+    def __init__(self, trainer: TrainerConfig, rank: int):
+        self.rank = rank
+        self.fault = trainer.inject_fault or None
+        self.stop_at = tuple(int(v) for v in str(trainer.inject_stop).split(":")) if trainer.inject_stop else None
+
+    def before_step(self, step: int) -> None:
+        """After the step's data is loaded, before its compute: the injected fault, if it is this rank's and step's."""
+        if self.fault:
+            inject_fault(self.fault, self.rank, step)
+
+    def after_step(self, step: int, stop: StopFlag) -> None:
+        """After global step `step`: ask for a stop as a signal would, if this is the injected one."""
+        if self.stop_at == (self.rank, step):
+            stop.request("injected")
+
+
+def inject_fault(spec: str, rank: int, step: int) -> None:
+    """Fail on purpose (tests of failure capture): "raise@1:3" = rank 1 raises at step 3."""
+    kind, _, where = spec.partition("@")
+    fault_rank, _, fault_step = where.partition(":")
+    if rank != int(fault_rank) or step != int(fault_step):
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if kind == "oom":
+        raise torch.OutOfMemoryError(f"injected out of memory on rank {rank} at step {step}")
+    if kind == "exit":
+        import os
+
+        os._exit(3)
+    if kind == "hang":  # stop calling collectives, as a deadlocked rank does
+        while True:
+            time.sleep(1)
+    raise ConfigError(f"trainer.inject_fault={spec}: KIND must be raise, oom, hang or exit")

@@ -1,0 +1,323 @@
+"""What the training loop measured, as the record: the epoch event and the summary (bench/core/schema.py).
+
+Stated conventions (also written into every record under "conventions"):
+- the first `trainer.warmup_steps` optimizer steps of the run are excluded from step statistics and
+  throughput; `epoch_time_s` is the wall time of the whole epoch's training steps, warm-up included,
+  validation excluded (`val_time_s` separately);
+- a step's time is the slowest rank's time for that step; phase times are means over ranks;
+- FLOPs are analytic (workload), training = 3 x forward; achieved FLOP/s = samples/s x FLOPs/sample.
+
+The epoch event costs one collective round per epoch (losses all-reduced, phase times and per-rank
+facts gathered): the loop keeps per-step losses on the device until the epoch ends.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ptbench.adapters.base import Adapter, compile_stats
+from ptbench.core import schema
+from ptbench.core.config import BenchConfig
+from ptbench.core.data import loader_options
+from ptbench.core.dist import DistContext
+from ptbench.core.flops import math_dtype, mfu, peak_flops
+from ptbench.core.timing import PHASES
+from ptbench.runner.console import print_epoch
+from ptbench.runner.plan import RunPlan
+from ptbench.workloads.base import Workload
+
+CONVENTIONS = {
+    "warmup": "first trainer.warmup_steps steps of the run excluded from step stats and throughput",
+    "epoch_time": "wall time of the epoch's training steps incl. warm-up; validation excluded",
+    "step_time": "per step, the slowest rank; phases are means over ranks",
+    "flops": "analytic, 2 FLOPs per multiply-add, training = 3 x forward",
+    "memory": "CUDA: max allocated/reserved; CPU: VmHWM; both reset each epoch",
+    "startup": "startup_s = launch of the command to the end of the first step",
+    "compile": "trainer.compile: compilation runs in the warm-up steps (out of step stats, inside the first "
+    "epoch_time_s); compile.time_s is torch._dynamo's own compile time; frames compiled after warm-up "
+    "(recompiles) are counted per epoch as timed_step_frames",
+    "checkpoints": "epoch_time_s leaves out time spent saving checkpoints (checkpoint_time_s); a resumed epoch's "
+    "time is the sum of its parts before and after the restart, the restart gap left out",
+}
+# the last epoch's values the summary repeats
+LAST_EPOCH = ("val_loss", "val_accuracy", "val_perplexity", "train_loss", "peak_memory_max", "peak_memory_min", "mfu")
+
+
+class Meter:
+    """Turns one epoch's raw measurements into its event, and the events into the run's summary."""
+
+    def __init__(self, cfg: BenchConfig, plan: RunPlan, ctx: DistContext, adapter: Adapter, workload: Workload):
+        self.cfg = cfg
+        self.plan = plan
+        self.ctx = ctx
+        self.adapter = adapter
+        self.workload = workload
+        self.compile_warm: dict | None = None  # torch._dynamo counters when the warm-up ended (trainer.compile)
+        self.global_batch = plan.global_batch
+        self.local_batch = plan.local_batch
+        self.workers = 0  # set by the trainer once its loaders exist
+        self.samples_dropped = 0
+
+    # --- one epoch -------------------------------------------------------------------------------
+    def epoch_event(
+        self,
+        epoch: int,
+        *,
+        losses: list[torch.Tensor],
+        rows: list[dict],
+        first_step: int,
+        epoch_time: float,
+        val_time: float,
+        mem: dict,
+        state: dict,
+        val_metrics: dict,
+        run_start: float,
+        partial: bool,
+        lrs: list[float] | None,
+        checkpoint_time: float,
+        compile: dict | None,
+        resumed_at: int | None,
+    ) -> dict:
+        """The epoch's event (a collective: every rank calls it). `rows`: this rank's per-step phase times;
+        `lrs`: with an lr schedule, the lr of every step of the run so far; `resumed_at`: the global step
+        of the checkpoint this epoch continued from (None: it ran in one attempt)."""
+        device = self.ctx.device
+        steps = len(losses)
+        loss_vec = self._mean_losses(losses)
+        times, per_rank = self._gather(
+            rows,
+            {
+                "rank": self.ctx.rank,
+                "host": socket.gethostname(),
+                "memory": mem,
+                "state_bytes": state,
+                "epoch_time_s": epoch_time,
+            },
+        )
+
+        timed_from = max(0, self.cfg.trainer.warmup_steps - first_step)
+        timed = times[:, timed_from:, :]
+        step_times = timed[:, :, -1].max(axis=0) if timed.shape[1] else np.zeros(0)
+        phase_means = {c: float(timed[:, :, i].mean()) if timed.shape[1] else None for i, c in enumerate(PHASES)}
+        step_stats = _stats(step_times)
+        samples_per_s = self.global_batch / step_stats["mean"] if step_stats["mean"] else None
+        flops_per_sample = self.plan.train_flops_per_sample
+        flops_per_s = samples_per_s * flops_per_sample if samples_per_s else None
+        t = self.cfg.trainer
+        peak = peak_flops(device, t.precision, t.tf32)
+        devices = self.plan.devices
+        slowest = max(r["epoch_time_s"] for r in per_rank)
+        mfu_value, mfu_note = mfu(flops_per_s, peak, devices)
+        if self.ctx.is_cuda and peak is None:
+            mfu_note = (
+                f"no MFU: no peak FLOP/s known for {torch.cuda.get_device_name(device)} in "
+                f"{math_dtype(t.precision, t.tf32)} (bench/core/flops.py)"
+            )
+        mem_key = "peak_allocated" if self.ctx.is_cuda else "peak_rss"
+        mem_values = [r["memory"][mem_key] for r in per_rank if r["memory"][mem_key] is not None]
+        event = {
+            "type": "epoch",
+            "epoch": epoch,
+            "steps": steps,
+            "timed_steps": int(len(step_times)),
+            "warmup_steps_excluded": int(steps - len(step_times)),
+            "global_batch": self.global_batch,
+            "devices": devices,  # world_size x devices per process (GPipe drives several from one)
+            # the slowest rank's: an epoch ends when its last rank does
+            "epoch_time_s": slowest,
+            # cut short (trainer.max_steps, a stop signal): flagged, and left out of epoch-time means
+            "partial": partial,
+            "val_time_s": val_time,
+            "wall_time_s": time.perf_counter() - run_start,
+            "step_time_mean_s": step_stats["mean"],
+            "step_time_p50_s": step_stats["p50"],
+            "step_time_p95_s": step_stats["p95"],
+            "step_time_cv": step_stats["cv"],
+            **{f"{c}_time_mean_s": v for c, v in phase_means.items()},
+            "data_share": phase_means["data"] / step_stats["mean"] if step_stats["mean"] else None,
+            "samples_per_s": samples_per_s,
+            "epoch_samples_per_s": self.global_batch * steps / slowest if slowest > 0 else None,
+            "tokens_per_s": samples_per_s * self.plan.tokens_per_sample if samples_per_s else None,
+            "train_flops_per_sample": flops_per_sample,
+            "flops_per_s": flops_per_s,
+            "mfu": mfu_value,
+            "mfu_note": mfu_note,
+            "train_loss": float(loss_vec.mean()) if len(loss_vec) else None,
+            "train_losses": [float(v) for v in loss_vec] if t.log_step_losses else None,
+            # the lr of the epoch's first step; with a schedule, every step's (schedule=..., bench/core/schedule.py)
+            "lr_epoch_start": lrs[first_step] if lrs is not None and len(lrs) > first_step else self.cfg.optimizer.lr,
+            "lrs": lrs[first_step : first_step + steps] if lrs is not None else None,
+            "memory_metric": mem_key,
+            "peak_memory_max": max(mem_values) if mem_values else None,
+            "peak_memory_min": min(mem_values) if mem_values else None,
+            "ranks": per_rank,
+            **val_metrics,
+            "checkpoint_time_s": checkpoint_time,
+        }
+        if compile is not None:
+            event["compile"] = compile
+        if resumed_at is not None:
+            event["resumed"] = True  # this epoch ran in two attempts: the parts are joined
+            event["resumed_at_step"] = resumed_at
+            event["restart_gap_excluded"] = True
+            event["memory_note"] = "peak memory of the attempt after the restart"
+        if self.ctx.rank == 0:
+            print_epoch(event)
+        return schema.check(event, schema.EPOCH_EVENT, "events.jsonl", deep=True)
+
+    def _mean_losses(self, losses: list[torch.Tensor]) -> np.ndarray:
+        """Per-step losses, each the mean over the ranks that report them."""
+        device = self.ctx.device
+        reports = self.adapter.reports_metrics
+        reporting = torch.tensor([1.0 if reports else 0.0], device=device)
+        loss_vec = torch.stack(losses).float() if losses else torch.zeros(0, device=device)
+        if not reports:
+            loss_vec = torch.zeros_like(loss_vec)
+        dist.all_reduce(loss_vec)
+        dist.all_reduce(reporting)
+        return (loss_vec / reporting).cpu().numpy()
+
+    def _gather(self, rows: list[dict], facts: dict) -> tuple[np.ndarray, list[dict]]:
+        """Every rank's per-step phase times, [world, steps, phases + step], and every rank's `facts`."""
+        cols = list(PHASES) + ["step"]
+        table = [[s.get(c, 0.0) for c in cols] for s in rows]
+        local = torch.tensor(table, dtype=torch.float64, device=self.ctx.device).reshape(-1, len(cols))
+        gathered = [torch.zeros_like(local) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, local)
+        per_rank = [None] * self.ctx.world_size
+        dist.all_gather_object(per_rank, facts)
+        return torch.stack([g.cpu() for g in gathered]).numpy(), per_rank
+
+    def warmup_ended(self) -> None:
+        """Called at the last warm-up step (trainer.compile): later compiles are recompiles in timed steps."""
+        self.compile_warm = compile_stats()
+
+    def compile_event(self, before: dict, trained: dict, validated: dict, first_step: int, global_step: int) -> dict:
+        """torch._dynamo counters over the epoch: its training steps, their timed part, its validation."""
+        warmup = self.cfg.trainer.warmup_steps
+        if first_step >= warmup:
+            timed_from = before
+        elif global_step >= warmup and self.compile_warm is not None:
+            timed_from = self.compile_warm  # the warm-up ended in this epoch
+        else:
+            timed_from = trained  # every step of this epoch was warm-up
+        return {
+            "train_frames": trained["frames"] - before["frames"],
+            "train_time_s": trained["time_s"] - before["time_s"],
+            "timed_step_frames": trained["frames"] - timed_from["frames"],
+            "eval_frames": validated["frames"] - trained["frames"],
+            "eval_time_s": validated["time_s"] - trained["time_s"],
+        }
+
+    # --- the run ---------------------------------------------------------------------------------
+    def summary(
+        self,
+        epochs: list[dict],
+        *,
+        status: str,
+        total_time: float,
+        steps: int,
+        startup_s: float | None,
+        stop_signal: str | None,
+        checkpoint: dict | None,
+        resumed_from: list[dict],
+        timing: dict,
+    ) -> dict:
+        """The run's totals from its epoch events (rank.py adds the run's setup before writing it)."""
+        last = epochs[-1] if epochs else {}
+        timed = [e for e in epochs if e["timed_steps"]]
+        total_timed = sum(e["timed_steps"] for e in timed)
+        mean_step = sum(e["step_time_mean_s"] * e["timed_steps"] for e in timed) / total_timed if total_timed else None
+        whole = [e["epoch_time_s"] for e in epochs if not e["partial"]]
+        steady = [e["epoch_time_s"] for e in epochs[1:] if not e["partial"]]  # epoch 0 holds the warm-up
+        leaked = sum(e["compile"]["timed_step_frames"] for e in epochs if e.get("compile"))
+        summary = {
+            "status": status,
+            "checkpoint": checkpoint,
+            **({"resumed_from": resumed_from, "restart_gap_excluded": True} if resumed_from else {}),
+            "startup_s": startup_s,
+            "stop_signal": stop_signal,
+            "epochs_completed": len(epochs),
+            "total_time_s": total_time,
+            "steps": steps,
+            "global_batch": self.global_batch,
+            "local_batch": self.local_batch,
+            "samples_dropped_per_epoch": self.samples_dropped,  # the incomplete last global batch
+            "data_workers": self.workers,
+            # loader and input settings as used: pin_memory, persistent_workers, channels_last, decoder, cache
+            "data_pipeline": {**loader_options(self.ctx.device.type, self.workers), **self.workload.describe()},
+            "compile": self._compile_summary(leaked),
+            "step_time_mean_s": mean_step,
+            "samples_per_s": self.global_batch / mean_step if mean_step else None,
+            "tokens_per_s": self.global_batch * self.plan.tokens_per_sample / mean_step if mean_step else None,
+            # mean over whole epochs; over all epochs (flagged) when every epoch was cut short
+            "epoch_time_mean_s": float(np.mean(whole or [e["epoch_time_s"] for e in epochs])) if epochs else None,
+            "epoch_time_mean_includes_partial": not whole and bool(epochs),
+            # whole epochs after the first (warm-up, NCCL init, first-step probes): what speedup should use
+            "epoch_time_steady_s": float(np.mean(steady)) if steady else None,
+            "timing": timing,
+            "tf32": self.cfg.trainer.tf32,
+            "warnings": self._warnings(epochs, timed, leaked),
+            "state_bytes_per_rank": [r["state_bytes"] for r in last.get("ranks", [])],
+            "hosts": [r["host"] for r in last.get("ranks", [])],  # one per rank, in rank order
+            **{k: last.get(k) for k in LAST_EPOCH},
+        }
+        return schema.check(summary, schema.SUMMARY, "summary.json", deep=True)
+
+    def _warnings(self, epochs: list[dict], timed: list[dict], leaked: int) -> list[str]:
+        warnings = []
+        data_share = [e["data_share"] for e in timed if e.get("data_share") is not None]
+        if data_share and max(data_share) > 0.10:
+            warnings.append(
+                f"data loading is {100 * max(data_share):.0f}% of the step time (> 10%): the run is "
+                f"input-bound; raise data.num_workers (now {self.workers}) or use faster storage"
+            )
+        if leaked:
+            warnings.append(
+                f"torch.compile compiled {leaked} frame(s) after the warm-up (recompiles): those steps' "
+                "times include compilation; raise trainer.warmup_steps or find the recompile (TORCH_LOGS=recompiles)"
+            )
+        if any(e.get("mfu_note") for e in epochs):
+            warnings.append(next(e["mfu_note"] for e in epochs if e.get("mfu_note")))
+        return warnings
+
+    def _compile_summary(self, timed_step_frames: int) -> dict | None:
+        t = self.cfg.trainer
+        if not t.compile:
+            return None
+        total = compile_stats()
+        return {
+            "backend": t.compile_backend,
+            "how": self.adapter.compile_how,
+            "time_s": total["time_s"],
+            "frames": total["frames"],
+            "graphs": total["graphs"],
+            "warmup_steps": t.warmup_steps,
+            "timed_step_frames": timed_step_frames,
+        }
+
+
+def launch_time() -> float:
+    """When the user's command started: the local launcher's start (BENCH_LAUNCH_T0), else this process's."""
+    import os
+
+    import psutil
+
+    return float(os.environ.get("BENCH_LAUNCH_T0") or psutil.Process().create_time())
+
+
+def _stats(x: np.ndarray) -> dict:
+    if len(x) == 0:
+        return {"mean": None, "p50": None, "p95": None, "cv": None}
+    mean = float(x.mean())
+    return {
+        "mean": mean,
+        "p50": float(np.percentile(x, 50)),
+        "p95": float(np.percentile(x, 95)),
+        "cv": float(x.std() / mean) if mean > 0 else None,
+    }

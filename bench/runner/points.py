@@ -1,0 +1,201 @@
+"""Benchmark points: sweep files, grid expansion and point identity, what `python -m ptbench` and every
+sweep driver share (the runner's, so a run never imports a driver).
+
+A sweep file holds one point per line of Hydra overrides; point i is the i-th line that is neither
+blank nor a comment, counted from 0 = SLURM_ARRAY_TASK_ID of `sbatch --array=0-N`. `expand_grid`
+expands like `python -m ptbench -m` does (Hydra's own parser and cartesian product, so `a,b`,
+`range(1,4)` and quoting mean the same).
+
+A point is identified by `point_id`: a hash of the config its overrides resolve to plus its world
+size, leaving out where records go, how ranks find each other and where the data lives (results.*,
+hydra.*, launcher=..., master address and port, data paths), so the same line gives the same id
+whether it runs here, in a job array or in a Hydra multirun, and a changed default or another rank
+count is another point. Every record stores it as `point`; with `results.resume=true` a run whose
+point already has an ok record under results.root/results.experiment is skipped (`skip_if_done`).
+
+A point whose run ends `oom` is run once more with half its per-device batch, as its own point with
+`extra.batch_reduced_from` (`oom_retry`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from ptbench.core.errors import ConfigError
+from ptbench.core.records import point_folders, point_records, results_folder
+from ptbench.runner.compose import compose, in_multirun
+
+# Keys of the resolved config that do not change what is measured: where records go, how ranks find
+# each other, where the data lives, progress bars.
+_NOT_PART_OF_POINT = {"results": None, "hydra": None,
+                      "launcher": ("name", "master_addr", "master_port"),
+                      "data": ("root", "tokenizer_dir", "cache_dir"),
+                      # how a run is resumed or stopped for tests is not what it measures
+                      "trainer": ("progress", "resume", "checkpoint_every", "checkpoint_keep", "inject_stop")}
+
+# a short ptbench.comm: sizes 1K x 4^k up to its default maximum, fewer calls per size (~20 s for 2 CPU ranks)
+COMM_ARGS = ("--factor", "4", "--iters", "10", "--warmup", "3")
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+# --- sweep files and grids -------------------------------------------------------------------------
+def expand_grid(overrides: list[str]) -> list[list[str]]:
+    """Cartesian product of sweep overrides, exactly as Hydra's basic sweeper forms its jobs."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return BasicSweeper.split_arguments(parsed, None)[0]
+
+
+def read_points(path: Path) -> list[list[str]]:
+    points = []
+    for line in Path(path).read_text().splitlines():
+        args = shlex.split(line, comments=True)
+        if args:
+            points.append(args)
+    return points
+
+
+def write_points(path: Path, points: list[list[str]], header: str) -> None:
+    lines = [f"# {header}", f"# {len(points)} points; one line of Hydra overrides each (see bench/runner/points.py)"]
+    lines += [shlex.join(p) for p in points]
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+# --- identity --------------------------------------------------------------------------------------
+def point_id_of(cfg, env=os.environ) -> str:
+    """Stable id of a point: sha1 of its *resolved* config (so a changed default is another point) and
+    its world size (launcher.nprocs, or the srun task count under launcher=slurm), leaving out where
+    records go, how ranks find each other and where the data lives (10 hex digits)."""
+    from omegaconf import OmegaConf
+
+    d = OmegaConf.to_container(cfg, resolve=True)
+    for group, keys in _NOT_PART_OF_POINT.items():
+        if keys is None:
+            d.pop(group, None)
+        else:
+            for k in keys:
+                d.get(group, {}).pop(k, None)
+    if (d.get("schedule") or {}).get("name") == "constant":  # the default: points keep their ids from before schedules
+        d.pop("schedule")
+    if cfg.launcher.name == "slurm" and env.get("SLURM_NTASKS"):
+        d["launcher"]["nprocs"] = int(env["SLURM_NTASKS"])  # srun decides the world, not nprocs
+    return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def point_id(overrides) -> str:
+    """`point_id_of` the config these overrides compose to (Hydra's own parsing: quoting and order do
+    not matter); overrides that do not compose are hashed as text (the run itself will be refused)."""
+    kept = [o for o in overrides if not _key(o).startswith(("hydra.", "hydra/"))]
+    try:
+        return point_id_of(compose(kept))
+    except ConfigError:
+        return hashlib.sha1("\n".join(sorted(kept)).encode()).hexdigest()[:10]
+
+
+def compose_point(overrides: list[str]):
+    """The config `python -m ptbench <overrides>` would run, with its point id (no torch import)."""
+    try:
+        cfg = compose(list(overrides))
+    except ConfigError as e:
+        raise ConfigError(f"point `{shlex.join(overrides)}`: {e}") from None
+    if cfg.results.point is None:
+        cfg.results.point = point_id_of(cfg)
+    return cfg
+
+
+def layout_of(cfg) -> tuple[int, int]:
+    """(ranks, devices per rank) of a composed point: what Slurm must allocate."""
+    from ptbench.adapters import get_adapter_class
+
+    cls = get_adapter_class(cfg.adapter.name)
+    return cls.processes(cfg), cls.devices_per_process(cfg)
+
+
+def layout(overrides: list[str]) -> tuple[int, int]:
+    """`layout_of` a point given as overrides."""
+    return layout_of(compose_point(overrides))
+
+
+def run_name(overrides: list[str]) -> tuple[str, str, int]:
+    """(adapter, workload, ranks) of a point, for its run id; a point that does not compose keeps a generic
+    name (its run then fails with the composition error, recorded under that id)."""
+    try:
+        cfg = compose_point(overrides)
+    except ConfigError:
+        return "run", "point", 0
+    return cfg.adapter.name, cfg.workload.name, layout_of(cfg)[0]
+
+
+def apply_hydra_context(cfg) -> None:
+    """Inside `python -m ptbench`: name the point from its overrides; a multirun keeps its records in
+    its sweep folder (hydra.sweep.dir), so every point of one sweep lands in one place."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if cfg.results.point is None:
+        cfg.results.point = point_id_of(cfg)
+    if in_multirun() and cfg.results.dir is None:
+        cfg.results.dir = str(HydraConfig.get().sweep.dir)
+
+
+# --- what was run already --------------------------------------------------------------------------
+def ok_record(folders, point: str) -> Path | None:
+    """The first run folder under `folders` whose summary says this point finished ok."""
+    return next((path.parent for path, s in point_records(folders, point) if s.get("status") == "ok"), None)
+
+
+def newest_status(cfg) -> str | None:
+    """The status of the newest record of cfg's point under its results folder (None: no record)."""
+    records = point_records(point_folders(cfg.results), cfg.results.point)
+    return max(((path.stat().st_mtime, s.get("status")) for path, s in records), default=(0.0, None))[1]
+
+
+def skip_if_done(cfg, out=None) -> bool:
+    """results.resume=true and this point already has an ok record: say so and skip the run. Called
+    before torch is imported, so skipped points of a sweep or job array cost little."""
+    out = out or sys.stdout  # looked up at call time: pytest's capsys and redirections replace sys.stdout
+    if not (cfg.results.resume and cfg.results.point):
+        return False
+    done = ok_record(point_folders(cfg.results), cfg.results.point)
+    if done and os.environ.get("SLURM_PROCID", "0") == "0":  # one line per point, not per rank
+        print(f"point {cfg.results.point} already ok in {done}: skipped (results.resume=true)", file=out, flush=True)
+    return done is not None
+
+
+def oom_retry(overrides: list[str]) -> list[str] | None:
+    """The overrides of the point once more with half its per-device batch, recorded as its own point
+    (`extra.batch_reduced_from`); None when the batch cannot be halved."""
+    b = compose_point(overrides).trainer.batch_size
+    if b < 2:
+        return None
+    return [*overrides, f"trainer.batch_size={b // 2}", f"++extra.batch_reduced_from={b}"]
+
+
+# --- the measured network a sweep needs --------------------------------------------------------------
+def comm_targets(points: list[list[str]], extra: list[str]) -> list[tuple[Path, int, str]]:
+    """(folder, ranks, backend) per distinct multi-rank world size of the sweep's points: where
+    `python -m ptbench.comm --out` stores <backend>-<N>.json (the records' folder + /comm)."""
+    out = []
+    for point in points:
+        try:
+            cfg = compose_point([*point, *extra])
+        except ConfigError:
+            continue  # the point's own run says what is wrong
+        ranks, _ = layout_of(cfg)
+        folder = results_folder(cfg.results) / "comm"
+        if ranks > 1 and (folder, ranks, cfg.launcher.backend) not in out:
+            out.append((folder, ranks, cfg.launcher.backend))
+    return out
+
+
+def comm_measured(folder: Path, ranks: int) -> bool:
+    """The folder already holds a measurement at this world size (what --resume keeps)."""
+    return any(folder.glob(f"*-{ranks}.json"))
