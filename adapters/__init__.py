@@ -5,6 +5,7 @@ megatron, horovod, torchgpipe) are imported inside their own module, so `adapter
 for them (a test checks this). The names are the adapter schemas' (adapters/configs.py); modules
 starting with "_" are helpers shared by adapters, not adapters.
 """
+
 from __future__ import annotations
 
 import importlib

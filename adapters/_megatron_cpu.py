@@ -20,6 +20,7 @@ an explicit causal mask (`get_default_causal_mask` hard-codes cuda), `batch_p2p_
 (a `torch.cuda.synchronize` after each p2p batch), and a torch optimizer (Megatron's optimizers
 call CUDA in many more places).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,10 @@ CHANGES = (
 
 def _refuse_on_cuda() -> None:
     if torch.cuda.is_available():
-        raise RuntimeError("ptbench.adapters._megatron_cpu: CUDA is available, so Megatron must run on the GPU unpatched; "
-                           "this CPU compatibility module refuses to act")
+        raise RuntimeError(
+            "ptbench.adapters._megatron_cpu: CUDA is available, so Megatron must run on the GPU unpatched; "
+            "this CPU compatibility module refuses to act"
+        )
 
 
 def enable(announce: bool = True) -> None:

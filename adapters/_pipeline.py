@@ -12,6 +12,7 @@ the update equals the tied model's. The copy really costs memory (weights, gradi
 state) and is counted in the record like any other tensor; gradient-norm clipping must count the
 tied gradient once (`TiedPair.copy` is excluded). Megatron handles its tied embedding the same way.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,19 +44,25 @@ def check_split(balance: list[int] | None, layers: int, stages: int, workload: s
     if stages < 1:
         raise ConfigError(f"{stages_from}: a pipeline needs at least 1 stage")
     if stages > layers:
-        raise ConfigError(f"{stages_from} asks for {stages} pipeline stages but {workload} has only {layers} layers "
-                          f"in its sequential form; use at most {layers} stages")
+        raise ConfigError(
+            f"{stages_from} asks for {stages} pipeline stages but {workload} has only {layers} layers "
+            f"in its sequential form; use at most {layers} stages"
+        )
     if balance is None:
         return even_split(layers, stages)
     balance = [int(b) for b in balance]
     if len(balance) != stages:
-        raise ConfigError(f"adapter.balance={balance} has {len(balance)} entries but {stages_from} means {stages} stages; "
-                          f"give one layer count per stage")
+        raise ConfigError(
+            f"adapter.balance={balance} has {len(balance)} entries but {stages_from} means {stages} stages; "
+            f"give one layer count per stage"
+        )
     if any(b <= 0 for b in balance):
         raise ConfigError(f"adapter.balance={balance}: every stage needs at least one layer")
     if sum(balance) != layers:
-        raise ConfigError(f"adapter.balance={balance} sums to {sum(balance)} but {workload} has {layers} layers; make "
-                          f"the entries sum to {layers}, e.g. adapter.balance=[{','.join(map(str, even_split(layers, stages)))}]")
+        raise ConfigError(
+            f"adapter.balance={balance} sums to {sum(balance)} but {workload} has {layers} layers; make "
+            f"the entries sum to {layers}, e.g. adapter.balance=[{','.join(map(str, even_split(layers, stages)))}]"
+        )
     return balance
 
 
@@ -63,8 +70,10 @@ def check_microbatches(batch: int, microbatches: int, what: str) -> None:
     if microbatches < 1:
         raise ConfigError(f"adapter.microbatches={microbatches} must be >= 1 (0 picks the adapter's default)")
     if batch % microbatches:
-        raise ConfigError(f"{what} {batch} is not divisible by {microbatches} micro-batches; change trainer.batch_size "
-                          f"or adapter.microbatches")
+        raise ConfigError(
+            f"{what} {batch} is not divisible by {microbatches} micro-batches; change trainer.batch_size "
+            f"or adapter.microbatches"
+        )
 
 
 def stage_slices(balance: list[int]) -> list[slice]:

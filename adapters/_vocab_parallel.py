@@ -10,6 +10,7 @@ per-sample fraction of next-token hits, weighted by `weight` (0 for padded sampl
 hit when its target holds the largest logit (an exact tie counts as a hit; argmax would pick the
 lower index).
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,9 @@ import torch.distributed as dist
 
 
 @torch.no_grad()
-def eval_sums(local_logits: torch.Tensor, vocab_start: int, targets: torch.Tensor, weight: torch.Tensor,
-              group) -> torch.Tensor:
+def eval_sums(
+    local_logits: torch.Tensor, vocab_start: int, targets: torch.Tensor, weight: torch.Tensor, group
+) -> torch.Tensor:
     """[loss_sum, correct_sum, count] (float64) from this rank's logits slice [b, t, v_local].
 
     `vocab_start`: global id of this slice's first column. Every rank of `group` must call this.

@@ -25,6 +25,7 @@ Adapters whose framework has its own API override both (DeepSpeed, Horovod, GPip
 declares that its state is checkpointed correctly by overriding `checkpoint_refusal` to return None;
 the default is a reason, so a new adapter never writes a checkpoint nobody has checked.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -57,12 +58,13 @@ class Adapter(ABC):
         "data": "host loading of the step's micro-batches and their copy to the device",
         "forward": "forward of each micro-batch under autocast, loss included",
         "backward": "backward of each micro-batch; the gradient all-reduce overlaps it and its exposed "
-                    "remainder ends this phase",
+        "remainder ends this phase",
         "optimizer": "unscale (fp16), clip over the global norm, optimizer step, zero the gradients",
     }
     # What trainer.precision=bf16/fp16 means for this adapter (recorded as `precision_semantics`)
-    precision_semantics: ClassVar[str] = ("autocast: fp32 weights, gradients and optimizer state; matmuls and "
-                                          "activations in bf16/fp16")
+    precision_semantics: ClassVar[str] = (
+        "autocast: fp32 weights, gradients and optimizer state; matmuls and activations in bf16/fp16"
+    )
     # ways of starting ranks that only this framework has (bench/core/environments.py), e.g. horovodrun
     environments: ClassVar[tuple[type[ClusterEnvironment], ...]] = ()
     checkpoint_format: ClassVar[str] = "torch.distributed.checkpoint (get_state_dict/set_state_dict)"
@@ -284,8 +286,11 @@ def compile_stats() -> dict:
 
     names, values = compile_times(repr="csv", aggregate=True)
     times = dict(zip(names, (float(v) for v in values)))
-    return {"frames": int(counters["frames"]["total"]), "graphs": int(counters["stats"]["unique_graphs"]),
-            "time_s": times.get("_compile.compile_inner", 0.0) + times.get("backward._backward_impl", 0.0)}
+    return {
+        "frames": int(counters["frames"]["total"]),
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "time_s": times.get("_compile.compile_inner", 0.0) + times.get("backward._backward_impl", 0.0),
+    }
 
 
 def save_rank0_state(path: Path, model, optimizer, scaler=None, rank: int = 0) -> None:

@@ -8,6 +8,7 @@ defaults list and holds only what differs from it. A key of another adapter
 
 Defaults are written here once; comments say where a value comes from.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
 The diff from a single-process loop: wrap the model in DDP, skip the gradient all-reduce with
 `no_sync()` on all but the last micro-batch of an accumulated step.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -8,6 +8,7 @@ one communication unit: its parameters are all-gathered just before it runs and 
 as soon as its backward is done. Parameters that two layers share (GPT-2's tied wte/lm_head) stay
 with the root unit, so the tie survives sharding.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -46,8 +47,10 @@ class FSDPAdapter(Adapter):
         "optimizer": "clip over the global norm of the sharded gradients, step the local shards",
     }
     compile_how = "module.compile() of each shard unit before fully_shard (torchtitan's per-block compile)"
-    precision_semantics = ("FSDP2 MixedPrecisionPolicy: bf16/fp16 parameters for compute (param_dtype), fp32 "
-                           "sharded master parameters and fp32 gradient reduction")
+    precision_semantics = (
+        "FSDP2 MixedPrecisionPolicy: bf16/fp16 parameters for compute (param_dtype), fp32 "
+        "sharded master parameters and fp32 gradient reduction"
+    )
 
     @classmethod
     def checkpoint_refusal(cls, cfg) -> None:
@@ -79,8 +82,9 @@ class FSDPAdapter(Adapter):
         model = self.workload.build_model().to(self.device)
         mesh = init_device_mesh(self.device.type, (self.ctx.world_size,))
         # compute in half precision, reduce gradients and keep the sharded master parameters in fp32
-        self.mp_policy = MixedPrecisionPolicy(param_dtype=HALF_DTYPES.get(precision),
-                                              reduce_dtype=torch.float32 if precision in HALF_DTYPES else None)
+        self.mp_policy = MixedPrecisionPolicy(
+            param_dtype=HALF_DTYPES.get(precision), reduce_dtype=torch.float32 if precision in HALF_DTYPES else None
+        )
         reshard = cfg.adapter.reshard_after_forward
         self.units = shard_units(self.workload, model)
         for unit in self.units:
@@ -132,15 +136,23 @@ class FSDPAdapter(Adapter):
     def state_bytes(self) -> dict[str, int]:
         """Local shards this rank holds: parameters and optimizer state now, gradients at the end of backward."""
         opt = (v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
-        state = {"params": _local_bytes(self.model.parameters()), "grads": self._grad_bytes, "optimizer": _local_bytes(opt)}
+        state = {
+            "params": _local_bytes(self.model.parameters()),
+            "grads": self._grad_bytes,
+            "optimizer": _local_bytes(opt),
+        }
         return state
 
     def describe(self) -> dict:
         return {
             "reshard_after_forward": self.cfg.adapter.reshard_after_forward,
             "shard_units": len(self.units) + 1,  # + the root
-            "param_dtype": str(self.mp_policy.param_dtype).replace("torch.", "") if self.mp_policy.param_dtype else "fp32",
-            "reduce_dtype": str(self.mp_policy.reduce_dtype).replace("torch.", "") if self.mp_policy.reduce_dtype else "fp32",
+            "param_dtype": str(self.mp_policy.param_dtype).replace("torch.", "")
+            if self.mp_policy.param_dtype
+            else "fp32",
+            "reduce_dtype": str(self.mp_policy.reduce_dtype).replace("torch.", "")
+            if self.mp_policy.reduce_dtype
+            else "fp32",
         }
 
 

@@ -13,6 +13,7 @@ statistics once per mini-batch, as a full-batch BatchNorm would keep them). GPT-
 head weight: the head gets its own copy whose gradient is summed with the embedding's every step
 (see bench/pipeline.py), because torchgpipe refuses one Parameter in two partitions.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -63,8 +64,9 @@ class GPipeAdapter(Adapter):
     def layout(cls, cfg: BenchConfig, world_size: int) -> Layout:
         """One process (one replica) driving k partitions, one device each; paper: micro-batches = 4 x GPUs."""
         k = cls.partitions(cfg)
-        return Layout(world_size=world_size, dp=1, pp=k, devices_per_process=k,
-                      microbatches=cfg.adapter.microbatches or 4 * k)
+        return Layout(
+            world_size=world_size, dp=1, pp=k, devices_per_process=k, microbatches=cfg.adapter.microbatches or 4 * k
+        )
 
     @classmethod
     def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
@@ -83,13 +85,17 @@ class GPipeAdapter(Adapter):
         a = cfg.adapter
         k = cls.partitions(cfg)
         if world_size != 1:
-            raise ConfigError(f"adapter=gpipe drives all {k} partitions from one process but {world_size} processes were "
-                              f"started; run it with launcher=local (one process), not torchrun/srun with several tasks")
+            raise ConfigError(
+                f"adapter=gpipe drives all {k} partitions from one process but {world_size} processes were "
+                f"started; run it with launcher=local (one process), not torchrun/srun with several tasks"
+            )
         if a.checkpoint not in CHECKPOINT_MODES:
             raise ConfigError(f"adapter.checkpoint={a.checkpoint}: choose {', '.join(CHECKPOINT_MODES)}")
         if torch.cuda.is_available() and k > torch.cuda.device_count():
-            raise ConfigError(f"adapter.pipeline_parallel={k} partitions but this node has {torch.cuda.device_count()} "
-                              f"GPUs; use at most {torch.cuda.device_count()} partitions")
+            raise ConfigError(
+                f"adapter.pipeline_parallel={k} partitions but this node has {torch.cuda.device_count()} "
+                f"GPUs; use at most {torch.cuda.device_count()} partitions"
+            )
         workload = build_workload(cfg.workload, cfg.data)
         P.check_split(a.balance, P.layer_count(workload), k, cfg.workload.name, f"adapter.pipeline_parallel={k}")
         m = cls.layout(cfg, world_size).microbatches
@@ -123,8 +129,14 @@ class GPipeAdapter(Adapter):
             self.balance = balance_by_time(k, seq, sample, device=self._devices[0])
             self.balance_by = "time"
 
-        self.model = GPipe(seq, balance=self.balance, devices=self._devices, chunks=self.chunks,
-                           checkpoint=a.checkpoint, deferred_batch_norm=False)  # converted above (unbiased)
+        self.model = GPipe(
+            seq,
+            balance=self.balance,
+            devices=self._devices,
+            chunks=self.chunks,
+            checkpoint=a.checkpoint,
+            deferred_batch_norm=False,
+        )  # converted above (unbiased)
         precision = self.cfg.trainer.precision
         if precision != "fp32":
             # torchgpipe runs partitions in worker threads, where the caller's autocast (thread-local)
@@ -169,8 +181,13 @@ class GPipeAdapter(Adapter):
             for t in self.ties:
                 t.sum_local_grads()
             # clip over the unique parameters (the tied gradient counted once), then give the copy its sum
-            optimizer_step(self.optimizer, self.unique_params, self.cfg.trainer.grad_clip, self.scaler,
-                           before_step=self._copy_tied_grads)
+            optimizer_step(
+                self.optimizer,
+                self.unique_params,
+                self.cfg.trainer.grad_clip,
+                self.scaler,
+                before_step=self._copy_tied_grads,
+            )
             self.optimizer.zero_grad(set_to_none=False)  # keep gradient buffers, as DDP does: counted in state bytes
             self._sync()
         return total
@@ -187,7 +204,12 @@ class GPipeAdapter(Adapter):
     def state_bytes(self) -> dict:
         total = tensor_bytes([self.model], self.optimizer)
         total["per_partition"] = [
-            {"partition": j, "device": str(d), "layers": n, **tensor_bytes([part], _OptimizerView(self.optimizer, part))}
+            {
+                "partition": j,
+                "device": str(d),
+                "layers": n,
+                **tensor_bytes([part], _OptimizerView(self.optimizer, part)),
+            }
             for j, (part, d, n) in enumerate(zip(self.model.partitions, self._devices, self.balance))
         ]
         return total
@@ -229,8 +251,10 @@ class _LayerState:
     def load_state_dict(self, state: dict) -> None:
         expected = set(self.state_dict())
         if expected != set(state):
-            raise RuntimeError(f"checkpoint layers differ from this model's: missing {sorted(expected - set(state))[:5]}, "
-                               f"unexpected {sorted(set(state) - expected)[:5]}")
+            raise RuntimeError(
+                f"checkpoint layers differ from this model's: missing {sorted(expected - set(state))[:5]}, "
+                f"unexpected {sorted(set(state) - expected)[:5]}"
+            )
         for part in self.parts:
             part.load_state_dict({k: state[k] for k in part.state_dict()})
 

@@ -23,6 +23,7 @@ model is the one DDP builds; the global RNG stream (dropout, augmentation) conti
 
 horovod is imported only inside this module's functions, so `adapter=ddp` never loads it.
 """
+
 from __future__ import annotations
 
 import os
@@ -73,7 +74,9 @@ class HorovodrunEnvironment(ClusterEnvironment):
             local_rank=int(env["HOROVOD_LOCAL_RANK"]),
             local_world_size=int(env.get("HOROVOD_LOCAL_SIZE", env["HOROVOD_SIZE"])),
             master_addr=env.get("MASTER_ADDR") or env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1"),
-            master_port=int(env.get("MASTER_PORT") or master_port or int(env.get("HOROVOD_GLOO_RENDEZVOUS_PORT", 29499)) + 1),
+            master_port=int(
+                env.get("MASTER_PORT") or master_port or int(env.get("HOROVOD_GLOO_RENDEZVOUS_PORT", 29499)) + 1
+            ),
             backend=default_backend(backend),
             launcher="horovodrun",
         )
@@ -89,7 +92,7 @@ class HorovodAdapter(Adapter):
         **Adapter.phase_semantics,
         "backward": "backward; gradient hooks only start Horovod's all-reduces (background thread)",
         "optimizer": "waits for the all-reduces (synchronize: the exposed communication is here, not in "
-                     "backward as for DDP), then unscale, clip, step",
+        "backward as for DDP), then unscale, clip, step",
     }
 
     @classmethod
@@ -109,7 +112,9 @@ class HorovodAdapter(Adapter):
         if a.compression not in COMPRESSIONS:
             raise ConfigError(f"adapter.compression={a.compression}: choose none or fp16 (hvd.Compression)")
         if a.fusion_threshold_mb < 0:
-            raise ConfigError(f"adapter.fusion_threshold_mb={a.fusion_threshold_mb} must be >= 0 (0 turns tensor fusion off)")
+            raise ConfigError(
+                f"adapter.fusion_threshold_mb={a.fusion_threshold_mb} must be >= 0 (0 turns tensor fusion off)"
+            )
         if a.cycle_time_ms <= 0:
             raise ConfigError(f"adapter.cycle_time_ms={a.cycle_time_ms} must be > 0")
         if a.backward_passes_per_step != cfg.trainer.grad_accum:
@@ -121,14 +126,24 @@ class HorovodAdapter(Adapter):
         hvd = _import_horovod()  # last: the import costs seconds
         if torch.cuda.is_available() and not hvd.nccl_built():
             # a Gloo-only build reduces GPU tensors through host memory, silently: not Horovod's GPU path
-            raise ConfigError("adapter=horovod on GPUs needs Horovod built with NCCL (this build has Gloo only); "
-                              "rebuild with `make horovod` where NCCL is installed (HOROVOD_GPU_OPERATIONS=NCCL)")
+            raise ConfigError(
+                "adapter=horovod on GPUs needs Horovod built with NCCL (this build has Gloo only); "
+                "rebuild with `make horovod` where NCCL is installed (HOROVOD_GPU_OPERATIONS=NCCL)"
+            )
 
     @classmethod
     def launch_command(cls, cfg: BenchConfig, world_size: int) -> list[str]:
         """launcher=local: Horovod's ranks are started by horovodrun (Gloo), on this machine."""
-        return [sys.executable, "-m", "horovod.runner.launch", "-np", str(world_size),
-                "-H", f"localhost:{world_size}", "--gloo"]
+        return [
+            sys.executable,
+            "-m",
+            "horovod.runner.launch",
+            "-np",
+            str(world_size),
+            "-H",
+            f"localhost:{world_size}",
+            "--gloo",
+        ]
 
     # --- on each rank ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -139,8 +154,10 @@ class HorovodAdapter(Adapter):
         os.environ["HOROVOD_CYCLE_TIME"] = str(a.cycle_time_ms)
         self.rendezvous = self._join(hvd)
         if hvd.size() != self.ctx.world_size or hvd.rank() != self.ctx.rank:
-            raise RuntimeError(f"Horovod sees rank {hvd.rank()} of {hvd.size()}, the launcher started rank "
-                               f"{self.ctx.rank} of {self.ctx.world_size}: start ranks with horovodrun or srun")
+            raise RuntimeError(
+                f"Horovod sees rank {hvd.rank()} of {hvd.size()}, the launcher started rank "
+                f"{self.ctx.rank} of {self.ctx.world_size}: start ranks with horovodrun or srun"
+            )
         self.hvd = hvd
 
         devices = [self.device] if self.ctx.is_cuda else []
@@ -285,8 +302,17 @@ def _gloo_rendezvous(ctx):
     slots = []
     for r, h in enumerate(hosts):
         peers = [q for q in range(ctx.world_size) if local[q] == local[r]]  # same local rank, one per host
-        slots.append(SlotInfo(hostname=h, rank=r, local_rank=local[r], cross_rank=peers.index(r),
-                              size=ctx.world_size, local_size=hosts.count(h), cross_size=len(peers)))
+        slots.append(
+            SlotInfo(
+                hostname=h,
+                rank=r,
+                local_rank=local[r],
+                cross_rank=peers.index(r),
+                size=ctx.world_size,
+                local_size=hosts.count(h),
+                cross_size=len(peers),
+            )
+        )
     server, box = None, [None]
     if ctx.rank == 0:
         server = RendezvousServer()
@@ -294,19 +320,21 @@ def _gloo_rendezvous(ctx):
         server.init(slots)
     dist.broadcast_object_list(box, src=0)
     me = slots[ctx.rank]
-    os.environ.update({
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": ctx.master_addr,  # rank 0's host, as for the process group
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(box[0]),
-        "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_HOSTNAME": me.hostname,
-        "HOROVOD_RANK": str(me.rank),
-        "HOROVOD_SIZE": str(me.size),
-        "HOROVOD_LOCAL_RANK": str(me.local_rank),
-        "HOROVOD_LOCAL_SIZE": str(me.local_size),
-        "HOROVOD_CROSS_RANK": str(me.cross_rank),
-        "HOROVOD_CROSS_SIZE": str(me.cross_size),
-    })
+    os.environ.update(
+        {
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": ctx.master_addr,  # rank 0's host, as for the process group
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(box[0]),
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+            "HOROVOD_HOSTNAME": me.hostname,
+            "HOROVOD_RANK": str(me.rank),
+            "HOROVOD_SIZE": str(me.size),
+            "HOROVOD_LOCAL_RANK": str(me.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(me.local_size),
+            "HOROVOD_CROSS_RANK": str(me.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(me.cross_size),
+        }
+    )
     return server
 
 

@@ -38,6 +38,7 @@ Batch: `batch_policy=linear` (conf/adapter/megatron.yaml), as the paper scales M
 batch is trainer.batch_size x ranks; a replica (TP x PP ranks) loads global / DP samples per
 micro-step and Megatron's schedule runs them as the layout's micro-batches.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,9 +87,9 @@ class MegatronAdapter(Adapter):
     phase_semantics = {
         **Adapter.phase_semantics,
         "forward": "megatron-core forward steps (its timers): tensor-parallel all-reduces inside; with PP > 1 "
-                   "pipeline waits are outside every phase (in the step, not its parts)",
+        "pipeline waits are outside every phase (in the step, not its parts)",
         "backward": "megatron-core backward steps plus its gradient reductions (all-grads-sync, embedding "
-                    "and non-TP gradient all-reduces), as DDP's all-reduce counts as backward",
+        "and non-TP gradient all-reduces), as DDP's all-reduce counts as backward",
         "optimizer": "clip over the TP x PP global norm, step (GPU: the distributed optimizer's gathers)",
     }
 
@@ -101,8 +102,10 @@ class MegatronAdapter(Adapter):
     def checkpoint_refusal(cls, cfg) -> str | None:
         """megatron.core.dist_checkpointing (module docstring), except with Megatron's distributed optimizer."""
         if torch.cuda.is_available() and cfg.optimizer.name in _MEGATRON_OPTIMIZERS:
-            return (f"Megatron's distributed optimizer (GPU, optimizer={cfg.optimizer.name}) is not checkpointed here "
-                    "yet; CPU runs and GPU runs with another optimizer are")
+            return (
+                f"Megatron's distributed optimizer (GPU, optimizer={cfg.optimizer.name}) is not checkpointed here "
+                "yet; CPU runs and GPU runs with another optimizer are"
+            )
         return None
 
     @classmethod
@@ -111,8 +114,13 @@ class MegatronAdapter(Adapter):
         4 x stages with one (the paper's GPipe rule; 1F1B needs >= stages to fill the pipeline)."""
         a = cfg.adapter
         tp, pp = a.tensor_parallel, a.pipeline_parallel
-        return Layout(world_size=world_size, dp=world_size // max(1, tp * pp), tp=tp, pp=pp,
-                      microbatches=a.microbatches or (1 if pp == 1 else 4 * pp))
+        return Layout(
+            world_size=world_size,
+            dp=world_size // max(1, tp * pp),
+            tp=tp,
+            pp=pp,
+            microbatches=a.microbatches or (1 if pp == 1 else 4 * pp),
+        )
 
     @classmethod
     def cost_inputs(cls, cfg) -> CostInputs:
@@ -121,8 +129,9 @@ class MegatronAdapter(Adapter):
             # Megatron's distributed optimizer shards the optimizer state over dp (it is used on CUDA only)
             sharding="distributed_optimizer" if cfg.optimizer.name in _MEGATRON_OPTIMIZERS else "none",
             half_activation_comm=True,  # TP all-reduces and stage sends carry bf16 activations under autocast
-            padded_vocab=padded_vocab_size(cfg.workload.vocab_size, max(1, a.tensor_parallel),
-                                           max(1, a.make_vocab_size_divisible_by)),
+            padded_vocab=padded_vocab_size(
+                cfg.workload.vocab_size, max(1, a.tensor_parallel), max(1, a.make_vocab_size_divisible_by)
+            ),
             schedule=a.schedule if a.pipeline_parallel > 1 else "none",
             sequence_parallel=a.sequence_parallel,
             cpu_attention_scores=True,  # the local layer spec on CPU materializes the scores; TE on CUDA fuses them
@@ -132,52 +141,78 @@ class MegatronAdapter(Adapter):
     def check(cls, cfg, world_size):
         w, a = cfg.workload, cfg.adapter
         if w.kind != "language" or w.arch != "gpt2":
-            raise ConfigError(f"adapter=megatron does not support workload={w.name}: megatron-core builds GPT models "
-                              f"only here; use a gpt2 workload, or another adapter (ddp, fsdp, zero, ...) for {w.arch}")
+            raise ConfigError(
+                f"adapter=megatron does not support workload={w.name}: megatron-core builds GPT models "
+                f"only here; use a gpt2 workload, or another adapter (ddp, fsdp, zero, ...) for {w.arch}"
+            )
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             raise ConfigError("adapter=megatron needs megatron-core: pip install megatron-core==0.16.1")
         tp, pp = a.tensor_parallel, a.pipeline_parallel
         if tp < 1 or pp < 1:
             raise ConfigError(f"adapter.tensor_parallel={tp} and adapter.pipeline_parallel={pp} must be >= 1")
         if world_size % (tp * pp):
-            raise ConfigError(f"adapter.tensor_parallel={tp} x adapter.pipeline_parallel={pp} = {tp * pp} does not divide "
-                              f"the {world_size} ranks (launcher.nprocs): TP x PP x DP must equal the world size")
+            raise ConfigError(
+                f"adapter.tensor_parallel={tp} x adapter.pipeline_parallel={pp} = {tp * pp} does not divide "
+                f"the {world_size} ranks (launcher.nprocs): TP x PP x DP must equal the world size"
+            )
         if w.n_head % tp:
-            raise ConfigError(f"workload.n_head={w.n_head} is not divisible by adapter.tensor_parallel={tp}: Megatron "
-                              f"gives every tensor-parallel rank whole attention heads")
+            raise ConfigError(
+                f"workload.n_head={w.n_head} is not divisible by adapter.tensor_parallel={tp}: Megatron "
+                f"gives every tensor-parallel rank whole attention heads"
+            )
         if w.n_layer % pp:
-            raise ConfigError(f"workload.n_layer={w.n_layer} is not divisible by adapter.pipeline_parallel={pp}: Megatron "
-                              f"gives every pipeline stage the same number of layers")
+            raise ConfigError(
+                f"workload.n_layer={w.n_layer} is not divisible by adapter.pipeline_parallel={pp}: Megatron "
+                f"gives every pipeline stage the same number of layers"
+            )
         if a.sequence_parallel and tp == 1:
-            raise ConfigError("adapter.sequence_parallel=true needs adapter.tensor_parallel > 1: it splits the sequence "
-                              "over the tensor-parallel ranks")
+            raise ConfigError(
+                "adapter.sequence_parallel=true needs adapter.tensor_parallel > 1: it splits the sequence "
+                "over the tensor-parallel ranks"
+            )
         if a.sequence_parallel and w.seq_len % tp:
-            raise ConfigError(f"adapter.sequence_parallel=true: workload.seq_len={w.seq_len} is not divisible by "
-                              f"adapter.tensor_parallel={tp}")
+            raise ConfigError(
+                f"adapter.sequence_parallel=true: workload.seq_len={w.seq_len} is not divisible by "
+                f"adapter.tensor_parallel={tp}"
+            )
         if pp > 1 and a.schedule != "1f1b":
-            raise ConfigError(f"adapter.schedule={a.schedule}: adapter=megatron pipelines with megatron-core's 1F1B "
-                              f"schedule; set adapter.schedule=1f1b")
+            raise ConfigError(
+                f"adapter.schedule={a.schedule}: adapter=megatron pipelines with megatron-core's 1F1B "
+                f"schedule; set adapter.schedule=1f1b"
+            )
         if tp > 1:
-            refuse_layerwise(cfg.optimizer, f"adapter=megatron with tensor_parallel={tp}",
-                             "gives each rank column/row slices of the weights")
+            refuse_layerwise(
+                cfg.optimizer,
+                f"adapter=megatron with tensor_parallel={tp}",
+                "gives each rank column/row slices of the weights",
+            )
         if a.make_vocab_size_divisible_by < 1:
             raise ConfigError(f"adapter.make_vocab_size_divisible_by={a.make_vocab_size_divisible_by} must be >= 1")
         if cfg.trainer.precision == "fp16":
-            raise ConfigError("trainer.precision=fp16: adapter=megatron runs mixed precision as bf16 autocast (fp16 "
-                              "would need Megatron's loss scaler); use trainer.precision=bf16 or fp32")
+            raise ConfigError(
+                "trainer.precision=fp16: adapter=megatron runs mixed precision as bf16 autocast (fp16 "
+                "would need Megatron's loss scaler); use trainer.precision=bf16 or fp32"
+            )
         if cfg.trainer.precision == "bf16" and not torch.cuda.is_available():
-            raise ConfigError("trainer.precision=bf16 with adapter=megatron needs a GPU: Megatron's tensor-parallel "
-                              "linear layers register autocast for CUDA only, so their backward fails under CPU "
-                              "autocast; use trainer.precision=fp32 on CPU")
-        check_microbatches(cls.local_batch_size(cfg, world_size), cls.layout(cfg, world_size).microbatches,
-                           "adapter=megatron: the per-replica batch")
+            raise ConfigError(
+                "trainer.precision=bf16 with adapter=megatron needs a GPU: Megatron's tensor-parallel "
+                "linear layers register autocast for CUDA only, so their backward fails under CPU "
+                "autocast; use trainer.precision=fp32 on CPU"
+            )
+        check_microbatches(
+            cls.local_batch_size(cfg, world_size),
+            cls.layout(cfg, world_size).microbatches,
+            "adapter=megatron: the per-replica batch",
+        )
 
     # --- on each rank -----------------------------------------------------------------------------
     def setup(self) -> None:
         with warnings.catch_warnings():
             # megatron-core warns at import and spec time that Apex/TE are absent (describe() states the
             # layer spec and optimizer in use) and about a cuda-graph default it sets itself
-            warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed", category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message=".*(Apex|Transformer Engine).* not installed", category=UserWarning
+            )
             warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
             self._setup()
 
@@ -197,8 +232,11 @@ class MegatronAdapter(Adapter):
         a, w, t = self.cfg.adapter, self.cfg.workload, self.cfg.trainer
         cuda = self.ctx.is_cuda
         self.tp, self.pp = a.tensor_parallel, a.pipeline_parallel
-        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                                     distributed_timeout_minutes=max(1, dist_timeout_s(t) // 60))
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            distributed_timeout_minutes=max(1, dist_timeout_s(t) // 60),
+        )
         if not cuda:
             from ptbench.adapters import _megatron_cpu
 
@@ -213,19 +251,32 @@ class MegatronAdapter(Adapter):
         on_gpu = dict(bias_activation_fusion=True, bias_dropout_fusion=True, deallocate_pipeline_outputs=True)
         on_cpu = dict(use_cpu_initialization=True, batch_p2p_sync=False, deallocate_pipeline_outputs=True)
         self.config = TransformerConfig(
-            num_layers=w.n_layer, hidden_size=w.n_embd, num_attention_heads=w.n_head, ffn_hidden_size=4 * w.n_embd,
-            hidden_dropout=w.dropout, attention_dropout=w.dropout, layernorm_epsilon=1e-5,
-            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-            sequence_parallel=a.sequence_parallel, pipeline_dtype=torch.float32, params_dtype=torch.float32,
-            timers=self.timers, **(on_gpu if cuda else on_cpu),
+            num_layers=w.n_layer,
+            hidden_size=w.n_embd,
+            num_attention_heads=w.n_head,
+            ffn_hidden_size=4 * w.n_embd,
+            hidden_dropout=w.dropout,
+            attention_dropout=w.dropout,
+            layernorm_epsilon=1e-5,
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            sequence_parallel=a.sequence_parallel,
+            pipeline_dtype=torch.float32,
+            params_dtype=torch.float32,
+            timers=self.timers,
+            **(on_gpu if cuda else on_cpu),
         )
         self.layer_spec = "transformer_engine" if cuda and importlib.util.find_spec("transformer_engine") else "local"
         torch.manual_seed(t.seed)  # the embedding is built first on the first stage: same in every layout
         with self._compat():
             model = GPTModel(
-                self.config, self._spec(), vocab_size=self.vocab,
-                max_sequence_length=w.seq_len, pre_process=ps.is_pipeline_first_stage(),
-                post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True,
+                self.config,
+                self._spec(),
+                vocab_size=self.vocab,
+                max_sequence_length=w.seq_len,
+                pre_process=ps.is_pipeline_first_stage(),
+                post_process=ps.is_pipeline_last_stage(),
+                share_embeddings_and_output_weights=True,
                 position_embedding_type="learned_absolute",
             )
         torch.manual_seed(t.seed + 100 * pp_rank)  # dropout outside TP regions: same on the TP ranks of a stage
@@ -251,16 +302,28 @@ class MegatronAdapter(Adapter):
         # Megatron-LM's loop sets lr and weight decay (x each group's wd_mult) through this scheduler;
         # constant here, as the harness's other adapters run
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=o.lr, max_lr=o.lr, min_lr=o.lr, lr_warmup_steps=0, lr_decay_steps=1,
-            lr_decay_style="constant", start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1,
-            wd_incr_style="constant")
+            self.optimizer,
+            init_lr=o.lr,
+            max_lr=o.lr,
+            min_lr=o.lr,
+            lr_warmup_steps=0,
+            lr_decay_steps=1,
+            lr_decay_style="constant",
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
 
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.vocab_start = ps.get_tensor_model_parallel_rank() * (self.vocab // self.tp)
         self.positions = torch.arange(w.seq_len, device=self.device).unsqueeze(0)
         # get_default_causal_mask hard-codes cuda; True = masked out
-        self.causal_mask = (None if cuda else
-                            torch.triu(torch.ones(w.seq_len, w.seq_len, dtype=torch.bool, device=self.device), 1)[None, None])
+        self.causal_mask = (
+            None
+            if cuda
+            else torch.triu(torch.ones(w.seq_len, w.seq_len, dtype=torch.bool, device=self.device), 1)[None, None]
+        )
 
     def _spec(self):
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -279,10 +342,17 @@ class MegatronAdapter(Adapter):
             return spec
         # Without Apex or TE the local spec's norm is megatron-core's torch LayerNorm, which refuses
         # sequence parallelism: use one that marks its parameters, as the fused norms do.
-        layer = dataclasses.replace(spec, submodules=dataclasses.replace(
-            spec.submodules, input_layernorm=_SequenceParallelLayerNorm, pre_mlp_layernorm=_SequenceParallelLayerNorm))
-        return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(self.config),
-                                          layer_norm=_SequenceParallelLayerNorm)
+        layer = dataclasses.replace(
+            spec,
+            submodules=dataclasses.replace(
+                spec.submodules,
+                input_layernorm=_SequenceParallelLayerNorm,
+                pre_mlp_layernorm=_SequenceParallelLayerNorm,
+            ),
+        )
+        return TransformerBlockSubmodules(
+            layer_specs=[layer] * get_num_layers_to_build(self.config), layer_norm=_SequenceParallelLayerNorm
+        )
 
     def _build_optimizer(self):
         o, clip = self.cfg.optimizer, self.cfg.trainer.grad_clip
@@ -290,10 +360,17 @@ class MegatronAdapter(Adapter):
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
             mcfg = OptimizerConfig(
-                optimizer="sgd" if o.name == "sgd" else "adam", lr=o.lr, weight_decay=o.weight_decay,
-                adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps, sgd_momentum=o.momentum,
+                optimizer="sgd" if o.name == "sgd" else "adam",
+                lr=o.lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.betas[0],
+                adam_beta2=o.betas[1],
+                adam_eps=o.eps,
+                sgd_momentum=o.momentum,
                 decoupled_weight_decay=o.name != "adam",  # Megatron's "adam" is AdamW unless told otherwise
-                use_distributed_optimizer=True, clip_grad=clip, min_lr=o.lr,
+                use_distributed_optimizer=True,
+                clip_grad=clip,
+                min_lr=o.lr,
             )
             return get_megatron_optimizer(mcfg, [self.model])
         # Megatron's weight-decay groups (wd_mult read by the scheduler): none on biases and 1-D parameters
@@ -344,9 +421,13 @@ class MegatronAdapter(Adapter):
     def _run_schedule(self, batches, forward_only: bool):
         with self._compat():
             return self.forward_backward(
-                forward_step_func=self._forward_step, data_iterator=iter(batches), model=[self.model],
-                num_microbatches=len(batches), seq_length=batches[0][0].shape[1],
-                micro_batch_size=batches[0][0].shape[0], forward_only=forward_only,
+                forward_step_func=self._forward_step,
+                data_iterator=iter(batches),
+                model=[self.model],
+                num_microbatches=len(batches),
+                seq_length=batches[0][0].shape[1],
+                micro_batch_size=batches[0][0].shape[0],
+                forward_only=forward_only,
             )
 
     def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer):
@@ -466,10 +547,15 @@ class MegatronAdapter(Adapter):
         inner = _torch_optimizers(self.optimizer)
         out = tensor_bytes(self.modules(), None)
         out["optimizer"] = sum(tensor_bytes([], o)["optimizer"] for o in inner)
-        out["grads"] = sum(b.grad_data.numel() * b.grad_data.element_size()
-                           for b in self.model.buffers + self.model.expert_parallel_buffers)
-        out["params_tp_sharded"] = sum(p.numel() * p.element_size() for p in self.model.module.parameters()
-                                       if getattr(p, "tensor_model_parallel", False))
+        out["grads"] = sum(
+            b.grad_data.numel() * b.grad_data.element_size()
+            for b in self.model.buffers + self.model.expert_parallel_buffers
+        )
+        out["params_tp_sharded"] = sum(
+            p.numel() * p.element_size()
+            for p in self.model.module.parameters()
+            if getattr(p, "tensor_model_parallel", False)
+        )
         return out
 
     def describe(self) -> dict:

@@ -27,6 +27,7 @@ copy is a parameter like any other.
 BatchNorm (ResNet): each micro-batch is normalised with its own statistics and the running
 statistics are updated once per micro-batch, as under gradient accumulation (no deferred BatchNorm).
 """
+
 from __future__ import annotations
 
 import gc
@@ -57,7 +58,7 @@ class PipelineAdapter(Adapter):
     phase_semantics = {
         **Adapter.phase_semantics,
         "forward_backward": "the schedule's whole step: every micro-batch's forward and backward, stage-to-stage "
-                            "sends/receives, pipeline bubbles and the data-parallel gradient reduction",
+        "sends/receives, pipeline bubbles and the data-parallel gradient reduction",
         "optimizer": "clip over the global norm (all stages), step this stage",
     }
 
@@ -74,8 +75,12 @@ class PipelineAdapter(Adapter):
     @classmethod
     def layout(cls, cfg: BenchConfig, world_size: int) -> Layout:
         pp = cls.pipeline_size(cfg, world_size)
-        return Layout(world_size=world_size, dp=max(1, world_size // max(1, pp)), pp=pp,
-                      microbatches=cfg.adapter.microbatches or 4 * pp)
+        return Layout(
+            world_size=world_size,
+            dp=max(1, world_size // max(1, pp)),
+            pp=pp,
+            microbatches=cfg.adapter.microbatches or 4 * pp,
+        )
 
     @classmethod
     def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
@@ -100,8 +105,10 @@ class PipelineAdapter(Adapter):
             raise ConfigError(f"adapter.schedule={a.schedule}: choose {', '.join(SCHEDULES)}")
         pp = cls.pipeline_size(cfg, world_size)
         if pp < 1 or world_size % pp:
-            raise ConfigError(f"{world_size} ranks cannot form pipelines of adapter.pipeline_parallel={pp} ranks; "
-                              f"make the rank count (launcher.nprocs) a multiple of it")
+            raise ConfigError(
+                f"{world_size} ranks cannot form pipelines of adapter.pipeline_parallel={pp} ranks; "
+                f"make the rank count (launcher.nprocs) a multiple of it"
+            )
         stages = cls.num_stages(cfg, world_size)
         if a.balance is not None:
             where = f"adapter.balance ({stages} entries)"
@@ -111,23 +118,31 @@ class PipelineAdapter(Adapter):
             where += " with 2 stages per rank (interleaved_1f1b)" if a.schedule == "interleaved_1f1b" else ""
         if a.schedule == "interleaved_1f1b":
             if stages % pp:
-                raise ConfigError(f"adapter.schedule=interleaved_1f1b places stage s on rank s % {pp}: {where} gives "
-                                  f"{stages} stages, not a multiple of {pp} pipeline ranks; use a multiple, e.g. {2 * pp}")
+                raise ConfigError(
+                    f"adapter.schedule=interleaved_1f1b places stage s on rank s % {pp}: {where} gives "
+                    f"{stages} stages, not a multiple of {pp} pipeline ranks; use a multiple, e.g. {2 * pp}"
+                )
         elif stages != pp:
-            raise ConfigError(f"adapter.schedule={a.schedule} runs one stage per rank but adapter.balance has {stages} "
-                              f"entries for {pp} pipeline ranks; give {pp} entries or use adapter.schedule=interleaved_1f1b")
+            raise ConfigError(
+                f"adapter.schedule={a.schedule} runs one stage per rank but adapter.balance has {stages} "
+                f"entries for {pp} pipeline ranks; give {pp} entries or use adapter.schedule=interleaved_1f1b"
+            )
         workload = build_workload(cfg.workload, cfg.data)
         P.check_split(a.balance, P.layer_count(workload), stages, cfg.workload.name, where)
         m = cls.layout(cfg, world_size).microbatches
         P.check_microbatches(cls.local_batch_size(cfg, world_size), m, "the batch of one pipeline replica")
         if a.schedule == "1f1b" and m < stages:
-            raise ConfigError(f"adapter.schedule=1f1b needs at least as many micro-batches as stages: "
-                              f"adapter.microbatches={m} < {stages} stages; raise adapter.microbatches")
+            raise ConfigError(
+                f"adapter.schedule=1f1b needs at least as many micro-batches as stages: "
+                f"adapter.microbatches={m} < {stages} stages; raise adapter.microbatches"
+            )
         if a.schedule == "interleaved_1f1b":
             rounds = max(1, m // pp)
             if m % rounds:
-                raise ConfigError(f"adapter.schedule=interleaved_1f1b needs the micro-batch count to be a multiple of "
-                                  f"{rounds} rounds: adapter.microbatches={m}; use a multiple of {pp} pipeline ranks")
+                raise ConfigError(
+                    f"adapter.schedule=interleaved_1f1b needs the micro-batch count to be a multiple of "
+                    f"{rounds} rounds: adapter.microbatches={m}; use a multiple of {pp} pipeline ranks"
+                )
 
     # --- on each rank ----------------------------------------------------------------------------
     @property
@@ -171,8 +186,9 @@ class PipelineAdapter(Adapter):
         for s, module in zip(self.stage_ids, self.stage_modules):
             wrapped = module if precision == "fp32" else AutocastModule(module, precision, self.device)
             if dp > 1:  # PipelineStage drives DDP itself: no_sync on all but the last micro-batch
-                wrapped = DDP(wrapped, process_group=self.dp_group,
-                              device_ids=[self.device.index] if self.ctx.is_cuda else None)
+                wrapped = DDP(
+                    wrapped, process_group=self.dp_group, device_ids=[self.device.index] if self.ctx.is_cuda else None
+                )
             stages.append(pipelining.PipelineStage(wrapped, s, n_stages, self.device, group=self.pp_group))
 
         self.m = self.layout(cfg, world).microbatches
@@ -242,16 +258,25 @@ class PipelineAdapter(Adapter):
 
         module, options, state = self._checkpoint_state()
         dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
-        set_state_dict(module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=options)
+        set_state_dict(
+            module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=options,
+        )
 
     def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer):
         losses_all: list[torch.Tensor] = []
         with timer.phase("forward_backward"):  # the schedule interleaves them: one phase
             for x, y in micro_batches:  # trainer.grad_accum pipelined mini-batches
                 losses: list[torch.Tensor] = []
-                self.schedule.step(*((x,) if self.is_first else ()), target=y if self.is_last else None,
-                                   losses=losses if self.is_last else None, return_outputs=False)
+                self.schedule.step(
+                    *((x,) if self.is_first else ()),
+                    target=y if self.is_last else None,
+                    losses=losses if self.is_last else None,
+                    return_outputs=False,
+                )
                 losses_all += losses
         with timer.phase("optimizer"):
             self._sync_tied_grads()
@@ -309,8 +334,11 @@ class PipelineAdapter(Adapter):
             "balance_by": "config" if self.cfg.adapter.balance is not None else "layer_count",
             "microbatches": self.m,
             "micro_batch_size": self.local_batch // self.m,
-            "tied_weights": [f"{t.copy_name} = copy of {t.main_name} on the last stage, gradients all-reduced "
-                             f"with the first stage each step" for t in self.ties],
+            "tied_weights": [
+                f"{t.copy_name} = copy of {t.main_name} on the last stage, gradients all-reduced "
+                f"with the first stage each step"
+                for t in self.ties
+            ],
         }
 
 

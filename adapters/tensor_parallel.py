@@ -18,6 +18,7 @@ does not split evenly, like GPT-2's 50257 rows over 2 ranks: its parameter broad
 Batch: `batch_policy=per_device` counts one TP group as one device's worth of batch: each replica
 loads trainer.batch_size, so TP=2 on 2 ranks sees the global batch of a single process.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -66,20 +67,29 @@ class TensorParallelAdapter(Adapter):
     def check(cls, cfg, world_size):
         w, a = cfg.workload, cfg.adapter
         if w.kind != "language" or w.arch != "gpt2":
-            raise ConfigError(f"adapter=tensor_parallel does not support workload={w.name}: it shards the harness GPT-2 "
-                              f"(workload.arch=gpt2); use another adapter (ddp, fsdp, zero, ...) for {w.arch}")
+            raise ConfigError(
+                f"adapter=tensor_parallel does not support workload={w.name}: it shards the harness GPT-2 "
+                f"(workload.arch=gpt2); use another adapter (ddp, fsdp, zero, ...) for {w.arch}"
+            )
         tp = a.tensor_parallel
         if tp < 1 or world_size % tp:
-            raise ConfigError(f"adapter.tensor_parallel={tp} must be >= 1 and divide the {world_size} ranks "
-                              f"(launcher.nprocs): ranks = tensor_parallel x data-parallel replicas")
+            raise ConfigError(
+                f"adapter.tensor_parallel={tp} must be >= 1 and divide the {world_size} ranks "
+                f"(launcher.nprocs): ranks = tensor_parallel x data-parallel replicas"
+            )
         if w.n_head % tp:
-            raise ConfigError(f"workload.n_head={w.n_head} is not divisible by adapter.tensor_parallel={tp}: each "
-                              f"rank computes whole attention heads")
+            raise ConfigError(
+                f"workload.n_head={w.n_head} is not divisible by adapter.tensor_parallel={tp}: each "
+                f"rank computes whole attention heads"
+            )
         if cfg.trainer.precision == "fp16":
             raise ConfigError("trainer.precision=fp16 is not supported by adapter=tensor_parallel; use bf16 or fp32")
         if tp > 1:
-            refuse_layerwise(cfg.optimizer, f"adapter=tensor_parallel with tensor_parallel={tp}",
-                             "gives each rank column/row slices of the weights")
+            refuse_layerwise(
+                cfg.optimizer,
+                f"adapter=tensor_parallel with tensor_parallel={tp}",
+                "gives each rank column/row slices of the weights",
+            )
 
     @classmethod
     def smoke_overrides(cls, devices: int) -> list[str]:
@@ -101,10 +111,14 @@ class TensorParallelAdapter(Adapter):
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),  # logits split by vocab
         }
         for i in range(len(model.blocks)):
-            plan.update({
-                f"blocks.{i}.attn.c_attn": ColwiseParallel(), f"blocks.{i}.attn.c_proj": RowwiseParallel(),
-                f"blocks.{i}.mlp.c_fc": ColwiseParallel(), f"blocks.{i}.mlp.c_proj": RowwiseParallel(),
-            })
+            plan.update(
+                {
+                    f"blocks.{i}.attn.c_attn": ColwiseParallel(),
+                    f"blocks.{i}.attn.c_proj": RowwiseParallel(),
+                    f"blocks.{i}.mlp.c_fc": ColwiseParallel(),
+                    f"blocks.{i}.mlp.c_proj": RowwiseParallel(),
+                }
+            )
         parallelize_module(model, self.mesh["tp"], plan)
         model.lm_head.weight = model.wte.weight  # parallelize_module gave lm_head its own copy: tie again
         self.model = model
@@ -181,7 +195,9 @@ class TensorParallelAdapter(Adapter):
 
     def state_bytes(self) -> dict[str, int]:
         out = tensor_bytes(self.modules(), self.optimizer)
-        out["params_tp_sharded"] = sum(local_tensor(p).numel() * p.element_size() for p in self.params if _is_sharded(p))
+        out["params_tp_sharded"] = sum(
+            local_tensor(p).numel() * p.element_size() for p in self.params if _is_sharded(p)
+        )
         return out
 
     def describe(self) -> dict:

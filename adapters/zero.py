@@ -12,6 +12,7 @@ default 5e8 elements allocates ~2 GB per rank).
 
 deepspeed is imported only inside this module's functions, so validation in the parent stays cheap.
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,9 +70,16 @@ def deepspeed_config(cfg: BenchConfig, micro_batch: int, cuda: bool) -> dict:
         if o.name in ("adam", "adamw"):
             # offloaded partitions are stepped on the CPU by DeepSpeed's C++ Adam; adam_w_mode must be
             # explicit: DeepSpeed's "Adam" means AdamW unless told otherwise
-            config["optimizer"] = {"type": "Adam", "params": {
-                "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
-                "adam_w_mode": o.name == "adamw"}}
+            config["optimizer"] = {
+                "type": "Adam",
+                "params": {
+                    "lr": o.lr,
+                    "betas": list(o.betas),
+                    "eps": o.eps,
+                    "weight_decay": o.weight_decay,
+                    "adam_w_mode": o.name == "adamw",
+                },
+            }
         else:
             config["zero_force_ds_cpu_optimizer"] = False  # torch SGD steps the CPU partition itself
     return config
@@ -85,7 +93,7 @@ class ZeroAdapter(Adapter):
         **Adapter.phase_semantics,
         "forward": "engine forward; stage 3 all-gathers each layer's parameters here (prefetched)",
         "backward": "engine.backward: stage 3 re-gathers parameters; gradients are reduced (stage 0-1: "
-                    "all-reduce, 2-3: reduce-scatter into partitions), overlapped per overlap_comm",
+        "all-reduce, 2-3: reduce-scatter into partitions), overlapped per overlap_comm",
         "optimizer": "engine.step: clip, step the partition; stages 1-2 all-gather the updated parameters here",
     }
     checkpoint_format = "deepspeed engine.save_checkpoint/load_checkpoint"
@@ -115,13 +123,21 @@ class ZeroAdapter(Adapter):
             raise ConfigError(f"adapter.stage={a.stage}: ZeRO stages are 0, 1, 2 or 3")
         if (a.offload_optimizer or a.offload_params) and not cuda:
             which = "adapter.offload_optimizer" if a.offload_optimizer else "adapter.offload_params"
-            raise ConfigError(f"{which}=true moves state from GPU to CPU memory, but there is no GPU here; set it to false")
+            raise ConfigError(
+                f"{which}=true moves state from GPU to CPU memory, but there is no GPU here; set it to false"
+            )
         if a.offload_optimizer and a.stage == 0:
-            raise ConfigError("adapter.offload_optimizer=true needs a partitioned optimizer: set adapter.stage=1, 2 or 3")
+            raise ConfigError(
+                "adapter.offload_optimizer=true needs a partitioned optimizer: set adapter.stage=1, 2 or 3"
+            )
         if a.offload_params and a.stage != 3:
-            raise ConfigError(f"adapter.offload_params=true needs partitioned parameters: set adapter.stage=3 (got {a.stage})")
+            raise ConfigError(
+                f"adapter.offload_params=true needs partitioned parameters: set adapter.stage=3 (got {a.stage})"
+            )
         if a.offload_optimizer and cfg.optimizer.name not in ("adam", "adamw", "sgd"):
-            raise ConfigError(f"optimizer.name={cfg.optimizer.name} cannot run on offloaded partitions: use optimizer=adam, adamw or sgd")
+            raise ConfigError(
+                f"optimizer.name={cfg.optimizer.name} cannot run on offloaded partitions: use optimizer=adam, adamw or sgd"
+            )
         if cfg.optimizer.name in LAYERWISE and (a.stage > 0 or cfg.trainer.precision != "fp32"):
             why = f"adapter.stage={a.stage}" if a.stage > 0 else f"trainer.precision={cfg.trainer.precision}"
             raise ConfigError(
@@ -132,7 +148,9 @@ class ZeroAdapter(Adapter):
             if getattr(a, key) <= 0:
                 raise ConfigError(f"adapter.{key}={getattr(a, key)} must be > 0 (elements per communication bucket)")
         if a.param_persistence_threshold < 0:
-            raise ConfigError(f"adapter.param_persistence_threshold={a.param_persistence_threshold} must be >= 0 (0 = shard every parameter)")
+            raise ConfigError(
+                f"adapter.param_persistence_threshold={a.param_persistence_threshold} must be >= 0 (0 = shard every parameter)"
+            )
 
     # --- on each rank ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -146,12 +164,17 @@ class ZeroAdapter(Adapter):
         # the process group is the spine's (gloo on CPU, nccl on GPU); DeepSpeed wraps it, never makes its own
         deepspeed.init_distributed(dist_backend=self.ctx.backend, dist_init_required=False)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=model.parameters(), config=self.ds_config,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model.parameters(),
+            config=self.ds_config,
             dist_init_required=False,
         )
         if cfg.trainer.compile:
             self.engine.compile(backend=cfg.trainer.compile_backend)
-        self.input_dtype = HALF_DTYPES.get(cfg.trainer.precision)  # DeepSpeed's bf16/fp16 modes hold half-precision weights
+        self.input_dtype = HALF_DTYPES.get(
+            cfg.trainer.precision
+        )  # DeepSpeed's bf16/fp16 modes hold half-precision weights
         self._probe_grads = True
         self._grad_bytes = (0, 0)  # (when the optimizer step begins, most at once during backward)
 
@@ -204,8 +227,9 @@ class ZeroAdapter(Adapter):
         self.engine.save_checkpoint(str(path), tag="deepspeed", save_latest=False)
 
     def load_checkpoint(self, path) -> None:
-        loaded, _ = self.engine.load_checkpoint(str(path), tag="deepspeed", load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+        loaded, _ = self.engine.load_checkpoint(
+            str(path), tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if loaded is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {path}/deepspeed")
 
@@ -224,9 +248,13 @@ class ZeroAdapter(Adapter):
             "offload_optimizer": a.offload_optimizer,
             "offload_params": a.offload_params,
             "gradient_clipping": self.ds_config["gradient_clipping"],
-            "mixed_precision": {"bf16": "deepspeed bf16 (fp32 master)", "fp16": "deepspeed fp16 (loss scaling, fp32 master)"}.get(
-                self.cfg.trainer.precision, "off (fp32)"),
-            "optimizer": type(self.engine.basic_optimizer).__name__ if hasattr(self.engine, "basic_optimizer") else None,
+            "mixed_precision": {
+                "bf16": "deepspeed bf16 (fp32 master)",
+                "fp16": "deepspeed fp16 (loss scaling, fp32 master)",
+            }.get(self.cfg.trainer.precision, "off (fp32)"),
+            "optimizer": type(self.engine.basic_optimizer).__name__
+            if hasattr(self.engine, "basic_optimizer")
+            else None,
             "zero_optimizer": type(self.optimizer).__name__,
         }
 
@@ -285,10 +313,19 @@ def _storages(tensors, exclude: frozenset = frozenset()) -> dict[int, int]:
 #     `grad_partitions_flat_buffer`
 #   stage 0 with bf16: BF16_Optimizer, fp32 master `fp32_groups_flat_partition`, gradients
 #     `fp32_groups_gradients_flat`; with fp16: FP16_Optimizer, master `fp32_groups_flat`
-MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
-                "fp32_groups_flat")
-GRAD_ATTRS = ("grads_in_partition", "averaged_gradients", "all_grad_tensors", "grad_partitions_flat_buffer",
-              "fp32_groups_gradients_flat")
+MASTER_ATTRS = (
+    "single_partition_of_fp32_groups",
+    "fp32_partitioned_groups_flat",
+    "fp32_groups_flat_partition",
+    "fp32_groups_flat",
+)
+GRAD_ATTRS = (
+    "grads_in_partition",
+    "averaged_gradients",
+    "all_grad_tensors",
+    "grad_partitions_flat_buffer",
+    "fp32_groups_gradients_flat",
+)
 
 
 def _param_storages(engine) -> dict[int, int]:
@@ -342,8 +379,9 @@ class _GradientProbe:
     def __init__(self, engine):
         self.engine = engine
         self.peak = 0
-        self.handles = [p.register_post_accumulate_grad_hook(self._read)
-                        for p in engine.module.parameters() if p.requires_grad]
+        self.handles = [
+            p.register_post_accumulate_grad_hook(self._read) for p in engine.module.parameters() if p.requires_grad
+        ]
 
     def _read(self, _param) -> None:
         self.peak = max(self.peak, _gradient_bytes(self.engine))

@@ -5,6 +5,7 @@ figures), `report` (CLI).
     df = load("results/demo")
     plots.speedup(df, out="figures")
 """
+
 from ptbench.analysis.load import find_runs, load
 from ptbench.analysis.tables import Study, not_finished, ok, runs
 

@@ -1,4 +1,5 @@
 """`python -m ptbench.analysis report RESULTS_DIR --out DIR`: all figures, tables and report.md, no Jupyter."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,10 +12,14 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("report", help="figures (PNG+SVG), CSV tables and report.md from a tree of run records")
     r.add_argument("results", help="folder holding run records (searched recursively)")
     r.add_argument("--out", required=True, help="folder for report.md, figures/ and the CSV tables")
-    r.add_argument("--baseline", default="best", metavar="best|per-series|LABEL",
-                   help="speedup baseline: best = the fastest single-device point of any series for the workload "
-                        "(as the paper; default); per-series = each series' own point at its fewest devices; "
-                        "or one series' label (as in the report) for every series")
+    r.add_argument(
+        "--baseline",
+        default="best",
+        metavar="best|per-series|LABEL",
+        help="speedup baseline: best = the fastest single-device point of any series for the workload "
+        "(as the paper; default); per-series = each series' own point at its fewest devices; "
+        "or one series' label (as in the report) for every series",
+    )
     args = p.parse_args(argv)
 
     import matplotlib

@@ -20,6 +20,7 @@ checks its epoch-time phase (paper-epoch-*); other records are used as they are.
 Also listed: every point that was retried with a smaller batch after running out of memory
 (`extra.batch_reduced_from`, bench/sweep.py `oom_retry`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -40,8 +41,10 @@ PIPELINES = ("gpipe", "pipeline")
 def _series(runs: pd.DataFrame, column: str) -> dict[str, pd.Series]:
     """label -> column's mean per device count (sorted), over runs with a value."""
     have = runs[pd.to_numeric(runs[column], errors="coerce").notna()]
-    return {label: pd.to_numeric(sub[column]).groupby(sub["devices"].astype(int)).mean().sort_index()
-            for label, sub in have.groupby("label")}
+    return {
+        label: pd.to_numeric(sub[column]).groupby(sub["devices"].astype(int)).mean().sort_index()
+        for label, sub in have.groupby("label")
+    }
 
 
 def _ids(runs: pd.DataFrame) -> list[str]:
@@ -86,25 +89,37 @@ def zero_memory_falls_ddp_flat(runs: pd.DataFrame) -> dict:
         return _claim(name, NOT_MEASURED, "needs DDP and a ZeRO series at 2 or more GPU counts")
     flat = bool((abs(d / d.mean() - 1) <= FLAT).all())
     falls = {k: bool((np.diff(v.to_numpy()) < 0).all()) for k, v in zeros.items()}
-    text = [(f"DDP {', '.join(f'x{n}: {_mib(v)}' for n, v in d.items())} "
-             f"({'flat: within' if flat else 'not flat: beyond'} {100 * FLAT:.0f} % of its mean)")]
-    text += [f"{k} {', '.join(f'x{n}: {_mib(v)}' for n, v in zeros[k].items())} ({'falls' if f else 'does not fall'})"
-             for k, f in falls.items()]
-    return _claim(name, HOLDS if flat and all(falls.values()) else FAILS, "; ".join(text),
-                  _of(runs, ["ddp", "zero"]))
+    text = [
+        (
+            f"DDP {', '.join(f'x{n}: {_mib(v)}' for n, v in d.items())} "
+            f"({'flat: within' if flat else 'not flat: beyond'} {100 * FLAT:.0f} % of its mean)"
+        )
+    ]
+    text += [
+        f"{k} {', '.join(f'x{n}: {_mib(v)}' for n, v in zeros[k].items())} ({'falls' if f else 'does not fall'})"
+        for k, f in falls.items()
+    ]
+    return _claim(name, HOLDS if flat and all(falls.values()) else FAILS, "; ".join(text), _of(runs, ["ddp", "zero"]))
 
 
 def zero_time_close_to_ddp(runs: pd.DataFrame) -> dict:
     name = f"ZeRO epoch time within {100 * ZERO_TIME_TOLERANCE:.0f} % of DDP's"
     ddp, zero = _of(runs, ["ddp"]), _of(runs, ["zero"])
     d = next(iter(_series(ddp, "time_per_sample_used_s").values()), None) if len(ddp) else None
-    pairs = [(label, n, z[n] / d[n]) for label, z in _series(zero, "time_per_sample_used_s").items()
-             for n in (z.index.intersection(d.index) if d is not None else [])]
+    pairs = [
+        (label, n, z[n] / d[n])
+        for label, z in _series(zero, "time_per_sample_used_s").items()
+        for n in (z.index.intersection(d.index) if d is not None else [])
+    ]
     if not pairs:
         return _claim(name, NOT_MEASURED, "needs DDP and ZeRO epoch times at one GPU count")
     ok = all(abs(r - 1) <= ZERO_TIME_TOLERANCE for _, _, r in pairs)
-    return _claim(name, HOLDS if ok else FAILS,
-                  "; ".join(f"{lab} x{n}: {r:.2f}x DDP" for lab, n, r in pairs), pd.concat([ddp, zero]))
+    return _claim(
+        name,
+        HOLDS if ok else FAILS,
+        "; ".join(f"{lab} x{n}: {r:.2f}x DDP" for lab, n, r in pairs),
+        pd.concat([ddp, zero]),
+    )
 
 
 def pipeline_memory_plateaus(runs: pd.DataFrame) -> dict:
@@ -117,8 +132,10 @@ def pipeline_memory_plateaus(runs: pd.DataFrame) -> dict:
         steps = v.to_numpy()[1:] / v.to_numpy()[:-1] - 1  # relative change per step up in GPU count
         ok = steps[0] < -FLAT and abs(steps[-1]) < FLAT
         verdicts.append(ok)
-        text.append(f"{label} {', '.join(f'x{n}: {_mib(m)}' for n, m in v.items())} (first step {100 * steps[0]:+.0f} %, "
-                    f"last {100 * steps[-1]:+.0f} %)")
+        text.append(
+            f"{label} {', '.join(f'x{n}: {_mib(m)}' for n, m in v.items())} (first step {100 * steps[0]:+.0f} %, "
+            f"last {100 * steps[-1]:+.0f} %)"
+        )
     return _claim(name, HOLDS if all(verdicts) else FAILS, "; ".join(text), _of(runs, PIPELINES))
 
 
@@ -144,9 +161,15 @@ def fastest(runs: pd.DataFrame) -> list[dict]:
         if len(t) < 2:
             out.append(_claim(f"fastest framework at x{n}", NOT_MEASURED, f"only {t.index[0]} ran at x{n}", sub))
             continue
-        out.append(_claim(f"fastest framework at x{n}", MEASURED,
-                          f"**{t.index[0]}** {1e3 * t.iloc[0]:.3g} ms/sample; next {t.index[1]} "
-                          f"{t.iloc[1] / t.iloc[0]:.2f}x slower", sub))
+        out.append(
+            _claim(
+                f"fastest framework at x{n}",
+                MEASURED,
+                f"**{t.index[0]}** {1e3 * t.iloc[0]:.3g} ms/sample; next {t.index[1]} "
+                f"{t.iloc[1] / t.iloc[0]:.2f}x slower",
+                sub,
+            )
+        )
     return out
 
 
@@ -199,10 +222,16 @@ def _reduced_from(run_dir) -> float:
 
 def claims_lines(per_run: pd.DataFrame) -> list[str]:
     """The report's "Paper claims" section."""
-    lines = ["## Paper claims", "",
-             ("The findings of Lin et al. checked against these records (analysis/claims.py states each test). "
-              "Memory is the busiest rank's peak (`mem_plot_bytes`), time is per training sample over steady epochs; "
-              "CPU ranks share one machine's memory and cores, so CPU verdicts check the harness, not the paper."), ""]
+    lines = [
+        "## Paper claims",
+        "",
+        (
+            "The findings of Lin et al. checked against these records (analysis/claims.py states each test). "
+            "Memory is the busiest rank's peak (`mem_plot_bytes`), time is per training sample over steady epochs; "
+            "CPU ranks share one machine's memory and cores, so CPU verdicts check the harness, not the paper."
+        ),
+        "",
+    ]
     for workload, found in claims(per_run).items():
         lines += [f"### {workload}", "", "| claim | verdict | numbers | runs |", "|---|---|---|---|"]
         for c in found:
@@ -211,8 +240,11 @@ def claims_lines(per_run: pd.DataFrame) -> list[str]:
     retried = oom_retried(per_run) if len(per_run) else pd.DataFrame()
     lines += ["### Points retried after running out of memory", ""]
     if len(retried):
-        lines += [f"- `{r.run_id}` {r.workload} {r.label} x{r.devices}: per-device batch {int(r.batch_reduced_from)} "
-                  f"ran out of memory, retried with {r.batch_size} ({r.status})" for r in retried.itertuples()]
+        lines += [
+            f"- `{r.run_id}` {r.workload} {r.label} x{r.devices}: per-device batch {int(r.batch_reduced_from)} "
+            f"ran out of memory, retried with {r.batch_size} ({r.status})"
+            for r in retried.itertuples()
+        ]
     else:
         lines.append("_none_")
     return lines + [""]

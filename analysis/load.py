@@ -18,6 +18,7 @@ Series labels (`label`) come from each run's own record only: its adapter, the s
 a different series (ZeRO stage, schedule, offload, precision, optimizer, ...) and its global-batch
 rule, e.g. "zero stage=3 gb=8/replica". Adding runs to a folder never renames another run's series.
 """
+
 from __future__ import annotations
 
 import json
@@ -95,7 +96,9 @@ def find_runs(root: str | Path) -> list[Path]:
     """Every run folder under root (root itself may be one)."""
     root = Path(root)
     if not root.exists():
-        raise FileNotFoundError(f"results folder {root} does not exist; run `python -m ptbench ...` or `make demo` first")
+        raise FileNotFoundError(
+            f"results folder {root} does not exist; run `python -m ptbench ...` or `make demo` first"
+        )
     found = {p.parent for name in ("summary.json", "config.yaml") for p in root.rglob(name)}
     return sorted(d for d in found if not any(part.startswith(".") for part in d.relative_to(root).parts))
 
@@ -140,8 +143,10 @@ def _per_device_states(s: dict) -> list[dict]:
 
 
 def _sum_parts(entries: list[dict]) -> dict:
-    return {k: sum(e.get(k) or 0 for e in entries) if any(e.get(k) is not None for e in entries) else None
-            for k in STATE_PARTS}
+    return {
+        k: sum(e.get(k) or 0 for e in entries) if any(e.get(k) is not None for e in entries) else None
+        for k in STATE_PARTS
+    }
 
 
 def _host_parts(s: dict, offload_optimizer, offload_params) -> set[str]:
@@ -191,9 +196,17 @@ def _memory_fields(event: dict, offload_optimizer=None, offload_params=None) -> 
     known = [v for v in parts.values() if v is not None]
     # adapters may add detail (e.g. per pipeline partition) beside the three totals: sum only those
     totals = [sum((r.get("state_bytes") or {}).get(k) or 0 for k in STATE_PARTS) for r in ranks]
-    out = {**parts, "state_bytes": sum(known) if known else None, "state_bytes_max": max(totals) if totals else None,
-           "mem_rank": top.get("rank"), "ranks_reported": len(ranks), "mem_plot_metric": plot_metric,
-           "mem_plot_bytes": mem.get(plot_metric), "mem_device": None, "mem_note": None}
+    out = {
+        **parts,
+        "state_bytes": sum(known) if known else None,
+        "state_bytes_max": max(totals) if totals else None,
+        "mem_rank": top.get("rank"),
+        "ranks_reported": len(ranks),
+        "mem_plot_metric": plot_metric,
+        "mem_plot_bytes": mem.get(plot_metric),
+        "mem_device": None,
+        "mem_note": None,
+    }
 
     device_parts = {k: s.get(k) for k in STATE_PARTS}
     host = set() if on_cpu else _host_parts(s, offload_optimizer, offload_params)
@@ -234,14 +247,23 @@ def _comm_fields(cv) -> dict:
     """The record's `comm_volume` (bench/core/comm_volume.py, bytes per optimizer step per rank) as
     columns; `comm_collectives` keeps the per-collective list as JSON for `comm_table`."""
     if not isinstance(cv, dict) or cv.get("error") or "total_bytes" not in cv:
-        return {"comm_bytes_per_step": None, "comm_backend": (cv or {}).get("backend") if isinstance(cv, dict) else None,
-                "comm_phases": None, "comm_formula": None, "comm_collectives": None,
-                "comm_error": cv.get("error") if isinstance(cv, dict) else None}
+        return {
+            "comm_bytes_per_step": None,
+            "comm_backend": (cv or {}).get("backend") if isinstance(cv, dict) else None,
+            "comm_phases": None,
+            "comm_formula": None,
+            "comm_collectives": None,
+            "comm_error": cv.get("error") if isinstance(cv, dict) else None,
+        }
     cols = cv.get("collectives") or []
-    return {"comm_bytes_per_step": cv["total_bytes"], "comm_backend": cv.get("backend"),
-            "comm_phases": ",".join(cv.get("phases") or []) or None,
-            "comm_formula": "; ".join(f"{c['name']}: {c['formula']}" for c in cols) or None,
-            "comm_collectives": json.dumps(cols), "comm_error": None}
+    return {
+        "comm_bytes_per_step": cv["total_bytes"],
+        "comm_backend": cv.get("backend"),
+        "comm_phases": ",".join(cv.get("phases") or []) or None,
+        "comm_formula": "; ".join(f"{c['name']}: {c['formula']}" for c in cols) or None,
+        "comm_collectives": json.dumps(cols),
+        "comm_error": None,
+    }
 
 
 COMM_FOLDER = "comm"  # `python -m ptbench.sweep run` stores `python -m ptbench.comm --out` here
@@ -305,8 +327,9 @@ def run_label(fields: dict) -> str:
     """A run's series label from its own record (adapter, settings, batch rule); a `label` the record
     carries itself wins (with the batch rule added if it has none)."""
     own = fields.get("record_label")
-    gb = batch_rule(fields.get("batch_policy"), fields.get("batch_size"), fields.get("grad_accum"),
-                    fields.get("global_batch"))
+    gb = batch_rule(
+        fields.get("batch_policy"), fields.get("batch_size"), fields.get("grad_accum"), fields.get("global_batch")
+    )
     if isinstance(own, str) and own.strip():
         return own if "gb=" in own else f"{own} {gb}"
     adapter = fields.get("adapter")
@@ -328,8 +351,23 @@ def run_label(fields: dict) -> str:
 
 def series_labels(df: pd.DataFrame) -> pd.Series:
     """Each row's label from that row's own fields (`run_label`): stable whatever else is loaded."""
-    cols = [c for c in dict.fromkeys(("adapter", "record_label", "batch_policy", "batch_size", "grad_accum", "global_batch",
-                        "offload_optimizer", "offload_params", *LABEL_SETTINGS)) if c in df]
+    cols = [
+        c
+        for c in dict.fromkeys(
+            (
+                "adapter",
+                "record_label",
+                "batch_policy",
+                "batch_size",
+                "grad_accum",
+                "global_batch",
+                "offload_optimizer",
+                "offload_params",
+                *LABEL_SETTINGS,
+            )
+        )
+        if c in df
+    ]
     return pd.Series([run_label(r) for r in df[cols].to_dict("records")], index=df.index, dtype=object)
 
 
@@ -405,8 +443,18 @@ def load(*roots: str | Path) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     if df.empty:
         return df
-    for col in ("epoch", "devices", "world_size", "global_batch", "steps", "stage", "tp", "pp", "epoch_time_s",
-                "epoch_time_steady_s"):
+    for col in (
+        "epoch",
+        "devices",
+        "world_size",
+        "global_batch",
+        "steps",
+        "stage",
+        "tp",
+        "pp",
+        "epoch_time_s",
+        "epoch_time_steady_s",
+    ):
         if col not in df:
             df[col] = np.nan
     for col in ("epoch", "devices", "world_size", "global_batch", "steps", "epoch_time_s", "epoch_time_steady_s"):
@@ -432,4 +480,6 @@ def load(*roots: str | Path) -> pd.DataFrame:
     df["label"] = series_labels(df)
     order = ["experiment", "workload", "label", "adapter", "devices", "world_size", "status", "epoch", "run_id"]
     df = df[order + [c for c in df.columns if c not in order]]
-    return df.sort_values(["workload", "label", "devices", "run_id", "epoch"], na_position="last").reset_index(drop=True)
+    return df.sort_values(["workload", "label", "devices", "run_id", "epoch"], na_position="last").reset_index(
+        drop=True
+    )

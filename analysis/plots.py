@@ -12,6 +12,7 @@ against the numbers.
 Figures are built on `matplotlib.figure.Figure` directly (no pyplot state): the CLI needs no
 display and no figure is left open; Jupyter still renders a returned Figure inline.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -117,11 +118,28 @@ def _mark_failed(ax, study: Study, workload: str, label: str | None = None, x_of
         return bad.assign(x=[])
     bad = bad.assign(x=[int(d) if x_of is None else x_of(lab, int(d)) for lab, d in zip(bad["label"], bad["devices"])])
     for x, grp in bad.groupby("x", sort=True):
-        ax.plot([x], [0.02], transform=ax.get_xaxis_transform(), marker="x", color="crimson", markersize=9,
-                linestyle="none", clip_on=False)
+        ax.plot(
+            [x],
+            [0.02],
+            transform=ax.get_xaxis_transform(),
+            marker="x",
+            color="crimson",
+            markersize=9,
+            linestyle="none",
+            clip_on=False,
+        )
         text = "\n".join(sorted(set(grp["status"].astype(str))))
-        ax.annotate(text, (x, 0.02), xycoords=ax.get_xaxis_transform(), xytext=(0, 7), textcoords="offset points",
-                    ha="center", va="bottom", fontsize=7, color="crimson")
+        ax.annotate(
+            text,
+            (x, 0.02),
+            xycoords=ax.get_xaxis_transform(),
+            xytext=(0, 7),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            color="crimson",
+        )
     ax.plot([], [], marker="x", color="crimson", linestyle="none", label=FAILED_LEGEND)
     return bad
 
@@ -131,8 +149,14 @@ def _list_failed(ax, study: Study, workload: str) -> pd.DataFrame:
     finish, "series xN: status"."""
     bad = _failed_points(study, workload)
     for _, b in bad.iterrows():
-        ax.plot([], [], marker="x", color="crimson", linestyle="none",
-                label=f"{b['label']} x{int(b['devices'])}: {b['status']} (not finished)")
+        ax.plot(
+            [],
+            [],
+            marker="x",
+            color="crimson",
+            linestyle="none",
+            label=f"{b['label']} x{int(b['devices'])}: {b['status']} (not finished)",
+        )
     return bad
 
 
@@ -180,8 +204,14 @@ def speedup(data: pd.DataFrame | Study, out=None, baseline: str | None = "best",
             devs = sorted({*sub["devices"], *bad["devices"].astype(int)})
             for b0 in sorted(sub["baseline_devices"].unique()):  # one ideal line per baseline device count
                 mine = [d for d in devs if d >= b0]
-                ax.plot(mine, [d / b0 for d in mine] if col == "speedup" else [1.0] * len(mine), color="grey",
-                        linestyle="--", linewidth=1, label="ideal")
+                ax.plot(
+                    mine,
+                    [d / b0 for d in mine] if col == "speedup" else [1.0] * len(mine),
+                    color="grey",
+                    linestyle="--",
+                    linewidth=1,
+                    label="ideal",
+                )
             _lines(ax, sub, "devices", col, "label", colors)
             _log2_devices(ax, devs)
             ax.set_ylim(bottom=0)
@@ -194,8 +224,9 @@ def speedup(data: pd.DataFrame | Study, out=None, baseline: str | None = "best",
             row[1].set_title(f"{wl}: efficiency vs each series' fewest-device point", fontsize=10)
         else:
             base = sub["baseline"].iloc[0]
-            row[0].set_title(f"{wl}: speedup vs {base}\n({sub['baseline_epoch_time_s'].iloc[0]:.3g} s/epoch)",
-                             fontsize=10)
+            row[0].set_title(
+                f"{wl}: speedup vs {base}\n({sub['baseline_epoch_time_s'].iloc[0]:.3g} s/epoch)", fontsize=10
+            )
             row[1].set_title(f"{wl}: efficiency vs {base}", fontsize=10)
     fig.bench_data = data
     fig.bench_failed = _concat(failed)
@@ -237,7 +268,9 @@ def val_metric(data: pd.DataFrame | Study, out=None, x: str = "epoch", name: str
             ax.xaxis.set_major_locator(FixedLocator(sorted(sub["epoch"].unique())))
         ax.set_title(f"{wl}: {metric.replace('val_', 'validation ')} vs {'epoch' if x == 'epoch' else 'time'}")
         _legend(ax, title="series x devices", title_fontsize=8)
-    fig.bench_data = d[["workload", "label", "devices", "run_id", "epoch", "wall_time_s", "val_metric", "val_metric_name"]]
+    fig.bench_data = d[
+        ["workload", "label", "devices", "run_id", "epoch", "wall_time_s", "val_metric", "val_metric_name"]
+    ]
     fig.bench_failed = _concat(failed)
     return save(fig, out, name or f"val_metric_vs_{'epoch' if x == 'epoch' else 'time'}")
 
@@ -266,18 +299,25 @@ def memory(data: pd.DataFrame | Study, out=None, name: str = "memory", max_cols:
     rows = []  # workloads start on a new row
     for wl in sorted(data["workload"].unique()):
         mine = [p for p in panels if p[0] == wl]
-        rows += [mine[i:i + max_cols] for i in range(0, len(mine), max_cols)]
+        rows += [mine[i : i + max_cols] for i in range(0, len(mine), max_cols)]
     n_cols = max(len(r) for r in rows)
     fig, axes = _grid(len(rows), n_cols, w=3.4, h=3.2)
-    parts = [("params_mib", "parameters"), ("grads_mib", "gradients"), ("optimizer_mib", "optimizer state"),
-             ("other_mib", "rest of peak")]
+    parts = [
+        ("params_mib", "parameters"),
+        ("grads_mib", "gradients"),
+        ("optimizer_mib", "optimizer state"),
+        ("other_mib", "rest of peak"),
+    ]
     colors = dict(zip([p for p, _ in parts], sns.color_palette("muted", 4)))
     metrics = sorted({m for ms in data["memory_metric"].dropna() for m in ms.split("; ")})
-    ylabel = MEMORY_METRICS.get(metrics[0], "peak memory per rank (MiB)") if len(metrics) == 1 else \
-        "peak memory per rank (MiB): " + ", ".join(metrics)
+    ylabel = (
+        MEMORY_METRICS.get(metrics[0], "peak memory per rank (MiB)")
+        if len(metrics) == 1
+        else "peak memory per rank (MiB): " + ", ".join(metrics)
+    )
     first_of, failed = {}, []
     for ax_row, row in zip(axes, rows):
-        for ax in ax_row[len(row):]:
+        for ax in ax_row[len(row) :]:
             ax.set_axis_off()
         for ax, (wl, lab) in zip(ax_row, row):
             if wl in first_of:
@@ -288,8 +328,10 @@ def memory(data: pd.DataFrame | Study, out=None, name: str = "memory", max_cols:
             devs = sorted({*sub["devices"].astype(int), *bad["devices"].astype(int)})
             pos = {d: i for i, d in enumerate(devs)}
             offload = _join(sub["offload"])
-            ax.set_title(f"{wl}: {lab}" + (f"\n[{offload} held on CPU: not in the bars]" if offload else ""),
-                         fontsize=9 if offload else 10)
+            ax.set_title(
+                f"{wl}: {lab}" + (f"\n[{offload} held on CPU: not in the bars]" if offload else ""),
+                fontsize=9 if offload else 10,
+            )
             xs = [pos[int(d)] for d in sub["devices"]]
             bottom = np.zeros(len(sub))
             for col, text in parts:  # without recorded states the whole peak is "rest"
@@ -302,11 +344,26 @@ def memory(data: pd.DataFrame | Study, out=None, name: str = "memory", max_cols:
                 if not np.isnan(host):
                     note.append(f"+{host:.3g} on CPU")
                 if note:
-                    ax.annotate("\n".join(note), (x, top), ha="center", va="bottom", fontsize=7,
-                                xytext=(0, 2), textcoords="offset points")
+                    ax.annotate(
+                        "\n".join(note),
+                        (x, top),
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        xytext=(0, 2),
+                        textcoords="offset points",
+                    )
             if len(sub):  # the stack's top is the peak unless the states exceed it (a CPU delta without params)
-                ax.plot(xs, sub["peak_mib"], marker="_", markersize=22, markeredgewidth=1.5, color="black",
-                        linestyle="none", label="measured peak")
+                ax.plot(
+                    xs,
+                    sub["peak_mib"],
+                    marker="_",
+                    markersize=22,
+                    markeredgewidth=1.5,
+                    color="black",
+                    linestyle="none",
+                    label="measured peak",
+                )
             failed.append(_mark_failed(ax, study, wl, lab, x_of=lambda _lab, d, pos=pos: pos[d]) if len(bad) else bad)
             ax.set_xticks(range(len(devs)), [str(d) for d in devs])
             ax.set_xlim(-0.6, len(devs) - 0.4)
@@ -341,8 +398,9 @@ def breakdown(data: pd.DataFrame | Study, out=None, name: str = "breakdown") -> 
     for ax, wl in zip(axes[0], workloads):
         sub = data[data["workload"] == wl].sort_values(["label", "devices"])
         bad = _failed_points(study, wl) if len(bad_all) else pd.DataFrame(columns=["label", "devices"])
-        points = sorted({*zip(sub["label"], sub["devices"].astype(int)),
-                         *zip(bad["label"], bad["devices"].astype(int))})
+        points = sorted(
+            {*zip(sub["label"], sub["devices"].astype(int)), *zip(bad["label"], bad["devices"].astype(int))}
+        )
         pos = {p: i for i, p in enumerate(points)}
         xs = [pos[(lab, int(d))] for lab, d in zip(sub["label"], sub["devices"])]
         bottom = np.zeros(len(sub))
@@ -378,7 +436,9 @@ def _draw(key: str, study: Study, out, baseline: str | None) -> Figure:
     return {"epoch_time": epoch_time, "memory": memory, "breakdown": breakdown}[key](study, out)
 
 
-def all_figures(data: pd.DataFrame | Study, out, baseline: str | None = "best") -> tuple[dict[str, Figure], dict[str, str]]:
+def all_figures(
+    data: pd.DataFrame | Study, out, baseline: str | None = "best"
+) -> tuple[dict[str, Figure], dict[str, str]]:
     """Every figure above, and {name: reason} for those whose data are absent (skipped)."""
     study = Study.of(data)
     figs, skipped = {}, {}

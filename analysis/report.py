@@ -1,7 +1,8 @@
 """A report without Jupyter: every figure (PNG + SVG), the tidy tables as CSV, and report.md.
 
-    python -m ptbench.analysis report RESULTS_DIR --out DIR [--baseline best|per-series|LABEL]
+python -m ptbench.analysis report RESULTS_DIR --out DIR [--baseline best|per-series|LABEL]
 """
+
 from __future__ import annotations
 
 import math
@@ -43,15 +44,19 @@ def batch_warnings(data: pd.DataFrame | Study) -> list[str]:
     for (wl, lab, d), sub in r.groupby(["workload", "label", "devices"]):
         gbs = sorted(set(sub["global_batch"]))
         if len(gbs) > 1:
-            lines.append(f"{WARNING} {wl}, series `{lab}` at {int(d)} devices: its runs used different global batches "
-                         f"({', '.join(_gb(v) for v in gbs)}); the point averages them "
-                         f"(runs {', '.join(sorted(sub['run_id']))}).")
+            lines.append(
+                f"{WARNING} {wl}, series `{lab}` at {int(d)} devices: its runs used different global batches "
+                f"({', '.join(_gb(v) for v in gbs)}); the point averages them "
+                f"(runs {', '.join(sorted(sub['run_id']))})."
+            )
     for (wl, d), sub in r.groupby(["workload", "devices"]):
         per = sub.groupby("label")["global_batch"].agg(lambda v: ", ".join(_gb(x) for x in sorted(set(v))))
         if sub["global_batch"].nunique() > 1 and len(per) > 1:
-            lines.append(f"{WARNING} {wl} at {int(d)} devices: the series differ in global batch "
-                         f"({'; '.join(f'`{lab}` {gb}' for lab, gb in per.items())}): their epoch times compare "
-                         "different batches (speedup is per training sample).")
+            lines.append(
+                f"{WARNING} {wl} at {int(d)} devices: the series differ in global batch "
+                f"({'; '.join(f'`{lab}` {gb}' for lab, gb in per.items())}): their epoch times compare "
+                "different batches (speedup is per training sample)."
+            )
     return lines
 
 
@@ -77,13 +82,19 @@ def _baseline_lines(sp: pd.DataFrame, baseline: str | None) -> list[str]:
     for wl, sub in sp.groupby("workload"):
         mode = sub["baseline_mode"].iloc[0]
         if mode == "per-series":
-            lines.append(f"Speedup baseline for {wl}: **each series' own point at its fewest devices** (--baseline "
-                         "per-series): " + "; ".join(sorted(set(sub["baseline"]))) + ".")
+            lines.append(
+                f"Speedup baseline for {wl}: **each series' own point at its fewest devices** (--baseline "
+                "per-series): " + "; ".join(sorted(set(sub["baseline"]))) + "."
+            )
             continue
         b = sub.iloc[0]
-        why = (f"chosen with --baseline {baseline}" if mode == "series" else
-               "the fastest single-device point of any series" if b["baseline_devices"] == 1 else
-               "no single-device run: the fastest point at the fewest devices")
+        why = (
+            f"chosen with --baseline {baseline}"
+            if mode == "series"
+            else "the fastest single-device point of any series"
+            if b["baseline_devices"] == 1
+            else "no single-device run: the fastest point at the fewest devices"
+        )
         lines.append(f"Speedup baseline for {wl}: **{b['baseline']}** ({why}).")
     return lines
 
@@ -93,15 +104,21 @@ def _epoch_time_lines(per_run: pd.DataFrame) -> list[str]:
     used = done["epoch_time_source"].dropna().value_counts()
     lines = []
     if len(used):
-        lines.append("Epoch time used for the epoch-time and speedup figures: " + "; ".join(
-            f"{src} ({n} run{'s' if n > 1 else ''})" for src, n in used.items()) + ". Preference: the summary's "
+        lines.append(
+            "Epoch time used for the epoch-time and speedup figures: "
+            + "; ".join(f"{src} ({n} run{'s' if n > 1 else ''})" for src, n in used.items())
+            + ". Preference: the summary's "
             f"`epoch_time_steady_s` (complete epochs after the first), else the {EPOCH_TIME_SOURCES['after_first']} "
-            "(two or more epochs), else the first epoch, which includes warm-up.")
+            "(two or more epochs), else the first epoch, which includes warm-up."
+        )
     partial = per_run[per_run["partial_epochs"] > 0] if "partial_epochs" in per_run else per_run.iloc[:0]
     if len(partial):
-        lines.append(f"Partial epochs (cut short by trainer.max_steps or preemption) are left out of every mean "
-                     f"unless all of a run's epochs are partial: {int(partial['partial_epochs'].sum())} in "
-                     + ", ".join(f"{r} ({n})" for r, n in zip(partial["run_id"], partial["partial_epochs"])) + ".")
+        lines.append(
+            f"Partial epochs (cut short by trainer.max_steps or preemption) are left out of every mean "
+            f"unless all of a run's epochs are partial: {int(partial['partial_epochs'].sum())} in "
+            + ", ".join(f"{r} ({n})" for r, n in zip(partial["run_id"], partial["partial_epochs"]))
+            + "."
+        )
     else:
         lines.append("No epoch is flagged partial; partial epochs would be left out of the means.")
     return lines
@@ -115,7 +132,7 @@ def _memory_lines(study: Study) -> list[str]:
     metrics = sorted({m for ms in mem["memory_metric"].dropna() for m in ms.split("; ")})
     text = {
         "peak_rss_delta": "`peak_rss_delta` (CPU: peak RSS minus RSS just before the first step, so the interpreter "
-                          "and libraries are left out; parameters built before the first step are not in it)",
+        "and libraries are left out; parameters built before the first step are not in it)",
         "peak_rss": "`peak_rss` (CPU: process VmHWM, which includes the Python process and libraries)",
         "peak_allocated": "`peak_allocated` (CUDA: max allocated)",
     }
@@ -126,8 +143,10 @@ def _memory_lines(study: Study) -> list[str]:
         lines.append("These CPU records carry no `peak_rss_delta`: the memory figure falls back to `peak_rss`.")
     off = mem[mem["offload"].notna()]
     for _, m in off.iterrows():
-        lines.append(f"{m['workload']} `{m['label']}` x{int(m['devices'])}: {m['offload']} held in CPU memory "
-                     f"({m['host_mib']:.4g} MiB), not counted as device memory.")
+        lines.append(
+            f"{m['workload']} `{m['label']}` x{int(m['devices'])}: {m['offload']} held in CPU memory "
+            f"({m['host_mib']:.4g} MiB), not counted as device memory."
+        )
     for note in sorted(set(mem["mem_note"].dropna())):
         lines.append(f"Memory note: {note}.")
     return lines
@@ -175,14 +194,22 @@ def which_adapter(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
         # fastest to the target
         t = ttt[ttt["workload"] == wl].sort_values(["time_s", "run_id"]) if len(ttt) else pd.DataFrame()
         if t.empty or t["time_s"].isna().all():
-            v["undecided"].append("time to a target metric: no finished run recorded a validation metric "
-                                  "(trainer.eval_every_epoch=false?)")
+            v["undecided"].append(
+                "time to a target metric: no finished run recorded a validation metric "
+                "(trainer.eval_every_epoch=false?)"
+            )
         else:
             w = t.iloc[0]
-            v["fastest"] = dict(metric=w["metric"], target=float(w["target"]), label=w["label"],
-                                devices=int(w["devices"]), time_s=float(w["time_s"]), epoch=int(w["epoch"]),
-                                run_id=w["run_id"], ranking=[(float(x.time_s), _point(x.label, x.devices), x.run_id)
-                                                             for x in t.itertuples()])
+            v["fastest"] = dict(
+                metric=w["metric"],
+                target=float(w["target"]),
+                label=w["label"],
+                devices=int(w["devices"]),
+                time_s=float(w["time_s"]),
+                epoch=int(w["epoch"]),
+                run_id=w["run_id"],
+                ranking=[(float(x.time_s), _point(x.label, x.devices), x.run_id) for x in t.itertuples()],
+            )
             without = sorted(set(r["run_id"]) - set(t["run_id"]))
             if without:
                 v["undecided"].append(f"time to target leaves out runs without a validation metric: {_ids(without)}")
@@ -203,28 +230,42 @@ def which_adapter(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
             mem["metric"] = metrics.fillna("?")
             common = mem["metric"].value_counts().index[0]
             if mem["metric"].nunique() > 1:
-                v["undecided"].append(f"memory: the runs measured different peaks ({', '.join(sorted(mem['metric'].unique()))}); "
-                                      f"only `{common}` runs are compared")
+                v["undecided"].append(
+                    f"memory: the runs measured different peaks ({', '.join(sorted(mem['metric'].unique()))}); "
+                    f"only `{common}` runs are compared"
+                )
                 mem = mem[mem["metric"] == common]
-            mem["states"] = pd.to_numeric(mem["state_bytes_max"], errors="coerce") if "state_bytes_max" in mem \
-                else np.nan
+            mem["states"] = (
+                pd.to_numeric(mem["state_bytes_max"], errors="coerce") if "state_bytes_max" in mem else np.nan
+            )
             pts = mem.groupby(["label", "devices"], as_index=False).agg(
-                mem=("mem", "mean"), states=("states", "mean"), runs=("run_id", list))
+                mem=("mem", "mean"), states=("states", "mean"), runs=("run_id", list)
+            )
             for d, sub in pts.groupby("devices"):
                 sub = sub.sort_values(["mem", "label"])
                 best = sub.iloc[0]
-                v["memory"].append(dict(devices=int(d), label=best["label"], mib=best["mem"] / 2**20,
-                                        states_mib=best["states"] / 2**20 if pd.notna(best["states"]) else None,
-                                        metric=common, runs=best["runs"],
-                                        ranking=[(x.mem / 2**20, _point(x.label, x.devices)) for x in sub.itertuples()]))
+                v["memory"].append(
+                    dict(
+                        devices=int(d),
+                        label=best["label"],
+                        mib=best["mem"] / 2**20,
+                        states_mib=best["states"] / 2**20 if pd.notna(best["states"]) else None,
+                        metric=common,
+                        runs=best["runs"],
+                        ranking=[(x.mem / 2**20, _point(x.label, x.devices)) for x in sub.itertuples()],
+                    )
+                )
         # best scaling efficiency at the largest device count
         devices = sorted(int(d) for d in r["devices"].dropna().unique())
         if len(devices) < 2:
-            v["undecided"].append(f"scaling efficiency: only {devices[0] if devices else '?'} device(s) measured, "
-                                  "so no speedup to compare")
+            v["undecided"].append(
+                f"scaling efficiency: only {devices[0] if devices else '?'} device(s) measured, "
+                "so no speedup to compare"
+            )
         elif not sp.empty and (sp["workload"] == wl).any():
-            s = sp[(sp["workload"] == wl) & (sp["devices"] == devices[-1])].sort_values(["efficiency", "label"],
-                                                                                       ascending=[False, True])
+            s = sp[(sp["workload"] == wl) & (sp["devices"] == devices[-1])].sort_values(
+                ["efficiency", "label"], ascending=[False, True]
+            )
             s = s[s["efficiency"].notna()]
             if s.empty:
                 v["undecided"].append(f"scaling efficiency: no finished point at {devices[-1]} devices")
@@ -232,25 +273,40 @@ def which_adapter(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
                 b = s.iloc[0]
                 ids = r[(r["label"] == b["label"]) & (r["devices"] == devices[-1])]["run_id"].tolist()
                 base_ids = r[(r["label"] == b["baseline_label"]) & (r["devices"] == b["baseline_devices"])]["run_id"]
-                v["scaling"] = dict(devices=devices[-1], label=b["label"], efficiency=float(b["efficiency"]),
-                                    speedup=float(b["speedup"]), baseline=b["baseline"], runs=ids,
-                                    baseline_runs=base_ids.tolist(),
-                                    ranking=[(float(x.efficiency), _point(x.label, x.devices)) for x in s.itertuples()])
+                v["scaling"] = dict(
+                    devices=devices[-1],
+                    label=b["label"],
+                    efficiency=float(b["efficiency"]),
+                    speedup=float(b["speedup"]),
+                    baseline=b["baseline"],
+                    runs=ids,
+                    baseline_runs=base_ids.tolist(),
+                    ranking=[(float(x.efficiency), _point(x.label, x.devices)) for x in s.itertuples()],
+                )
                 missing = sorted(set(r["label"]) - set(s["label"]))
                 if missing:
-                    v["undecided"].append(f"scaling at {devices[-1]} devices leaves out series not measured there: "
-                                          + ", ".join(f"`{m}`" for m in missing))
+                    v["undecided"].append(
+                        f"scaling at {devices[-1]} devices leaves out series not measured there: "
+                        + ", ".join(f"`{m}`" for m in missing)
+                    )
         else:
             v["undecided"].append("scaling efficiency: no speedup could be computed (baseline missing)")
-        gbs = sorted({int(g) for g in pd.to_numeric(r["global_batch"], errors="coerce").dropna()}) \
-            if "global_batch" in r else []
+        gbs = (
+            sorted({int(g) for g in pd.to_numeric(r["global_batch"], errors="coerce").dropna()})
+            if "global_batch" in r
+            else []
+        )
         if len(gbs) > 1:
-            v["undecided"].append(f"the ranked runs differ in global batch ({', '.join(map(str, gbs))}): time to target "
-                                  "and memory compare different batches (and optimizer steps per epoch)")
+            v["undecided"].append(
+                f"the ranked runs differ in global batch ({', '.join(map(str, gbs))}): time to target "
+                "and memory compare different batches (and optimizer steps per epoch)"
+            )
         counts = r.groupby(["label", "devices"])["run_id"].count()
         if (counts == 1).all():
-            v["undecided"].append("spread: every point is a single run, so differences smaller than run-to-run "
-                                  "variation (not measured here) cannot be told apart; repeat points to see it")
+            v["undecided"].append(
+                "spread: every point is a single run, so differences smaller than run-to-run "
+                "variation (not measured here) cannot be told apart; repeat points to see it"
+            )
         elif (counts == 1).any():
             v["undecided"].append(f"spread: {int((counts == 1).sum())} of {len(counts)} points are single runs")
         out[wl] = v
@@ -259,8 +315,12 @@ def which_adapter(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
 
 def which_adapter_lines(data: pd.DataFrame | Study, baseline: str | None = "best") -> list[str]:
     """The report's closing "Which adapter" section (markdown lines)."""
-    lines = ["## Which adapter", "",
-             "Computed from the finished runs of this folder only; each answer names the runs it came from.", ""]
+    lines = [
+        "## Which adapter",
+        "",
+        "Computed from the finished runs of this folder only; each answer names the runs it came from.",
+        "",
+    ]
     study = Study.of(data)
     verdicts = which_adapter(study, baseline)
     if not verdicts:
@@ -273,29 +333,39 @@ def which_adapter_lines(data: pd.DataFrame | Study, baseline: str | None = "best
             name = "perplexity" if f["metric"] == "val_perplexity" else "accuracy"
             rel = "≤" if name == "perplexity" else "≥"
             rank = [(tm, who) for tm, who, _ in f["ranking"]]
-            lines.append(f"- **Fastest to the target**: validation {name} {rel} {f['target']:.4g} (the best value every "
-                         f"finished run with validation reached): **{_point(f['label'], f['devices'])}** after "
-                         f"{f['time_s']:.4g} s of wall time (epoch {f['epoch']}; run {f['run_id']})"
-                         + _runner_up(rank, True, " s") + ". Wall time counts from the first epoch's start, "
-                         "includes validation, and is known only at epoch ends (validation once per epoch).")
+            lines.append(
+                f"- **Fastest to the target**: validation {name} {rel} {f['target']:.4g} (the best value every "
+                f"finished run with validation reached): **{_point(f['label'], f['devices'])}** after "
+                f"{f['time_s']:.4g} s of wall time (epoch {f['epoch']}; run {f['run_id']})"
+                + _runner_up(rank, True, " s")
+                + ". Wall time counts from the first epoch's start, "
+                "includes validation, and is known only at epoch ends (validation once per epoch)."
+            )
         for m in v["memory"]:
             rank = [(x, who) for x, who in m["ranking"]]
             states = f", model states {m['states_mib']:.4g} MiB" if m["states_mib"] is not None else ""
-            lines.append(f"- **Lowest memory per rank at {m['devices']} device{'s' if m['devices'] > 1 else ''}** "
-                         f"(`{m['metric']}`, busiest rank): **{_point(m['label'], m['devices'])}** {m['mib']:.4g} MiB"
-                         f"{states} (run {_ids(m['runs'])})" + _runner_up(rank, True, " MiB") + ".")
+            lines.append(
+                f"- **Lowest memory per rank at {m['devices']} device{'s' if m['devices'] > 1 else ''}** "
+                f"(`{m['metric']}`, busiest rank): **{_point(m['label'], m['devices'])}** {m['mib']:.4g} MiB"
+                f"{states} (run {_ids(m['runs'])})" + _runner_up(rank, True, " MiB") + "."
+            )
         sc = v["scaling"]
         if sc:
             rank = [(x, who) for x, who in sc["ranking"]]
-            lines.append(f"- **Best scaling efficiency at {sc['devices']} devices**: **{_point(sc['label'], sc['devices'])}** "
-                         f"efficiency {sc['efficiency']:.3g} (speedup {sc['speedup']:.3g} against {sc['baseline']}; "
-                         f"runs {_ids(sc['runs'])}, baseline {_ids(sc['baseline_runs'])})"
-                         + _runner_up(rank, False, "", fmt=lambda x: f"{x:.3g}") + ".")
+            lines.append(
+                f"- **Best scaling efficiency at {sc['devices']} devices**: **{_point(sc['label'], sc['devices'])}** "
+                f"efficiency {sc['efficiency']:.3g} (speedup {sc['speedup']:.3g} against {sc['baseline']}; "
+                f"runs {_ids(sc['runs'])}, baseline {_ids(sc['baseline_runs'])})"
+                + _runner_up(rank, False, "", fmt=lambda x: f"{x:.3g}")
+                + "."
+            )
         wl_bad = bad[bad["workload"] == wl] if len(bad) and "workload" in bad else bad.iloc[:0]
         undecided = list(v["undecided"])
         if len(wl_bad):
-            undecided.append(f"{len(wl_bad)} run(s) did not finish and are not ranked: "
-                             + ", ".join(f"{_point(x.label, x.devices)} {x.status}" for x in wl_bad.itertuples()))
+            undecided.append(
+                f"{len(wl_bad)} run(s) did not finish and are not ranked: "
+                + ", ".join(f"{_point(x.label, x.devices)} {x.status}" for x in wl_bad.itertuples())
+            )
         lines.append("- **Could not decide**: " + ("; ".join(undecided) if undecided else "nothing left open") + ".")
         lines.append("")
     return lines
@@ -310,19 +380,32 @@ def comm_lines(data: pd.DataFrame | Study, reports: list[dict], out: Path | None
     if out is not None:
         table.to_csv(out / "comm.csv", index=False)
     measured = ", ".join(f"{r['backend']} x{r['world_size']} ({Path(r['path']).name})" for r in reports) or "none"
-    return ["## Communication per step", "",
-            ("`comm MB/step`: bytes one rank moves per optimizer step (nccl-tests bus volume), from each record's "
-             "`comm_volume` (bench/core/comm_volume.py, formulas in `formula`). `at busbw (ms)`: that volume over "
-             "the bus bandwidth `python -m ptbench.comm` measured (`<results>/<experiment>/comm/`; a sweep stores it) "
-             "on the run's backend at the collective's group size, at the measured message size nearest to the "
-             "collective's whole message (log scale; beyond the range, the end point), summed over collectives "
-             "with no overlap; `not measured` when no such measurement is here. `phase (ms)`: the mean time of "
-             "the phase(s) the adapter's collectives run in (`comm phase`, from its phase semantics), compute "
-             "included: the exposed communication is part of it. `step (ms)`: mean step time, warm-up steps "
-             f"excluded. Measurements found: {measured}."), "",
-            markdown_table(pd.concat([pd.DataFrame({"point": [_point(lab, d) for lab, d in
-                                                             zip(table["series"], table["devices"])]}),
-                                      table.drop(columns=["series", "devices"])], axis=1)), ""]
+    return [
+        "## Communication per step",
+        "",
+        (
+            "`comm MB/step`: bytes one rank moves per optimizer step (nccl-tests bus volume), from each record's "
+            "`comm_volume` (bench/core/comm_volume.py, formulas in `formula`). `at busbw (ms)`: that volume over "
+            "the bus bandwidth `python -m ptbench.comm` measured (`<results>/<experiment>/comm/`; a sweep stores it) "
+            "on the run's backend at the collective's group size, at the measured message size nearest to the "
+            "collective's whole message (log scale; beyond the range, the end point), summed over collectives "
+            "with no overlap; `not measured` when no such measurement is here. `phase (ms)`: the mean time of "
+            "the phase(s) the adapter's collectives run in (`comm phase`, from its phase semantics), compute "
+            "included: the exposed communication is part of it. `step (ms)`: mean step time, warm-up steps "
+            f"excluded. Measurements found: {measured}."
+        ),
+        "",
+        markdown_table(
+            pd.concat(
+                [
+                    pd.DataFrame({"point": [_point(lab, d) for lab, d in zip(table["series"], table["devices"])]}),
+                    table.drop(columns=["series", "devices"]),
+                ],
+                axis=1,
+            )
+        ),
+        "",
+    ]
 
 
 def write_report(results_dir: str | Path, out: str | Path, baseline: str | None = "best") -> Path:
@@ -331,9 +414,13 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
     baseline = baseline or "best"
     out.mkdir(parents=True, exist_ok=True)
     df = load(results_dir)
-    lines = [f"# Benchmark report: {results_dir}", "",
-             f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `python -m ptbench.analysis report`. "
-             f"Tables: `epochs.csv` (one row per run x epoch), `runs.csv` (one row per run), `summary.csv`.", ""]
+    lines = [
+        f"# Benchmark report: {results_dir}",
+        "",
+        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `python -m ptbench.analysis report`. "
+        f"Tables: `epochs.csv` (one row per run x epoch), `runs.csv` (one row per run), `summary.csv`.",
+        "",
+    ]
     if df.empty:
         lines += ["No run records found under this folder.", ""]
         path = out / "report.md"
@@ -345,9 +432,16 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
     per_run.to_csv(out / "runs.csv", index=False)
 
     counts = per_run["status"].value_counts()
-    lines += ["## Runs", "", (", ".join(f"{n} {s}" for s, n in counts.items()) + f" ({len(per_run)} runs). "
-                              "Only `ok` runs make the curves; the others are marked with a red x on every figure "
-                              "and listed below."), ""]
+    lines += [
+        "## Runs",
+        "",
+        (
+            ", ".join(f"{n} {s}" for s, n in counts.items()) + f" ({len(per_run)} runs). "
+            "Only `ok` runs make the curves; the others are marked with a red x on every figure "
+            "and listed below."
+        ),
+        "",
+    ]
 
     table = summary_table(study, baseline) if len(study.ok_epochs) else pd.DataFrame()
     if not table.empty:
@@ -355,31 +449,61 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
         sp = study.speedup(baseline)
         lines += ["## Summary (finished runs)", ""]
         lines += _baseline_lines(sp, baseline)
-        lines += ["", ("Series labels come from each run's own record: adapter, settings, and `gb=` the global batch "
-                       "as its batch policy sets it (`gb=B/replica`: B per data-parallel replica; `gb=B/device`: B per "
-                       "device; `gb=B/microbatch`: B per micro-batch; `gb=B`: fixed). The `global_batch` column gives "
-                       "each point's actual value."), ""]
+        lines += [
+            "",
+            (
+                "Series labels come from each run's own record: adapter, settings, and `gb=` the global batch "
+                "as its batch policy sets it (`gb=B/replica`: B per data-parallel replica; `gb=B/device`: B per "
+                "device; `gb=B/microbatch`: B per micro-batch; `gb=B`: fixed). The `global_batch` column gives "
+                "each point's actual value."
+            ),
+            "",
+        ]
         warn = batch_warnings(study)
         if warn:
             lines += [*warn, ""]
-        lines += ["", markdown_table(table.rename(columns={
-            "label": "series", "epoch_time_s": "epoch time (s)", "epoch_time_from": "epoch time from",
-            "step_ms": "step (ms)", "samples_per_s": "samples/s", "final_val": "final val",
-            "peak_mib": "peak MiB/rank", "states_mib": "model states MiB"}))]
+        lines += [
+            "",
+            markdown_table(
+                table.rename(
+                    columns={
+                        "label": "series",
+                        "epoch_time_s": "epoch time (s)",
+                        "epoch_time_from": "epoch time from",
+                        "step_ms": "step (ms)",
+                        "samples_per_s": "samples/s",
+                        "final_val": "final val",
+                        "peak_mib": "peak MiB/rank",
+                        "states_mib": "model states MiB",
+                    }
+                )
+            ),
+        ]
         capped = study.ok_epochs.groupby("workload")["samples_per_epoch"].nunique()
         if (capped > 1).any():
-            lines += [("Epochs of one workload hold different numbers of samples (trainer.max_steps or a growing "
-                       "global batch): speedup is computed per training sample, so it stays comparable."), ""]
+            lines += [
+                (
+                    "Epochs of one workload hold different numbers of samples (trainer.max_steps or a growing "
+                    "global batch): speedup is computed per training sample, so it stays comparable."
+                ),
+                "",
+            ]
         lines += [*_epoch_time_lines(per_run), "Epoch time excludes validation.", ""]
         lines += [*_memory_lines(study), ""]
         lines += comm_lines(study, load_comm(results_dir), out)
 
     bad = study.not_finished
-    lines += ["## Runs that did not finish", "",
-              ("Any status but `ok` (failed, oom, timeout, preempted, missing, skipped): left out of the curves, "
-               "marked on every figure."), "",
-              markdown_table(bad[["run_id", "label", "workload", "devices", "status", "error"]]) if len(bad)
-              else "_none_\n", ""]
+    lines += [
+        "## Runs that did not finish",
+        "",
+        (
+            "Any status but `ok` (failed, oom, timeout, preempted, missing, skipped): left out of the curves, "
+            "marked on every figure."
+        ),
+        "",
+        markdown_table(bad[["run_id", "label", "workload", "devices", "status", "error"]]) if len(bad) else "_none_\n",
+        "",
+    ]
 
     lines += claims_lines(per_run)  # the paper's findings checked against these records (analysis/claims.py)
     skipped = plots.save_all(study, out / "figures", baseline=baseline)

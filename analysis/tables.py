@@ -7,6 +7,7 @@ use, so the figures (ptbench.analysis.plots) and the report's sections share one
 instead of recomputing it per figure and per panel. Every table function takes an epoch frame or a
 `Study` (`Study.of`), so a notebook may call it with `load(...)`'s frame as before.
 """
+
 from __future__ import annotations
 
 import json
@@ -106,12 +107,26 @@ def _timing(df: pd.DataFrame, partial: pd.Series) -> pd.DataFrame:
     t = pd.to_numeric(df["epoch_time_s"], errors="coerce")
     s = pd.to_numeric(df["samples_per_epoch"], errors="coerce")
     steady_col = df["epoch_time_steady_s"] if "epoch_time_steady_s" in df else pd.Series(np.nan, index=df.index)
-    g = pd.DataFrame({"n_pool": pool, "n_after": after, "t_after": t.where(after), "s_after": s.where(after),
-                      "s_pool": s.where(pool), "steady": pd.to_numeric(steady_col, errors="coerce"),
-                      "all_partial": ~(measured & ~partial)}).groupby(run, sort=False)
-    agg = g.agg(n_pool=("n_pool", "sum"), n_after=("n_after", "sum"), t_after=("t_after", "mean"),
-                s_after=("s_after", "mean"), s_pool=("s_pool", "mean"), steady=("steady", "first"),
-                all_partial=("all_partial", "all"))
+    g = pd.DataFrame(
+        {
+            "n_pool": pool,
+            "n_after": after,
+            "t_after": t.where(after),
+            "s_after": s.where(after),
+            "s_pool": s.where(pool),
+            "steady": pd.to_numeric(steady_col, errors="coerce"),
+            "all_partial": ~(measured & ~partial),
+        }
+    ).groupby(run, sort=False)
+    agg = g.agg(
+        n_pool=("n_pool", "sum"),
+        n_after=("n_after", "sum"),
+        t_after=("t_after", "mean"),
+        s_after=("s_after", "mean"),
+        s_pool=("s_pool", "mean"),
+        steady=("steady", "first"),
+        all_partial=("all_partial", "all"),
+    )
     first = pd.DataFrame({"t": t, "s": s, "run": run})[pool].drop_duplicates("run").set_index("run")
     agg["t_first"], agg["s_first"] = first["t"].reindex(agg.index), first["s"].reindex(agg.index)
     has_steady = agg["steady"].notna()
@@ -124,9 +139,14 @@ def _timing(df: pd.DataFrame, partial: pd.Series) -> pd.DataFrame:
     source[use_after] = EPOCH_TIME_SOURCES["after_first"]
     source = source + np.where(agg["all_partial"], ", every epoch partial", "")
     none = agg["n_pool"] == 0
-    out = pd.DataFrame({"epoch_time_used_s": time.where(~none), "samples_per_epoch_used": samples.where(~none),
-                        "time_per_sample_used_s": (time / samples.where(samples != 0)).where(~none),
-                        "epoch_time_source": source.where(~none, None)})
+    out = pd.DataFrame(
+        {
+            "epoch_time_used_s": time.where(~none),
+            "samples_per_epoch_used": samples.where(~none),
+            "time_per_sample_used_s": (time / samples.where(samples != 0)).where(~none),
+            "epoch_time_source": source.where(~none, None),
+        }
+    )
     return out
 
 
@@ -138,9 +158,25 @@ def runs(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return df
     keys = ["run_dir"]
-    mean_cols = [c for c in df.columns if c.endswith("_time_mean_s") or c in (
-        "epoch_time_s", "step_time_mean_s", "step_time_p50_s", "step_time_p95_s", "samples_per_s",
-        "epoch_samples_per_s", "tokens_per_s", "flops_per_s", "mfu", "val_time_s", "time_per_sample_s")]
+    mean_cols = [
+        c
+        for c in df.columns
+        if c.endswith("_time_mean_s")
+        or c
+        in (
+            "epoch_time_s",
+            "step_time_mean_s",
+            "step_time_p50_s",
+            "step_time_p95_s",
+            "samples_per_s",
+            "epoch_samples_per_s",
+            "tokens_per_s",
+            "flops_per_s",
+            "mfu",
+            "val_time_s",
+            "time_per_sample_s",
+        )
+    ]
     last_cols = [c for c in df.columns if c not in mean_cols and c not in keys]
     df = df.sort_values("epoch")
     partial = df["partial"] if "partial" in df else pd.Series(False, index=df.index)
@@ -180,8 +216,9 @@ def not_finished(data: pd.DataFrame | Study) -> pd.DataFrame:
 
 def _not_finished(r: pd.DataFrame) -> pd.DataFrame:
     bad = r[r["status"] != "ok"]
-    cols = [c for c in ("workload", "label", "adapter", "devices", "status", "run_id", "error", "global_batch")
-            if c in bad]
+    cols = [
+        c for c in ("workload", "label", "adapter", "devices", "status", "run_id", "error", "global_batch") if c in bad
+    ]
     return bad[cols].reset_index(drop=True)
 
 
@@ -195,8 +232,11 @@ def _join(values) -> str | None:
 
 def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
     parts = [p for p in parts if len(p)]
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(
-        columns=["workload", "label", "devices", "status", "run_id", "x"])
+    return (
+        pd.concat(parts, ignore_index=True)
+        if parts
+        else pd.DataFrame(columns=["workload", "label", "devices", "status", "run_id", "x"])
+    )
 
 
 # --- Fig 10: speedup and scaling efficiency ----------------------------------------------------------
@@ -223,16 +263,22 @@ def speedup_table(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
 def _epoch_time_table(study: Study) -> pd.DataFrame:
     """Per point: the mean and sd over repeats of the epoch time speedup uses, runs, samples per epoch."""
     return study.finished_runs.groupby(["workload", "label", "devices"], as_index=False).agg(
-        epoch_time_s=("epoch_time_used_s", "mean"), epoch_time_sd=("epoch_time_used_s", "std"),
-        runs=("run_id", "count"), samples_per_epoch=("samples_per_epoch_used", "mean"),
-        epoch_time_source=("epoch_time_source", _join))
+        epoch_time_s=("epoch_time_used_s", "mean"),
+        epoch_time_sd=("epoch_time_used_s", "std"),
+        runs=("run_id", "count"),
+        samples_per_epoch=("samples_per_epoch_used", "mean"),
+        epoch_time_source=("epoch_time_source", _join),
+    )
 
 
 def _speedup_table(study: Study, mode: str) -> pd.DataFrame:
     r = study.finished_runs
     pts = r.groupby(["workload", "label", "devices"], as_index=False).agg(
-        time_per_sample_s=("time_per_sample_used_s", "mean"), epoch_time_s=("epoch_time_used_s", "mean"),
-        global_batch=("global_batch", _join), epoch_time_source=("epoch_time_source", _join))
+        time_per_sample_s=("time_per_sample_used_s", "mean"),
+        epoch_time_s=("epoch_time_used_s", "mean"),
+        global_batch=("global_batch", _join),
+        epoch_time_source=("epoch_time_source", _join),
+    )
     parts = []
     for wl, sub in pts.groupby("workload"):
         sub = sub.copy()
@@ -245,14 +291,18 @@ def _speedup_table(study: Study, mode: str) -> pd.DataFrame:
             else:
                 mine = sub[sub["label"] == mode]
                 if mine.empty:
-                    raise AnalysisError(f"baseline '{mode}' has no finished run for workload {wl}; choose "
-                                        f"{' or '.join(BASELINES)}, or a series: {', '.join(sorted(sub['label'].unique()))}")
+                    raise AnalysisError(
+                        f"baseline '{mode}' has no finished run for workload {wl}; choose "
+                        f"{' or '.join(BASELINES)}, or a series: {', '.join(sorted(sub['label'].unique()))}"
+                    )
                 base = mine.loc[mine["devices"].idxmin()]
             bases = {lab: base for lab in sub["label"].unique()}
         b = pd.DataFrame([bases[lab] for lab in sub["label"]], index=sub.index)
         sub["speedup"] = b["time_per_sample_s"] / sub["time_per_sample_s"]
         sub["efficiency"] = sub["speedup"] * b["devices"] / sub["devices"]
-        sub["baseline"] = [f"{lab} on {int(d)} device{'s' if d > 1 else ''}" for lab, d in zip(b["label"], b["devices"])]
+        sub["baseline"] = [
+            f"{lab} on {int(d)} device{'s' if d > 1 else ''}" for lab, d in zip(b["label"], b["devices"])
+        ]
         sub["baseline_mode"] = mode if mode in BASELINES else "series"
         sub["baseline_label"] = b["label"]
         sub["baseline_devices"] = b["devices"].astype(int)
@@ -281,8 +331,17 @@ def memory_table(data: pd.DataFrame | Study) -> pd.DataFrame:
 
 def _memory_table(study: Study) -> pd.DataFrame:
     r = study.finished_runs.copy()
-    cols = ["peak_memory_max", "mem_plot_bytes", "state_params", "state_grads", "state_optimizer",
-            "dev_state_params", "dev_state_grads", "dev_state_optimizer", "host_state_bytes"]
+    cols = [
+        "peak_memory_max",
+        "mem_plot_bytes",
+        "state_params",
+        "state_grads",
+        "state_optimizer",
+        "dev_state_params",
+        "dev_state_grads",
+        "dev_state_optimizer",
+        "host_state_bytes",
+    ]
     for c in cols:
         r[c] = pd.to_numeric(r[c], errors="coerce") if c in r else np.nan
     for c in ("mem_plot_metric", "host_state_parts", "mem_note", "memory_metric"):
@@ -296,10 +355,19 @@ def _memory_table(study: Study) -> pd.DataFrame:
         r[f"dev_state_{part}"] = r[f"dev_state_{part}"].fillna(r[f"state_{part}"])
     keys = ["workload", "label", "devices"]
     g = r.groupby(keys, as_index=False)
-    data = g[["peak_memory_max", "peak_used", "dev_state_params", "dev_state_grads", "dev_state_optimizer",
-              "host_state_bytes"]].mean()
-    text = g.agg(memory_metric=("mem_plot_metric", _join), offload=("host_state_parts", _join),
-                 mem_note=("mem_note", _join))
+    data = g[
+        [
+            "peak_memory_max",
+            "peak_used",
+            "dev_state_params",
+            "dev_state_grads",
+            "dev_state_optimizer",
+            "host_state_bytes",
+        ]
+    ].mean()
+    text = g.agg(
+        memory_metric=("mem_plot_metric", _join), offload=("host_state_parts", _join), mem_note=("mem_note", _join)
+    )
     data = data.merge(text, on=keys)
     data["peak_mib"] = data["peak_used"] / MIB
     for part in ("params", "grads", "optimizer"):
@@ -342,10 +410,16 @@ def summary_table(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
     if r.empty:
         return pd.DataFrame()
     g = r.groupby(["workload", "label", "devices"], as_index=False).agg(
-        runs=("run_id", "count"), global_batch=("global_batch", _join), epochs=("epochs", "max"),
-        epoch_time_s=("epoch_time_used_s", "mean"), epoch_time_from=("epoch_time_source", _join),
-        step_ms=("step_time_mean_s", "mean"), samples_per_s=("samples_per_s", "mean"),
-        metric=("val_metric_name", "first"), final_val=("val_metric", "mean"))
+        runs=("run_id", "count"),
+        global_batch=("global_batch", _join),
+        epochs=("epochs", "max"),
+        epoch_time_s=("epoch_time_used_s", "mean"),
+        epoch_time_from=("epoch_time_source", _join),
+        step_ms=("step_time_mean_s", "mean"),
+        samples_per_s=("samples_per_s", "mean"),
+        metric=("val_metric_name", "first"),
+        final_val=("val_metric", "mean"),
+    )
     g["step_ms"] *= 1e3
     mem = study.memory[["workload", "label", "devices", "peak_mib", "states_mib"]]
     g["devices"] = g["devices"].astype(int)
@@ -379,12 +453,21 @@ def _time_to_target(e: pd.DataFrame) -> pd.DataFrame:
         tol = 1e-9 * abs(target)
         hit = sub[(sub["val_metric"] <= target + tol) if lower else (sub["val_metric"] >= target - tol)]
         first = hit.sort_values(["run_id", "epoch"]).drop_duplicates("run_id")  # each run's first epoch there
-        parts.append(pd.DataFrame({
-            "workload": wl, "metric": metric, "target": target, "run_id": first["run_id"].to_numpy(),
-            "label": first["label"].to_numpy(), "devices": first["devices"].astype(int).to_numpy(),
-            "time_s": first["wall_time_s"].astype(float).to_numpy(),
-            "epoch": first["epoch"].astype(int).to_numpy() + 1,
-            "best": best.reindex(first["run_id"]).astype(float).to_numpy()}))
+        parts.append(
+            pd.DataFrame(
+                {
+                    "workload": wl,
+                    "metric": metric,
+                    "target": target,
+                    "run_id": first["run_id"].to_numpy(),
+                    "label": first["label"].to_numpy(),
+                    "devices": first["devices"].astype(int).to_numpy(),
+                    "time_s": first["wall_time_s"].astype(float).to_numpy(),
+                    "epoch": first["epoch"].astype(int).to_numpy() + 1,
+                    "best": best.reindex(first["run_id"]).astype(float).to_numpy(),
+                }
+            )
+        )
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 
@@ -409,8 +492,9 @@ def _matching_report(reports: list[dict], backend, op: str, group_size: int) -> 
     if exact:
         return exact[-1]
     if op == "send_recv":
-        pairs = sorted((r for r in same if (r.get("world_size") or 0) >= 2),
-                       key=lambda r: abs(r["world_size"] - group_size))
+        pairs = sorted(
+            (r for r in same if (r.get("world_size") or 0) >= 2), key=lambda r: abs(r["world_size"] - group_size)
+        )
         return pairs[0] if pairs else None
     return None
 
@@ -451,6 +535,7 @@ def _comm_table(r: pd.DataFrame, reports: list[dict]) -> pd.DataFrame:
     if r.empty or "comm_bytes_per_step" not in r:
         return pd.DataFrame()
     rows = []
+
     def text(v) -> str:  # a string column's value; NaN / None (no volume recorded) -> ""
         return v if isinstance(v, str) else ""
 
@@ -470,13 +555,19 @@ def _comm_table(r: pd.DataFrame, reports: list[dict]) -> pd.DataFrame:
         else:
             t, how = comm_time(cols, first.get("comm_backend"), reports)
         step = pd.to_numeric(sub["step_time_mean_s"], errors="coerce").mean() if "step_time_mean_s" in sub else np.nan
-        rows.append({"workload": wl, "series": lab, "devices": int(d), "runs": len(sub), "step (ms)": step * 1e3,
-                     "comm phase": "+".join(phases) or "-",
-                     "phase (ms)": phase_s * 1e3 if phase_s is not None else np.nan,
-                     "comm MB/step": vol / 1e6 if vol is not None and not _missing(vol) else np.nan,
-                     "at busbw (ms)": t * 1e3 if t is not None else "not measured",
-                     "busbw used": how, "formula": text(first.get("comm_formula")) or "-"})
+        rows.append(
+            {
+                "workload": wl,
+                "series": lab,
+                "devices": int(d),
+                "runs": len(sub),
+                "step (ms)": step * 1e3,
+                "comm phase": "+".join(phases) or "-",
+                "phase (ms)": phase_s * 1e3 if phase_s is not None else np.nan,
+                "comm MB/step": vol / 1e6 if vol is not None and not _missing(vol) else np.nan,
+                "at busbw (ms)": t * 1e3 if t is not None else "not measured",
+                "busbw used": how,
+                "formula": text(first.get("comm_formula")) or "-",
+            }
+        )
     return pd.DataFrame(rows)
-
-
-

@@ -1,4 +1,5 @@
 """`python -m ptbench [hydra overrides]`: run one benchmark point (or a sweep with -m)."""
+
 from __future__ import annotations
 
 import os
@@ -29,9 +30,28 @@ from ptbench.runner.compose import compose, conf_dir, in_multirun, register_conf
 register_configs()
 
 # Hydra's own flags that print or inspect instead of running: Hydra handles them
-_HYDRA_FLAGS = {"-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package", "--resolve",
-                "--shell-completion", "-sc", "--version", "-cp", "--config-path", "-cn", "--config-name",
-                "-cd", "--config-dir", "--experimental-rerun"}
+_HYDRA_FLAGS = {
+    "-h",
+    "--help",
+    "--hydra-help",
+    "-c",
+    "--cfg",
+    "-i",
+    "--info",
+    "-p",
+    "--package",
+    "--resolve",
+    "--shell-completion",
+    "-sc",
+    "--version",
+    "-cp",
+    "--config-path",
+    "-cn",
+    "--config-name",
+    "-cd",
+    "--config-dir",
+    "--experimental-rerun",
+}
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
@@ -82,23 +102,29 @@ def _plan(argv: list[str]) -> int:
         print(f"error: {plan.predicted_memory['error']}", file=sys.stderr)
         return 2
     d = plan.describe()
-    print(f"plan: adapter={d['adapter']} workload={d['workload']} ranks={d['world_size']} devices={d['devices']} "
-          f"dp={d['dp_size']} microbatches={d['microbatches']} local_batch={d['local_batch']} "
-          f"global_batch={d['global_batch']} precision={d['precision']}")
+    print(
+        f"plan: adapter={d['adapter']} workload={d['workload']} ranks={d['world_size']} devices={d['devices']} "
+        f"dp={d['dp_size']} microbatches={d['microbatches']} local_batch={d['local_batch']} "
+        f"global_batch={d['global_batch']} precision={d['precision']}"
+    )
     print(table(pred))
     mem, vol = plan.predicted_memory, plan.comm_volume
     if mem["device_bytes"] is None:
         print("device memory: unknown (no check)")
     else:
         verdict = "fits" if mem["fits"] else "does NOT fit (the run would be refused)"
-        print(f"device memory: {mem['device_bytes'] / GIB:.2f} GiB ({mem['device']}); predicted "
-              f"{pred['total'] / GIB:.3f} GiB per rank {verdict} within 90 %")
+        print(
+            f"device memory: {mem['device_bytes'] / GIB:.2f} GiB ({mem['device']}); predicted "
+            f"{pred['total'] / GIB:.3f} GiB per rank {verdict} within 90 %"
+        )
     if "error" in vol:
         print(f"comm volume: not modelled ({vol['error']})")
     else:
         ops = ", ".join(f"{op} {b / 2**20:.2f}" for op, b in vol["by_op"].items()) or "no collectives"
-        print(f"comm volume per optimizer step per rank: {vol['total_bytes'] / 2**20:.2f} MiB ({ops} MiB; "
-              f"backend {vol['backend']})")
+        print(
+            f"comm volume per optimizer step per rank: {vol['total_bytes'] / 2**20:.2f} MiB ({ops} MiB; "
+            f"backend {vol['backend']})"
+        )
     return 0
 
 

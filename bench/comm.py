@@ -42,6 +42,7 @@ spawns ranks and returns the report. `--out DIR` writes DIR/<backend>-<N>.json a
 `python -m ptbench.sweep run` does once per world size of a sweep, into <results>/<experiment>/comm/,
 where `python -m ptbench.analysis report` finds it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -221,7 +222,7 @@ class _Op:
         if self.op == "all_gather":
             return torch.cat([_pattern(c, j, d) for j in range(n)])
         if self.op == "reduce_scatter":
-            return _pattern(c * n, 0, d)[r * c:(r + 1) * c] * n + tri
+            return _pattern(c * n, 0, d)[r * c : (r + 1) * c] * n + tri
         if self.op == "broadcast":
             return _pattern(c, 0, d)
         return _pattern(c, (r - 1) % n, d)  # send_recv: from rank-1
@@ -240,10 +241,12 @@ class _Op:
         elif op == "broadcast":
             dist.broadcast(self.buf, src=0)
         else:
-            reqs = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, self.inp, (r + 1) % n),
-                dist.P2POp(dist.irecv, self.out, (r - 1) % n),
-            ])
+            reqs = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, self.inp, (r + 1) % n),
+                    dist.P2POp(dist.irecv, self.out, (r - 1) % n),
+                ]
+            )
             for q in reqs:
                 q.wait()
 
@@ -257,14 +260,16 @@ class _Op:
         acc.copy_(self.inp)
         for s in range(n - 1):
             send_i, recv_i = (r - s - 1) % n, (r - s - 2) % n
-            reqs = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, acc[send_i * c:(send_i + 1) * c], (r + 1) % n),
-                dist.P2POp(dist.irecv, self._recv, (r - 1) % n),
-            ])
+            reqs = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, acc[send_i * c : (send_i + 1) * c], (r + 1) % n),
+                    dist.P2POp(dist.irecv, self._recv, (r - 1) % n),
+                ]
+            )
             for q in reqs:
                 q.wait()
-            acc[recv_i * c:(recv_i + 1) * c].add_(self._recv)
-        self.out.copy_(acc[r * c:(r + 1) * c])
+            acc[recv_i * c : (recv_i + 1) * c].add_(self._recv)
+        self.out.copy_(acc[r * c : (r + 1) * c])
 
 
 def _probe_reduce_scatter(device, n: int) -> tuple[str | None, str]:
@@ -361,14 +366,37 @@ def measure(cfg: CommConfig, device: torch.device | None = None) -> dict:
         factor = busbw_factor(op, n)
         for nbytes in size_list:
             if op in na:
-                results.append(dict(op=op, bytes=nbytes, count=None, type=TYPE_NAME, time_s=None,
-                                    algbw_GBps=None, busbw_GBps=None, wrong=None, impl=None, na=na[op]))
+                results.append(
+                    dict(
+                        op=op,
+                        bytes=nbytes,
+                        count=None,
+                        type=TYPE_NAME,
+                        time_s=None,
+                        algbw_GBps=None,
+                        busbw_GBps=None,
+                        wrong=None,
+                        impl=None,
+                        na=na[op],
+                    )
+                )
                 continue
             o = _Op(op, nbytes, rank, n, device, rs_impl)
             if o.count == 0:
-                results.append(dict(op=op, bytes=nbytes, count=0, type=TYPE_NAME, time_s=None, algbw_GBps=None,
-                                    busbw_GBps=None, wrong=None, impl=o.impl,
-                                    na=f"{nbytes} B is less than one fp32 element per rank"))
+                results.append(
+                    dict(
+                        op=op,
+                        bytes=nbytes,
+                        count=0,
+                        type=TYPE_NAME,
+                        time_s=None,
+                        algbw_GBps=None,
+                        busbw_GBps=None,
+                        wrong=None,
+                        impl=o.impl,
+                        na=f"{nbytes} B is less than one fp32 element per rank",
+                    )
+                )
                 continue
             wrong = 0
             if cfg.check:  # one call with known data, like nccl-tests' data check
@@ -384,14 +412,23 @@ def measure(cfg: CommConfig, device: torch.device | None = None) -> dict:
             else:
                 o.inp.zero_()
             per_call = _time_calls(o, cfg.iters, device)
-            t_max, = _max_over_ranks([per_call], device)
+            (t_max,) = _max_over_ranks([per_call], device)
             t_mean_sum, wrong_sum = _sum_over_ranks([per_call, float(wrong)], device)
             algbw = o.size / t_max / 1e9
-            results.append(dict(
-                op=op, bytes=o.size, count=o.count, type=TYPE_NAME, time_s=t_max,
-                algbw_GBps=algbw, busbw_GBps=algbw * factor, wrong=int(wrong_sum) if cfg.check else None,
-                impl=o.impl, time_s_rank_mean=t_mean_sum / n,
-            ))
+            results.append(
+                dict(
+                    op=op,
+                    bytes=o.size,
+                    count=o.count,
+                    type=TYPE_NAME,
+                    time_s=t_max,
+                    algbw_GBps=algbw,
+                    busbw_GBps=algbw * factor,
+                    wrong=int(wrong_sum) if cfg.check else None,
+                    impl=o.impl,
+                    time_s_rank_mean=t_mean_sum / n,
+                )
+            )
             del o
 
     if device.type == "cuda":
@@ -416,9 +453,8 @@ def measure(cfg: CommConfig, device: torch.device | None = None) -> dict:
         timer="cuda_event" if device.type == "cuda" else "perf_counter+barrier",
         time_reduction="max over ranks of the per-rank mean",
         busbw_definition="nccl-tests doc/PERFORMANCE.md: algbw=S/t; busbw=algbw*{all_reduce: 2(n-1)/n, "
-                         "all_gather/reduce_scatter: (n-1)/n, broadcast/send_recv: 1}",
-        reduce_scatter_impl=None if "reduce_scatter" not in cfg.ops else (
-            "n/a" if "reduce_scatter" in na else rs_impl),
+        "all_gather/reduce_scatter: (n-1)/n, broadcast/send_recv: 1}",
+        reduce_scatter_impl=None if "reduce_scatter" not in cfg.ops else ("n/a" if "reduce_scatter" in na else rs_impl),
         reduce_scatter_note=rs_note or na.get("reduce_scatter", ""),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **({"extra": cfg.extra} if cfg.extra else {}),
@@ -506,8 +542,18 @@ def run_rank(ctx: DistContext, cfg: CommConfig) -> dict | None:
 
 
 def _spawned_rank(local_rank: int, world_size: int, cfg: CommConfig) -> None:
-    run_rank(DistContext(rank=local_rank, world_size=world_size, local_rank=local_rank, local_world_size=world_size,
-                         master_addr=cfg.master_addr, master_port=cfg.master_port, backend=cfg.backend), cfg)
+    run_rank(
+        DistContext(
+            rank=local_rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            local_world_size=world_size,
+            master_addr=cfg.master_addr,
+            master_port=cfg.master_port,
+            backend=cfg.backend,
+        ),
+        cfg,
+    )
 
 
 def launch(cfg: CommConfig, world_size: int) -> dict:
@@ -527,12 +573,18 @@ def launch(cfg: CommConfig, world_size: int) -> dict:
     if cfg.json_path is None:
         fd, tmp = tempfile.mkstemp(prefix="bench_comm_", suffix=".json")
         os.close(fd)
-    run_cfg = replace(cfg, backend=backend, master_addr="127.0.0.1", master_port=free_port(),
-                      json_path=cfg.json_path or tmp)
+    run_cfg = replace(
+        cfg, backend=backend, master_addr="127.0.0.1", master_port=free_port(), json_path=cfg.json_path or tmp
+    )
     try:
         sys.stdout.flush()  # a forked rank would print this process's unflushed output again
-        mp.start_processes(_spawned_rank, args=(world_size, run_cfg), nprocs=world_size,
-                           start_method=start_method("auto", cuda), join=True)
+        mp.start_processes(
+            _spawned_rank,
+            args=(world_size, run_cfg),
+            nprocs=world_size,
+            start_method=start_method("auto", cuda),
+            join=True,
+        )
         return read_json(run_cfg.json_path)
     finally:
         if tmp and os.path.exists(tmp):
@@ -543,30 +595,43 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ptbench.comm",
         description="nccl-tests-style bandwidth of all_reduce, all_gather, reduce_scatter, broadcast and "
-                    "send_recv (fp32). Spawns --world-size ranks unless started by torchrun or srun.",
+        "send_recv (fp32). Spawns --world-size ranks unless started by torchrun or srun.",
         epilog="busbw follows nccl-tests doc/PERFORMANCE.md: algbw = S/t, busbw = algbw x 2(n-1)/n "
-               "(all_reduce), (n-1)/n (all_gather, reduce_scatter), 1 (broadcast, send_recv). "
-               "Time per op = max over ranks of the per-rank mean of --iters calls after --warmup calls.",
+        "(all_reduce), (n-1)/n (all_gather, reduce_scatter), 1 (broadcast, send_recv). "
+        "Time per op = max over ranks of the per-rank mean of --iters calls after --warmup calls.",
     )
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun/srun; default 2)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                   help="auto: nccl on CUDA, gloo on CPU")
+    p.add_argument(
+        "--backend", default="auto", choices=("auto", "gloo", "nccl"), help="auto: nccl on CUDA, gloo on CPU"
+    )
     p.add_argument("--min-bytes", type=parse_size, default=1 << 10, help="smallest size (default 1K)")
-    p.add_argument("--max-bytes", type=parse_size, default=None,
-                   help=f"largest size (default {human_size(DEFAULT_MAX_BYTES_CUDA)} on CUDA; "
-                        f"{human_size(DEFAULT_MAX_BYTES_CPU)} on CPU/gloo, so that 2 ranks finish in < 60 s "
-                        "on 2 cores with the default iterations; pass --max-bytes 256M for the full range)")
+    p.add_argument(
+        "--max-bytes",
+        type=parse_size,
+        default=None,
+        help=f"largest size (default {human_size(DEFAULT_MAX_BYTES_CUDA)} on CUDA; "
+        f"{human_size(DEFAULT_MAX_BYTES_CPU)} on CPU/gloo, so that 2 ranks finish in < 60 s "
+        "on 2 cores with the default iterations; pass --max-bytes 256M for the full range)",
+    )
     p.add_argument("--factor", type=int, default=2, help="size step factor, 2 or 4 (default 2)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per size (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up calls per size (default 5)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
-    p.add_argument("--reduce-scatter-impl", default="auto", choices=("auto", "native", "ring"),
-                   help="auto: the backend's reduce_scatter, else a send/recv ring; native: n/a if missing")
+    p.add_argument(
+        "--reduce-scatter-impl",
+        default="auto",
+        choices=("auto", "native", "ring"),
+        help="auto: the backend's reduce_scatter, else a send/recv ring; native: n/a if missing",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the data check of one call per size")
     p.add_argument("--json", dest="json_path", default=None, help="write the report as JSON here (rank 0)")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="write DIR/<backend>-<N>.json and the table as DIR/<backend>-<N>.txt (what a sweep stores "
-                        "in <results>/<experiment>/comm/ for the report)")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="write DIR/<backend>-<N>.json and the table as DIR/<backend>-<N>.txt (what a sweep stores "
+        "in <results>/<experiment>/comm/ for the report)",
+    )
     p.add_argument("--timeout", type=int, default=600, help="process-group timeout in seconds")
     return p
 
@@ -578,14 +643,25 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not ops:
         _parser().error(f"--ops: unknown {bad}; choose from {','.join(OPS)}")
     cfg = CommConfig(
-        backend=args.backend, min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor,
-        iters=args.iters, warmup=args.warmup, ops=ops, check=not args.no_check,
-        reduce_scatter_impl=args.reduce_scatter_impl, json_path=args.json_path, timeout_s=args.timeout,
+        backend=args.backend,
+        min_bytes=args.min_bytes,
+        max_bytes=args.max_bytes,
+        factor=args.factor,
+        iters=args.iters,
+        warmup=args.warmup,
+        ops=ops,
+        check=not args.no_check,
+        reduce_scatter_impl=args.reduce_scatter_impl,
+        json_path=args.json_path,
+        timeout_s=args.timeout,
     )
     # validate sizes up front, before any rank starts
     try:
-        sizes(cfg.min_bytes, cfg.max_bytes or max(cfg.min_bytes, default_max_bytes(default_backend(cfg.backend))),
-              cfg.factor)
+        sizes(
+            cfg.min_bytes,
+            cfg.max_bytes or max(cfg.min_bytes, default_max_bytes(default_backend(cfg.backend))),
+            cfg.factor,
+        )
     except ValueError as e:
         _parser().error(str(e))
     ext = external_launch(cfg.backend)

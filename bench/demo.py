@@ -12,6 +12,7 @@ RESULTS/demo/report/.
     python -m ptbench.demo --adapters ddp,fsdp --ranks 1,2  # a grid
     python -m ptbench.demo -- trainer.epochs=3              # extra overrides for every point
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,16 @@ from ptbench.smoke import framework_installed
 # Small enough that the default sweep takes a few minutes on 2 cores; full epochs (no max_steps), so
 # epoch time halves when 2 data-parallel ranks split the same data.
 COMMON = (
-    "workload=gpt2_tiny", "workload.seq_len=32", "workload.vocab_size=4096", "data=synthetic",
-    "data.train_samples=96", "data.val_samples=32", "trainer.epochs=2", "trainer.batch_size=8",
-    "trainer.warmup_steps=1", "trainer.progress=false",
+    "workload=gpt2_tiny",
+    "workload.seq_len=32",
+    "workload.vocab_size=4096",
+    "data=synthetic",
+    "data.train_samples=96",
+    "data.val_samples=32",
+    "trainer.epochs=2",
+    "trainer.batch_size=8",
+    "trainer.warmup_steps=1",
+    "trainer.progress=false",
 )
 EXPERIMENT = "demo"
 
@@ -61,8 +69,16 @@ def _record_not_run(root: Path, adapter: str, ranks: int, status: str, error: st
     """A point that never produced a record of its own (refused, not installed): write one, so the
     report lists it with the reason."""
     run_dir = root / EXPERIMENT / new_run_id(adapter, "gpt2_tiny", ranks)
-    RunWriter(run_dir, {"experiment": EXPERIMENT, "adapter": adapter, "workload": "gpt2_tiny", "world_size": ranks,
-                        "overrides": overrides}).fail(status, error)
+    RunWriter(
+        run_dir,
+        {
+            "experiment": EXPERIMENT,
+            "adapter": adapter,
+            "workload": "gpt2_tiny",
+            "world_size": ranks,
+            "overrides": overrides,
+        },
+    ).fail(status, error)
 
 
 def run_point(root: Path, adapter: str, ranks: int, extra: list[str], timeout: float) -> tuple[str, str]:
@@ -78,7 +94,9 @@ def run_point(root: Path, adapter: str, ranks: int, extra: list[str], timeout: f
         return "skipped", msg
     # the adapter's layout first, then the demo's sizes (later overrides win in Hydra)
     overrides += [*cls.smoke_overrides(ranks), *COMMON, *extra]
-    run = run_bench(overrides, root=root, experiment=EXPERIMENT, timeout=timeout, run_name=(adapter, "gpt2_tiny", ranks))
+    run = run_bench(
+        overrides, root=root, experiment=EXPERIMENT, timeout=timeout, run_name=(adapter, "gpt2_tiny", ranks)
+    )
     if run.run_dir is None:  # refused before launch (bad config for this adapter): one line on stderr
         _record_not_run(root, adapter, ranks, "failed", run.error_line, overrides)
         return "failed", run.error_line
@@ -93,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+        argv, extra = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(prog="python -m ptbench.demo", description=__doc__.splitlines()[0])
     p.add_argument("--points", help="comma list ADAPTER:RANKS, e.g. ddp:1,ddp:2,zero:2")
     p.add_argument("--adapters", help="comma list of adapters (with --ranks: a grid)")
@@ -118,10 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {adapter:<16} x{ranks}  {status:<8} {detail}  ({time.perf_counter() - t:.0f}s)", flush=True)
 
     # the report reads the records only: analysis runs as its own command
-    report = subprocess.run([sys.executable, "-m", "ptbench.analysis", "report", str(folder), "--out", str(folder / "report")])
+    report = subprocess.run(
+        [sys.executable, "-m", "ptbench.analysis", "report", str(folder), "--out", str(folder / "report")]
+    )
     ok = results.count("ok")
-    print(f"demo: {ok}/{len(points)} points ok, {results.count('skipped')} skipped "
-          f"(framework not installed) in {time.perf_counter() - t0:.0f}s")
+    print(
+        f"demo: {ok}/{len(points)} points ok, {results.count('skipped')} skipped "
+        f"(framework not installed) in {time.perf_counter() - t0:.0f}s"
+    )
     return 0 if ok and report.returncode == 0 else 1
 
 

@@ -5,6 +5,7 @@ step time, tokens or images per second, MFU, peak device memory).
 Warm-up steps are excluded from the step statistics (trainer.warmup_steps); data is synthetic, so
 the table measures the frameworks, not storage.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,17 @@ from ptbench.smoke import framework_installed, smoke_point
 from ptbench.smoke import main as smoke_main
 
 WORKLOADS = {"gpt2_small": "language", "resnet50": "vision"}
-COMMON = ["data=synthetic", "trainer.precision=bf16", "trainer.epochs=1", "trainer.max_steps=12",
-          "trainer.warmup_steps=4", "trainer.eval_every_epoch=false", "trainer.batch_size=8",
-          "data.train_samples=2048", "trainer.progress=false"]
+COMMON = [
+    "data=synthetic",
+    "trainer.precision=bf16",
+    "trainer.epochs=1",
+    "trainer.max_steps=12",
+    "trainer.warmup_steps=4",
+    "trainer.eval_every_epoch=false",
+    "trainer.batch_size=8",
+    "data.train_samples=2048",
+    "trainer.progress=false",
+]
 
 
 def row(adapter: str, workload: str, gpus: int, root: Path, timeout: float) -> list[str]:
@@ -34,8 +43,13 @@ def row(adapter: str, workload: str, gpus: int, root: Path, timeout: float) -> l
     if overrides is None:
         return [adapter, workload, "skipped", why[:60], "", "", "", ""]
     layout = [o for o in overrides if o.startswith(("launcher.", "adapter."))]
-    run = run_bench([f"adapter={adapter}", f"workload={workload}", *COMMON, *layout], root=root, experiment="gpu-check",
-                    timeout=timeout, run_name=(adapter, workload, gpus))
+    run = run_bench(
+        [f"adapter={adapter}", f"workload={workload}", *COMMON, *layout],
+        root=root,
+        experiment="gpu-check",
+        timeout=timeout,
+        run_name=(adapter, workload, gpus),
+    )
     s = run.summary
     if not run.ok:
         return [adapter, workload, run.status, run.error_line[:60], "", "", "", ""]
@@ -43,8 +57,16 @@ def row(adapter: str, workload: str, gpus: int, root: Path, timeout: float) -> l
     unit = "tok/s" if WORKLOADS[workload] == "language" else "img/s"
     mfu = s.get("mfu")
     peak = (s.get("peak_memory_max") or 0) / 2**30
-    return [adapter, workload, "ok", " ".join(layout), f"{s['step_time_mean_s'] * 1e3:.1f} ms", f"{rate:,.0f} {unit}",
-            "-" if mfu is None else f"{100 * mfu:.1f}%", f"{peak:.1f} GiB"]
+    return [
+        adapter,
+        workload,
+        "ok",
+        " ".join(layout),
+        f"{s['step_time_mean_s'] * 1e3:.1f} ms",
+        f"{rate:,.0f} {unit}",
+        "-" if mfu is None else f"{100 * mfu:.1f}%",
+        f"{peak:.1f} GiB",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     gpus = visible_gpus()
     if not gpus:
-        print("error: make gpu-check needs a visible GPU (torch.cuda.is_available() is False); on a CPU "
-              "machine use make smoke", file=sys.stderr)
+        print(
+            "error: make gpu-check needs a visible GPU (torch.cuda.is_available() is False); on a CPU "
+            "machine use make smoke",
+            file=sys.stderr,
+        )
         return 2
     code = 0 if args.skip_smoke else smoke_main(["--world-size", "1"])
     header = ["adapter", "workload", "status", "layout / reason", "step", "throughput", "MFU", "peak mem"]

@@ -3,6 +3,7 @@
 Every driver that runs points (smoke, demo, sweep, overhead, memory study) goes through `run_bench`.
 The run gets its own session, so a timeout ends the launcher *and* its ranks, nothing else.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,25 +44,38 @@ class BenchRun:
         if self.summary.get("error"):
             return str(self.summary["error"])
         lines = [ln for ln in self.stderr.strip().splitlines() if ln.strip()]
-        return next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else
-                    f"exit {self.returncode}")
+        return next(
+            (ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else f"exit {self.returncode}"
+        )
 
 
-def run_bench(overrides: list[str], *, root: Path | None = None, experiment: str | None = None,
-              run_id: str | None = None, timeout: float | None = None, capture: bool = True,
-              env: dict | None = None, run_name: tuple[str, str, int] = ("run", "point", 0)) -> BenchRun:
+def run_bench(
+    overrides: list[str],
+    *,
+    root: Path | None = None,
+    experiment: str | None = None,
+    run_id: str | None = None,
+    timeout: float | None = None,
+    capture: bool = True,
+    env: dict | None = None,
+    run_name: tuple[str, str, int] = ("run", "point", 0),
+) -> BenchRun:
     """`python -m ptbench <overrides>` with its record at <root>/<experiment>/<run_id> (root and experiment
     None: the point's own); `run_name` (adapter, workload, ranks) names a generated run id. On timeout
     the process group gets SIGTERM, then SIGKILL."""
     run_id = run_id or new_run_id(*run_name)
-    where = [*([f"results.root={root}"] if root is not None else []),
-             *([f"results.experiment={experiment}"] if experiment is not None else []), f"results.run_id={run_id}"]
+    where = [
+        *([f"results.root={root}"] if root is not None else []),
+        *([f"results.experiment={experiment}"] if experiment is not None else []),
+        f"results.run_id={run_id}",
+    ]
     cmd = [sys.executable, "-m", "ptbench", *overrides, *where]
     run_dir = record_dir([*overrides, *where], run_id)
     pipe = subprocess.PIPE if capture else None
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True, env={**os.environ, **(env or {})}
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
         code = proc.returncode

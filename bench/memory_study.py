@@ -30,6 +30,7 @@ gpipe: one process, N partitions) are predicted by the same module. ΔRSS (CPU: 
 before the first step, the busiest rank) is set beside the predicted activations + transient for
 orientation only: it also holds allocator slack and the lazily allocated gradients / moments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,7 +98,9 @@ def param_numels(overrides: list[str]) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in model.parameters()]  # parameters() yields a tied tensor once
 
 
-def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: int, precision: str = "fp32") -> dict[str, int]:
+def expected_state(
+    variant: str, shapes: list[tuple[int, ...]], n: int, rank: int, precision: str = "fp32"
+) -> dict[str, int]:
     """Bytes rank `rank` of `n` should hold for Adam, from the tensor shapes and the partitioning rule of
     the memory model (`predict` with `shapes` and `rank`): {params, grads, optimizer (moments + master)}.
 
@@ -108,18 +111,37 @@ def expected_state(variant: str, shapes: list[tuple[int, ...]], n: int, rank: in
     gradients; FSDP2's MixedPrecisionPolicy and DDP's autocast keep fp32 state."""
     if variant == "zero0" and precision != "fp32":
         raise ValueError("zero0 in half precision uses DeepSpeed's BF16/FP16 optimizer wrappers: not modelled")
-    p = predict(sharding_of(variant), params=sum(numel(s) for s in shapes), world_size=n, shapes=shapes, rank=rank,
-                precision=precision)
+    p = predict(
+        sharding_of(variant),
+        params=sum(numel(s) for s in shapes),
+        world_size=n,
+        shapes=shapes,
+        rank=rank,
+        precision=precision,
+    )
     return {"params": p["params"], "grads": p["grads"], "optimizer": p["optimizer"] + p["master"]}
 
 
 # --- running the points -----------------------------------------------------------------------------
-def run_point(variant: str, ranks: int, overrides: list[str], root: Path, stamp: str, steps: int, warmup: int,
-              timeout: int) -> dict:
-    run = run_bench([*variant_overrides(variant, ranks), *overrides, f"launcher.nprocs={ranks}", f"trainer.max_steps={steps}",
-                     f"trainer.warmup_steps={warmup}", "trainer.epochs=1", "trainer.eval_every_epoch=false",
-                     "trainer.progress=false"],
-                    root=root, experiment="memory_study", run_id=f"{stamp}-{variant}-w{ranks}", timeout=timeout)
+def run_point(
+    variant: str, ranks: int, overrides: list[str], root: Path, stamp: str, steps: int, warmup: int, timeout: int
+) -> dict:
+    run = run_bench(
+        [
+            *variant_overrides(variant, ranks),
+            *overrides,
+            f"launcher.nprocs={ranks}",
+            f"trainer.max_steps={steps}",
+            f"trainer.warmup_steps={warmup}",
+            "trainer.epochs=1",
+            "trainer.eval_every_epoch=false",
+            "trainer.progress=false",
+        ],
+        root=root,
+        experiment="memory_study",
+        run_id=f"{stamp}-{variant}-w{ranks}",
+        timeout=timeout,
+    )
     summary = dict(run.summary) if run.ok else {"status": run.status, "error": run.error_line}
     summary["wall_s"] = run.wall_s
     if run.ok and run.run_dir is not None:
@@ -169,9 +191,11 @@ def _mib(v) -> str:
 
 def memory_table(results: dict, shapes, ranks_list, variants) -> str:
     psi = sum(numel(s) for s in shapes)
-    head = (f"model-state bytes per rank (MiB; the rank holding the most), fp32 Adam, Ψ = {psi:,} parameters\n"
-            f"{'variant':<7} {'N':>2} {'params':>8} {'grads':>8} {'optim':>8} {'total':>8} | {'paper':>8} "
-            f"{'+master':>8} {'expected':>8} {'meas/exp':>8} | {'grads pk':>8} {'peak RSS':>9}")
+    head = (
+        f"model-state bytes per rank (MiB; the rank holding the most), fp32 Adam, Ψ = {psi:,} parameters\n"
+        f"{'variant':<7} {'N':>2} {'params':>8} {'grads':>8} {'optim':>8} {'total':>8} | {'paper':>8} "
+        f"{'+master':>8} {'expected':>8} {'meas/exp':>8} | {'grads pk':>8} {'peak RSS':>9}"
+    )
     lines = [head, "-" * len(head.splitlines()[-1])]
     for n in ranks_list:
         for v in variants:
@@ -194,10 +218,13 @@ def memory_table(results: dict, shapes, ranks_list, variants) -> str:
             lines.append(
                 f"{v:<7} {n:>2} {_mib(r['params'])} {_mib(r['grads'])} {_mib(r['optimizer'])} {_mib(totals[top])} | "
                 f"{_mib(f['total'])} {_mib(f['total'] + f['master'])} {_mib(exp_total)} {totals[top] / exp_total:8.3f} | "
-                f"{_mib(pk)} {_mib(s.get('peak_memory_max')):>9}")
-    lines.append("paper: ZeRO formula (fp32 Adam); +master: with DeepSpeed's fp32 partition copy (stages 1-3); "
-                 "expected: per-tensor partition rule (see module doc); grads pk: most gradient bytes held during "
-                 "backward (DeepSpeed, in-flight full-size gradients included); peak RSS: process high-water mark.")
+                f"{_mib(pk)} {_mib(s.get('peak_memory_max')):>9}"
+            )
+    lines.append(
+        "paper: ZeRO formula (fp32 Adam); +master: with DeepSpeed's fp32 partition copy (stages 1-3); "
+        "expected: per-tensor partition rule (see module doc); grads pk: most gradient bytes held during "
+        "backward (DeepSpeed, in-flight full-size gradients included); peak RSS: process high-water mark."
+    )
     return "\n".join(lines)
 
 
@@ -216,8 +243,12 @@ def measured_states(summary: dict) -> dict | None:
     if not entries:
         return None
     top = max(entries, key=_state_total)
-    return {"params": top.get("params") or 0, "grads": top.get("grads") or 0, "optimizer": top.get("optimizer") or 0,
-            "total": _state_total(top)}
+    return {
+        "params": top.get("params") or 0,
+        "grads": top.get("grads") or 0,
+        "optimizer": top.get("optimizer") or 0,
+        "total": _state_total(top),
+    }
 
 
 def predictions(variant: str, n: int, overrides: list[str]) -> tuple[dict, dict]:
@@ -231,8 +262,10 @@ def predictions(variant: str, n: int, overrides: list[str]) -> tuple[dict, dict]
     cfg = typed(compose([*variant_overrides(variant, n), *overrides, f"launcher.nprocs={n}"]))
     plan = make_plan(cfg, "local", check=False)
     build = build_workload(cfg.workload, cfg.data).build_model
-    return (predict_run(cfg, plan, build, device="cpu", shapes=False),
-            predict_run(cfg, plan, build, device="cpu", shapes=True))
+    return (
+        predict_run(cfg, plan, build, device="cpu", shapes=False),
+        predict_run(cfg, plan, build, device="cpu", shapes=True),
+    )
 
 
 def _err(pred: float, meas: float) -> float | None:
@@ -246,9 +279,11 @@ def _pct(v) -> str:
 def predicted_table(results: dict, overrides: list[str], ranks_list, variants) -> str:
     """Predicted (bench/core/memory_model.py) vs measured (record) model-state bytes of the busiest rank,
     the error per point, and the largest error per variant."""
-    head = ("predicted vs measured model states per rank (MiB; busiest rank / device), bench/core/memory_model.py\n"
-            f"{'variant':<15} {'N':>2} {'measured':>9} | {'formula':>9} {'err':>8} | {'model':>9} {'err':>8} | "
-            f"{'meas grads':>10} {'pred grads':>10} | {'pred act':>9} {'pred Δ':>9} {'ΔRSS meas':>10} {'err':>8}")
+    head = (
+        "predicted vs measured model states per rank (MiB; busiest rank / device), bench/core/memory_model.py\n"
+        f"{'variant':<15} {'N':>2} {'measured':>9} | {'formula':>9} {'err':>8} | {'model':>9} {'err':>8} | "
+        f"{'meas grads':>10} {'pred grads':>10} | {'pred act':>9} {'pred Δ':>9} {'ΔRSS meas':>10} {'err':>8}"
+    )
     lines = [head, "-" * len(head.splitlines()[-1])]
     worst: dict = {}
     for v in variants:
@@ -278,25 +313,30 @@ def predicted_table(results: dict, overrides: list[str], ranks_list, variants) -
                 f"{v:<15} {n:>2} {meas['total'] / MIB:9.2f} | {f['model_states'] / MIB:9.2f} {_pct(ef)} | "
                 f"{m['model_states'] / MIB:9.2f} {_pct(em)} | {meas['grads'] / MIB:10.2f} {m['grads'] / MIB:10.2f} | "
                 f"{m['activations'] / MIB:9.2f} {added / MIB:9.2f} {_mib(rss):>10} "
-                f"{_pct(_err(added, rss) if rss else None)}")
+                f"{_pct(_err(added, rss) if rss else None)}"
+            )
     lines.append("")
     lines.append("largest |error| of the model states per variant (over the rank counts that ran):")
     for v, (ef, em, ns) in worst.items():
         lines.append(f"  {v:<15} formula {ef:5.1f}%   model {em:5.1f}%   (N = {', '.join(map(str, ns))})")
-    lines.append("formula: Ψ/N sharding; model: the per-tensor partition rule (zero1-3, fsdp; the same as formula "
-                 "for the rest); err = (predicted - measured) / measured. pred act: activation estimate (GPT-2: "
-                 "Korthikanti et al. 2022 per layer + fp32 logits); pred Δ: predicted total minus parameters (gradients, "
-                 "optimizer state, master, transient buffers, activations: what training adds once the model "
-                 "exists); ΔRSS meas: CPU peak RSS minus RSS before the first step, busiest rank (it also holds "
-                 "allocator slack, the loss's and optimizer's temporaries and autograd buffers the model leaves out; "
-                 "on a GPU compare with peak_allocated instead).")
+    lines.append(
+        "formula: Ψ/N sharding; model: the per-tensor partition rule (zero1-3, fsdp; the same as formula "
+        "for the rest); err = (predicted - measured) / measured. pred act: activation estimate (GPT-2: "
+        "Korthikanti et al. 2022 per layer + fp32 logits); pred Δ: predicted total minus parameters (gradients, "
+        "optimizer state, master, transient buffers, activations: what training adds once the model "
+        "exists); ΔRSS meas: CPU peak RSS minus RSS before the first step, busiest rank (it also holds "
+        "allocator slack, the loss's and optimizer's temporaries and autograd buffers the model leaves out; "
+        "on a GPU compare with peak_allocated instead)."
+    )
     return "\n".join(lines)
 
 
 def timing_table(results: dict, n: int, variants) -> str:
     base = results.get(("ddp", n), {}).get("step_time_mean_s")
-    head = (f"CPU step time at {n} ranks, mean over the timed steps after warm-up (one thread per rank)\n"
-            f"{'variant':<7} {'step s':>8} {'vs ddp':>7} {'samples/s':>10} {'steps':>6}")
+    head = (
+        f"CPU step time at {n} ranks, mean over the timed steps after warm-up (one thread per rank)\n"
+        f"{'variant':<7} {'step s':>8} {'vs ddp':>7} {'samples/s':>10} {'steps':>6}"
+    )
     lines = [head, "-" * len(head.splitlines()[-1])]
     for v in variants:
         s = results.get((v, n))
@@ -316,11 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="bench overrides for every point, e.g. workload=resnet50_tiny")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--variants", nargs="+", default=["ddp", "zero1", "zero2", "zero3", "fsdp"], choices=ALL_VARIANTS)
-    p.add_argument("--records", help="print the tables from the records in this folder (earlier study runs), "
-                                     "running nothing")
+    p.add_argument(
+        "--records", help="print the tables from the records in this folder (earlier study runs), running nothing"
+    )
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per point (memory mode)")
-    p.add_argument("--timing", action="store_true",
-                   help="time ddp, zero0-3 and fsdp instead: --timed-steps after --warmup, at the first of --ranks")
+    p.add_argument(
+        "--timing",
+        action="store_true",
+        help="time ddp, zero0-3 and fsdp instead: --timed-steps after --warmup, at the first of --ranks",
+    )
     p.add_argument("--timed-steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--results", default="results", help="records go to RESULTS/memory_study/")
@@ -333,11 +377,20 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results = {}
     if args.timing:
-        variants = ["ddp", "zero0", "zero1", "zero2", "zero3", "fsdp"] if args.variants == p.get_default("variants") else args.variants
+        variants = (
+            ["ddp", "zero0", "zero1", "zero2", "zero3", "fsdp"]
+            if args.variants == p.get_default("variants")
+            else args.variants
+        )
         n = args.ranks[0] if args.ranks != p.get_default("ranks") else 2
         for v in variants:
-            results[(v, n)] = run_point(v, n, overrides, root, stamp, args.warmup + args.timed_steps, args.warmup, args.timeout)
-            print(f"  {v} x {n} rank(s): {results[(v, n)].get('status')} in {results[(v, n)]['wall_s']:.0f}s", file=sys.stderr)
+            results[(v, n)] = run_point(
+                v, n, overrides, root, stamp, args.warmup + args.timed_steps, args.warmup, args.timeout
+            )
+            print(
+                f"  {v} x {n} rank(s): {results[(v, n)].get('status')} in {results[(v, n)]['wall_s']:.0f}s",
+                file=sys.stderr,
+            )
         print(timing_table(results, n, variants))
         return 0
     shapes = param_numels(overrides)
@@ -346,10 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for n in args.ranks:
             for v in args.variants:
-                results[(v, n)] = run_point(v, n, overrides, root, stamp, args.steps, min(args.warmup, args.steps - 1),
-                                            args.timeout)
-                print(f"  {v} x {n} rank(s): {results[(v, n)].get('status')} in {results[(v, n)]['wall_s']:.0f}s",
-                      file=sys.stderr)
+                results[(v, n)] = run_point(
+                    v, n, overrides, root, stamp, args.steps, min(args.warmup, args.steps - 1), args.timeout
+                )
+                print(
+                    f"  {v} x {n} rank(s): {results[(v, n)].get('status')} in {results[(v, n)]['wall_s']:.0f}s",
+                    file=sys.stderr,
+                )
     print(memory_table(results, shapes, args.ranks, args.variants))
     print()
     print(predicted_table(results, overrides, args.ranks, args.variants))

@@ -25,6 +25,7 @@ CPU only: on a machine with CUDA the CPU shim refuses to act, and a GPU comparis
 Wall-clock medians give the ratio; process CPU time is printed beside them, since a shared machine
 (other processes, load average printed) disturbs wall time more than CPU time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,17 @@ def _harness(n_layer, n_embd, n_head, seq_len, vocab):
     from ptbench.core.config import DataConfig, WorkloadConfig
     from ptbench.workloads.gpt2 import GPT2Workload
 
-    cfg = WorkloadConfig(name="gpt2_speed", kind="language", arch="gpt2", n_layer=n_layer, n_head=n_head,
-                         n_embd=n_embd, vocab_size=vocab, seq_len=seq_len, dropout=0.0)
+    cfg = WorkloadConfig(
+        name="gpt2_speed",
+        kind="language",
+        arch="gpt2",
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        vocab_size=vocab,
+        seq_len=seq_len,
+        dropout=0.0,
+    )
     workload = GPT2Workload(cfg, DataConfig())
     model = workload.build_model()
     return model, lambda x, y: workload.loss(model(x), y)
@@ -65,8 +75,17 @@ def _hf(n_layer, n_embd, n_head, seq_len, vocab):
     import torch.nn.functional as F
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    hf_cfg = GPT2Config(vocab_size=vocab, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5)
+    hf_cfg = GPT2Config(
+        vocab_size=vocab,
+        n_positions=seq_len,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+    )
     model = GPT2LMHeadModel(hf_cfg)
 
     def loss_fn(x, y):
@@ -87,8 +106,9 @@ def _megatron_world():
     if own_group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != 1:
-        raise RuntimeError("ptbench.model_speed runs Megatron on 1 rank; the process group has "
-                           f"{dist.get_world_size()}")
+        raise RuntimeError(
+            f"ptbench.model_speed runs Megatron on 1 rank; the process group has {dist.get_world_size()}"
+        )
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     try:
         from ptbench.adapters import _megatron_cpu
@@ -112,17 +132,33 @@ def _megatron(n_layer, n_embd, n_head, seq_len, vocab):
     from ptbench.adapters import _megatron_cpu
 
     config = TransformerConfig(
-        num_layers=n_layer, hidden_size=n_embd, num_attention_heads=n_head, ffn_hidden_size=4 * n_embd,
-        hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, pipeline_dtype=torch.float32,
+        num_layers=n_layer,
+        hidden_size=n_embd,
+        num_attention_heads=n_head,
+        ffn_hidden_size=4 * n_embd,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        layernorm_epsilon=1e-5,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
         # as adapters/megatron.py configures CPU runs (Megatron's fusions default to off)
-        use_cpu_initialization=True, batch_p2p_sync=False, deallocate_pipeline_outputs=True,
+        use_cpu_initialization=True,
+        batch_p2p_sync=False,
+        deallocate_pipeline_outputs=True,
     )
     with _megatron_cpu.cuda_to_cpu():
-        model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq_len,
-                         pre_process=True, post_process=True, share_embeddings_and_output_weights=True,
-                         position_embedding_type="learned_absolute")
+        model = GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            vocab_size=vocab,
+            max_sequence_length=seq_len,
+            pre_process=True,
+            post_process=True,
+            share_embeddings_and_output_weights=True,
+            position_embedding_type="learned_absolute",
+        )
     positions = torch.arange(seq_len).unsqueeze(0)
     mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), 1)[None, None]  # True = masked out
 
@@ -161,8 +197,19 @@ def _load() -> str:
         return "n/a"
 
 
-def compare_models(n_layer=4, n_embd=256, n_head=8, seq_len=128, vocab=50432, batch=8, blocks=5,
-                   steps_per_block=3, warmup=2, hf=None, verbose=True) -> dict:
+def compare_models(
+    n_layer=4,
+    n_embd=256,
+    n_head=8,
+    seq_len=128,
+    vocab=50432,
+    batch=8,
+    blocks=5,
+    steps_per_block=3,
+    warmup=2,
+    hf=None,
+    verbose=True,
+) -> dict:
     """Median seconds per train step of each model over `blocks` interleaved blocks.
 
     Returns {"median_s": {name: wall s/step}, "blocks_s": {name: [per block]}, "cpu_median_s" and
@@ -173,11 +220,12 @@ def compare_models(n_layer=4, n_embd=256, n_head=8, seq_len=128, vocab=50432, ba
     import torch
 
     if torch.cuda.is_available():
-        raise RuntimeError("ptbench.model_speed compares the models on CPU, and this machine has CUDA, where "
-                           "adapters/_megatron_cpu.py refuses to patch Megatron; run it on a CPU-only machine")
+        raise RuntimeError(
+            "ptbench.model_speed compares the models on CPU, and this machine has CUDA, where "
+            "adapters/_megatron_cpu.py refuses to patch Megatron; run it on a CPU-only machine"
+        )
     torch.set_num_threads(1)
-    sizes = {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "seq_len": seq_len, "vocab": vocab,
-             "batch": batch}
+    sizes = {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "seq_len": seq_len, "vocab": vocab, "batch": batch}
     if hf is None:
         hf = importlib.util.find_spec("transformers") is not None
     gen = torch.Generator().manual_seed(0)
@@ -222,33 +270,55 @@ def _compare(builders, dims, x, y, blocks, steps_per_block, warmup, verbose, siz
             per_block[name].append(wall)
             cpu_block[name].append(cpu)
         if verbose:
-            print(f"block {b + 1}/{blocks} (load {_load().split()[0]}): "
-                  + "  ".join(f"{n} {s[-1]:.3f}s" for n, s in per_block.items()), flush=True)
+            print(
+                f"block {b + 1}/{blocks} (load {_load().split()[0]}): "
+                + "  ".join(f"{n} {s[-1]:.3f}s" for n, s in per_block.items()),
+                flush=True,
+            )
     load_after = _load()
     median = {name: statistics.median(v) for name, v in per_block.items()}
     cpu = {name: statistics.median(v) for name, v in cpu_block.items()}
-    return {"median_s": median, "blocks_s": per_block, "cpu_median_s": cpu, "cpu_blocks_s": cpu_block,
-            "params": params, "ratio": median["harness_gpt2"] / median["megatron_gpt"],
-            "cpu_ratio": cpu["harness_gpt2"] / cpu["megatron_gpt"],
-            "load_before": load_before, "load_after": load_after, "sizes": sizes,
-            "blocks": blocks, "steps_per_block": steps_per_block, "warmup": warmup,
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
+    return {
+        "median_s": median,
+        "blocks_s": per_block,
+        "cpu_median_s": cpu,
+        "cpu_blocks_s": cpu_block,
+        "params": params,
+        "ratio": median["harness_gpt2"] / median["megatron_gpt"],
+        "cpu_ratio": cpu["harness_gpt2"] / cpu["megatron_gpt"],
+        "load_before": load_before,
+        "load_after": load_after,
+        "sizes": sizes,
+        "blocks": blocks,
+        "steps_per_block": steps_per_block,
+        "warmup": warmup,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
 
 
 def report(result: dict) -> str:
     s = result["sizes"]
     vocab = f"vocab {s['vocab']}" + (" (GPT-2's 50257 padded to a multiple of 128)" if s["vocab"] == 50432 else "")
-    lines = [(f"GPT-2 {s['n_layer']} layers x {s['n_embd']} wide, {s['n_head']} heads, T={s['seq_len']}, {vocab}, "
-              f"batch {s['batch']}, fp32, {result['threads']} thread(s), torch {result['torch']}; "
-              f"median of {result['blocks']} interleaved blocks x {result['steps_per_block']} steps "
-              f"(train step = forward + loss + backward + AdamW), {result['warmup']} warm-up steps excluded"),
-             f"load average before: {result['load_before']}   after: {result['load_after']}"]
+    lines = [
+        (
+            f"GPT-2 {s['n_layer']} layers x {s['n_embd']} wide, {s['n_head']} heads, T={s['seq_len']}, {vocab}, "
+            f"batch {s['batch']}, fp32, {result['threads']} thread(s), torch {result['torch']}; "
+            f"median of {result['blocks']} interleaved blocks x {result['steps_per_block']} steps "
+            f"(train step = forward + loss + backward + AdamW), {result['warmup']} warm-up steps excluded"
+        ),
+        f"load average before: {result['load_before']}   after: {result['load_after']}",
+    ]
     for name, med in result["median_s"].items():
         blocks = " ".join(f"{v:.3f}" for v in result["blocks_s"][name])
-        lines.append(f"{name:14s} {med:.3f} s/step  (process CPU {result['cpu_median_s'][name]:.3f} s/step; "
-                     f"{result['params'][name]:,} params; blocks: {blocks})")
-    lines.append(f"process CPU time ratio, harness/megatron: {result['cpu_ratio']:.3f}  (less sensitive to other "
-                 "processes on the machine than wall time)")
+        lines.append(
+            f"{name:14s} {med:.3f} s/step  (process CPU {result['cpu_median_s'][name]:.3f} s/step; "
+            f"{result['params'][name]:,} params; blocks: {blocks})"
+        )
+    lines.append(
+        f"process CPU time ratio, harness/megatron: {result['cpu_ratio']:.3f}  (less sensitive to other "
+        "processes on the machine than wall time)"
+    )
     lines.append(f"{RATIO_LINE} = {result['ratio']:.3f}")
     return "\n".join(lines)
 
@@ -266,8 +336,18 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-hf", action="store_true", help="leave out Hugging Face's GPT2LMHeadModel")
     a = p.parse_args(argv)
-    result = compare_models(a.n_layer, a.n_embd, a.n_head, a.seq_len, a.vocab, a.batch, a.blocks, a.steps,
-                            a.warmup, hf=False if a.no_hf else None)
+    result = compare_models(
+        a.n_layer,
+        a.n_embd,
+        a.n_head,
+        a.seq_len,
+        a.vocab,
+        a.batch,
+        a.blocks,
+        a.steps,
+        a.warmup,
+        hf=False if a.no_hf else None,
+    )
     print(report(result), flush=True)
     return 0
 

@@ -10,6 +10,7 @@ interleaved blocks inside one run so both see the same machine state.
 Prints the per-block step times and the ratio harness/bare (goal <= 1.02), plus the time from
 launch to the first finished step of a normal `python -m ptbench` run when `--startup` is given.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,14 @@ def _rank(rank: int, cfg_dict: dict, world: int, port: int, blocks: int, steps: 
     cfg = typed(cfg_dict)
     cfg.trainer.progress = False
     set_cpu_threads(1)
-    ctx = DistContext(rank=rank, world_size=world, local_rank=rank, local_world_size=world, master_port=port,
-                      backend="nccl" if torch.cuda.is_available() else "gloo")
+    ctx = DistContext(
+        rank=rank,
+        world_size=world,
+        local_rank=rank,
+        local_world_size=world,
+        master_port=port,
+        backend="nccl" if torch.cuda.is_available() else "gloo",
+    )
     init_process_group(ctx, 300)
     device = ctx.device
     workload = build_workload(cfg.workload, cfg.data)
@@ -138,10 +145,18 @@ DATA_SHARE_POINTS = {
 # --data-shares --variants: the vision input pipeline's options one by one (data.decoder, data.cache_decoded;
 # conf/data/cifar10.yaml turns the RAM cache on, so the row above is the cached one)
 DATA_SHARE_VARIANTS = {
-    "resnet50_tiny (JPEG, PIL)": ["workload=resnet50_tiny", "data=cifar10", "data.decoder=pil",
-                                  "data.cache_decoded=false"],
-    "resnet50_tiny (JPEG, torchvision)": ["workload=resnet50_tiny", "data=cifar10", "data.decoder=torchvision",
-                                          "data.cache_decoded=false"],
+    "resnet50_tiny (JPEG, PIL)": [
+        "workload=resnet50_tiny",
+        "data=cifar10",
+        "data.decoder=pil",
+        "data.cache_decoded=false",
+    ],
+    "resnet50_tiny (JPEG, torchvision)": [
+        "workload=resnet50_tiny",
+        "data=cifar10",
+        "data.decoder=torchvision",
+        "data.cache_decoded=false",
+    ],
     "resnet50_tiny (JPEG, RAM cache)": ["workload=resnet50_tiny", "data=cifar10", "data.cache_decoded=true"],
 }
 
@@ -152,19 +167,34 @@ def data_shares(nprocs: int, steps: int = 12, warmup: int = 2, points: dict | No
 
     from ptbench.invoke import run_bench
 
-    lines = [f"data loading share of the step, {nprocs} rank(s), {steps} steps ({warmup} warm-up excluded)",
-             f"{'workload':<34} {'data share':>10} {'workers':>8} {'step s':>8}"]
+    lines = [
+        f"data loading share of the step, {nprocs} rank(s), {steps} steps ({warmup} warm-up excluded)",
+        f"{'workload':<34} {'data share':>10} {'workers':>8} {'step s':>8}",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in (points or DATA_SHARE_POINTS).items():
-            run = run_bench([*overrides, f"launcher.nprocs={nprocs}", "trainer.epochs=1", f"trainer.max_steps={steps}",
-                             f"trainer.warmup_steps={warmup}", "trainer.eval_every_epoch=false", "trainer.progress=false"],
-                            root=Path(tmp), experiment="data-share", timeout=900)
+            run = run_bench(
+                [
+                    *overrides,
+                    f"launcher.nprocs={nprocs}",
+                    "trainer.epochs=1",
+                    f"trainer.max_steps={steps}",
+                    f"trainer.warmup_steps={warmup}",
+                    "trainer.eval_every_epoch=false",
+                    "trainer.progress=false",
+                ],
+                root=Path(tmp),
+                experiment="data-share",
+                timeout=900,
+            )
             if not run.ok:
                 lines.append(f"{name:<34} {run.status}: {run.error_line[:70]}")
                 continue
             s = run.summary
             ev = json.loads((run.run_dir / "events.jsonl").read_text().splitlines()[0])
-            lines.append(f"{name:<34} {100 * ev['data_share']:9.1f}% {s['data_workers']:>8} {s['step_time_mean_s']:8.4f}")
+            lines.append(
+                f"{name:<34} {100 * ev['data_share']:9.1f}% {s['data_workers']:>8} {s['step_time_mean_s']:8.4f}"
+            )
     return "\n".join(lines)
 
 
@@ -178,13 +208,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="steps per block")
     p.add_argument("--nprocs", type=int, default=2)
     p.add_argument("--startup", action="store_true", help="also measure launch-to-first-step of `python -m ptbench`")
-    p.add_argument("--models", action="store_true",
-                   help="instead: the harness GPT-2, Megatron's GPT and Hugging Face's GPT-2 of one size stepped in "
-                        "interleaved blocks (bench/model_speed.py), then the data-loading share per bundled workload")
-    p.add_argument("--data-shares", action="store_true",
-                   help="instead: only the data-loading share per bundled workload (the second part of --models)")
-    p.add_argument("--variants", action="store_true",
-                   help="with --data-shares: resnet50_tiny's input pipeline per option (PIL, torchvision, RAM cache)")
+    p.add_argument(
+        "--models",
+        action="store_true",
+        help="instead: the harness GPT-2, Megatron's GPT and Hugging Face's GPT-2 of one size stepped in "
+        "interleaved blocks (bench/model_speed.py), then the data-loading share per bundled workload",
+    )
+    p.add_argument(
+        "--data-shares",
+        action="store_true",
+        help="instead: only the data-loading share per bundled workload (the second part of --models)",
+    )
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help="with --data-shares: resnet50_tiny's input pipeline per option (PIL, torchvision, RAM cache)",
+    )
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=resnet50_tiny")
     args = p.parse_args(argv)
     if args.data_shares:
@@ -199,20 +238,28 @@ def main(argv: list[str] | None = None) -> int:
         return code
     cfg = _compose(args.overrides)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        mp.start_processes(_rank, args=(cfg, args.nprocs, free_port(), args.blocks, args.steps, out.name),
-                           nprocs=args.nprocs, start_method="spawn")
+        mp.start_processes(
+            _rank,
+            args=(cfg, args.nprocs, free_port(), args.blocks, args.steps, out.name),
+            nprocs=args.nprocs,
+            start_method="spawn",
+        )
         import json
 
         result = json.load(open(out.name))
     rows = result["rows"]
-    print(f"{cfg['workload']['name']} on {args.nprocs} rank(s), batch {cfg['trainer']['batch_size']}/rank, "
-          f"{args.blocks} blocks x {args.steps} steps (1 warm-up block each excluded)")
+    print(
+        f"{cfg['workload']['name']} on {args.nprocs} rank(s), batch {cfg['trainer']['batch_size']}/rank, "
+        f"{args.blocks} blocks x {args.steps} steps (1 warm-up block each excluded)"
+    )
     print("block  bare s/step  harness s/step  ratio")
     for i, r in enumerate(rows):
         print(f"{i:5d}  {r['bare']:11.4f}  {r['harness']:14.4f}  {r['harness'] / r['bare']:.4f}")
     bare = statistics.median(r["bare"] for r in rows)
     harness = statistics.median(r["harness"] for r in rows)
-    print(f"median step time: bare {bare:.4f}s, harness {harness:.4f}s, ratio harness/bare = {harness / bare:.4f} (goal <= 1.02)")
+    print(
+        f"median step time: bare {bare:.4f}s, harness {harness:.4f}s, ratio harness/bare = {harness / bare:.4f} (goal <= 1.02)"
+    )
     print(f"data loading share of harness step time: {100 * result['data_share']:.1f}%")
     if args.startup:
         print(f"startup, launch to first finished step: {measure_startup(args.overrides):.1f}s")

@@ -18,6 +18,7 @@ Megatron, per micro-batch for GPipe, fixed for the pipeline schedules); layouts 
 from `layout()`. A point that runs out of memory is retried once with half the per-device batch
 (bench/runner/points.py `oom_retry`, recorded as `extra.batch_reduced_from`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,15 @@ from pathlib import Path
 from ptbench.runner.points import read_points, write_points
 from ptbench.runner.slurm import REPO, submit_arrays
 
-PRESET = {"gpt2_small": "paper_language", "gpt2_medium": "paper_language", "gpt2_tiny": "paper_language_small",
-          "vgg16": "paper_vision", "resnet50": "paper_vision", "vgg16_tiny": "paper_vision",
-          "resnet50_tiny": "paper_vision"}
+PRESET = {
+    "gpt2_small": "paper_language",
+    "gpt2_medium": "paper_language",
+    "gpt2_tiny": "paper_language_small",
+    "vgg16": "paper_vision",
+    "resnet50": "paper_vision",
+    "vgg16_tiny": "paper_vision",
+    "resnet50_tiny": "paper_vision",
+}
 PHASES = ("epoch", "stateff", "memory")
 
 
@@ -46,7 +53,11 @@ def layout(adapter: str, gpus: int, gpus_per_node: int, layers: int = 12) -> lis
         tp = min(gpus, gpus_per_node or gpus)
         return [f"launcher.nprocs={gpus}", f"adapter.tensor_parallel={tp}"]
     if adapter == "gpipe":  # one process drives every partition: one node at most
-        return None if gpus_per_node and gpus > gpus_per_node else ["launcher.nprocs=1", f"adapter.pipeline_parallel={gpus}"]
+        return (
+            None
+            if gpus_per_node and gpus > gpus_per_node
+            else ["launcher.nprocs=1", f"adapter.pipeline_parallel={gpus}"]
+        )
     if adapter == "pipeline":  # stages up to the layer count, data parallel beyond
         pp = max(d for d in range(1, min(gpus, layers) + 1) if gpus % d == 0)
         return [f"launcher.nprocs={gpus}", f"adapter.pipeline_parallel={pp}"]
@@ -70,8 +81,15 @@ def plan(workloads: list[str], adapters: list[str], gpus: list[int], gpus_per_no
                     continue
                 base = [f"experiment={PRESET[w]}", f"workload={w}", f"adapter={a}", *lay, *extra]
                 phases["epoch"].append([*base, "trainer.epochs=2", f"results.experiment=paper-epoch-{w}"])
-                phases["memory"].append([*base, "trainer.epochs=1", "trainer.max_steps=20",
-                                         "trainer.eval_every_epoch=false", f"results.experiment=paper-memory-{w}"])
+                phases["memory"].append(
+                    [
+                        *base,
+                        "trainer.epochs=1",
+                        "trainer.max_steps=20",
+                        "trainer.eval_every_epoch=false",
+                        f"results.experiment=paper-memory-{w}",
+                    ]
+                )
     return phases
 
 
@@ -84,8 +102,10 @@ def write_plan(out: Path, phases: dict, args_line: str, stateff_epochs: int = 0)
     out.mkdir(parents=True, exist_ok=True)
     for name in ("epoch", "memory"):
         write_points(out / f"{name}.txt", phases[name], f"python -m ptbench.paper {args_line} (phase {name})")
-    (out / "plan.json").write_text(json.dumps({"command": args_line, "skipped": phases["skipped"],
-                                               "stateff_epochs": stateff_epochs}, indent=2) + "\n")
+    (out / "plan.json").write_text(
+        json.dumps({"command": args_line, "skipped": phases["skipped"], "stateff_epochs": stateff_epochs}, indent=2)
+        + "\n"
+    )
 
 
 def add_jobs(out: Path, ids: list[str]) -> None:
@@ -100,8 +120,13 @@ def wait(out: Path, timeout: float, poll: float = 2.0) -> int:
     deadline = time.time() + timeout
     while True:
         ids = (out / "jobs.txt").read_text().split() if (out / "jobs.txt").exists() else []
-        rows = subprocess.run(["squeue", "-h", "-o", "%i %r", "-j", ",".join(ids)], capture_output=True,
-                              text=True).stdout.splitlines() if ids else []
+        rows = (
+            subprocess.run(
+                ["squeue", "-h", "-o", "%i %r", "-j", ",".join(ids)], capture_output=True, text=True
+            ).stdout.splitlines()
+            if ids
+            else []
+        )
         queued = [r.split()[0] for r in rows if r.split()]
         for job in [r.split()[0] for r in rows if r.endswith("DependencyNeverSatisfied")]:
             # phase 2 waits for phase 1 with afterok: a failed phase-1 point leaves it pending for ever
@@ -153,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = []
     if "--" in argv:
-        argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+        argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     p = argparse.ArgumentParser(prog="python -m ptbench.paper", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     pl = sub.add_parser("plan", help="write the sweep files; --submit: Slurm arrays, phase 2 after phase 1")
@@ -165,8 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--submit", action="store_true")
     pl.add_argument("--dry-run", action="store_true", help="print the sbatch lines only")
     pl.add_argument("--sbatch", action="append", default=[], metavar="ARG")
-    pl.add_argument("--stateff-epochs", type=int, default=0,
-                    help="epochs of phase 2's full training (0: the preset's, e.g. 100 for GPT-2)")
+    pl.add_argument(
+        "--stateff-epochs",
+        type=int,
+        default=0,
+        help="epochs of phase 2's full training (0: the preset's, e.g. 100 for GPT-2)",
+    )
     st = sub.add_parser("stateff", help="phase 2: choose from phase 1's records, then run or submit")
     st.add_argument("out", type=Path)
     st.add_argument("--results", type=Path, default=None, help="records of phase 1 (default: $RESULTS or results/)")
@@ -186,31 +215,46 @@ def main(argv: list[str] | None = None) -> int:
         return wait(args.out, args.timeout)
 
     if args.cmd == "plan":
-        phases = plan(args.workloads.split(","), args.adapters.split(","), [int(g) for g in args.gpus.split(",")],
-                      args.gpus_per_node, extra)
+        phases = plan(
+            args.workloads.split(","),
+            args.adapters.split(","),
+            [int(g) for g in args.gpus.split(",")],
+            args.gpus_per_node,
+            extra,
+        )
         write_plan(args.out, phases, shlex.join(argv + (["--", *extra] if extra else [])), args.stateff_epochs)
-        print(f"plan: {len(phases['epoch'])} epoch-time points, {len(phases['memory'])} memory points -> {args.out}/; "
-              f"{len(phases['skipped'])} skipped (plan.json)")
+        print(
+            f"plan: {len(phases['epoch'])} epoch-time points, {len(phases['memory'])} memory points -> {args.out}/; "
+            f"{len(phases['skipped'])} skipped (plan.json)"
+        )
         if not (args.submit or args.dry_run):
             return 0
-        code, ids = submit_arrays(args.out / "epoch.txt", [], gpus_per_node=args.gpus_per_node, sbatch=args.sbatch,
-                                  dry_run=args.dry_run)
+        code, ids = submit_arrays(
+            args.out / "epoch.txt", [], gpus_per_node=args.gpus_per_node, sbatch=args.sbatch, dry_run=args.dry_run
+        )
         if not args.dry_run:
             (args.out / "jobs.txt").write_text("")
             add_jobs(args.out, ids)
         dep = f"--dependency=afterok:{':'.join(ids)}"
-        phase2 = ["sbatch", "--parsable", dep, "--job-name=bench-paper-stateff", "--ntasks=1",
-                  f"--output={results_root().absolute() / 'slurm'}/%x-%j.out",
-                  f"--wrap={sys.executable} -m ptbench.paper stateff {args.out.absolute()} --submit "
-                  f"--gpus-per-node {args.gpus_per_node}"]
+        phase2 = [
+            "sbatch",
+            "--parsable",
+            dep,
+            "--job-name=bench-paper-stateff",
+            "--ntasks=1",
+            f"--output={results_root().absolute() / 'slurm'}/%x-%j.out",
+            f"--wrap={sys.executable} -m ptbench.paper stateff {args.out.absolute()} --submit "
+            f"--gpus-per-node {args.gpus_per_node}",
+        ]
         print(shlex.join(phase2), flush=True)
         if not args.dry_run and code == 0:
             proc = subprocess.run(phase2, capture_output=True, text=True, cwd=REPO)
             print(proc.stdout.strip() or proc.stderr.strip(), flush=True)
             code = proc.returncode
             add_jobs(args.out, [proc.stdout.strip().split(";")[0]] if code == 0 else [])
-        code2, ids3 = submit_arrays(args.out / "memory.txt", [], gpus_per_node=args.gpus_per_node, sbatch=args.sbatch,
-                                    dry_run=args.dry_run)
+        code2, ids3 = submit_arrays(
+            args.out / "memory.txt", [], gpus_per_node=args.gpus_per_node, sbatch=args.sbatch, dry_run=args.dry_run
+        )
         if not args.dry_run:
             add_jobs(args.out, ids3)
         return code or code2
@@ -222,14 +266,18 @@ def main(argv: list[str] | None = None) -> int:
             add_jobs(args.out, ids)  # before this job ends, so `wait` sees them
             return code
         if args.run:
-            return subprocess.run([sys.executable, "-m", "ptbench.sweep", "run", str(args.out / "stateff.txt")]).returncode
+            return subprocess.run(
+                [sys.executable, "-m", "ptbench.sweep", "run", str(args.out / "stateff.txt")]
+            ).returncode
         return 0
     # run: the whole protocol here
     code = 0
     for phase in PHASES:
         if phase == "stateff":
             choose_stateff(args.out, args.results)
-        code |= subprocess.run([sys.executable, "-m", "ptbench.sweep", "run", str(args.out / f"{phase}.txt")]).returncode
+        code |= subprocess.run(
+            [sys.executable, "-m", "ptbench.sweep", "run", str(args.out / f"{phase}.txt")]
+        ).returncode
     return code
 
 

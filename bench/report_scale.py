@@ -8,6 +8,7 @@ times `python -m ptbench.analysis report` on them as its own process (wall clock
 and prints records, seconds and what the report holds. A benchmark, not a test: the numbers depend on
 the machine. With --keep, records and report stay in DIR (records of the same N there are reused).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,16 +27,36 @@ EXPERIMENT = "report-scale"
 RANKS = (1, 2, 4, 8, 16, 32, 64)
 # (adapter, workload, config overrides of the series): a paper-like grid of series
 SERIES = (
-    *((a, "gpt2_tiny", o) for a, o in (("ddp", {}), ("zero", {"stage": 1}), ("zero", {"stage": 2}),
-                                       ("zero", {"stage": 3}), ("fsdp", {}), ("megatron", {}), ("gpipe", {}),
-                                       ("pipeline", {"microbatches": 4}))),
-    *((a, "resnet50_tiny", o) for a, o in (("ddp", {}), ("zero", {"stage": 2}), ("fsdp", {}), ("gpipe", {}),
-                                           ("pipeline", {"microbatches": 4}))),
+    *(
+        (a, "gpt2_tiny", o)
+        for a, o in (
+            ("ddp", {}),
+            ("zero", {"stage": 1}),
+            ("zero", {"stage": 2}),
+            ("zero", {"stage": 3}),
+            ("fsdp", {}),
+            ("megatron", {}),
+            ("gpipe", {}),
+            ("pipeline", {"microbatches": 4}),
+        )
+    ),
+    *(
+        (a, "resnet50_tiny", o)
+        for a, o in (
+            ("ddp", {}),
+            ("zero", {"stage": 2}),
+            ("fsdp", {}),
+            ("gpipe", {}),
+            ("pipeline", {"microbatches": 4}),
+        )
+    ),
 )
 OUTCOMES = (("ok", 0.88), ("oom", 0.03), ("failed", 0.03), ("timeout", 0.02), ("preempted", 0.04))
-ERRORS = {"oom": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
-          "failed": "RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",
-          "timeout": "no progress for 600s (trainer.hang_timeout_s=600): a rank stopped calling collectives or hangs"}
+ERRORS = {
+    "oom": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    "failed": "RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",
+    "timeout": "no progress for 600s (trainer.hang_timeout_s=600): a rank stopped calling collectives or hangs",
+}
 PHASES = ("data", "forward", "forward_backward", "backward", "optimizer")
 MARKER = ".report_scale.json"  # in the records folder: what this driver wrote there (hidden: no run folder)
 
@@ -52,8 +73,14 @@ def layout(adapter: str, world: int) -> dict:
     elif adapter == "gpipe":
         devices_per_process, pp = world, world
     processes = 1 if adapter == "gpipe" else world
-    return {"world_size": processes, "dp": processes // (tp * (1 if adapter == "gpipe" else pp)), "tp": tp, "pp": pp,
-            "devices_per_process": devices_per_process, "microbatches": 4 if pp > 1 else 1}
+    return {
+        "world_size": processes,
+        "dp": processes // (tp * (1 if adapter == "gpipe" else pp)),
+        "tp": tp,
+        "pp": pp,
+        "devices_per_process": devices_per_process,
+        "microbatches": 4 if pp > 1 else 1,
+    }
 
 
 class Configs:
@@ -116,8 +143,14 @@ def write_record(root: Path, i: int, rng: random.Random, configs: Configs, env: 
     language = workload.startswith("gpt2")
     run_id = f"{adapter}-{workload}-d{devices}-r{repeat}-{i:06d}"
     point = f"{adapter}{''.join(f'-{k}{v}' for k, v in extra.items())}-{workload}-d{devices}"
-    identity = {"experiment": EXPERIMENT, "point": point, "adapter": adapter, "workload": workload,
-                "world_size": lay["world_size"], "devices": devices}
+    identity = {
+        "experiment": EXPERIMENT,
+        "point": point,
+        "adapter": adapter,
+        "workload": workload,
+        "world_size": lay["world_size"],
+        "devices": devices,
+    }
     run_dir = root / run_id
     writer = RunWriter(run_dir, identity)
     run_dir.mkdir(parents=True)
@@ -132,10 +165,14 @@ def write_record(root: Path, i: int, rng: random.Random, configs: Configs, env: 
     stage = int(extra.get("stage", 0))
     global_batch = 8 * lay["dp"] * (lay["microbatches"] if adapter == "pipeline" else 1)
     steps = max(1, 4096 // global_batch)
-    eff = {"ddp": 0.9, "zero": 0.85 - 0.03 * stage, "fsdp": 0.83, "megatron": 0.75, "gpipe": 0.7, "pipeline": 0.72}[adapter]
-    base = (60.0 if language else 90.0) / devices ** eff
-    shard = {"zero": {1: (1, 1, devices), 2: (1, devices, devices), 3: (devices, devices, devices)}.get(stage, (1, 1, 1)),
-             "fsdp": (devices, devices, devices)}.get(adapter, (lay["tp"] * lay["pp"],) * 3)
+    eff = {"ddp": 0.9, "zero": 0.85 - 0.03 * stage, "fsdp": 0.83, "megatron": 0.75, "gpipe": 0.7, "pipeline": 0.72}[
+        adapter
+    ]
+    base = (60.0 if language else 90.0) / devices**eff
+    shard = {
+        "zero": {1: (1, 1, devices), 2: (1, devices, devices), 3: (devices, devices, devices)}.get(stage, (1, 1, 1)),
+        "fsdp": (devices, devices, devices),
+    }.get(adapter, (lay["tp"] * lay["pp"],) * 3)
     state = {"params": 4 * params // shard[0], "grads": 4 * params // shard[1], "optimizer": 8 * params // shard[2]}
     n_epochs = epochs if status == "ok" else rng.randint(1, epochs)
     wall, epoch_times = 0.0, []
@@ -147,48 +184,113 @@ def write_record(root: Path, i: int, rng: random.Random, configs: Configs, env: 
         phase = dict(zip(PHASES, (0.03 * step, 0.3 * step, 0.0, 0.55 * step, 0.1 * step)))
         wall += t + 2.0
         epoch_times.append((t, partial))
-        metric = ({"val_perplexity": 400.0 / (1 + e) * rng.uniform(0.98, 1.02), "val_loss": 6.0 - 0.4 * e} if language
-                  else {"val_accuracy": min(0.95, 0.3 + 0.15 * e) * rng.uniform(0.98, 1.02), "val_loss": 2.0 - 0.2 * e})
+        metric = (
+            {"val_perplexity": 400.0 / (1 + e) * rng.uniform(0.98, 1.02), "val_loss": 6.0 - 0.4 * e}
+            if language
+            else {"val_accuracy": min(0.95, 0.3 + 0.15 * e) * rng.uniform(0.98, 1.02), "val_loss": 2.0 - 0.2 * e}
+        )
         mem = []
         for r in range(lay["world_size"]):
-            peak = int((sum(state.values()) + 300 * 2**20 / devices ** 0.5) * rng.uniform(0.98, 1.02))
-            mem.append({"rank": r, "host": f"node{r // 8:03d}", "epoch_time_s": t * rng.uniform(0.97, 1.0),
-                        "memory": {"peak_rss": peak + 900 * 2**20, "peak_rss_delta": peak, "rss_before_step": 900 * 2**20},
-                        "state_bytes": dict(state)})
+            peak = int((sum(state.values()) + 300 * 2**20 / devices**0.5) * rng.uniform(0.98, 1.02))
+            mem.append(
+                {
+                    "rank": r,
+                    "host": f"node{r // 8:03d}",
+                    "epoch_time_s": t * rng.uniform(0.97, 1.0),
+                    "memory": {"peak_rss": peak + 900 * 2**20, "peak_rss_delta": peak, "rss_before_step": 900 * 2**20},
+                    "state_bytes": dict(state),
+                }
+            )
         peaks = [m["memory"]["peak_rss"] for m in mem]
         sps = global_batch / step
-        writer.record.append_event({
-            "type": "epoch", "epoch": e, "steps": done, "timed_steps": done - (1 if e == 0 else 0),
-            "warmup_steps_excluded": 1 if e == 0 else 0, "global_batch": global_batch, "devices": devices,
-            "epoch_time_s": t, "partial": partial, "val_time_s": 1.5, "wall_time_s": wall,
-            "step_time_mean_s": step, "step_time_p50_s": step * 0.99, "step_time_p95_s": step * 1.08,
-            "step_time_cv": 0.03, **{f"{c}_time_mean_s": v for c, v in phase.items()}, "data_share": 0.03,
-            "samples_per_s": sps, "epoch_samples_per_s": global_batch * done / t,
-            "tokens_per_s": sps * 32 if language else None, "train_flops_per_sample": 6 * params * 32,
-            "flops_per_s": sps * 6 * params * 32, "mfu": None, "mfu_note": None, "train_loss": 6.2 - 0.4 * e,
-            "train_losses": None, "lr_epoch_start": 3e-4, "lrs": None, "memory_metric": "peak_rss",
-            "peak_memory_max": max(peaks), "peak_memory_min": min(peaks), "ranks": mem, **metric})
+        writer.record.append_event(
+            {
+                "type": "epoch",
+                "epoch": e,
+                "steps": done,
+                "timed_steps": done - (1 if e == 0 else 0),
+                "warmup_steps_excluded": 1 if e == 0 else 0,
+                "global_batch": global_batch,
+                "devices": devices,
+                "epoch_time_s": t,
+                "partial": partial,
+                "val_time_s": 1.5,
+                "wall_time_s": wall,
+                "step_time_mean_s": step,
+                "step_time_p50_s": step * 0.99,
+                "step_time_p95_s": step * 1.08,
+                "step_time_cv": 0.03,
+                **{f"{c}_time_mean_s": v for c, v in phase.items()},
+                "data_share": 0.03,
+                "samples_per_s": sps,
+                "epoch_samples_per_s": global_batch * done / t,
+                "tokens_per_s": sps * 32 if language else None,
+                "train_flops_per_sample": 6 * params * 32,
+                "flops_per_s": sps * 6 * params * 32,
+                "mfu": None,
+                "mfu_note": None,
+                "train_loss": 6.2 - 0.4 * e,
+                "train_losses": None,
+                "lr_epoch_start": 3e-4,
+                "lrs": None,
+                "memory_metric": "peak_rss",
+                "peak_memory_max": max(peaks),
+                "peak_memory_min": min(peaks),
+                "ranks": mem,
+                **metric,
+            }
+        )
     whole = [t for t, p in epoch_times if not p]
     steady = [t for t, p in epoch_times[1:] if not p]
     last_mem = mem
     summary = {
-        "status": status, "checkpoint": None, "startup_s": 4.0, "stop_signal": "SIGTERM" if status == "preempted" else None,
-        "epochs_completed": n_epochs, "total_time_s": wall, "steps": steps * n_epochs, "global_batch": global_batch,
-        "local_batch": 8, "samples_dropped_per_epoch": 0, "data_workers": 2,
-        "data_pipeline": {"pin_memory": False, "persistent_workers": True}, "compile": None,
-        "step_time_mean_s": whole[0] / steps if whole else None, "samples_per_s": sps, "tokens_per_s": None,
-        "epoch_time_mean_s": sum(whole) / len(whole) if whole else None, "epoch_time_mean_includes_partial": not whole,
+        "status": status,
+        "checkpoint": None,
+        "startup_s": 4.0,
+        "stop_signal": "SIGTERM" if status == "preempted" else None,
+        "epochs_completed": n_epochs,
+        "total_time_s": wall,
+        "steps": steps * n_epochs,
+        "global_batch": global_batch,
+        "local_batch": 8,
+        "samples_dropped_per_epoch": 0,
+        "data_workers": 2,
+        "data_pipeline": {"pin_memory": False, "persistent_workers": True},
+        "compile": None,
+        "step_time_mean_s": whole[0] / steps if whole else None,
+        "samples_per_s": sps,
+        "tokens_per_s": None,
+        "epoch_time_mean_s": sum(whole) / len(whole) if whole else None,
+        "epoch_time_mean_includes_partial": not whole,
         "epoch_time_steady_s": sum(steady) / len(steady) if steady else None,
-        "timing": {"sync": True}, "tf32": False, "warnings": [],
-        "state_bytes_per_rank": [m["state_bytes"] for m in last_mem], "hosts": [m["host"] for m in last_mem],
-        "val_loss": metric["val_loss"], "val_accuracy": metric.get("val_accuracy"),
-        "val_perplexity": metric.get("val_perplexity"), "train_loss": 6.0, "peak_memory_max": max(peaks),
-        "peak_memory_min": min(peaks), "mfu": None,
-        "adapter_settings": {"name": adapter, **extra}, "plan": {**identity, "global_batch": global_batch},
-        "precision": "fp32", "predicted_memory": None, "comm_volume": comm_volume(adapter, lay, stage, params),
-        "extra": {}, "batch_reduced_from": None, "phase_semantics": {}, "precision_semantics": "autocast",
-        "batch_policy": "per_device", "warmup_steps": 1, "launcher": "local", "conventions": {},
-        "frameworks_imported": [], "cpu_threads_per_rank": 1, "layout": lay,
+        "timing": {"sync": True},
+        "tf32": False,
+        "warnings": [],
+        "state_bytes_per_rank": [m["state_bytes"] for m in last_mem],
+        "hosts": [m["host"] for m in last_mem],
+        "val_loss": metric["val_loss"],
+        "val_accuracy": metric.get("val_accuracy"),
+        "val_perplexity": metric.get("val_perplexity"),
+        "train_loss": 6.0,
+        "peak_memory_max": max(peaks),
+        "peak_memory_min": min(peaks),
+        "mfu": None,
+        "adapter_settings": {"name": adapter, **extra},
+        "plan": {**identity, "global_batch": global_batch},
+        "precision": "fp32",
+        "predicted_memory": None,
+        "comm_volume": comm_volume(adapter, lay, stage, params),
+        "extra": {},
+        "batch_reduced_from": None,
+        "phase_semantics": {},
+        "precision_semantics": "autocast",
+        "batch_policy": "per_device",
+        "warmup_steps": 1,
+        "launcher": "local",
+        "conventions": {},
+        "frameworks_imported": [],
+        "cpu_threads_per_rank": 1,
+        "layout": lay,
     }
     writer.finish(summary)
     return status
@@ -212,16 +314,22 @@ def time_report(records: Path, out: Path) -> tuple[float, subprocess.CompletedPr
     if out.exists():
         shutil.rmtree(out)
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ptbench.analysis", "report", str(records), "--out", str(out)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ptbench.analysis", "report", str(records), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
     return time.perf_counter() - t, proc
 
 
 def contents(out: Path) -> dict:
     """What the report holds: figures (PNG), tables (CSV), report.md's sections."""
     md = (out / "report.md").read_text() if (out / "report.md").exists() else ""
-    return {"figures": len(list((out / "figures").glob("*.png"))), "tables": len(list(out.glob("*.csv"))),
-            "sections": [ln[3:] for ln in md.splitlines() if ln.startswith("## ")]}
+    return {
+        "figures": len(list((out / "figures").glob("*.png"))),
+        "tables": len(list(out.glob("*.csv"))),
+        "sections": [ln[3:] for ln in md.splitlines() if ln.startswith("## ")],
+    }
 
 
 def run_one(n: int, folder: Path, seed: int) -> int:
@@ -234,22 +342,29 @@ def run_one(n: int, folder: Path, seed: int) -> int:
             shutil.rmtree(records)
         t = time.perf_counter()
         counts = write_records(records, n, seed)
-        print(f"records: {n} written to {records} in {time.perf_counter() - t:.1f}s "
-              f"({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))})", flush=True)
+        print(
+            f"records: {n} written to {records} in {time.perf_counter() - t:.1f}s "
+            f"({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))})",
+            flush=True,
+        )
     seconds, proc = time_report(records, out)
     if proc.returncode != 0:
         print(f"error: the report failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}", file=sys.stderr)
         return 1
     c = contents(out)
-    print(f"report_scale: records={n} seconds={seconds:.1f} figures={c['figures']} tables={c['tables']} "
-          f"sections={len(c['sections'])} out={out}", flush=True)
+    print(
+        f"report_scale: records={n} seconds={seconds:.1f} figures={c['figures']} tables={c['tables']} "
+        f"sections={len(c['sections'])} out={out}",
+        flush=True,
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ptbench.report_scale", description=__doc__.splitlines()[0])
-    p.add_argument("--records", type=int, action="append", help="records to write (repeat for several sizes; "
-                   "default 1000)")
+    p.add_argument(
+        "--records", type=int, action="append", help="records to write (repeat for several sizes; default 1000)"
+    )
     p.add_argument("--keep", metavar="DIR", help="keep records and report in DIR/<N>/ (records of the same N reused)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -8,6 +8,7 @@ that cannot run at any size <= N is *skipped with its reason*, as is one whose f
 installed — except under CI=true, where a missing framework is a failure (CI installs them all).
 Exit 1 only on a real failure. Each run has a timeout (--timeout) that ends its launcher and ranks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,27 +56,39 @@ def run_one(name: str, world_size: int, root: Path, timeout: float) -> tuple[str
     overrides, why = smoke_point(name, world_size, root)
     if overrides is None:
         return "skipped", why
-    run = run_bench(overrides, root=root, experiment=f"smoke-{name}", timeout=timeout, run_name=(name, "smoke", world_size))
+    run = run_bench(
+        overrides, root=root, experiment=f"smoke-{name}", timeout=timeout, run_name=(name, "smoke", world_size)
+    )
     if not run.ok:
         return "FAILED", f"{run.status}: {run.error_line} ({run.wall_s:.0f}s)"
     s = run.summary
-    return "ok", (f"{s['workload']} x{s['devices']} device(s)  step {s['step_time_mean_s']:.4f}s  "
-                  f"loss {s['train_loss']:.3f}  ({run.wall_s:.0f}s)")
+    return "ok", (
+        f"{s['workload']} x{s['devices']} device(s)  step {s['step_time_mean_s']:.4f}s  "
+        f"loss {s['train_loss']:.3f}  ({run.wall_s:.0f}s)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ptbench.smoke", description=__doc__.split("\n\n")[0])
     p.add_argument("adapters", nargs="*", help=f"adapters to run (default: all of {', '.join(available())})")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="devices to use at most (default: the visible GPUs, or 2 on a CPU-only machine)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="devices to use at most (default: the visible GPUs, or 2 on a CPU-only machine)",
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds per adapter before its run is ended")
     args = p.parse_args(argv)
     world = args.world_size or visible_gpus() or 2
     names = args.adapters or available()
     unknown = [n for n in names if n not in available()]
     if unknown or world < 1:
-        print(f"error: unknown adapter(s) {', '.join(unknown)}: choose from {', '.join(available())}" if unknown
-              else f"error: --world-size={world} must be >= 1", file=sys.stderr)
+        print(
+            f"error: unknown adapter(s) {', '.join(unknown)}: choose from {', '.join(available())}"
+            if unknown
+            else f"error: --world-size={world} must be >= 1",
+            file=sys.stderr,
+        )
         return 2
     counts = {"ok": 0, "skipped": 0, "FAILED": 0}
     with tempfile.TemporaryDirectory(prefix="bench-smoke-") as tmp:
@@ -83,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             status, detail = run_one(name, world, Path(tmp), args.timeout)
             counts[status] += 1
             print(f"smoke {name:<16} {status:<8} {detail}", flush=True)
-    print(f"smoke (world size <= {world}): {counts['ok']} passed, {counts['skipped']} skipped, {counts['FAILED']} failed")
+    print(
+        f"smoke (world size <= {world}): {counts['ok']} passed, {counts['skipped']} skipped, {counts['FAILED']} failed"
+    )
     return 1 if counts["FAILED"] else 0
 
 

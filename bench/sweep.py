@@ -11,6 +11,7 @@ bench/runner/points.py; Slurm submission is bench/runner/slurm.py; each point ru
 `python -m ptbench <overrides>` (bench/invoke.py). `run` and `submit` also measure the network once per
 world size of the sweep (`python -m ptbench.comm --out <records>/comm`, for the report).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,16 +49,20 @@ def _grid(args) -> int:
         print("\n".join(shlex.join(p) for p in points))
     else:
         write_points(Path(args.output), points, header)
-        print(f"{len(points)} points -> {args.output}; run them here with `python -m ptbench.sweep run {args.output}`,"
-              f" or on Slurm with `python -m ptbench.sweep submit {args.output}`")
+        print(
+            f"{len(points)} points -> {args.output}; run them here with `python -m ptbench.sweep run {args.output}`,"
+            f" or on Slurm with `python -m ptbench.sweep submit {args.output}`"
+        )
     return 0
 
 
 def _point(args) -> int:
     points = read_points(args.file)
     if not 0 <= args.index < len(points):
-        print(f"error: {args.file} has {len(points)} points (0-{len(points) - 1}); there is no point {args.index}",
-              file=sys.stderr)
+        print(
+            f"error: {args.file} has {len(points)} points (0-{len(points) - 1}); there is no point {args.index}",
+            file=sys.stderr,
+        )
         return 2
     cfg = compose_point([*points[args.index], *args.extra])
     if args.oom_retry:  # array.sbatch after a failed srun: the retry's own overrides, or "skip"
@@ -95,7 +100,10 @@ def _run(args) -> int:
         run = run_bench([*point, *extra], capture=False, run_name=name)  # a failed point does not stop the sweep
         retry = oom_retry([*point, *extra]) if run.status == "oom" else None
         if retry:  # the paper halved the per-GPU batch by hand where a point ran out of memory
-            print(f"  point {i} ran out of memory: once more with trainer.batch_size={retry[-2].split('=')[1]}", flush=True)
+            print(
+                f"  point {i} ran out of memory: once more with trainer.batch_size={retry[-2].split('=')[1]}",
+                flush=True,
+            )
             run = run_bench(retry, capture=False, run_name=name)
         if run.returncode:
             failed.append((i, run.returncode))
@@ -111,8 +119,18 @@ def measure_comm(points: list[list[str]], extra: list[str], dry_run: bool = Fals
         if resume and comm_measured(folder, ranks):
             print(f"comm: {folder} already holds a {ranks}-rank measurement: kept (--resume)", flush=True)
             continue
-        cmd = [sys.executable, "-m", "ptbench.comm", "--world-size", str(ranks), "--backend", backend, *COMM_ARGS,
-               "--out", str(folder)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ptbench.comm",
+            "--world-size",
+            str(ranks),
+            "--backend",
+            backend,
+            *COMM_ARGS,
+            "--out",
+            str(folder),
+        ]
         print(f"comm: {shlex.join(cmd)}", flush=True)
         if not dry_run and subprocess.run(cmd).returncode:
             print(f"warning: ptbench.comm at {ranks} ranks failed; the report will say `not measured`", file=sys.stderr)
@@ -122,11 +140,27 @@ def _submit(args) -> int:
     if not args.dry_run and not shutil.which("sbatch"):
         print("error: sbatch not found: run this on a Slurm login node (or add --dry-run)", file=sys.stderr)
         return 2
-    code, _ = submit_arrays(args.file, args.extra, gpus_per_node=args.gpus_per_node, sbatch=args.sbatch,
-                            resume=args.resume, script=Path(args.script), dry_run=args.dry_run)
+    code, _ = submit_arrays(
+        args.file,
+        args.extra,
+        gpus_per_node=args.gpus_per_node,
+        sbatch=args.sbatch,
+        resume=args.resume,
+        script=Path(args.script),
+        dry_run=args.dry_run,
+    )
     if not args.no_comm:
-        code = submit_comm(args.file, args.extra, gpus_per_node=args.gpus_per_node, sbatch=args.sbatch,
-                           resume=args.resume, dry_run=args.dry_run) or code
+        code = (
+            submit_comm(
+                args.file,
+                args.extra,
+                gpus_per_node=args.gpus_per_node,
+                sbatch=args.sbatch,
+                resume=args.resume,
+                dry_run=args.dry_run,
+            )
+            or code
+        )
     return code
 
 
@@ -136,7 +170,7 @@ def main(argv=None) -> int:
         argv[0] = "grid"
     extra = []
     if "--" in argv:  # overrides after `--` go to every point
-        argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+        argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     parser = argparse.ArgumentParser(prog="python -m ptbench.sweep", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("grid", help="write the cartesian product of sweep overrides, one point per line")
@@ -146,26 +180,47 @@ def main(argv=None) -> int:
     r.add_argument("file", type=Path)
     r.add_argument("--resume", action="store_true", help="skip points that already have an ok record")
     r.add_argument("--dry-run", action="store_true", help="print the commands only")
-    r.add_argument("--no-comm", action="store_true", help="skip the per-sweep `python -m ptbench.comm` measurement "
-                   "(stored in <results>/<experiment>/comm/ for the report)")
-    s = sub.add_parser("submit", help="sbatch slurm/array.sbatch once per allocation shape (overrides after -- go to every point)")
+    r.add_argument(
+        "--no-comm",
+        action="store_true",
+        help="skip the per-sweep `python -m ptbench.comm` measurement "
+        "(stored in <results>/<experiment>/comm/ for the report)",
+    )
+    s = sub.add_parser(
+        "submit", help="sbatch slurm/array.sbatch once per allocation shape (overrides after -- go to every point)"
+    )
     s.add_argument("file", type=Path)
     s.add_argument("--resume", action="store_true", help="array tasks skip points that already have an ok record")
     s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node of your cluster (0: CPU, one node)")
     s.add_argument("--script", default=str(REPO / "slurm" / "array.sbatch"))
-    s.add_argument("--sbatch", action="append", default=[], metavar="ARG",
-                   help="an sbatch option for every array, e.g. --sbatch=--partition=gpu (repeatable)")
+    s.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an sbatch option for every array, e.g. --sbatch=--partition=gpu (repeatable)",
+    )
     s.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
-    s.add_argument("--no-comm", action="store_true", help="skip the one small `python -m ptbench.comm` job per world "
-                   "size (stored in <results>/<experiment>/comm/ for the report)")
-    p = sub.add_parser("point", help="print RANKS GPUS_PER_RANK OVERRIDES of point INDEX (used by array.sbatch);"
-                                     " overrides after -- are the run's other overrides")
+    s.add_argument(
+        "--no-comm",
+        action="store_true",
+        help="skip the one small `python -m ptbench.comm` job per world "
+        "size (stored in <results>/<experiment>/comm/ for the report)",
+    )
+    p = sub.add_parser(
+        "point",
+        help="print RANKS GPUS_PER_RANK OVERRIDES of point INDEX (used by array.sbatch);"
+        " overrides after -- are the run's other overrides",
+    )
     p.add_argument("file", type=Path)
     p.add_argument("index", type=int)
     p.add_argument("--resume", action="store_true", help="print `skip` if the point already has an ok record")
-    p.add_argument("--oom-retry", action="store_true",
-                   help="after a failed run: RANKS GPUS_PER_RANK and the overrides that retry the point with half its "
-                        "per-device batch if its newest record says oom (extra.batch_reduced_from), else `skip`")
+    p.add_argument(
+        "--oom-retry",
+        action="store_true",
+        help="after a failed run: RANKS GPUS_PER_RANK and the overrides that retry the point with half its "
+        "per-device batch if its newest record says oom (extra.batch_reduced_from), else `skip`",
+    )
     args = parser.parse_args(argv)
     try:
         return _dispatch(args, extra)

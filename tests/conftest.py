@@ -10,6 +10,7 @@ A test that cannot run because something outside the repo is missing (the data, 
 cluster) calls `require_or_skip(what, reason)`: it skips with the reason, except under CI (CI set
 to 1, true, yes or on, any case), where the prerequisite must be there and its absence fails.
 """
+
 import os
 import shutil
 import sys
@@ -43,8 +44,11 @@ def require_or_skip(what: str, reason: str):
 def data_root() -> Path:
     """The folder holding wikitext-2/, gpt2-tokenizer/, cifar10-subset/ (skip if absent; fail under CI)."""
     root = Path(os.environ["BENCH_DATA_ROOT"])
-    missing = [p for p in ("wikitext-2/train.txt", "gpt2-tokenizer/vocab.json", "cifar10-subset/val")
-               if not (root / p).exists()]
+    missing = [
+        p
+        for p in ("wikitext-2/train.txt", "gpt2-tokenizer/vocab.json", "cifar10-subset/val")
+        if not (root / p).exists()
+    ]
     if missing:
         require_or_skip("the test data (BENCH_DATA_ROOT)", f"{root} lacks {', '.join(missing)}")
     return root
@@ -119,4 +123,3 @@ def pytest_xdist_make_scheduler(config, log):
             return _scope(nodeid)
 
     return ByFile(config, log)
-

@@ -19,6 +19,7 @@ SIGINT as a child of the test worker would have it, stdin from /dev/null, stdout
 directory, sys.path and sys.argv as `python -m` sets them. Its exit status is what `python -m` gives:
 SystemExit's code, 1 with a traceback for an exception. tests/test_helpers.py compares the two ways.
 """
+
 from __future__ import annotations
 
 import io
@@ -59,13 +60,17 @@ def _fresh_sys_path() -> list[str]:
     if not _PATH:
         code = "import json, sys; print(json.dumps(sys.path[1:]))"
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        _PATH.extend(json.loads(subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                                               capture_output=True, text=True).stdout))
+        _PATH.extend(
+            json.loads(
+                subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
+            )
+        )
     return _PATH
 
 
-def _become(module: str, args: list[str], env: dict, cwd: str, out: str, err: str, path: list[str],
-            sigint_ignored: bool) -> None:
+def _become(
+    module: str, args: list[str], env: dict, cwd: str, out: str, err: str, path: list[str], sigint_ignored: bool
+) -> None:
     """In the forked child: turn into `python -m module args` and run it (never returns normally)."""
     os.setsid()
     # a new interpreter keeps SIGINT ignored if its parent ignored it, else raises KeyboardInterrupt on it; the
@@ -78,8 +83,9 @@ def _become(module: str, args: list[str], env: dict, cwd: str, out: str, err: st
         os.dup2(new, fd)
         os.close(new)
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                                   errors="backslashreplace")
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
+    )
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     os.chdir(cwd)
     os.environ.clear()
@@ -97,9 +103,21 @@ class Run:
         self.out, self.err = (Path(self._dir.name) / n for n in ("stdout", "stderr"))
         self.out.touch()
         self.err.touch()
-        self._proc = _ctx().Process(target=_become, daemon=False, name=f"python -m {module}",
-                                    args=(module, list(args), dict(env), str(cwd), str(self.out), str(self.err),
-                                          _fresh_sys_path(), signal.getsignal(signal.SIGINT) == signal.SIG_IGN))
+        self._proc = _ctx().Process(
+            target=_become,
+            daemon=False,
+            name=f"python -m {module}",
+            args=(
+                module,
+                list(args),
+                dict(env),
+                str(cwd),
+                str(self.out),
+                str(self.err),
+                _fresh_sys_path(),
+                signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+            ),
+        )
         self._proc.start()
         self.pid = self._proc.pid
 

@@ -4,6 +4,7 @@ or a new one), read its records, and compare losses without letting garbage pass
 Every run starts in its own session (process group): on a timeout the whole group is killed, the
 launcher and the ranks it spawned, so a hung test leaves nothing running into the next one.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The overrides of the shared reference runs (fixtures ddp_gpt2_reference and smoke_run in conftest.py)
 # vocabulary 1024, not GPT-2's 50257: these runs compare adapters, and the head is most of a tiny GPT-2's work
-GPT2_REFERENCE = ["workload=gpt2_tiny", "workload.vocab_size=1024", "workload.seq_len=32", "data.train_samples=256",
-                  "data.val_samples=32", "trainer.max_steps=8", "trainer.epochs=1", "trainer.batch_size=4",
-                  "trainer.max_eval_batches=2", "trainer.grad_clip=0", "trainer.progress=false"]
+GPT2_REFERENCE = [
+    "workload=gpt2_tiny",
+    "workload.vocab_size=1024",
+    "workload.seq_len=32",
+    "data.train_samples=256",
+    "data.val_samples=32",
+    "trainer.max_steps=8",
+    "trainer.epochs=1",
+    "trainer.batch_size=4",
+    "trainer.max_eval_batches=2",
+    "trainer.grad_clip=0",
+    "trainer.progress=false",
+]
 SMOKE = ["experiment=smoke", "workload.vocab_size=256", "trainer.progress=false"]
 
 
@@ -41,8 +52,9 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REP
     env = dict(os.environ if env is None else env)
     if cmd[:2] == [sys.executable, "-m"] and len(cmd) > 2 and forkrun.enabled(env):
         return _run_forked(cmd, timeout, env, cwd)
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -81,8 +93,15 @@ def bench(*overrides: str, results: Path, timeout: int = 600, env: dict | None =
 
 def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
     """Popen in a new session (stop it with kill_group); for tests that signal a running run."""
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        start_new_session=True,
+    )
 
 
 def run_dirs(results: Path) -> list[Path]:
@@ -108,7 +127,9 @@ def step_losses(run_dir: Path) -> list[float]:
 
 
 def check_ok(proc) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}"
+    )
 
 
 # --- losses ------------------------------------------------------------------------------------------

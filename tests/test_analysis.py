@@ -4,6 +4,7 @@ One module-scoped sweep (`python -m ptbench.demo` with ddp at 1 and 2 ranks and 
 demo records as failed), one run that fails after launch (the launcher writes its record), and one
 folder with only config.yaml (a run that never got going) make the records tree.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,13 +36,27 @@ NOTEBOOKS = sorted((REPO / "analysis").glob("*.ipynb"))
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
     root = tmp_path_factory.mktemp("records")
-    demo = subprocess.run([sys.executable, "-m", "ptbench.demo", "--points", "ddp:1,ddp:2,nosuch:1", "--results", str(root)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    demo = subprocess.run(
+        [sys.executable, "-m", "ptbench.demo", "--points", "ddp:1,ddp:2,nosuch:1", "--results", str(root)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert demo.returncode == 0, demo.stdout + demo.stderr
     # fails inside the ranks (the data cannot fill one global batch): the launcher writes the record
-    failed = bench("workload.seq_len=32", "workload.vocab_size=4096", "data.train_samples=16", "data.val_samples=16",
-                   "trainer.batch_size=32", "launcher.nprocs=1", "trainer.progress=false", "results.experiment=demo",
-                   "results.run_id=broken-run", results=root)
+    failed = bench(
+        "workload.seq_len=32",
+        "workload.vocab_size=4096",
+        "data.train_samples=16",
+        "data.val_samples=16",
+        "trainer.batch_size=32",
+        "launcher.nprocs=1",
+        "trainer.progress=false",
+        "results.experiment=demo",
+        "results.run_id=broken-run",
+        results=root,
+    )
     assert failed.returncode == 1, failed.stdout + failed.stderr
     first_ok = next(d for d in find_runs(root / "demo") if (d / "events.jsonl").exists())
     missing = root / "demo" / "missing-run"
@@ -140,7 +155,9 @@ def test_speedup_of_the_baseline_is_exactly_one(df, tmp_path):
 def test_speedup_against_a_named_baseline_and_a_wrong_name(df):
     table = tables.speedup_table(df, baseline=DDP)
     assert table.set_index("devices").loc[1, "speedup"] == 1.0
-    with pytest.raises(ValueError, match=f"baseline 'zero' has no finished run.*choose best or per-series, or a series: {DDP}"):
+    with pytest.raises(
+        ValueError, match=f"baseline 'zero' has no finished run.*choose best or per-series, or a series: {DDP}"
+    ):
         tables.speedup_table(df, baseline="zero")
 
 
@@ -208,15 +225,22 @@ def test_breakdown_stacks_the_phases_of_a_step(df, tmp_path):
     assert legend[:4] == ["data", "forward", "backward", "optimizer"]
     heights = {}
     for bar in ax.patches:
-        heights[round(bar.get_x() + bar.get_width() / 2)] = heights.get(round(bar.get_x() + bar.get_width() / 2), 0) + bar.get_height()
+        heights[round(bar.get_x() + bar.get_width() / 2)] = (
+            heights.get(round(bar.get_x() + bar.get_width() / 2), 0) + bar.get_height()
+        )
     totals = data[["data_ms", "forward_ms", "backward_ms", "optimizer_ms", "other_ms"]].sum(axis=1)
     np.testing.assert_allclose(sorted(heights.values()), sorted(totals), rtol=1e-9)
     assert (totals >= data["step_ms"] - 1e-9).all()
 
 
 def test_report_cli_writes_figures_and_tables(tree, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ptbench.analysis", "report", str(tree["root"]), "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ptbench.analysis", "report", str(tree["root"]), "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"report: {tmp_path / 'report.md'}"
     text = (tmp_path / "report.md").read_text()
@@ -241,8 +265,13 @@ def test_report_on_a_tree_with_no_finished_run_lists_the_failures(tree, tmp_path
     for d in find_runs(tree["root"]):
         if not (d / "events.jsonl").exists():
             shutil.copytree(d, src / d.name)
-    proc = subprocess.run([sys.executable, "-m", "ptbench.analysis", "report", str(src), "--out", str(tmp_path / "out")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ptbench.analysis", "report", str(src), "--out", str(tmp_path / "out")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "out" / "report.md").read_text()
     assert "fewer than one global batch" in text and "not drawn: no finished run" in text
@@ -251,10 +280,18 @@ def test_report_on_a_tree_with_no_finished_run_lists_the_failures(tree, tmp_path
 
 
 def test_report_cli_on_a_missing_folder_says_so(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ptbench.analysis", "report", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ptbench.analysis", "report", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: results folder {tmp_path / 'nope'} does not exist; run `python -m ptbench ...` or `make demo` first"
+    assert (
+        proc.stderr.strip()
+        == f"error: results folder {tmp_path / 'nope'} does not exist; run `python -m ptbench ...` or `make demo` first"
+    )
 
 
 def test_notebook_kernel_is_this_venv():
@@ -267,8 +304,9 @@ def test_notebook_kernel_is_this_venv():
 def test_notebook_executes_headless(tree, tmp_path, monkeypatch, path):
     assert {p.stem for p in NOTEBOOKS} == {"speedup", "statistical_efficiency", "memory", "breakdown"}
     nb = nbformat.read(path, as_version=4)
-    assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code"), \
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code"), (
         "commit notebooks without outputs"
+    )
     monkeypatch.setenv("BENCH_RESULTS", str(tree["root"]))
     monkeypatch.setenv("BENCH_FIGURES", str(tmp_path / "figs"))
     NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(path.parent)}}).execute()
@@ -286,18 +324,47 @@ def test_notebook_executes_headless(tree, tmp_path, monkeypatch, path):
 MIB = 2**20
 
 
-def _epoch(epoch, time, steps, gb, devices, partial=None, peak=None, delta=None, states=None, metric="peak_rss",
-           ranks=None, **extra):
-    ev = {"type": "epoch", "epoch": epoch, "steps": steps, "global_batch": gb, "devices": devices,
-          "epoch_time_s": time, "step_time_mean_s": time / steps, "data_time_mean_s": 0.001,
-          "forward_time_mean_s": 0.3 * time / steps, "backward_time_mean_s": 0.5 * time / steps,
-          "optimizer_time_mean_s": 0.1 * time / steps, "samples_per_s": gb * steps / time, "val_loss": 2.0 - 0.1 * epoch,
-          "val_perplexity": float(np.exp(2.0 - 0.1 * epoch)), "wall_time_s": 10.0 * (epoch + 1), "memory_metric": metric,
-          **extra}
+def _epoch(
+    epoch,
+    time,
+    steps,
+    gb,
+    devices,
+    partial=None,
+    peak=None,
+    delta=None,
+    states=None,
+    metric="peak_rss",
+    ranks=None,
+    **extra,
+):
+    ev = {
+        "type": "epoch",
+        "epoch": epoch,
+        "steps": steps,
+        "global_batch": gb,
+        "devices": devices,
+        "epoch_time_s": time,
+        "step_time_mean_s": time / steps,
+        "data_time_mean_s": 0.001,
+        "forward_time_mean_s": 0.3 * time / steps,
+        "backward_time_mean_s": 0.5 * time / steps,
+        "optimizer_time_mean_s": 0.1 * time / steps,
+        "samples_per_s": gb * steps / time,
+        "val_loss": 2.0 - 0.1 * epoch,
+        "val_perplexity": float(np.exp(2.0 - 0.1 * epoch)),
+        "wall_time_s": 10.0 * (epoch + 1),
+        "memory_metric": metric,
+        **extra,
+    }
     if partial is not None:
         ev["partial"] = partial
     if ranks is None and peak is not None:
-        mem = {"peak_rss": peak, "peak_allocated": None} if metric == "peak_rss" else {"peak_rss": None, "peak_allocated": peak}
+        mem = (
+            {"peak_rss": peak, "peak_allocated": None}
+            if metric == "peak_rss"
+            else {"peak_rss": None, "peak_allocated": peak}
+        )
         if delta is not None:
             mem["peak_rss_delta"] = delta
         ranks = [{"rank": 0, "memory": mem, "state_bytes": states or {}}]
@@ -307,22 +374,47 @@ def _epoch(epoch, time, steps, gb, devices, partial=None, peak=None, delta=None,
     return ev
 
 
-def write_run(root, name, adapter="ddp", devices=1, status="ok", epochs=(), settings=None, batch_size=8, policy=None,
-              gb=None, steady=None, config=True, trainer=None, error=None):
+def write_run(
+    root,
+    name,
+    adapter="ddp",
+    devices=1,
+    status="ok",
+    epochs=(),
+    settings=None,
+    batch_size=8,
+    policy=None,
+    gb=None,
+    steady=None,
+    config=True,
+    trainer=None,
+    error=None,
+):
     """One run folder as the runner writes it: config.yaml, summary.json, events.jsonl."""
     d = Path(root) / name
     d.mkdir(parents=True)
     policy = policy or {"megatron": "linear", "pipeline": "fixed", "gpipe": "per_microbatch"}.get(adapter, "per_device")
     if config:
-        cfg = {"workload": {"name": "wl", "kind": "language"}, "adapter": {"name": adapter, "batch_policy": policy,
-                                                                       **(settings or {})},
-               "launcher": {"name": "local", "nprocs": devices},
-               "trainer": {"batch_size": batch_size, "grad_accum": 1, "precision": "fp32", **(trainer or {})},
-               "optimizer": {"name": "adamw", "lr": 1e-3}, "data": {"source": "synthetic"},
-               "results": {"experiment": "hand"}}
+        cfg = {
+            "workload": {"name": "wl", "kind": "language"},
+            "adapter": {"name": adapter, "batch_policy": policy, **(settings or {})},
+            "launcher": {"name": "local", "nprocs": devices},
+            "trainer": {"batch_size": batch_size, "grad_accum": 1, "precision": "fp32", **(trainer or {})},
+            "optimizer": {"name": "adamw", "lr": 1e-3},
+            "data": {"source": "synthetic"},
+            "results": {"experiment": "hand"},
+        }
         (d / "config.yaml").write_text(yaml.safe_dump(cfg))
-    summary = {"status": status, "run_id": name, "adapter": adapter, "workload": "wl", "experiment": "hand",
-               "world_size": devices, "devices": devices, "error": error}
+    summary = {
+        "status": status,
+        "run_id": name,
+        "adapter": adapter,
+        "workload": "wl",
+        "experiment": "hand",
+        "world_size": devices,
+        "devices": devices,
+        "error": error,
+    }
     if gb is not None:
         summary["global_batch"] = gb
     if steady is not None:
@@ -335,7 +427,10 @@ def write_run(root, name, adapter="ddp", devices=1, status="ok", epochs=(), sett
 
 def _two_epochs(time, steps, gb, devices, **kw):
     """Epoch 0 three times slower (warm-up), epoch 1 the steady one."""
-    return [_epoch(0, 3 * time, steps, gb, devices, partial=False, **kw), _epoch(1, time, steps, gb, devices, partial=False, **kw)]
+    return [
+        _epoch(0, 3 * time, steps, gb, devices, partial=False, **kw),
+        _epoch(1, time, steps, gb, devices, partial=False, **kw),
+    ]
 
 
 def _labels(root):
@@ -350,20 +445,33 @@ def test_labels_come_from_each_record_and_do_not_change_when_runs_are_added(tmp_
     # more runs of the same adapter with other settings, and other adapters: z3 keeps its label
     write_run(root, "z1", "zero", 2, settings={"stage": 1}, epochs=_two_epochs(2.0, 6, 16, 2))
     write_run(root, "z3-bs16", "zero", 2, settings={"stage": 3}, batch_size=16, epochs=_two_epochs(2.0, 3, 32, 2))
-    write_run(root, "z3-off", "zero", 2, settings={"stage": 3, "offload_optimizer": True}, epochs=_two_epochs(2.0, 6, 16, 2))
-    write_run(root, "ddp-acc", "ddp", 2, trainer={"grad_accum": 2, "precision": "bf16"}, epochs=_two_epochs(2.0, 3, 32, 2))
+    write_run(
+        root, "z3-off", "zero", 2, settings={"stage": 3, "offload_optimizer": True}, epochs=_two_epochs(2.0, 6, 16, 2)
+    )
+    write_run(
+        root, "ddp-acc", "ddp", 2, trainer={"grad_accum": 2, "precision": "bf16"}, epochs=_two_epochs(2.0, 3, 32, 2)
+    )
     write_run(root, "mg", "megatron", 4, settings={"tensor_parallel": 2}, epochs=_two_epochs(2.0, 3, 32, 4))
-    write_run(root, "pp", "pipeline", 2, settings={"schedule": "1f1b"}, batch_size=32, epochs=_two_epochs(2.0, 3, 32, 2))
+    write_run(
+        root, "pp", "pipeline", 2, settings={"schedule": "1f1b"}, batch_size=32, epochs=_two_epochs(2.0, 3, 32, 2)
+    )
     write_run(root, "gp", "gpipe", 2, batch_size=4, epochs=_two_epochs(2.0, 3, 32, 2))
     write_run(root, "noconf", "fsdp", 2, status="failed", config=False, gb=16, error="boom")
     write_run(root, "nothing", "horovod", 2, status="failed", config=False, error="refused")
     labels = _labels(root)
     assert labels["z3"] == first["z3"]
     assert labels == {
-        "z3": "zero stage=3 gb=8/replica", "z1": "zero stage=1 gb=8/replica", "z3-bs16": "zero stage=3 gb=16/replica",
-        "z3-off": "zero stage=3 offload=optimizer gb=8/replica", "ddp-acc": "ddp precision=bf16 accum=2 gb=16/replica",
-        "mg": "megatron gb=8/device", "pp": "pipeline schedule=1f1b gb=32", "gp": "gpipe gb=4/microbatch",
-        "noconf": "fsdp gb=16", "nothing": "horovod gb=?"}
+        "z3": "zero stage=3 gb=8/replica",
+        "z1": "zero stage=1 gb=8/replica",
+        "z3-bs16": "zero stage=3 gb=16/replica",
+        "z3-off": "zero stage=3 offload=optimizer gb=8/replica",
+        "ddp-acc": "ddp precision=bf16 accum=2 gb=16/replica",
+        "mg": "megatron gb=8/device",
+        "pp": "pipeline schedule=1f1b gb=32",
+        "gp": "gpipe gb=4/microbatch",
+        "noconf": "fsdp gb=16",
+        "nothing": "horovod gb=?",
+    }
     # the per-row labels of the epoch frame are the same
     df = load(root)
     assert set(df.loc[df["run_id"] == "z3", "label"]) == {"zero stage=3 gb=8/replica"}
@@ -376,7 +484,9 @@ def test_mixed_global_batches_at_one_device_count_are_warned(tmp_path):
     write_run(root, "tp4", "tensor_parallel", 4, settings={"tensor_parallel": 4}, epochs=_two_epochs(2.0, 12, 8, 4))
     # two series at 2 devices with different global batches (ddp 8 per replica = 16, pipeline fixed 32)
     write_run(root, "ddp2", "ddp", 2, epochs=_two_epochs(2.0, 6, 16, 2))
-    write_run(root, "pp2", "pipeline", 2, settings={"schedule": "gpipe"}, batch_size=32, epochs=_two_epochs(2.0, 3, 32, 2))
+    write_run(
+        root, "pp2", "pipeline", 2, settings={"schedule": "gpipe"}, batch_size=32, epochs=_two_epochs(2.0, 3, 32, 2)
+    )
     # ddp at 1 device, alone there: no warning for it
     write_run(root, "ddp1", "ddp", 1, epochs=_two_epochs(3.0, 12, 8, 1))
     report = (write_report_(root, tmp_path / "out")).read_text()
@@ -384,8 +494,11 @@ def test_mixed_global_batches_at_one_device_count_are_warned(tmp_path):
     assert len(warnings_) == 2, warnings_
     assert "series `tensor_parallel gb=8/replica` at 4 devices" in warnings_[0] and "(8, 16)" in warnings_[0]
     assert "tp2" in warnings_[0] and "tp4" in warnings_[0]
-    assert "wl at 2 devices" in warnings_[1] and "`ddp gb=8/replica` 16" in warnings_[1] \
+    assert (
+        "wl at 2 devices" in warnings_[1]
+        and "`ddp gb=8/replica` 16" in warnings_[1]
         and "`pipeline schedule=gpipe gb=32` 32" in warnings_[1]
+    )
     summary = pd.read_csv(tmp_path / "out" / "summary.csv").set_index(["label", "devices"])
     assert summary.loc[("tensor_parallel gb=8/replica", 4), "global_batch"] == "8; 16"
 
@@ -405,10 +518,36 @@ def _x_marks(ax):
 
 def test_points_that_did_not_finish_are_marked_on_every_figure(tmp_path):
     root = tmp_path / "r"
-    write_run(root, "ok1", "ddp", 1, epochs=_two_epochs(4.0, 12, 8, 1, peak=900 * MIB, delta=60 * MIB,
-                                                         states={"params": 10 * MIB, "grads": 10 * MIB, "optimizer": 20 * MIB}))
-    write_run(root, "ok2", "ddp", 2, epochs=_two_epochs(2.5, 6, 16, 2, peak=950 * MIB, delta=70 * MIB,
-                                                         states={"params": 10 * MIB, "grads": 10 * MIB, "optimizer": 20 * MIB}))
+    write_run(
+        root,
+        "ok1",
+        "ddp",
+        1,
+        epochs=_two_epochs(
+            4.0,
+            12,
+            8,
+            1,
+            peak=900 * MIB,
+            delta=60 * MIB,
+            states={"params": 10 * MIB, "grads": 10 * MIB, "optimizer": 20 * MIB},
+        ),
+    )
+    write_run(
+        root,
+        "ok2",
+        "ddp",
+        2,
+        epochs=_two_epochs(
+            2.5,
+            6,
+            16,
+            2,
+            peak=950 * MIB,
+            delta=70 * MIB,
+            states={"params": 10 * MIB, "grads": 10 * MIB, "optimizer": 20 * MIB},
+        ),
+    )
     write_run(root, "oom4", "ddp", 4, status="oom", error="CUDA out of memory")
     write_run(root, "to8", "ddp", 8, status="timeout", error="no progress for 900 s")
     # never attempted (framework not installed): listed in the report, not drawn as a failure
@@ -445,7 +584,10 @@ def test_points_that_did_not_finish_are_marked_on_every_figure(tmp_path):
     for x in ("epoch", "wall_time_s"):
         fig = plots.val_metric(df, x=x)
         legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-        assert "ddp gb=8/replica x4: oom (not finished)" in legend and "ddp gb=8/replica x8: timeout (not finished)" in legend
+        assert (
+            "ddp gb=8/replica x4: oom (not finished)" in legend
+            and "ddp gb=8/replica x8: timeout (not finished)" in legend
+        )
 
     report = write_report_(root, tmp_path / "out").read_text()
     section = report.split("## Runs that did not finish")[1].split("## Figures")[0]
@@ -458,8 +600,14 @@ def test_preempted_runs_keep_their_status_and_are_not_counted_ok(tmp_path):
     root = tmp_path / "r"
     write_run(root, "ok1", "ddp", 1, epochs=_two_epochs(4.0, 12, 8, 1))
     # preempted after a complete epoch and part of the next: its numbers exist but it did not finish
-    write_run(root, "pre2", "ddp", 2, status="preempted",
-              epochs=[_epoch(0, 6.0, 6, 16, 2, partial=False), _epoch(1, 0.5, 2, 16, 2, partial=True)])
+    write_run(
+        root,
+        "pre2",
+        "ddp",
+        2,
+        status="preempted",
+        epochs=[_epoch(0, 6.0, 6, 16, 2, partial=False), _epoch(1, 0.5, 2, 16, 2, partial=True)],
+    )
     df = load(root)
     per_run = runs(df).set_index("run_id")
     assert per_run.loc["pre2", "status"] == "preempted"
@@ -475,10 +623,10 @@ def test_preempted_runs_keep_their_status_and_are_not_counted_ok(tmp_path):
 
 def _baseline_tree(root):
     # time per sample of each point's steady epoch (epoch 1): written here as epoch time / (steps x gb)
-    write_run(root, "a1", "ddp", 1, epochs=_two_epochs(10.0, 10, 8, 1))      # 10 / 80 = 0.125
-    write_run(root, "a2", "ddp", 2, epochs=_two_epochs(6.0, 5, 16, 2))       # 6 / 80 = 0.075
-    write_run(root, "b2", "zero", 2, settings={"stage": 2}, epochs=_two_epochs(4.0, 5, 16, 2))   # 4 / 80 = 0.05
-    write_run(root, "b4", "zero", 4, settings={"stage": 2}, epochs=_two_epochs(3.0, 3, 32, 4))   # 3 / 96 = 0.03125
+    write_run(root, "a1", "ddp", 1, epochs=_two_epochs(10.0, 10, 8, 1))  # 10 / 80 = 0.125
+    write_run(root, "a2", "ddp", 2, epochs=_two_epochs(6.0, 5, 16, 2))  # 6 / 80 = 0.075
+    write_run(root, "b2", "zero", 2, settings={"stage": 2}, epochs=_two_epochs(4.0, 5, 16, 2))  # 4 / 80 = 0.05
+    write_run(root, "b4", "zero", 4, settings={"stage": 2}, epochs=_two_epochs(3.0, 3, 32, 4))  # 3 / 96 = 0.03125
 
 
 def test_speedup_baseline_best_and_per_series(tmp_path):
@@ -509,8 +657,23 @@ def test_speedup_baseline_best_and_per_series(tmp_path):
     ideals = sorted(tuple(ln.get_xdata()) for ln in fig.axes[0].get_lines() if ln.get_label() == "ideal")
     assert ideals == [(1, 2, 4), (2, 4)]  # one ideal line per baseline device count
 
-    proc = subprocess.run([sys.executable, "-m", "ptbench.analysis", "report", str(root), "--out", str(tmp_path / "o"),
-                           "--baseline", "per-series"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ptbench.analysis",
+            "report",
+            str(root),
+            "--out",
+            str(tmp_path / "o"),
+            "--baseline",
+            "per-series",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "o" / "report.md").read_text()
     assert "Speedup baseline for wl: **each series' own point at its fewest devices** (--baseline per-series)" in text
@@ -521,13 +684,31 @@ def test_speedup_baseline_best_and_per_series(tmp_path):
 def test_steady_epoch_time_is_used_for_speedup_and_partial_epochs_are_left_out(tmp_path):
     root = tmp_path / "r"
     # summary's epoch_time_steady_s (4.5) wins over the events (epoch 1 took 4.0): it is what the runner measured
-    write_run(root, "steady", "ddp", 1, steady=4.5, epochs=[
-        _epoch(0, 10.0, 10, 8, 1, partial=False), _epoch(1, 4.0, 10, 8, 1, partial=False),
-        _epoch(2, 1.0, 2, 8, 1, partial=True)])
+    write_run(
+        root,
+        "steady",
+        "ddp",
+        1,
+        steady=4.5,
+        epochs=[
+            _epoch(0, 10.0, 10, 8, 1, partial=False),
+            _epoch(1, 4.0, 10, 8, 1, partial=False),
+            _epoch(2, 1.0, 2, 8, 1, partial=True),
+        ],
+    )
     # no steady field: mean of the complete epochs after the first (4 and 6 -> 5); the partial epoch 3 is out
-    write_run(root, "fallback", "ddp", 2, epochs=[
-        _epoch(0, 12.0, 5, 16, 2, partial=False), _epoch(1, 4.0, 5, 16, 2, partial=False),
-        _epoch(2, 6.0, 5, 16, 2, partial=False), _epoch(3, 0.5, 1, 16, 2, partial=True)])
+    write_run(
+        root,
+        "fallback",
+        "ddp",
+        2,
+        epochs=[
+            _epoch(0, 12.0, 5, 16, 2, partial=False),
+            _epoch(1, 4.0, 5, 16, 2, partial=False),
+            _epoch(2, 6.0, 5, 16, 2, partial=False),
+            _epoch(3, 0.5, 1, 16, 2, partial=True),
+        ],
+    )
     # one epoch only (and no partial flag, as older records): the first epoch
     write_run(root, "single", "ddp", 4, epochs=[_epoch(0, 7.0, 3, 32, 4)])
     df = load(root)
@@ -559,7 +740,9 @@ def test_steady_epoch_time_is_used_for_speedup_and_partial_epochs_are_left_out(t
 def test_every_epoch_partial_still_gives_a_time_per_sample(tmp_path):
     root = tmp_path / "r"
     # trainer.max_steps caps every epoch: all partial, time per sample still compares
-    write_run(root, "capped", "ddp", 1, epochs=[_epoch(0, 3.0, 4, 8, 1, partial=True), _epoch(1, 1.0, 4, 8, 1, partial=True)])
+    write_run(
+        root, "capped", "ddp", 1, epochs=[_epoch(0, 3.0, 4, 8, 1, partial=True), _epoch(1, 1.0, 4, 8, 1, partial=True)]
+    )
     r = runs(load(root)).iloc[0]
     assert r["epoch_time_used_s"] == 1.0 and r["time_per_sample_used_s"] == pytest.approx(1.0 / 32)
     assert r["epoch_time_source"] == "mean of the epochs after the first, every epoch partial"
@@ -569,9 +752,13 @@ def test_every_epoch_partial_still_gives_a_time_per_sample(tmp_path):
 def test_memory_uses_the_cpu_delta_and_says_when_it_falls_back(tmp_path):
     states = {"params": 4 * MIB, "grads": 4 * MIB, "optimizer": 8 * MIB}
     root = tmp_path / "delta"
-    ranks = [{"rank": 0, "memory": {"peak_rss": 700 * MIB, "peak_rss_delta": 40 * MIB}, "state_bytes": states},
-             {"rank": 1, "memory": {"peak_rss": 720 * MIB, "peak_rss_delta": 30 * MIB}, "state_bytes": states}]
-    write_run(root, "d", "ddp", 2, epochs=[_epoch(0, 2.0, 6, 16, 2, ranks=ranks), _epoch(1, 1.0, 6, 16, 2, ranks=ranks)])
+    ranks = [
+        {"rank": 0, "memory": {"peak_rss": 700 * MIB, "peak_rss_delta": 40 * MIB}, "state_bytes": states},
+        {"rank": 1, "memory": {"peak_rss": 720 * MIB, "peak_rss_delta": 30 * MIB}, "state_bytes": states},
+    ]
+    write_run(
+        root, "d", "ddp", 2, epochs=[_epoch(0, 2.0, 6, 16, 2, ranks=ranks), _epoch(1, 1.0, 6, 16, 2, ranks=ranks)]
+    )
     data = tables.memory_table(load(root)).iloc[0]
     assert data["peak_mib"] == 40 and data["memory_metric"] == "peak_rss_delta"  # rank 0: the largest delta
     assert data["states_mib"] == 16 and data["other_mib"] == 24
@@ -592,11 +779,23 @@ def test_memory_keeps_offloaded_state_out_of_device_memory(tmp_path):
     states = {"params": 10 * MIB, "grads": 10 * MIB, "optimizer": 40 * MIB}
     root = tmp_path / "r"
     # a GPU record of ZeRO-3 with the optimizer offloaded (config), and one whose states say where they are
-    write_run(root, "off", "zero", 2, settings={"stage": 3, "offload_optimizer": True},
-              epochs=_two_epochs(1.0, 6, 16, 2, peak=100 * MIB, states=states, metric="peak_allocated"))
+    write_run(
+        root,
+        "off",
+        "zero",
+        2,
+        settings={"stage": 3, "offload_optimizer": True},
+        epochs=_two_epochs(1.0, 6, 16, 2, peak=100 * MIB, states=states, metric="peak_allocated"),
+    )
     tagged = {**states, "device": {"params": "cuda:0", "grads": "cuda:0", "optimizer": "cpu"}}
-    write_run(root, "tag", "zero", 4, settings={"stage": 3},
-              epochs=_two_epochs(1.0, 3, 32, 4, peak=90 * MIB, states=tagged, metric="peak_allocated"))
+    write_run(
+        root,
+        "tag",
+        "zero",
+        4,
+        settings={"stage": 3},
+        epochs=_two_epochs(1.0, 3, 32, 4, peak=90 * MIB, states=tagged, metric="peak_allocated"),
+    )
     data = tables.memory_table(load(root)).set_index(["label", "devices"])
     off = data.loc[("zero stage=3 offload=optimizer gb=8/replica", 2)]
     assert off["optimizer_mib"] == 0 and off["host_mib"] == 40 and off["offload"] == "optimizer"
@@ -612,15 +811,33 @@ def test_memory_keeps_offloaded_state_out_of_device_memory(tmp_path):
 
 def test_memory_of_gpipe_sets_the_busiest_device_against_its_own_states(tmp_path):
     root = tmp_path / "r"
-    part = [{"partition": 0, "device": "cuda:0", "params": 30 * MIB, "grads": 30 * MIB, "optimizer": 60 * MIB},
-            {"partition": 1, "device": "cuda:1", "params": 10 * MIB, "grads": 10 * MIB, "optimizer": 20 * MIB}]
-    rank = {"rank": 0, "memory": {"peak_allocated": 200 * MIB, "per_device": [
-        {"device": "cuda:0", "peak_allocated": 200 * MIB}, {"device": "cuda:1", "peak_allocated": 80 * MIB}]},
-        "state_bytes": {"params": 40 * MIB, "grads": 40 * MIB, "optimizer": 80 * MIB, "per_partition": part}}
-    write_run(root, "gp", "gpipe", 2, batch_size=4, epochs=[_epoch(0, 1.0, 3, 32, 2, metric="peak_allocated", ranks=[rank])])
+    part = [
+        {"partition": 0, "device": "cuda:0", "params": 30 * MIB, "grads": 30 * MIB, "optimizer": 60 * MIB},
+        {"partition": 1, "device": "cuda:1", "params": 10 * MIB, "grads": 10 * MIB, "optimizer": 20 * MIB},
+    ]
+    rank = {
+        "rank": 0,
+        "memory": {
+            "peak_allocated": 200 * MIB,
+            "per_device": [
+                {"device": "cuda:0", "peak_allocated": 200 * MIB},
+                {"device": "cuda:1", "peak_allocated": 80 * MIB},
+            ],
+        },
+        "state_bytes": {"params": 40 * MIB, "grads": 40 * MIB, "optimizer": 80 * MIB, "per_partition": part},
+    }
+    write_run(
+        root, "gp", "gpipe", 2, batch_size=4, epochs=[_epoch(0, 1.0, 3, 32, 2, metric="peak_allocated", ranks=[rank])]
+    )
     # a record from before per-device memory: no states detail, ranks without memory: loads, no numbers invented
-    write_run(root, "bare", "gpipe", 4, batch_size=4, epochs=[_epoch(0, 1.0, 3, 64, 4, metric="peak_allocated",
-                                                                     ranks=[{"rank": 0}])])
+    write_run(
+        root,
+        "bare",
+        "gpipe",
+        4,
+        batch_size=4,
+        epochs=[_epoch(0, 1.0, 3, 64, 4, metric="peak_allocated", ranks=[{"rank": 0}])],
+    )
     data = tables.memory_table(load(root)).set_index("devices")
     assert data.loc[2, "peak_mib"] == 200
     assert (data.loc[2, "params_mib"], data.loc[2, "grads_mib"], data.loc[2, "optimizer_mib"]) == (30, 30, 60)

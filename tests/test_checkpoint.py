@@ -9,6 +9,7 @@ machine cannot move it. The signal path itself is tests/test_reliability.py's. R
 gpt2_tiny with a 256-token vocabulary, 64 samples, batch 4 x 2 ranks = 8 steps per epoch (the
 2-stage pipeline is one replica: 16 steps of 4 samples).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,13 +23,23 @@ from ptbench.core.errors import ConfigError
 from ptbench.core.records import write_json
 from tests.helpers import assert_losses_close, bench, check_ok, events, only_run, step_losses, summary
 
-TINY = ["experiment=smoke", "workload.vocab_size=256", "data.train_samples=64", "trainer.max_steps=0",
-        "trainer.stop_check_every=1", "trainer.progress=false"]
-ADAPTERS = {"ddp": ["adapter=ddp"], "zero3": ["adapter=zero3"], "fsdp": ["adapter=fsdp"],
-            # megatron's dist_checkpointing with the weights split over 2 TP ranks
-            "megatron_tp2": ["adapter=megatron", "adapter.tensor_parallel=2"],
-            # torch.distributed.pipelining: 2 stages, each rank saves its own
-            "pipeline": ["adapter=pipeline", "adapter.microbatches=4"]}
+TINY = [
+    "experiment=smoke",
+    "workload.vocab_size=256",
+    "data.train_samples=64",
+    "trainer.max_steps=0",
+    "trainer.stop_check_every=1",
+    "trainer.progress=false",
+]
+ADAPTERS = {
+    "ddp": ["adapter=ddp"],
+    "zero3": ["adapter=zero3"],
+    "fsdp": ["adapter=fsdp"],
+    # megatron's dist_checkpointing with the weights split over 2 TP ranks
+    "megatron_tp2": ["adapter=megatron", "adapter.tensor_parallel=2"],
+    # torch.distributed.pipelining: 2 stages, each rank saves its own
+    "pipeline": ["adapter=pipeline", "adapter.microbatches=4"],
+}
 STEPS = {"pipeline": 16}  # per epoch; else 8 = 64 samples / (4 x 2 ranks)
 # also a save at step 2 that training continues after (a save must leave the live optimizer state alone)
 SAVE_EVERY = {"megatron_tp2": ["trainer.checkpoint_every=2"], "pipeline": ["trainer.checkpoint_every=2"]}
@@ -109,11 +120,14 @@ def _cfg(*overrides: str):
     return typed(compose(["experiment=smoke", *overrides]))
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["adapter=ddp", "trainer.resume=sometimes"], "choose auto or never"),
-    (["adapter=ddp", "trainer.checkpoint_keep=0"], "must be >= 1"),
-    (["adapter=ddp", "trainer.inject_stop=3"], "RANK:STEP"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["adapter=ddp", "trainer.resume=sometimes"], "choose auto or never"),
+        (["adapter=ddp", "trainer.checkpoint_keep=0"], "must be >= 1"),
+        (["adapter=ddp", "trainer.inject_stop=3"], "RANK:STEP"),
+    ],
+)
 def test_bad_checkpoint_settings_are_refused_before_launch(overrides, message):
     from ptbench.adapters import get_adapter_class
 
@@ -168,7 +182,10 @@ def test_commit_prune_and_lookup(tmp_path):
     _fake_checkpoint(newer, 1, now + 10)  # the newest checkpoint of the point wins
     _fake_checkpoint(done, 5, now + 20)  # finished: never resumed
     _fake_checkpoint(other, 5, now + 30)  # another point
-    assert ckpt.find_resumable([root], "p1", "ddp", 2) == (newer.resolve(), newer.resolve() / "checkpoints" / "step-000001")
+    assert ckpt.find_resumable([root], "p1", "ddp", 2) == (
+        newer.resolve(),
+        newer.resolve() / "checkpoints" / "step-000001",
+    )
     assert ckpt.find_resumable([root], "p1", "ddp", 2, exclude=newer)[0] == old.resolve()
     assert ckpt.find_resumable([root], "p1", "ddp", 4) is None  # another world size
     assert ckpt.find_resumable([root], "p1", "fsdp", 2) is None
@@ -192,6 +209,6 @@ def test_sampler_resumes_at_a_step():
     whole.set_epoch(3)
     part = StepShardedSampler(data, 2, 1, 4, 1, seed=7)
     part.set_position(3, 5)
-    assert list(part) == list(whole)[5 * 4:] and len(part) == 3 * 4
+    assert list(part) == list(whole)[5 * 4 :] and len(part) == 3 * 4
     part.set_epoch(4)
     assert len(list(part)) == 8 * 4

@@ -3,6 +3,7 @@
 The measurement test runs the real CLI: 2 gloo ranks spawned by `python -m ptbench.comm`, and checks
 the JSON it writes; no assertion depends on how fast the machine is.
 """
+
 import json
 import math
 import subprocess
@@ -27,8 +28,20 @@ FACTOR = {
 def _run_comm(tmp_path, *extra):
     """`--out DIR` (what a sweep passes): DIR/<backend>-2.json and the printed table as DIR/<backend>-2.txt."""
     out = tmp_path / "comm"
-    cmd = [sys.executable, "-m", "ptbench.comm", "--world-size", "2", "--max-bytes", "1M", "--iters", "3",
-           "--out", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ptbench.comm",
+        "--world-size",
+        "2",
+        "--max-bytes",
+        "1M",
+        "--iters",
+        "3",
+        "--out",
+        str(out),
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     (path,) = out.glob("*-2.json")
@@ -110,10 +123,12 @@ def test_ring_reduce_scatter_is_correct(tmp_path):
 def test_cli_rejects_bad_arguments(capsys):
     from ptbench.comm import main  # the CLI's own entry point, in-process: refused before any rank is spawned
 
-    for args, why in ((["--ops", "all_reduce,alltoall"], "--ops: unknown ['alltoall']"),
-                      (["--min-bytes", "2M", "--max-bytes", "1M"], "need 0 < min_bytes <= max_bytes"),
-                      (["--max-bytes", "12Q"], "not a size: '12Q'"),
-                      (["--json", "x.json", "--out", "comm"], "give --json or --out, not both")):
+    for args, why in (
+        (["--ops", "all_reduce,alltoall"], "--ops: unknown ['alltoall']"),
+        (["--min-bytes", "2M", "--max-bytes", "1M"], "need 0 < min_bytes <= max_bytes"),
+        (["--max-bytes", "12Q"], "not a size: '12Q'"),
+        (["--json", "x.json", "--out", "comm"], "give --json or --out, not both"),
+    ):
         with pytest.raises(SystemExit) as e:
             main(args)
         assert e.value.code == 2, args
@@ -131,6 +146,7 @@ def test_parse_size_and_sizes():
 
 # ---------------------------------------------------------------------------------------------
 # comm_volume: hand-computed numbers
+
 
 def test_comm_volume_has_no_torch_at_import():
     code = "import sys, ptbench.core.comm_volume; assert 'torch' not in sys.modules, 'torch imported'"
@@ -180,17 +196,24 @@ def test_tensor_parallel_megatron_layers():
 
     # b=2, s=1024, h=768 fp32: one activation = 2*1024*768*4 = 6,291,456 B; t=2: 2(t-1)/t = 1
     # 4 all-reduces/layer * 12 layers * 1 micro-batch * 6,291,456 = 301,989,888 B
-    v = volume("none", params=124_000_000, world_size=2, tp=2, layers=12, hidden=768, seq_len=1024,
-               micro_batch=2)
+    v = volume("none", params=124_000_000, world_size=2, tp=2, layers=12, hidden=768, seq_len=1024, micro_batch=2)
     assert v["dp"] == 1
     assert v["bytes"] == {"tp_activation_all_reduce": pytest.approx(301_989_888)}
     # t=4: factor 1.5; with 2 micro-batches x2
-    v4 = volume("none", params=124_000_000, world_size=4, tp=4, layers=12, hidden=768, seq_len=1024,
-                micro_batch=2, microbatches=2)
+    v4 = volume(
+        "none",
+        params=124_000_000,
+        world_size=4,
+        tp=4,
+        layers=12,
+        hidden=768,
+        seq_len=1024,
+        micro_batch=2,
+        microbatches=2,
+    )
     assert v4["total"] == pytest.approx(301_989_888 * 1.5 * 2)
     # 2-D TP x DP: world 8 = tp 2 x dp 4; DP all-reduce of Psi/tp = 2 * 3/4 * 62e6 * 4
-    v8 = volume("none", params=124_000_000, world_size=8, tp=2, layers=12, hidden=768, seq_len=1024,
-                micro_batch=2)
+    v8 = volume("none", params=124_000_000, world_size=8, tp=2, layers=12, hidden=768, seq_len=1024, micro_batch=2)
     assert v8["dp"] == 4
     assert v8["bytes"]["dp_grad_all_reduce"] == pytest.approx(2 * 0.75 * 62e6 * 4)
     assert v8["total"] == pytest.approx(2 * 0.75 * 62e6 * 4 + 301_989_888)
@@ -201,16 +224,45 @@ def test_pipeline_and_megatron_3d():
 
     act = 4 * 512 * 1024 * 2  # b=4, s=512, h=1024, bf16 = 4,194,304 B
     # 2 stages: each stage sends one direction, 8 micro-batches
-    v2 = volume("none", params=10**8, world_size=2, pp=2, hidden=1024, seq_len=512, micro_batch=4, microbatches=8,
-                bytes_per_elem=2)
+    v2 = volume(
+        "none",
+        params=10**8,
+        world_size=2,
+        pp=2,
+        hidden=1024,
+        seq_len=512,
+        micro_batch=4,
+        microbatches=8,
+        bytes_per_elem=2,
+    )
     assert v2["pp"] == 2 and v2["total"] == pytest.approx(8 * act)
     # 4 stages: an inner stage sends activations forward and gradients back
-    v4 = volume("none", params=10**8, world_size=4, pp=4, hidden=1024, seq_len=512, micro_batch=4, microbatches=8,
-                bytes_per_elem=2)
+    v4 = volume(
+        "none",
+        params=10**8,
+        world_size=4,
+        pp=4,
+        hidden=1024,
+        seq_len=512,
+        micro_batch=4,
+        microbatches=8,
+        bytes_per_elem=2,
+    )
     assert v4["bytes"] == {"pp_activation_send": pytest.approx(8 * act), "pp_gradient_send": pytest.approx(8 * act)}
     # megatron t=2 p=2 d=2, 24 layers -> 12 per stage, 4 micro-batches, fp16
-    v = volume("none", params=350_000_000, world_size=8, tp=2, pp=2, layers=24, hidden=1024, seq_len=512,
-               micro_batch=4, microbatches=4, bytes_per_elem=2)
+    v = volume(
+        "none",
+        params=350_000_000,
+        world_size=8,
+        tp=2,
+        pp=2,
+        layers=24,
+        hidden=1024,
+        seq_len=512,
+        micro_batch=4,
+        microbatches=4,
+        bytes_per_elem=2,
+    )
     assert (v["dp"], v["tp"], v["pp"]) == (2, 2, 2)
     assert v["bytes"]["dp_grad_all_reduce"] == pytest.approx(1.0 * 350e6 / 4 * 2)  # 2(2-1)/2 * Psi/(t p) * B
     assert v["bytes"]["tp_activation_all_reduce"] == pytest.approx(4 * 12 * 4 * 1.0 * act)
@@ -238,10 +290,14 @@ def test_the_reports_comm_time_rule():
     from ptbench.analysis.tables import busbw_at, comm_time
     from ptbench.core.comm_volume import volume
 
-    report = {"backend": "gloo", "world_size": 4, "results": [
-        {"op": "all_reduce", "bytes": 1 << 20, "busbw_GBps": 2.0},
-        {"op": "all_reduce", "bytes": 4 << 20, "busbw_GBps": 3.0},
-    ]}
+    report = {
+        "backend": "gloo",
+        "world_size": 4,
+        "results": [
+            {"op": "all_reduce", "bytes": 1 << 20, "busbw_GBps": 2.0},
+            {"op": "all_reduce", "bytes": 4 << 20, "busbw_GBps": 3.0},
+        ],
+    }
     assert busbw_at(report, "all_reduce", 1 << 20) == (2.0, 1 << 20)
     assert busbw_at(report, "all_reduce", 100 << 20) == (3.0, 4 << 20)  # beyond range: largest size
     assert busbw_at(report, "all_gather", 1 << 20) is None

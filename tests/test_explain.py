@@ -7,6 +7,7 @@ Which adapter: hand-built record folders (as tests/test_analysis.py builds them)
 written out below. Sinks: the MLLOG file parsed back (through mlperf-logging's MLLogger when it is
 installed, and by hand without it); TensorBoard scalars read back (skipped only without tensorboard).
 """
+
 from __future__ import annotations
 
 import json
@@ -115,18 +116,23 @@ def test_gpt2_shards_match_the_real_model():
     named = dict(model.named_parameters())
     psi = sum(p.numel() for p in named.values())
     # tensor parallel keeps these whole on every rank (adapters/tensor_parallel.py's plan)
-    whole = sum(p.numel() for n, p in named.items()
-                if n.startswith("wpe") or ".ln_" in n or n.startswith("ln_f") or n.endswith("c_proj.bias"))
+    whole = sum(
+        p.numel()
+        for n, p in named.items()
+        if n.startswith("wpe") or ".ln_" in n or n.startswith("ln_f") or n.endswith("c_proj.bias")
+    )
     assert mm.gpt2_replicated_under_tp(w.n_layer, w.n_embd, w.seq_len) == whole
     # pipeline over 2 stages: first = embeddings + 2 blocks, last = 2 blocks + ln_f + a copy of the head
     block = sum(p.numel() for p in model.blocks[0].parameters())
-    first, last = mm.gpt2_stage_params(psi, layers=w.n_layer, hidden=w.n_embd, seq_len=w.seq_len,
-                                       vocab=w.vocab_size, pp=2)
+    first, last = mm.gpt2_stage_params(
+        psi, layers=w.n_layer, hidden=w.n_embd, seq_len=w.seq_len, vocab=w.vocab_size, pp=2
+    )
     emb = model.wte.weight.numel() + model.wpe.weight.numel()
     assert first == emb + 2 * block
     assert last == 2 * block + sum(p.numel() for p in model.ln_f.parameters()) + model.wte.weight.numel()
-    tp = mm.predict("none", params=psi, world_size=2, tp=2, layers=w.n_layer, hidden=w.n_embd,
-                    heads=w.n_head, seq_len=w.seq_len)
+    tp = mm.predict(
+        "none", params=psi, world_size=2, tp=2, layers=w.n_layer, hidden=w.n_embd, heads=w.n_head, seq_len=w.seq_len
+    )
     assert tp["params_per_rank"] == pytest.approx((psi - whole) / 2 + whole)
 
 
@@ -144,8 +150,9 @@ def test_korthikanti_activation_formula():
     t = 4
     tp = mm.predict("none", precision="bf16", tp=t, **{**kw, "world_size": 4}, replicated_params=0)
     assert tp["activations"] == pytest.approx(L * s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) + 4 * s * b * V / t)
-    sp = mm.predict("none", precision="bf16", tp=t, sequence_parallel=True, **{**kw, "world_size": 4},
-                    replicated_params=0)
+    sp = mm.predict(
+        "none", precision="bf16", tp=t, sequence_parallel=True, **{**kw, "world_size": 4}, replicated_params=0
+    )
     assert sp["activations"] == pytest.approx(L * per_layer / t + 4 * s * b * V / t)
     # 1F1B over 4 stages, 8 micro-batches: the first stage keeps 4 micro-batches of 6 layers (= L layers)
     pipe = mm.predict("none", precision="bf16", pp=4, microbatches=8, **{**kw, "world_size": 4})
@@ -162,11 +169,20 @@ def test_vision_activation_count_and_fits():
     from torch import nn
 
     with torch.device("meta"):
-        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
+        model = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 8 * 8, 10)
+        )
     # conv output (4 x 8 x 8) + linear output (10); the in-place ReLU and the Flatten view add nothing
     assert mm.activation_elements(model, (3, 8, 8)) == 4 * 8 * 8 + 10
-    p = mm.predict("none", params=1000, world_size=1, kind="vision", micro_batch=16,
-                   activation_elements_per_sample=266, precision="bf16")
+    p = mm.predict(
+        "none",
+        params=1000,
+        world_size=1,
+        kind="vision",
+        micro_batch=16,
+        activation_elements_per_sample=266,
+        precision="bf16",
+    )
     assert p["activations"] == 266 * 2 * 16
     assert mm.fits(80, 100) and not mm.fits(95, 100) and mm.fits(95, 100, headroom=1.0) and mm.fits(1e30, None)
     from ptbench.core.errors import ConfigError
@@ -180,8 +196,9 @@ def test_predict_run_from_a_config_counts_the_model():
     from ptbench.runner.plan import make_plan
     from ptbench.workloads import build_workload
 
-    cfg = typed(compose(["adapter=zero", "adapter.stage=2", "launcher.nprocs=2", "workload=gpt2_tiny",
-                         "trainer.batch_size=4"]))
+    cfg = typed(
+        compose(["adapter=zero", "adapter.stage=2", "launcher.nprocs=2", "workload=gpt2_tiny", "trainer.batch_size=4"])
+    )
     plan = make_plan(cfg, "local", check=False)
     build = build_workload(cfg.workload, cfg.data).build_model
     pred = mm.predict_run(cfg, plan, build, device="cpu")
@@ -195,29 +212,67 @@ def test_predict_run_from_a_config_counts_the_model():
 
 
 def test_plan_flag_prints_the_prediction_and_starts_no_rank(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "ptbench", "--plan", "adapter=fsdp", "launcher.nprocs=2",
-                          "workload=gpt2_tiny", f"results.root={tmp_path}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ptbench",
+            "--plan",
+            "adapter=fsdp",
+            "launcher.nprocs=2",
+            "workload=gpt2_tiny",
+            f"results.root={tmp_path}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "predicted memory per rank: fsdp, 2 rank(s)" in out.stdout
     for part in ("params", "grads", "optimizer", "activations", "total"):
         assert f"  {part}" in out.stdout
     assert "device memory:" in out.stdout
     assert not any(tmp_path.iterdir())  # no run folder: nothing launched
-    bad = subprocess.run([sys.executable, "-m", "ptbench", "--plan", "adapter=ddp", "trainer.nosuch=1"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ptbench", "--plan", "adapter=ddp", "trainer.nosuch=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "error:" in bad.stderr
 
 
 # --- which adapter ----------------------------------------------------------------------------------
 def _ev(epoch, time, steps, gb, devices, wall, metric, delta_mib, states_mib, kind="language"):
-    ev = {"type": "epoch", "epoch": epoch, "steps": steps, "global_batch": gb, "devices": devices,
-          "epoch_time_s": time, "step_time_mean_s": time / steps, "samples_per_s": gb * steps / time,
-          "partial": False, "wall_time_s": wall, "val_time_s": 0.5, "memory_metric": "peak_rss",
-          "train_loss": 3.0 - 0.1 * epoch, "train_losses": [3.0 - 0.1 * epoch - 0.01 * i for i in range(steps)],
-          "ranks": [{"rank": 0, "memory": {"peak_rss": 2000 * MIB, "peak_rss_delta": delta_mib * MIB},
-                     "state_bytes": {"params": states_mib * MIB / 4, "grads": states_mib * MIB / 4,
-                                     "optimizer": states_mib * MIB / 2}}]}
+    ev = {
+        "type": "epoch",
+        "epoch": epoch,
+        "steps": steps,
+        "global_batch": gb,
+        "devices": devices,
+        "epoch_time_s": time,
+        "step_time_mean_s": time / steps,
+        "samples_per_s": gb * steps / time,
+        "partial": False,
+        "wall_time_s": wall,
+        "val_time_s": 0.5,
+        "memory_metric": "peak_rss",
+        "train_loss": 3.0 - 0.1 * epoch,
+        "train_losses": [3.0 - 0.1 * epoch - 0.01 * i for i in range(steps)],
+        "ranks": [
+            {
+                "rank": 0,
+                "memory": {"peak_rss": 2000 * MIB, "peak_rss_delta": delta_mib * MIB},
+                "state_bytes": {
+                    "params": states_mib * MIB / 4,
+                    "grads": states_mib * MIB / 4,
+                    "optimizer": states_mib * MIB / 2,
+                },
+            }
+        ],
+    }
     if metric is not None:
         if kind == "vision":
             ev["val_accuracy"] = metric
@@ -227,22 +282,50 @@ def _ev(epoch, time, steps, gb, devices, wall, metric, delta_mib, states_mib, ki
     return ev
 
 
-def _run(root, name, adapter, devices, times, ppl, walls, delta, states, settings=None, status="ok", kind="language",
-         steps=None, gb=None):
+def _run(
+    root,
+    name,
+    adapter,
+    devices,
+    times,
+    ppl,
+    walls,
+    delta,
+    states,
+    settings=None,
+    status="ok",
+    kind="language",
+    steps=None,
+    gb=None,
+):
     d = Path(root) / name
     d.mkdir(parents=True)
     gb = gb or 8 * devices
     steps = steps or 96 // gb
-    cfg = {"workload": {"name": "wl", "kind": kind}, "adapter": {"name": adapter, "batch_policy": "per_device",
-                                                                 **(settings or {})},
-           "launcher": {"name": "local", "nprocs": devices}, "trainer": {"batch_size": 8, "grad_accum": 1,
-                                                                           "precision": "fp32", "seed": 1},
-           "optimizer": {"name": "adamw", "lr": 1e-3}, "data": {"source": "synthetic", "val_samples": 32},
-           "results": {"experiment": "hand"}}
+    cfg = {
+        "workload": {"name": "wl", "kind": kind},
+        "adapter": {"name": adapter, "batch_policy": "per_device", **(settings or {})},
+        "launcher": {"name": "local", "nprocs": devices},
+        "trainer": {"batch_size": 8, "grad_accum": 1, "precision": "fp32", "seed": 1},
+        "optimizer": {"name": "adamw", "lr": 1e-3},
+        "data": {"source": "synthetic", "val_samples": 32},
+        "results": {"experiment": "hand"},
+    }
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
-    events = [_ev(i, t, steps, gb, devices, w, m, delta, states, kind) for i, (t, m, w) in enumerate(zip(times, ppl, walls))]
-    summary = {"status": status, "run_id": name, "adapter": adapter, "workload": "wl", "experiment": "hand",
-               "world_size": devices, "devices": devices, "global_batch": gb, "total_time_s": walls[-1] + 1 if walls else 1}
+    events = [
+        _ev(i, t, steps, gb, devices, w, m, delta, states, kind) for i, (t, m, w) in enumerate(zip(times, ppl, walls))
+    ]
+    summary = {
+        "status": status,
+        "run_id": name,
+        "adapter": adapter,
+        "workload": "wl",
+        "experiment": "hand",
+        "world_size": devices,
+        "devices": devices,
+        "global_batch": gb,
+        "total_time_s": walls[-1] + 1 if walls else 1,
+    }
     if status == "ok" and len(times) > 1:
         summary["epoch_time_steady_s"] = float(np.mean(times[1:]))
     if status != "ok":
@@ -259,7 +342,9 @@ def _sweep(root):
     # ddp x2: steady 2.5 s (efficiency (4/2.5)/2 = 0.8); best 22, reached at epoch 3 (18 s); 420 MiB
     _run(root, "ddp2", "ddp", 2, [7.5, 2.5, 2.5], [45.0, 28.0, 22.0], [6.0, 12.0, 18.0], 420, 100)
     # zero3 x2: steady 3.0 s (efficiency 0.667); reaches 21.5 <= 22 already at epoch 2 (16 s); 200 MiB
-    _run(root, "z3x2", "zero", 2, [9.0, 3.0, 3.0], [48.0, 21.5, 21.0], [8.0, 16.0, 24.0], 200, 30, settings={"stage": 3})
+    _run(
+        root, "z3x2", "zero", 2, [9.0, 3.0, 3.0], [48.0, 21.5, 21.0], [8.0, 16.0, 24.0], 200, 30, settings={"stage": 3}
+    )
     # an fsdp point that ran out of memory: listed as not decided, never a winner
     _run(root, "fsdp4", "fsdp", 4, [], [], [], 0, 0, status="oom")
 
@@ -291,12 +376,17 @@ def test_which_adapter_names_the_winners_and_their_runs(tmp_path):
     assert any("differ in global batch (8, 16)" in u for u in v["undecided"])
 
     report = write_report(root, tmp_path / "out").read_text()
-    section = report[report.index("## Which adapter"):]
+    section = report[report.index("## Which adapter") :]
     assert report.rstrip().endswith(section.rstrip())  # the report ends with it
-    assert ("**Fastest to the target**: validation perplexity ≤ 22 (the best value every finished run with "
-            "validation reached): **`zero stage=3 gb=8/replica` x2** after 16 s of wall time (epoch 2; run z3x2); "
-            "next `ddp gb=8/replica` x2 18 s, 12.5 % behind") in section
-    assert "**Lowest memory per rank at 2 devices** (`peak_rss_delta`, busiest rank): **`zero stage=3 gb=8/replica` x2** 200 MiB" in section
+    assert (
+        "**Fastest to the target**: validation perplexity ≤ 22 (the best value every finished run with "
+        "validation reached): **`zero stage=3 gb=8/replica` x2** after 16 s of wall time (epoch 2; run z3x2); "
+        "next `ddp gb=8/replica` x2 18 s, 12.5 % behind"
+    ) in section
+    assert (
+        "**Lowest memory per rank at 2 devices** (`peak_rss_delta`, busiest rank): **`zero stage=3 gb=8/replica` x2** 200 MiB"
+        in section
+    )
     assert "**Best scaling efficiency at 2 devices**: **`ddp gb=8/replica` x2** efficiency 0.8 (speedup 1.6" in section
     assert "runs ddp2, baseline ddp1" in section
     undecided = next(ln for ln in section.splitlines() if ln.startswith("- **Could not decide**"))
@@ -345,8 +435,16 @@ def _check_mllog(path, summary, events, t0):
     recs = sinks.read_mllog(path)
     assert all(set(r) >= {"namespace", "time_ms", "event_type", "key", "value", "metadata"} for r in recs)
     keys = [r["key"] for r in recs]
-    for k in ("submission_benchmark", "global_batch_size", "opt_base_learning_rate", "run_start", "run_stop",
-              "epoch_start", "epoch_stop", "eval_accuracy"):
+    for k in (
+        "submission_benchmark",
+        "global_batch_size",
+        "opt_base_learning_rate",
+        "run_start",
+        "run_stop",
+        "epoch_start",
+        "epoch_stop",
+        "eval_accuracy",
+    ):
         assert k in keys, k
     by = {k: [r for r in recs if r["key"] == k] for k in set(keys)}
     assert by["submission_benchmark"][0]["value"] == "wl" and by["global_batch_size"][0]["value"] == 16
@@ -402,6 +500,7 @@ def _require(module: str) -> None:
     import importlib.util
 
     from tests.conftest import require_or_skip
+
     if importlib.util.find_spec(module) is None:
         require_or_skip(f"the {module} package", 'pip install -e ".[dev]"')
 
@@ -433,13 +532,16 @@ def test_plan_memory_is_one_call_for_the_runner():
     build = build_workload(cfg.workload, cfg.data).build_model
     rec = mm.plan_memory(cfg, plan, build)
     json.dumps(rec)  # JSON-ready for the summary
-    assert rec["total"] == rec["model_states"] + rec["transient"] + rec["activations"] or \
-        abs(rec["total"] - rec["model_states"] - rec["transient"] - rec["activations"]) <= 2
+    assert (
+        rec["total"] == rec["model_states"] + rec["transient"] + rec["activations"]
+        or abs(rec["total"] - rec["model_states"] - rec["transient"] - rec["activations"]) <= 2
+    )
     assert rec["fits"] is True and rec["sharding"] == "none"
     big = typed(compose(["adapter=ddp", "launcher.nprocs=1", "workload=gpt2_medium", "trainer.batch_size=4096"]))
     with pytest.raises(ConfigError, match="predicted memory per rank"):
-        mm.plan_memory(big, make_plan(big, "local", check=False), build_workload(big.workload, big.data).build_model,
-                       check=True)
+        mm.plan_memory(
+            big, make_plan(big, "local", check=False), build_workload(big.workload, big.data).build_model, check=True
+        )
 
 
 # --- communication volume per step, measured network, report table (issue 19) ------------------------
@@ -472,8 +574,10 @@ def test_comm_volume_recorded_from_the_plan_matches_hand_counts():
     # 3 collectives of (N-1)/N x Psi x 4 bytes each
     _, z3 = _plan_volume("adapter=zero", "adapter.stage=3")
     assert [(c["op"], c["phase"], c["bytes"]) for c in z3["collectives"]] == [
-        ("all_gather", "forward", psi * 4 / 2), ("all_gather", "backward", psi * 4 / 2),
-        ("reduce_scatter", "backward", psi * 4 / 2)]
+        ("all_gather", "forward", psi * 4 / 2),
+        ("all_gather", "backward", psi * 4 / 2),
+        ("reduce_scatter", "backward", psi * 4 / 2),
+    ]
     assert z3["total_bytes"] == 3 * psi * 4 / 2 and z3["phases"] == ["forward", "backward"]
     # FSDP2 under bf16 gathers 2-byte parameters and reduce-scatters fp32 gradients
     _, fsdp = _plan_volume("adapter=fsdp", "trainer.precision=bf16")
@@ -487,8 +591,12 @@ def test_comm_volume_recorded_from_the_plan_matches_hand_counts():
 
 def _comm_json(folder, backend, n, rows):
     folder.mkdir(parents=True, exist_ok=True)
-    rep = {"tool": "ptbench.comm", "backend": backend, "world_size": n,
-           "results": [{"op": op, "bytes": size, "busbw_GBps": bw} for op, size, bw in rows]}
+    rep = {
+        "tool": "ptbench.comm",
+        "backend": backend,
+        "world_size": n,
+        "results": [{"op": op, "bytes": size, "busbw_GBps": bw} for op, size, bw in rows],
+    }
     (folder / f"{backend}-{n}.json").write_text(json.dumps(rep))
 
 
@@ -498,17 +606,32 @@ def _add_comm(d, collectives, phase_times, backend="gloo"):
     phases = []
     for c in collectives:
         phases += [p for p in c["phase"].split(",") if p not in phases]
-    s["comm_volume"] = {"backend": backend, "total_bytes": float(sum(c["bytes"] for c in collectives)),
-                        "phases": phases, "collectives": collectives}
+    s["comm_volume"] = {
+        "backend": backend,
+        "total_bytes": float(sum(c["bytes"] for c in collectives)),
+        "phases": phases,
+        "collectives": collectives,
+    }
     (d / "summary.json").write_text(json.dumps(s))
     evs = [json.loads(ln) for ln in (d / "events.jsonl").read_text().splitlines()]
-    (d / "events.jsonl").write_text("".join(json.dumps({**e, **{f"{p}_time_mean_s": t for p, t in phase_times.items()}})
-                                            + "\n" for e in evs))
+    (d / "events.jsonl").write_text(
+        "".join(json.dumps({**e, **{f"{p}_time_mean_s": t for p, t in phase_times.items()}}) + "\n" for e in evs)
+    )
 
 
 def _coll(op, n, message, bytes_, phase, formula="f"):
-    return {"name": f"{op}_{phase}", "op": op, "group": "dp", "group_size": n, "message_bytes": message,
-            "calls": 1, "bytes": bytes_, "formula": formula, "phase": phase, "bytes_per_elem": 4}
+    return {
+        "name": f"{op}_{phase}",
+        "op": op,
+        "group": "dp",
+        "group_size": n,
+        "message_bytes": message,
+        "calls": 1,
+        "bytes": bytes_,
+        "formula": formula,
+        "phase": phase,
+        "bytes_per_elem": 4,
+    }
 
 
 def test_report_sets_comm_volume_against_measured_busbw(tmp_path):
@@ -523,17 +646,34 @@ def test_report_sets_comm_volume_against_measured_busbw(tmp_path):
     _add_comm(d, [_coll("all_reduce", 2, 1e6, 1e6, "backward", "2(N-1)/N * Psi * B")], {"backward": 0.15})
     # zero3 x2: 2 all-gathers of 1 MB (2 MB messages) and a 1 MB reduce-scatter; forward 100 + backward 200 ms
     d = _run(root, "z3x2", "zero", 2, [4.0, 2.0], [40.0, 30.0], [4.5, 7.0], 100, 10, settings={"stage": 3})
-    _add_comm(d, [_coll("all_gather", 2, 2e6, 1e6, "forward"), _coll("all_gather", 2, 2e6, 1e6, "backward"),
-                  _coll("reduce_scatter", 2, 2e6, 1e6, "backward")], {"forward": 0.1, "backward": 0.2})
+    _add_comm(
+        d,
+        [
+            _coll("all_gather", 2, 2e6, 1e6, "forward"),
+            _coll("all_gather", 2, 2e6, 1e6, "backward"),
+            _coll("reduce_scatter", 2, 2e6, 1e6, "backward"),
+        ],
+        {"forward": 0.1, "backward": 0.2},
+    )
     # fsdp x4: no 4-rank measurement here
     d = _run(root, "fsdp4", "fsdp", 4, [4.0, 2.0], [40.0, 30.0], [4.5, 7.0], 100, 10)
     _add_comm(d, [_coll("all_gather", 4, 4e6, 3e6, "forward")], {"forward": 0.1})
     # ddp x1: nothing to communicate; horovod x2: a record from before `comm_volume`
     _add_comm(_run(root, "ddp1", "ddp", 1, [4.0, 2.0], [40.0, 30.0], [4.5, 7.0], 100, 10), [], {})
     _run(root, "hvd2", "horovod", 2, [4.0, 2.0], [40.0, 30.0], [4.5, 7.0], 100, 10)
-    _comm_json(root / "comm", "gloo", 2, [("all_reduce", 262144, 0.5), ("all_reduce", 1048576, 2.0),
-                                          ("all_reduce", 4194304, 4.0), ("all_gather", 1048576, 1.0),
-                                          ("all_gather", 4194304, 3.0), ("reduce_scatter", 4194304, 0.5)])
+    _comm_json(
+        root / "comm",
+        "gloo",
+        2,
+        [
+            ("all_reduce", 262144, 0.5),
+            ("all_reduce", 1048576, 2.0),
+            ("all_reduce", 4194304, 4.0),
+            ("all_gather", 1048576, 1.0),
+            ("all_gather", 4194304, 3.0),
+            ("reduce_scatter", 4194304, 0.5),
+        ],
+    )
     reports = load_comm(root)
     assert len(reports) == 1 and reports[0]["world_size"] == 2
     t = comm_table(load(root), reports).set_index(["series", "devices"])
@@ -567,8 +707,12 @@ def test_sweep_measures_the_network_once_per_world_size(tmp_path, capsys):
     from ptbench import sweep
 
     root = tmp_path / "res"
-    points = [["adapter=ddp", "launcher.nprocs=2"], ["adapter=zero", "launcher.nprocs=2"],
-              ["adapter=ddp", "launcher.nprocs=1"], ["adapter=ddp", "launcher.nprocs=4"]]
+    points = [
+        ["adapter=ddp", "launcher.nprocs=2"],
+        ["adapter=zero", "launcher.nprocs=2"],
+        ["adapter=ddp", "launcher.nprocs=1"],
+        ["adapter=ddp", "launcher.nprocs=4"],
+    ]
     extra = ["experiment=smoke", f"results.root={root}"]
     folder = root / "smoke" / "comm"
     assert sweep.comm_targets(points, extra) == [(folder, 2, "auto"), (folder, 4, "auto")]
@@ -602,16 +746,35 @@ def test_a_real_run_records_its_volume_and_the_table_reads_it(tmp_path):
     sweep_file = tmp_path / "sweep.txt"
     sweep_file.write_text("adapter=ddp launcher.nprocs=2 workload.vocab_size=256 trainer.max_steps=3\n")
     res = tmp_path / "res"
-    out = run([sys.executable, "-m", "ptbench.sweep", "run", str(sweep_file), "--no-comm", "--", "experiment=smoke",
-               f"results.root={res}"], timeout=600)
+    out = run(
+        [
+            sys.executable,
+            "-m",
+            "ptbench.sweep",
+            "run",
+            str(sweep_file),
+            "--no-comm",
+            "--",
+            "experiment=smoke",
+            f"results.root={res}",
+        ],
+        timeout=600,
+    )
     check_ok(out)
     assert "-m ptbench.comm" not in out.stdout
     s = summary(only_run(res))
     cv = s["comm_volume"]
     assert cv["total_bytes"] == 2 * (2 - 1) / 2 * _gpt2_params(256, 64, 128, 2) * 4 and cv["backend"] == "gloo"
     # the plan's layout (ptbench.core.layout.Layout), recorded for analysis; the cost inputs in the plan
-    assert s["layout"] == {"world_size": 2, "dp": 2, "tp": 1, "pp": 1, "devices_per_process": 1, "microbatches": 1,
-                           "devices": 2}
+    assert s["layout"] == {
+        "world_size": 2,
+        "dp": 2,
+        "tp": 1,
+        "pp": 1,
+        "devices_per_process": 1,
+        "microbatches": 1,
+        "devices": 2,
+    }
     assert s["plan"]["layout"] == s["layout"] and s["plan"]["cost"]["sharding"] == "none"
     _comm_json(res / "smoke" / "comm", "gloo", 2, [("all_reduce", 1 << 20, 0.25)])
     row = comm_table(load(res / "smoke"), load_comm(res / "smoke")).iloc[0]
@@ -627,7 +790,9 @@ def test_optional_sinks_refused_before_launch_when_missing(monkeypatch):
     for key in ("wandb", "mlflow"):
         monkeypatch.setitem(sys.modules, key, None)  # as if not installed: import raises ImportError
         cfg = typed(compose(["adapter=ddp", f"results.{key}=true"]))
-        with pytest.raises(ConfigError, match=rf'results.{key}=true but {key} is not installed .*pip install -e "\.\[{key}\]"'):
+        with pytest.raises(
+            ConfigError, match=rf'results.{key}=true but {key} is not installed .*pip install -e "\.\[{key}\]"'
+        ):
             check_config(cfg)
         monkeypatch.delitem(sys.modules, key)
     check_config(typed(compose(["adapter=ddp"])))  # off by default: nothing to import
@@ -651,9 +816,11 @@ def test_mlflow_run_reads_back(tmp_path, monkeypatch):
     assert r.data.tags["adapter"] == "ddp"
     losses = client.get_metric_history(rid, "train/step_loss")
     assert [m.value for m in sorted(losses, key=lambda m: m.step)] == pytest.approx(
-        [v for e in events for v in e["train_losses"]])
-    assert [m.value for m in sorted(client.get_metric_history(rid, "time/epoch_s"), key=lambda m: m.step)] == \
-        pytest.approx([4.0, 2.0])
+        [v for e in events for v in e["train_losses"]]
+    )
+    assert [
+        m.value for m in sorted(client.get_metric_history(rid, "time/epoch_s"), key=lambda m: m.step)
+    ] == pytest.approx([4.0, 2.0])
     assert r.data.metrics["summary/comm_bytes_per_step"] == 1751040.0
     # through write_sinks, a failed run is marked FAILED
     summary["status"] = "failed"

@@ -1,4 +1,5 @@
 """CPU twins of the one-GPU path (issue 15): device counts are injected, nvidia-smi output is recorded."""
+
 from __future__ import annotations
 
 import os
@@ -39,17 +40,20 @@ def test_cpu_default_is_two_ranks():
     assert typed(compose([])).launcher.nprocs == 2  # ${visible_gpus_or:2}: no GPU here
 
 
-@pytest.mark.parametrize("adapter, world, expected", [
-    ("ddp", 1, ["launcher.nprocs=1"]),
-    ("zero", 1, ["launcher.nprocs=1"]),
-    ("fsdp", 1, ["launcher.nprocs=1"]),
-    ("megatron", 1, ["launcher.nprocs=1", "adapter.tensor_parallel=1"]),
-    ("megatron", 2, ["launcher.nprocs=2", "adapter.tensor_parallel=2"]),
-    ("tensor_parallel", 1, ["launcher.nprocs=1", "adapter.tensor_parallel=1"]),
-    ("gpipe", 1, ["launcher.nprocs=1", "adapter.pipeline_parallel=1"]),
-    ("gpipe", 2, ["launcher.nprocs=1", "adapter.pipeline_parallel=2"]),
-    ("pipeline", 2, ["launcher.nprocs=2"]),
-])
+@pytest.mark.parametrize(
+    "adapter, world, expected",
+    [
+        ("ddp", 1, ["launcher.nprocs=1"]),
+        ("zero", 1, ["launcher.nprocs=1"]),
+        ("fsdp", 1, ["launcher.nprocs=1"]),
+        ("megatron", 1, ["launcher.nprocs=1", "adapter.tensor_parallel=1"]),
+        ("megatron", 2, ["launcher.nprocs=2", "adapter.tensor_parallel=2"]),
+        ("tensor_parallel", 1, ["launcher.nprocs=1", "adapter.tensor_parallel=1"]),
+        ("gpipe", 1, ["launcher.nprocs=1", "adapter.pipeline_parallel=1"]),
+        ("gpipe", 2, ["launcher.nprocs=1", "adapter.pipeline_parallel=2"]),
+        ("pipeline", 2, ["launcher.nprocs=2"]),
+    ],
+)
 def test_smoke_picks_the_largest_layout_that_fits(tmp_path, adapter, world, expected):
     overrides, why = smoke_point(adapter, world, tmp_path)
     assert overrides is not None, why
@@ -61,7 +65,9 @@ def test_smoke_skips_with_the_reason_when_nothing_fits(tmp_path, monkeypatch):
 
     cls = get_adapter_class("megatron")
     # a layout that no world size <= 2 can take: TP=4 whatever the devices
-    monkeypatch.setattr(cls, "smoke_overrides", classmethod(lambda c, n: [f"launcher.nprocs={n}", "adapter.tensor_parallel=4"]))
+    monkeypatch.setattr(
+        cls, "smoke_overrides", classmethod(lambda c, n: [f"launcher.nprocs={n}", "adapter.tensor_parallel=4"])
+    )
     overrides, why = smoke_point("megatron", 2, tmp_path)
     assert overrides is None and "cannot run on <= 2 device(s)" in why and "tensor_parallel=4" in why
 
@@ -73,7 +79,11 @@ def test_nvidia_smi_capture_from_recorded_output():
     env = nvidia_smi(run)
     assert env["driver"] == "550.54.15"
     assert [g["name"] for g in env["nvidia_smi_gpus"]] == ["NVIDIA H100 80GB HBM3"] * 2
-    assert env["nvidia_smi_gpus"][1] == {"name": "NVIDIA H100 80GB HBM3", "memory": "81559 MiB", "bus_id": "00000000:2A:00.0"}
+    assert env["nvidia_smi_gpus"][1] == {
+        "name": "NVIDIA H100 80GB HBM3",
+        "memory": "81559 MiB",
+        "bus_id": "00000000:2A:00.0",
+    }
     assert "NV18" in env["topology"]
 
 
@@ -87,8 +97,11 @@ def test_nvidia_smi_absent_or_broken_gives_nothing():
 def test_smoke_command_runs_an_adapter_and_reports_it(tmp_path):
     """`python -m ptbench.smoke ddp --world-size 1` end to end: one line per adapter, then the tally, exit 0.
     (`make test` no longer runs the whole smoke: see the Makefile's list of the tests covering each case.)"""
-    proc = run([sys.executable, "-m", "ptbench.smoke", "ddp", "--world-size", "1", "--timeout", "300"], timeout=360,
-               env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    proc = run(
+        [sys.executable, "-m", "ptbench.smoke", "ddp", "--world-size", "1", "--timeout", "300"],
+        timeout=360,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     check_ok(proc)
     lines = proc.stdout.strip().splitlines()
     assert re.match(r"smoke ddp +ok +gpt2_tiny x1 device\(s\) +step \d+\.\d{4}s +loss \d+\.\d{3}", lines[0]), lines

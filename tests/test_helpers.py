@@ -1,5 +1,6 @@
 """The test helpers themselves: a missing prerequisite fails under CI and skips otherwise; the loss
 checks refuse NaN, inf and flat series; a timed-out run dies with everything it started."""
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,9 @@ def test_loss_helpers_reject_nan_and_inf():
     good = [2.0, 1.5, 1.2]
     assert_losses_close(good, good, atol=0)
     with pytest.raises(AssertionError, match="not finite"):
-        assert_losses_close([2.0, float("nan"), 1.2], [2.0, float("nan"), 1.2], atol=1)  # NaN == NaN would pass allclose
+        assert_losses_close(
+            [2.0, float("nan"), 1.2], [2.0, float("nan"), 1.2], atol=1
+        )  # NaN == NaN would pass allclose
     with pytest.raises(AssertionError, match="not finite"):
         assert_losses_close(good, [2.0, float("inf"), 1.2], atol=1)
     with pytest.raises(AssertionError, match="not finite"):
@@ -68,15 +71,19 @@ def test_timeout_kills_the_whole_process_group(tmp_path, form):
     """A run that outlives its timeout takes its children with it (ranks of a hung run must not linger),
     as a new interpreter (-c) and as a fork of the warm one (-m: tests/forkrun.py)."""
     pid_file = tmp_path / "child.pid"
-    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    script = (
+        f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(600)"
+    )
     (tmp_path / "hang.py").write_text(script)
     cmd = [sys.executable, "-c", script] if form == "-c" else [sys.executable, "-m", "hang"]
     with pytest.raises(subprocess.TimeoutExpired):
         run(cmd, timeout=5, cwd=tmp_path)
     child = int(pid_file.read_text())
     deadline = time.time() + 10
-    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+    while (
+        psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE and time.time() < deadline
+    ):
         time.sleep(0.1)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, "grandchild survived"
 

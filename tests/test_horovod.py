@@ -4,6 +4,7 @@ torchrun/srun (the adapter runs Horovod's rendezvous itself), compared with DDP 
 Needs Horovod (`make horovod`). Skipped without it, except in CI (CI=true), where a missing Horovod
 is a failure: CI must build or reuse the cached wheel before the tests.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -33,13 +34,26 @@ pytestmark = pytest.mark.horovod
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
 
 STEPS = ["trainer.max_steps=8", "trainer.epochs=1", "trainer.progress=false", "launcher.nprocs=2"]
-TINY_GPT = ["workload=gpt2_tiny", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=64",
-            "trainer.batch_size=4"]
+TINY_GPT = [
+    "workload=gpt2_tiny",
+    "workload.seq_len=32",
+    "data.train_samples=256",
+    "data.val_samples=64",
+    "trainer.batch_size=4",
+]
 # BatchNorm + SGD with momentum and weight decay; 2 accumulated micro-batches per step exercise
 # Horovod's backward_passes_per_step; clipping must see the averaged gradients (synchronize first)
-TINY_RESNET = ["workload=resnet50_tiny", "data=synthetic", "data.train_samples=256", "data.val_samples=32",
-               "optimizer=sgd", "optimizer.lr=0.05", "trainer.batch_size=4", "trainer.grad_accum=2",
-               "trainer.grad_clip=0.5"]
+TINY_RESNET = [
+    "workload=resnet50_tiny",
+    "data=synthetic",
+    "data.train_samples=256",
+    "data.val_samples=32",
+    "optimizer=sgd",
+    "optimizer.lr=0.05",
+    "trainer.batch_size=4",
+    "trainer.grad_accum=2",
+    "trainer.grad_clip=0.5",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -63,11 +77,31 @@ def test_gpt2_horovodrun_and_srun_style_equal_ddp(tmp_path, ddp_gpt2_reference):
     under torchrun, where ranks are not horovodrun's (as under srun) and the adapter runs Horovod's
     rendezvous itself."""
     common = [*GPT2_REFERENCE, "launcher.nprocs=2"]
-    hvd = bench(*common, "adapter=horovod", "adapter.fusion_threshold_mb=32", "adapter.cycle_time_ms=2.5",
-                results=tmp_path / "hvd")
-    ext = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(_free_port()), "-m", "ptbench", *common, "adapter=horovod", "launcher=torchrun",
-               f"results.root={tmp_path / 'ext'}"], timeout=600)
+    hvd = bench(
+        *common,
+        "adapter=horovod",
+        "adapter.fusion_threshold_mb=32",
+        "adapter.cycle_time_ms=2.5",
+        results=tmp_path / "hvd",
+    )
+    ext = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "ptbench",
+            *common,
+            "adapter=horovod",
+            "launcher=torchrun",
+            f"results.root={tmp_path / 'ext'}",
+        ],
+        timeout=600,
+    )
     for proc in (hvd, ext):
         check_ok(proc)
     ref = step_losses(ddp_gpt2_reference)
@@ -126,13 +160,17 @@ def test_bad_input_one_line(tmp_path):
     missing = bench("adapter=horovod", results=tmp_path / "r", env=env)
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [
-        "error: adapter=horovod needs Horovod: run `make horovod` (ImportError: No module named 'horovod')"]
+        "error: adapter=horovod needs Horovod: run `make horovod` (ImportError: No module named 'horovod')"
+    ]
 
-    mismatch = bench("adapter=horovod", "trainer.grad_accum=2", "adapter.backward_passes_per_step=1", results=tmp_path / "r")
+    mismatch = bench(
+        "adapter=horovod", "trainer.grad_accum=2", "adapter.backward_passes_per_step=1", results=tmp_path / "r"
+    )
     assert mismatch.returncode == 2
     assert mismatch.stderr.strip().splitlines() == [
         "error: adapter.backward_passes_per_step=1 must equal trainer.grad_accum=2 (micro-batches per step); "
-        "leave it unset to follow trainer.grad_accum"]
+        "leave it unset to follow trainer.grad_accum"
+    ]
     assert not (tmp_path / "r").exists()  # refused before any rank or record
 
 

@@ -1,4 +1,5 @@
 """Launch paths (local spawn, torchrun, Slurm environment) and bad input caught before any rank starts."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,14 @@ def test_slurm_environment_16_nodes():
     assert hosts[:6] == ["gpu001", "gpu002", "gpu003", "gpu004", "gpu010", "cn7"]
     assert hosts[6] == "big08" and hosts[-1] == "big104"
     assert expand_nodelist("rack[1-2]-n[01-02]") == ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]
-    env = {"SLURM_PROCID": "37", "SLURM_NTASKS": "64", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "81234",
-           "SLURM_JOB_NODELIST": nodelist, "SLURM_TASKS_PER_NODE": "4(x16)"}
+    env = {
+        "SLURM_PROCID": "37",
+        "SLURM_NTASKS": "64",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_ID": "81234",
+        "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_TASKS_PER_NODE": "4(x16)",
+    }
     assert SlurmEnvironment.detect(env, "slurm") and not SlurmEnvironment.detect(env, "local")
     ctx = SlurmEnvironment.context(env, "auto")
     assert (ctx.rank, ctx.world_size, ctx.local_rank, ctx.local_world_size) == (37, 64, 1, 4)
@@ -39,7 +46,14 @@ def test_slurm_environment_16_nodes():
 
 
 def test_torchrun_env_is_honoured():
-    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h1", "MASTER_PORT": "1234"}
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "h1",
+        "MASTER_PORT": "1234",
+    }
     assert TorchrunEnvironment.detect(env, "local") and not TorchrunEnvironment.detect({}, "local")
     ctx = TorchrunEnvironment.context(env, "auto")
     assert (ctx.rank, ctx.world_size, ctx.local_rank, ctx.master_addr, ctx.master_port) == (3, 8, 1, "h1", 1234)
@@ -54,8 +68,19 @@ def local_small(smoke_run):
 
 def test_run_under_torchrun_equals_local_run(local_small, tmp_path):
     """torchrun starting the ranks changes who starts them, not the training: the same per-step losses."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "ptbench", "launcher=torchrun", *SMOKE, f"results.root={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "ptbench",
+        "launcher=torchrun",
+        *SMOKE,
+        f"results.root={tmp_path}",
+    ]
     proc = run(cmd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     check_ok(proc)
     s = summary(only_run(tmp_path))
@@ -108,8 +133,14 @@ BAD = [
     (["optimizer.lr=-0.1"], "optimizer.lr=-0.1 must be > 0"),
     (["launcher.start_method=forkserver"], "launcher.start_method=forkserver: choose auto, spawn, fork"),
     (["workload.seq_len=0"], "workload.seq_len=0 must be > 0"),
-    (["data=wikitext2", f"data.root={os.environ['BENCH_DATA_ROOT']}/wikitext-2", "data.tokenizer_dir=/nonexistent/tok"],
-     "data.tokenizer_dir: /nonexistent/tok has no"),
+    (
+        [
+            "data=wikitext2",
+            f"data.root={os.environ['BENCH_DATA_ROOT']}/wikitext-2",
+            "data.tokenizer_dir=/nonexistent/tok",
+        ],
+        "data.tokenizer_dir: /nonexistent/tok has no",
+    ),
 ]
 
 
@@ -136,15 +167,24 @@ def test_bad_input_is_refused_by_the_checks(tmp_path, monkeypatch, overrides, me
 CLI = [
     (["launcher=torchrun"], "launcher=torchrun but RANK/WORLD_SIZE/LOCAL_RANK are not set", ""),
     (["trainer.precision=fp16"], "trainer.precision=fp16 needs a GPU", ""),
-    (["trainer.batchsize=3"], "trainer.batchsize: Key 'batchsize' not in 'TrainerConfig'", "python -m ptbench --cfg job"),
+    (
+        ["trainer.batchsize=3"],
+        "trainer.batchsize: Key 'batchsize' not in 'TrainerConfig'",
+        "python -m ptbench --cfg job",
+    ),
     (["adapter=ddp", "adapter.stage=3"], "adapter.stage is not a key of adapter=ddp", "adapter=zero"),
 ]
 
 
 @pytest.mark.parametrize("overrides, message, fix", CLI, ids=[" ".join(o) for o, _, _ in CLI])
 def test_refused_with_one_line_and_nothing_running(tmp_path, overrides, message, fix):
-    proc = bench(*SMALL, *overrides, results=tmp_path / "r", timeout=120,
-                 env={"BENCH_DATA_ROOT": "/nonexistent", "CUDA_VISIBLE_DEVICES": ""})
+    proc = bench(
+        *SMALL,
+        *overrides,
+        results=tmp_path / "r",
+        timeout=120,
+        env={"BENCH_DATA_ROOT": "/nonexistent", "CUDA_VISIBLE_DEVICES": ""},
+    )
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and message in lines[0] and fix in lines[0], lines[0]
@@ -167,12 +207,15 @@ def test_unwritable_results_dir(tmp_path):
     assert not Path("/proc/forbidden").exists()
 
 
-@pytest.mark.parametrize("override, message", [
-    ("trainer.batch_size=abc", "trainer.batch_size=abc: Value 'abc'"),
-    ("adapter=nosuch", "Could not find 'adapter/nosuch'; choose one of: ddp, fsdp"),
-    ("workload=nosuch", "Could not find 'workload/nosuch'"),
-    ("experiment=nosuch", "Could not find 'experiment/nosuch'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.batch_size=abc", "trainer.batch_size=abc: Value 'abc'"),
+        ("adapter=nosuch", "Could not find 'adapter/nosuch'; choose one of: ddp, fsdp"),
+        ("workload=nosuch", "Could not find 'workload/nosuch'"),
+        ("experiment=nosuch", "Could not find 'experiment/nosuch'"),
+    ],
+)
 def test_schema_rejects_unknown_key_and_wrong_type(override, message):
     with pytest.raises(ConfigError) as e:
         compose([override])
@@ -181,10 +224,16 @@ def test_schema_rejects_unknown_key_and_wrong_type(override, message):
 
 def test_key_of_another_adapter_names_its_owner():
     for overrides, message, owner in [
-        (["adapter=ddp", "adapter.fusion_threshold_mb=64"], "adapter.fusion_threshold_mb is not a key of adapter=ddp",
-         "adapter=horovod"),
-        (["adapter=fsdp", "adapter.tensor_parallel=2"], "adapter.tensor_parallel is not a key of adapter=fsdp",
-         "adapter=megatron / adapter=tensor_parallel"),
+        (
+            ["adapter=ddp", "adapter.fusion_threshold_mb=64"],
+            "adapter.fusion_threshold_mb is not a key of adapter=ddp",
+            "adapter=horovod",
+        ),
+        (
+            ["adapter=fsdp", "adapter.tensor_parallel=2"],
+            "adapter.tensor_parallel is not a key of adapter=fsdp",
+            "adapter=megatron / adapter=tensor_parallel",
+        ),
     ]:
         with pytest.raises(ConfigError) as e:
             compose(overrides)
@@ -201,8 +250,9 @@ def test_the_plan_is_made_once_with_one_meta_model(tmp_path, monkeypatch):
 
     devices = []
     build = GPT2Workload.build_model
-    monkeypatch.setattr(GPT2Workload, "build_model",
-                        lambda self: devices.append(torch.get_default_device().type) or build(self))
+    monkeypatch.setattr(
+        GPT2Workload, "build_model", lambda self: devices.append(torch.get_default_device().type) or build(self)
+    )
     cfg = typed(compose([*SMALL, "adapter=zero", "adapter.stage=3", "launcher.nprocs=2", f"results.root={tmp_path}"]))
     plan, prediction = plan_run(cfg, "local")
     assert devices == ["meta"]

@@ -3,6 +3,7 @@
 Every import statement of every module is read (function-level, lazy imports included), so a
 driver-only helper that an adapter imports "just inside a function" still fails here.
 """
+
 from __future__ import annotations
 
 import ast
@@ -12,8 +13,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # repository folder -> the import name it installs as (pyproject.toml's package-dir)
-FOLDERS = {"bench": "ptbench", "adapters": "ptbench.adapters", "workloads": "ptbench.workloads",
-           "analysis": "ptbench.analysis"}
+FOLDERS = {
+    "bench": "ptbench",
+    "adapters": "ptbench.adapters",
+    "workloads": "ptbench.workloads",
+    "analysis": "ptbench.analysis",
+}
 LAYERS = {"plumbing": 0, "workloads": 1, "adapters": 2, "runner": 3, "drivers": 4}
 
 
@@ -90,10 +95,13 @@ def test_no_module_imports_upward():
 def test_no_module_imports_a_folder_by_its_bare_name():
     """Everything installs under ptbench: an `import adapters` (or bench, workloads, analysis) would
     reach another project's package of that name on the index, or nothing."""
-    found = [f"{module_name(path)}:{lineno} imports {name}"
-             for path in project_modules()
-             for lineno, names in imported(path.read_text(), module_name(path), path.name == "__init__.py")
-             for name in names[:1] if name.split(".")[0] in FOLDERS]
+    found = [
+        f"{module_name(path)}:{lineno} imports {name}"
+        for path in project_modules()
+        for lineno, names in imported(path.read_text(), module_name(path), path.name == "__init__.py")
+        for name in names[:1]
+        if name.split(".")[0] in FOLDERS
+    ]
     assert found == []
 
 
@@ -102,22 +110,36 @@ def test_every_module_has_a_layer():
     assert layer(module_name(REPO / "bench/plugins/hydra_plugins/ptbench_launcher/__init__.py")) == "drivers"
 
 
-@pytest.mark.parametrize("module, source", [
-    ("ptbench.core.records", "def f():\n    from ptbench.workloads import build_workload\n"),  # plumbing -> workloads, lazily
-    ("ptbench.workloads.gpt2", "import ptbench.adapters.base\n"),
-    ("ptbench.adapters.ddp", "from ptbench.runner.trainer import Trainer\n"),
-    ("ptbench.adapters.zero", "from ptbench import sweep\n"),
-    ("ptbench.runner.launch", "from ptbench.smoke import run_one\n"),
-    ("ptbench.analysis.plots", "from ptbench.core.records import RunRecord\n"),
-    ("ptbench.demo", "from ptbench.analysis.report import write_report\n"),
-])
+@pytest.mark.parametrize(
+    "module, source",
+    [
+        (
+            "ptbench.core.records",
+            "def f():\n    from ptbench.workloads import build_workload\n",
+        ),  # plumbing -> workloads, lazily
+        ("ptbench.workloads.gpt2", "import ptbench.adapters.base\n"),
+        ("ptbench.adapters.ddp", "from ptbench.runner.trainer import Trainer\n"),
+        ("ptbench.adapters.zero", "from ptbench import sweep\n"),
+        ("ptbench.runner.launch", "from ptbench.smoke import run_one\n"),
+        ("ptbench.analysis.plots", "from ptbench.core.records import RunRecord\n"),
+        ("ptbench.demo", "from ptbench.analysis.report import write_report\n"),
+    ],
+)
 def test_the_check_catches_upward_imports(module, source):
     assert len(violations(module, source)) == 1
 
 
 def test_the_check_allows_downward_imports():
-    assert violations("ptbench.runner.launch", "from ptbench.adapters import get_adapter_class\nfrom ptbench.core import dist\n") == []
-    assert violations("ptbench.adapters.ddp", "from . import base\nfrom ptbench.adapters._pipeline import x\n", False) == []
+    assert (
+        violations(
+            "ptbench.runner.launch", "from ptbench.adapters import get_adapter_class\nfrom ptbench.core import dist\n"
+        )
+        == []
+    )
+    assert (
+        violations("ptbench.adapters.ddp", "from . import base\nfrom ptbench.adapters._pipeline import x\n", False)
+        == []
+    )
 
 
 def import_graph(package: str) -> dict[str, set[str]]:
@@ -137,7 +159,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     def walk(node: str, path: list[str]) -> None:
         for nxt in sorted(graph.get(node, ())):
             if nxt in path:
-                circle = path[path.index(nxt):]
+                circle = path[path.index(nxt) :]
                 key = frozenset(circle)
                 if key not in seen:
                     seen.add(key)

@@ -1,5 +1,6 @@
 """The layout object and the adapters' cost inputs (ptbench.core.layout): validated once, stated by each
 adapter, carried in the plan, and the only thing the cost models read (no adapter names there)."""
+
 from __future__ import annotations
 
 import ast
@@ -24,8 +25,15 @@ def _cfg(*overrides: str):
 def test_layout_invariant_and_record_form():
     assert Layout(world_size=4, dp=2, tp=2).devices == 4
     gpipe = Layout(world_size=1, dp=1, pp=4, devices_per_process=4, microbatches=16)  # one process, 4 devices
-    assert gpipe.as_dict() == {"world_size": 1, "dp": 1, "tp": 1, "pp": 4, "devices_per_process": 4,
-                               "microbatches": 16, "devices": 4}
+    assert gpipe.as_dict() == {
+        "world_size": 1,
+        "dp": 1,
+        "tp": 1,
+        "pp": 4,
+        "devices_per_process": 4,
+        "microbatches": 16,
+        "devices": 4,
+    }
     json.dumps(gpipe.as_dict())
     with pytest.raises(ConfigError, match=r"^layout: dp=2 x tp=2 x pp=1 = 4 does not equal the 6 device\(s\)"):
         Layout(world_size=6, dp=2, tp=2)
@@ -36,16 +44,22 @@ def test_layout_invariant_and_record_form():
             CostInputs(**bad)
 
 
-@pytest.mark.parametrize("overrides, world, want", [
-    (["adapter=ddp"], 2, dict(dp=2, tp=1, pp=1, devices_per_process=1, microbatches=1)),
-    (["adapter=zero3"], 4, dict(dp=4, tp=1, pp=1, devices_per_process=1, microbatches=1)),
-    (["adapter=tensor_parallel", "adapter.tensor_parallel=2"], 4, dict(dp=2, tp=2, pp=1, microbatches=1)),
-    (["adapter=megatron", "adapter.tensor_parallel=2", "adapter.pipeline_parallel=2"], 8,
-     dict(dp=2, tp=2, pp=2, microbatches=8)),
-    (["adapter=pipeline", "adapter.pipeline_parallel=2"], 4, dict(dp=2, pp=2, microbatches=8)),
-    (["adapter=pipeline", "adapter.microbatches=4"], 2, dict(dp=1, pp=2, microbatches=4)),
-    (["adapter=gpipe", "adapter.pipeline_parallel=3"], 1, dict(dp=1, pp=3, devices_per_process=3, microbatches=12)),
-])
+@pytest.mark.parametrize(
+    "overrides, world, want",
+    [
+        (["adapter=ddp"], 2, dict(dp=2, tp=1, pp=1, devices_per_process=1, microbatches=1)),
+        (["adapter=zero3"], 4, dict(dp=4, tp=1, pp=1, devices_per_process=1, microbatches=1)),
+        (["adapter=tensor_parallel", "adapter.tensor_parallel=2"], 4, dict(dp=2, tp=2, pp=1, microbatches=1)),
+        (
+            ["adapter=megatron", "adapter.tensor_parallel=2", "adapter.pipeline_parallel=2"],
+            8,
+            dict(dp=2, tp=2, pp=2, microbatches=8),
+        ),
+        (["adapter=pipeline", "adapter.pipeline_parallel=2"], 4, dict(dp=2, pp=2, microbatches=8)),
+        (["adapter=pipeline", "adapter.microbatches=4"], 2, dict(dp=1, pp=2, microbatches=4)),
+        (["adapter=gpipe", "adapter.pipeline_parallel=3"], 1, dict(dp=1, pp=3, devices_per_process=3, microbatches=12)),
+    ],
+)
 def test_each_adapter_states_its_layout(overrides, world, want):
     cfg = _cfg(*overrides)
     layout = get_adapter_class(cfg.adapter.name).layout(cfg, world)
@@ -67,7 +81,12 @@ def test_cost_inputs_state_what_the_models_read():
         c = get_adapter_class("zero").cost_inputs(_cfg("adapter=zero", f"adapter.stage={stage}"))
         assert c.sharding == f"zero{stage}" and c.half_states
     fsdp = get_adapter_class("fsdp").cost_inputs(_cfg("adapter=fsdp", "adapter.reshard_after_forward=false"))
-    assert (fsdp.sharding, fsdp.half_states, fsdp.half_gather, fsdp.reshard_after_forward) == ("fsdp", False, True, False)
+    assert (fsdp.sharding, fsdp.half_states, fsdp.half_gather, fsdp.reshard_after_forward) == (
+        "fsdp",
+        False,
+        True,
+        False,
+    )
     hv = get_adapter_class("horovod").cost_inputs(_cfg("adapter=horovod", "adapter.fusion_threshold_mb=64"))
     assert hv.fusion_buffer_bytes == 64 * 2**20 and hv.grad_sync_phase == "optimizer"
     # Megatron's vocabulary padding: stated once, by its adapter (a multiple of 128 x TP)
@@ -117,8 +136,11 @@ def _code_strings(path: Path) -> set[str]:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
                 docs.add(id(first.value))
-    return {n.value for n in ast.walk(tree)
-            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs}
+    return {
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+    }
 
 
 @pytest.mark.parametrize("module", ["bench/core/memory_model.py", "bench/core/comm_volume.py", "bench/runner/plan.py"])

@@ -1,5 +1,6 @@
 """The measuring parts on their own: memory peaks (CPU twin of the CUDA path), phase timers,
 mixed precision's CPU twin, samplers that make runs at different scales comparable."""
+
 from __future__ import annotations
 
 import time

@@ -17,6 +17,7 @@ elsewhere these tests are skipped, except in CI (CI=true), where they fail, as i
 The module starts the two-node cluster and stops it at the end, also when a test fails; the
 one-node cluster of test_slurm.py (its own slurm.conf, ports and munged) is not touched.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,10 @@ CASES = {
     "megatron_tp2": (["adapter=megatron", "adapter.tensor_parallel=2"], "block"),
     # 4 micro-batches of 1 per replica (with 2 micro-batches, i.e. as many as stages, the DDP-wrapped
     # stages of adapter=pipeline fail even on one node: see the report of issue 16)
-    "pipeline_pp2": (["adapter=pipeline", "adapter.pipeline_parallel=2", "trainer.batch_size=8",
-                      "adapter.microbatches=4"], "cyclic"),
+    "pipeline_pp2": (
+        ["adapter=pipeline", "adapter.pipeline_parallel=2", "trainer.batch_size=8", "adapter.microbatches=4"],
+        "cyclic",
+    ),
 }
 TOL = 1e-5
 
@@ -112,8 +115,10 @@ def job_logs(folder: Path) -> str:
 
 
 def test_tasks_run_in_two_namespaces_with_own_hosts_and_addresses(cluster):
-    probe = ('echo "$SLURM_PROCID $(hostname) $(ip -4 -o addr show eth0 | awk \'{print $4}\') '
-             '$(readlink /proc/self/ns/net) $(readlink /proc/self/ns/uts) $(getent hosts tbn1 | awk \'{print $1}\')"')
+    probe = (
+        "echo \"$SLURM_PROCID $(hostname) $(ip -4 -o addr show eth0 | awk '{print $4}') "
+        "$(readlink /proc/self/ns/net) $(readlink /proc/self/ns/uts) $(getent hosts tbn1 | awk '{print $1}')\""
+    )
     proc = slurm(cluster, "srun", "-N2", "--ntasks-per-node=1", "sh", "-c", probe)
     check_ok(proc)
     rows = sorted(line.split() for line in proc.stdout.strip().splitlines())
@@ -133,8 +138,23 @@ def test_two_nodes_give_the_losses_of_one_node(cluster, case, tmp_path):
     overrides, distribution = CASES[case]
     point = [*overrides, *SMALL]
     env = {**cluster, "REPO": str(REPO), "PYTHON": sys.executable, "RESULTS": str(tmp_path / "slurm")}
-    proc = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", f"--distribution={distribution}",
-                           str(RUN), *point], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=2",
+            "--ntasks-per-node=2",
+            f"--distribution={distribution}",
+            str(RUN),
+            *point,
+        ],
+        check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip().split(";")[0]
     try:

@@ -3,6 +3,7 @@
 Expected values are written out (vendor datasheets, hand-counted parameters), not recomputed with
 the code under test.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,13 +72,24 @@ def test_host_clock_is_the_cpu_default_and_phase_sync_is_off():
 
 
 # --- 2. MFU against the right peak --------------------------------------------------------------
-@pytest.mark.parametrize("name, dtype, tflops", [
-    ("NVIDIA H100 80GB HBM3", "fp32", 67), ("NVIDIA H100 80GB HBM3", "tf32", 494.7), ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
-    ("NVIDIA H100 PCIe", "tf32", 378), ("NVIDIA H100 PCIe", "bf16", 756), ("NVIDIA H100 NVL", "bf16", 835.5),
-    ("NVIDIA H200", "bf16", 989.4), ("NVIDIA H200 NVL", "bf16", 835.5), ("NVIDIA A100-SXM4-80GB", "tf32", 156),
-    ("NVIDIA A100-SXM4-80GB", "fp32", 19.5), ("NVIDIA L40S", "bf16", 362), ("AMD Instinct MI300X", "bf16", 1307.4),
-    ("AMD Instinct MI250X", "bf16", 191.5),  # per GCD: half the module's 383
-])
+@pytest.mark.parametrize(
+    "name, dtype, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "fp32", 67),
+        ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 PCIe", "tf32", 378),
+        ("NVIDIA H100 PCIe", "bf16", 756),
+        ("NVIDIA H100 NVL", "bf16", 835.5),
+        ("NVIDIA H200", "bf16", 989.4),
+        ("NVIDIA H200 NVL", "bf16", 835.5),
+        ("NVIDIA A100-SXM4-80GB", "tf32", 156),
+        ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
+        ("NVIDIA L40S", "bf16", 362),
+        ("AMD Instinct MI300X", "bf16", 1307.4),
+        ("AMD Instinct MI250X", "bf16", 191.5),  # per GCD: half the module's 383
+    ],
+)
 def test_peak_table(name, dtype, tflops):
     assert peak_for(name, dtype) == pytest.approx(tflops * 1e12)
 
@@ -106,12 +118,18 @@ def test_lamb_has_no_clipping_of_its_own():
     assert opt.defaults["max_grad_norm"] is None  # timm's default is 1.0
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["adapter=megatron", "adapter.tensor_parallel=2", "optimizer=lamb"], "adapter=megatron with tensor_parallel=2"),
-    (["adapter=tensor_parallel", "optimizer=lars"], "adapter=tensor_parallel with tensor_parallel=2"),
-    (["adapter=fsdp", "optimizer=lamb"], "adapter=fsdp shards every tensor"),
-    (["adapter=zero2", "optimizer=lamb"], "per-layer trust ratio needs whole parameter tensors"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["adapter=megatron", "adapter.tensor_parallel=2", "optimizer=lamb"],
+            "adapter=megatron with tensor_parallel=2",
+        ),
+        (["adapter=tensor_parallel", "optimizer=lars"], "adapter=tensor_parallel with tensor_parallel=2"),
+        (["adapter=fsdp", "optimizer=lamb"], "adapter=fsdp shards every tensor"),
+        (["adapter=zero2", "optimizer=lamb"], "per-layer trust ratio needs whole parameter tensors"),
+    ],
+)
 def test_layerwise_optimizers_refused_on_sliced_tensors(tmp_path, overrides, message):
     cfg = typed(compose([*TINY, *overrides, "launcher.nprocs=2", f"results.root={tmp_path}"]))
     with pytest.raises(ConfigError, match=message) as e:
@@ -123,8 +141,15 @@ def test_layerwise_optimizers_refused_on_sliced_tensors(tmp_path, overrides, mes
 def test_lamb_without_clipping_pipeline_equals_single_process(tmp_path):
     """optimizer=lamb trainer.grad_clip=0: a 2-stage pipeline gives the 1-rank DDP losses (before the fix
     timm clipped each stage's gradients by that stage's norm: 6e-6 apart at step 2, 1.4e-5 at step 8)."""
-    common = [*TINY, "optimizer=lamb", "trainer.grad_clip=0", "trainer.max_steps=8", "trainer.batch_size=8",
-              "data.train_samples=128", "trainer.eval_every_epoch=false"]
+    common = [
+        *TINY,
+        "optimizer=lamb",
+        "trainer.grad_clip=0",
+        "trainer.max_steps=8",
+        "trainer.batch_size=8",
+        "data.train_samples=128",
+        "trainer.eval_every_epoch=false",
+    ]
     check_ok(bench(*common, "adapter=ddp", "launcher.nprocs=1", results=tmp_path / "ddp"))
     check_ok(bench(*common, "adapter=pipeline", "launcher.nprocs=2", "adapter.microbatches=4", results=tmp_path / "pp"))
     ref, pp = step_losses(only_run(tmp_path / "ddp")), step_losses(only_run(tmp_path / "pp"))
@@ -146,8 +171,14 @@ def test_no_decay_on_biases_and_norms():
 @pytest.mark.slow
 def test_partial_and_steady_epochs(tmp_path):
     # 48 samples / global batch 8 = 6 steps per epoch; 3 whole epochs, then a run cut to 2 steps per epoch
-    whole = [*TINY, "data.train_samples=48", "trainer.max_steps=0", "trainer.epochs=3", "trainer.batch_size=4",
-             "trainer.eval_every_epoch=false"]
+    whole = [
+        *TINY,
+        "data.train_samples=48",
+        "trainer.max_steps=0",
+        "trainer.epochs=3",
+        "trainer.batch_size=4",
+        "trainer.eval_every_epoch=false",
+    ]
     check_ok(bench(*whole, results=tmp_path / "whole"))
     run = only_run(tmp_path / "whole")
     ev, s = events(run), summary(run)
@@ -178,7 +209,9 @@ def test_cpu_memory_delta_recorded(smoke_run):
 def test_process_group_timeout_follows_the_watchdog(tmp_path):
     t = typed(compose([])).trainer
     assert dist_timeout_s(t) == t.hang_timeout_s + 60
-    cfg = typed(compose([*TINY, "trainer.dist_timeout_s=300", "trainer.hang_timeout_s=900", f"results.root={tmp_path}"]))
+    cfg = typed(
+        compose([*TINY, "trainer.dist_timeout_s=300", "trainer.hang_timeout_s=900", f"results.root={tmp_path}"])
+    )
     with pytest.raises(ConfigError, match="must exceed trainer.hang_timeout_s=900"):
         make_plan(cfg, "local")
 

@@ -6,6 +6,7 @@ link to the test venv is a .pth line naming its site-packages (for torch and the
 second 6 GB install would prove nothing more). The runs start in an empty folder, far from the
 checkout, with PYTHONPATH removed from the environment.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,16 +25,42 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("pkg")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO),
-                    "-w", str(tmp / "dist")], check=True, capture_output=True, cwd=tmp, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            str(REPO),
+            "-w",
+            str(tmp / "dist"),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp,
+        timeout=600,
+    )
     wheel = next((tmp / "dist").glob("ptbench-*.whl"))
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    site = Path(subprocess.run([str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     return venv / "bin/python"
 
 
@@ -43,7 +70,12 @@ def _run(python: Path, cwd: Path, *args: str, timeout: int = 600) -> subprocess.
 
 
 def test_installed_package_is_not_the_checkout(installed, tmp_path):
-    proc = _run(installed, tmp_path, "-c", "import ptbench, hydra_plugins.ptbench_launcher as p; print(ptbench.__file__, p.__file__)")
+    proc = _run(
+        installed,
+        tmp_path,
+        "-c",
+        "import ptbench, hydra_plugins.ptbench_launcher as p; print(ptbench.__file__, p.__file__)",
+    )
     assert proc.returncode == 0, proc.stderr
     assert str(REPO) not in proc.stdout and "site-packages" in proc.stdout, proc.stdout
 
@@ -51,8 +83,11 @@ def test_installed_package_is_not_the_checkout(installed, tmp_path):
 def test_everything_installs_under_one_namespace(installed, tmp_path):
     """The wheel puts ptbench/ and Hydra's plugin folder in site-packages and nothing else: the folders'
     own names (bench, adapters, workloads, analysis) belong to other projects on the package index."""
-    site = Path(_run(installed, tmp_path, "-c", "import ptbench, pathlib; print(pathlib.Path(ptbench.__file__).parents[1])")
-                .stdout.strip())
+    site = Path(
+        _run(
+            installed, tmp_path, "-c", "import ptbench, pathlib; print(pathlib.Path(ptbench.__file__).parents[1])"
+        ).stdout.strip()
+    )
     tops = sorted(p.name for p in site.iterdir() if p.name != "deps.pth" and not p.name.endswith(".dist-info"))
     assert tops == ["bin", "hydra_plugins", "ptbench"], tops  # bin/: pip --target puts the console script there
     assert sorted(p.name for p in (site / "bin").iterdir()) == ["ptbench"]
@@ -72,8 +107,18 @@ def test_smoke_run_from_any_directory(installed, tmp_path):
 
 
 def test_submitit_local_multirun_without_pythonpath(installed, tmp_path):
-    proc = _run(installed, tmp_path, "-m", "ptbench", "-m", "hydra/launcher=submitit_local", "experiment=smoke",
-                "launcher.nprocs=1", "trainer.max_steps=2", "results.root=out")
+    proc = _run(
+        installed,
+        tmp_path,
+        "-m",
+        "ptbench",
+        "-m",
+        "hydra/launcher=submitit_local",
+        "experiment=smoke",
+        "launcher.nprocs=1",
+        "trainer.max_steps=2",
+        "results.root=out",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = list((tmp_path / "out").rglob("summary.json"))
     assert len(summaries) == 1 and '"status": "ok"' in summaries[0].read_text()
@@ -83,11 +128,28 @@ def test_submitit_local_multirun_without_pythonpath(installed, tmp_path):
 def test_plugin_is_scanned_and_its_config_typed(installed, tmp_path):
     """Hydra's plugin scan finds the launcher (Hydra instantiates only scanned plugins), and
     hydra/launcher=bench_slurm composes against the stock schema it extends: a misspelt field is refused."""
-    proc = _run(installed, tmp_path, "-c", "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import "
-                "Launcher; print([p.__name__ for p in Plugins.instance().discover(Launcher)])")
+    proc = _run(
+        installed,
+        tmp_path,
+        "-c",
+        "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import "
+        "Launcher; print([p.__name__ for p in Plugins.instance().discover(Launcher)])",
+    )
     assert proc.returncode == 0 and "BenchSlurmLauncher" in proc.stdout, proc.stdout + proc.stderr
-    proc = _run(installed, tmp_path, "-m", "ptbench", "hydra/launcher=bench_slurm", "--cfg", "hydra", "-p", "hydra.launcher")
-    assert proc.returncode == 0 and "BenchSlurmLauncher" in proc.stdout and "signal_delay_s: 120" in proc.stdout, proc.stderr
-    proc = _run(installed, tmp_path, "-m", "ptbench", "hydra/launcher=bench_slurm", "hydra.launcher.gpus_per_nod=8",
-                "--cfg", "hydra")
+    proc = _run(
+        installed, tmp_path, "-m", "ptbench", "hydra/launcher=bench_slurm", "--cfg", "hydra", "-p", "hydra.launcher"
+    )
+    assert proc.returncode == 0 and "BenchSlurmLauncher" in proc.stdout and "signal_delay_s: 120" in proc.stdout, (
+        proc.stderr
+    )
+    proc = _run(
+        installed,
+        tmp_path,
+        "-m",
+        "ptbench",
+        "hydra/launcher=bench_slurm",
+        "hydra.launcher.gpus_per_nod=8",
+        "--cfg",
+        "hydra",
+    )
     assert proc.returncode != 0 and "gpus_per_nod" in proc.stderr, proc.stderr

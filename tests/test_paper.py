@@ -1,4 +1,5 @@
 """The paper's protocol (ptbench.paper): phase dependency, the OOM fallback, the ZeRO optimizer exception."""
+
 from __future__ import annotations
 
 import json
@@ -46,20 +47,43 @@ def test_layouts_per_gpu_count():
 
 def test_plan_dry_run_submits_phase_two_after_phase_one(tmp_path):
     out = tmp_path / "plan"
-    proc = subprocess.run([sys.executable, "-m", "ptbench.paper", "plan", "--workloads", "gpt2_tiny", "--adapters", "ddp,gpipe",
-                           "--gpus", "1,2", "--gpus-per-node", "1", "--out", str(out), "--dry-run"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ptbench.paper",
+            "plan",
+            "--workloads",
+            "gpt2_tiny",
+            "--adapters",
+            "ddp,gpipe",
+            "--gpus",
+            "1,2",
+            "--gpus-per-node",
+            "1",
+            "--out",
+            str(out),
+            "--dry-run",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("sbatch")]
     epoch = [ln for ln in lines if "epoch.txt" in ln]
     memory = [ln for ln in lines if "memory.txt" in ln]
     stateff = [ln for ln in lines if "bench-paper-stateff" in ln]
-    assert len(stateff) == 1 and len(epoch) == 2 and len(memory) == 2  # 1 and 2 ranks; gpipe x2 needs 2 GPUs on a 1-GPU node
+    assert (
+        len(stateff) == 1 and len(epoch) == 2 and len(memory) == 2
+    )  # 1 and 2 ranks; gpipe x2 needs 2 GPUs on a 1-GPU node
     # phase 2 waits for every phase-1 array, and only for them; phase 3 waits for nothing
     assert "--dependency=afterok:<epoch-0>:<epoch-1>" in stateff[0] and "ptbench.paper stateff" in stateff[0]
     assert not any("--dependency" in ln for ln in epoch + memory)
     assert json.loads((out / "plan.json").read_text())["skipped"] == [
-        "gpt2_tiny gpipe x2: one process drives every partition (one node)"]
+        "gpt2_tiny gpipe x2: one process drives every partition (one node)"
+    ]
 
 
 def test_stateff_picks_each_adapters_fastest_gpu_count(tmp_path):
@@ -71,9 +95,18 @@ def test_stateff_picks_each_adapters_fastest_gpu_count(tmp_path):
     for point, t in zip(phases["epoch"], (3.0, 2.0)):  # 2 ranks faster
         d = results / "paper-epoch-gpt2_tiny" / f"run-{t}"
         d.mkdir(parents=True)
-        (d / "summary.json").write_text(json.dumps({"status": "ok", "experiment": "paper-epoch-gpt2_tiny",
-                                                    "workload": "gpt2_tiny", "adapter": "ddp",
-                                                    "point": point_id(point), "epoch_time_steady_s": t}))
+        (d / "summary.json").write_text(
+            json.dumps(
+                {
+                    "status": "ok",
+                    "experiment": "paper-epoch-gpt2_tiny",
+                    "workload": "gpt2_tiny",
+                    "adapter": "ddp",
+                    "point": point_id(point),
+                    "epoch_time_steady_s": t,
+                }
+            )
+        )
     chosen = choose_stateff(out, results)
     assert len(chosen) == 1 and "launcher.nprocs=2" in chosen[0]
     assert not any(o.startswith("trainer.epochs=") for o in chosen[0])  # the preset's full training
@@ -82,10 +115,16 @@ def test_stateff_picks_each_adapters_fastest_gpu_count(tmp_path):
 @pytest.mark.slow
 def test_oom_point_is_retried_once_with_half_the_batch(tmp_path):
     sweep = tmp_path / "sweep.txt"
-    sweep.write_text("experiment=smoke workload.vocab_size=256 trainer.batch_size=4 launcher.nprocs=1 "
-                     "trainer.inject_fault=oom@0:1\n")
-    proc = subprocess.run([sys.executable, "-m", "ptbench.sweep", "run", str(sweep), "--", f"results.root={tmp_path / 'r'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    sweep.write_text(
+        "experiment=smoke workload.vocab_size=256 trainer.batch_size=4 launcher.nprocs=1 trainer.inject_fault=oom@0:1\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ptbench.sweep", "run", str(sweep), "--", f"results.root={tmp_path / 'r'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1 and "once more with trainer.batch_size=2" in proc.stdout, proc.stdout + proc.stderr
     runs = {summary(d)["global_batch"] if summary(d).get("global_batch") else None: d for d in run_dirs(tmp_path / "r")}
     records = [summary(d) for d in run_dirs(tmp_path / "r")]
@@ -106,8 +145,13 @@ def test_array_task_retries_only_an_oom_record_with_half_the_batch(tmp_path):
     cfg = compose_point(["experiment=smoke", "trainer.batch_size=4", "launcher.nprocs=2", *extra])
 
     def ask() -> str:
-        proc = subprocess.run([sys.executable, "-m", "ptbench.sweep", "point", str(sweep), "0", "--oom-retry", "--",
-                               *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "ptbench.sweep", "point", str(sweep), "0", "--oom-retry", "--", *extra],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
 
@@ -126,8 +170,9 @@ def test_array_task_retries_only_an_oom_record_with_half_the_batch(tmp_path):
 def test_array_task_on_slurm_retries_an_oom_point_once(slurm, tmp_path):
     """slurm/array.sbatch on the local cluster: the injected OOM (every attempt) is retried once, with half the batch."""
     sweep, results = tmp_path / "sweep.txt", tmp_path / "results"
-    sweep.write_text("experiment=smoke workload.vocab_size=256 trainer.batch_size=4 launcher.nprocs=1 "
-                     "trainer.inject_fault=oom@0:1\n")
+    sweep.write_text(
+        "experiment=smoke workload.vocab_size=256 trainer.batch_size=4 launcher.nprocs=1 trainer.inject_fault=oom@0:1\n"
+    )
     job = sbatch("--array=0", str(ARRAY), str(sweep), cwd=tmp_path, env=job_env(results))
     wait_done(job, 300, tmp_path)
     assert final_states(job)[f"{job}_0"][0] == "FAILED", job_logs(tmp_path)  # the retry ran out of memory too
@@ -141,10 +186,24 @@ def frame(rows: list[tuple]):
     """(adapter, label, devices, MiB, s/sample) -> a frame shaped like ptbench.analysis.tables.runs' rows."""
     import pandas as pd
 
-    return pd.DataFrame([{"run_id": f"{lab}-x{n}", "run_dir": f"/nowhere/{lab}-{n}", "workload": "w", "adapter": a,
-                          "label": lab, "devices": n, "status": "ok", "mem_plot_bytes": mib * 2**20,
-                          "time_per_sample_used_s": t, "batch_size": 8, "batch_reduced_from": None}
-                         for a, lab, n, mib, t in rows])
+    return pd.DataFrame(
+        [
+            {
+                "run_id": f"{lab}-x{n}",
+                "run_dir": f"/nowhere/{lab}-{n}",
+                "workload": "w",
+                "adapter": a,
+                "label": lab,
+                "devices": n,
+                "status": "ok",
+                "mem_plot_bytes": mib * 2**20,
+                "time_per_sample_used_s": t,
+                "batch_size": 8,
+                "batch_reduced_from": None,
+            }
+            for a, lab, n, mib, t in rows
+        ]
+    )
 
 
 def verdicts(df) -> dict[str, str]:
@@ -153,35 +212,58 @@ def verdicts(df) -> dict[str, str]:
     return {c["claim"]: c["verdict"] for c in claims(df)["w"]}
 
 
-HOLD = [("ddp", "ddp", 1, 100, 1.0), ("ddp", "ddp", 2, 102, 0.5), ("ddp", "ddp", 4, 98, 0.25),
-        ("zero", "zero2", 1, 60, 1.1), ("zero", "zero2", 2, 50, 0.56), ("zero", "zero2", 4, 45, 0.28),  # 60/49/46 %
-        ("gpipe", "gpipe", 1, 100, 1.3), ("gpipe", "gpipe", 2, 60, 0.8), ("gpipe", "gpipe", 4, 57, 0.5),  # -40 %, -5 %
-        ("megatron", "meg", 1, 100, 1.2), ("megatron", "meg", 2, 70, 0.7), ("megatron", "meg", 4, 90, 0.3)]
+HOLD = [
+    ("ddp", "ddp", 1, 100, 1.0),
+    ("ddp", "ddp", 2, 102, 0.5),
+    ("ddp", "ddp", 4, 98, 0.25),
+    ("zero", "zero2", 1, 60, 1.1),
+    ("zero", "zero2", 2, 50, 0.56),
+    ("zero", "zero2", 4, 45, 0.28),  # 60/49/46 %
+    ("gpipe", "gpipe", 1, 100, 1.3),
+    ("gpipe", "gpipe", 2, 60, 0.8),
+    ("gpipe", "gpipe", 4, 57, 0.5),  # -40 %, -5 %
+    ("megatron", "meg", 1, 100, 1.2),
+    ("megatron", "meg", 2, 70, 0.7),
+    ("megatron", "meg", 4, 90, 0.3),
+]
 
 
 def test_claims_hold_on_records_that_show_them():
     v = verdicts(frame(HOLD))
-    assert v == {"ZeRO per-GPU memory is 42-66 % of DDP's": "holds",
-                 "ZeRO per-GPU memory falls with GPU count while DDP's stays flat": "holds",
-                 "ZeRO epoch time within 15 % of DDP's": "holds",
-                 "pipeline memory per GPU falls, then plateaus": "holds",
-                 "Megatron per-GPU memory is U-shaped": "holds",
-                 "fastest framework at x1": "measured", "fastest framework at x2": "measured",
-                 "fastest framework at x4": "measured"}
+    assert v == {
+        "ZeRO per-GPU memory is 42-66 % of DDP's": "holds",
+        "ZeRO per-GPU memory falls with GPU count while DDP's stays flat": "holds",
+        "ZeRO epoch time within 15 % of DDP's": "holds",
+        "pipeline memory per GPU falls, then plateaus": "holds",
+        "Megatron per-GPU memory is U-shaped": "holds",
+        "fastest framework at x1": "measured",
+        "fastest framework at x2": "measured",
+        "fastest framework at x4": "measured",
+    }
     from ptbench.analysis.claims import claims
 
     found = {c["claim"]: c for c in claims(frame(HOLD))["w"]}
     assert found["fastest framework at x1"]["numbers"].startswith("**ddp** 1e+03 ms/sample; next zero2 1.10x")
     assert found["fastest framework at x4"]["numbers"].startswith("**ddp**")  # 0.25 < megatron 0.3
-    assert "zero2 x1: 60 %; zero2 x2: 49 %; zero2 x4: 46 %" == found["ZeRO per-GPU memory is 42-66 % of DDP's"]["numbers"]
+    assert (
+        "zero2 x1: 60 %; zero2 x2: 49 %; zero2 x4: 46 %" == found["ZeRO per-GPU memory is 42-66 % of DDP's"]["numbers"]
+    )
     assert found["Megatron per-GPU memory is U-shaped"]["runs"] == ["meg-x1", "meg-x2", "meg-x4"]
 
 
 def test_claims_fail_on_records_that_contradict_them():
-    bad = [("ddp", "ddp", 1, 100, 1.0), ("ddp", "ddp", 2, 130, 0.5),  # DDP not flat (100 -> 130)
-           ("zero", "zero2", 1, 80, 1.3), ("zero", "zero2", 2, 50, 0.5),  # 80 % of DDP; 1.30x slower
-           ("gpipe", "gpipe", 1, 100, 1), ("gpipe", "gpipe", 2, 95, 1), ("gpipe", "gpipe", 4, 60, 1),  # -5 % first
-           ("megatron", "meg", 1, 100, 1), ("megatron", "meg", 2, 80, 1), ("megatron", "meg", 4, 60, 1)]  # falls only
+    bad = [
+        ("ddp", "ddp", 1, 100, 1.0),
+        ("ddp", "ddp", 2, 130, 0.5),  # DDP not flat (100 -> 130)
+        ("zero", "zero2", 1, 80, 1.3),
+        ("zero", "zero2", 2, 50, 0.5),  # 80 % of DDP; 1.30x slower
+        ("gpipe", "gpipe", 1, 100, 1),
+        ("gpipe", "gpipe", 2, 95, 1),
+        ("gpipe", "gpipe", 4, 60, 1),  # -5 % first
+        ("megatron", "meg", 1, 100, 1),
+        ("megatron", "meg", 2, 80, 1),
+        ("megatron", "meg", 4, 60, 1),
+    ]  # falls only
     v = verdicts(frame(bad))
     assert [v[k] for k in list(v)[:5]] == ["does not hold"] * 5
 
@@ -210,8 +292,17 @@ def test_stateff_epochs_from_the_plan(tmp_path):
 
     d = results / "paper-epoch-gpt2_tiny" / "run"
     d.mkdir(parents=True)
-    (d / "summary.json").write_text(json.dumps({"status": "ok", "experiment": "paper-epoch-gpt2_tiny", "workload": "gpt2_tiny",
-                                                "adapter": "ddp", "point": point_id(phases["epoch"][0]),
-                                                "epoch_time_steady_s": 1.0}))
+    (d / "summary.json").write_text(
+        json.dumps(
+            {
+                "status": "ok",
+                "experiment": "paper-epoch-gpt2_tiny",
+                "workload": "gpt2_tiny",
+                "adapter": "ddp",
+                "point": point_id(phases["epoch"][0]),
+                "epoch_time_steady_s": 1.0,
+            }
+        )
+    )
     (chosen,) = choose_stateff(out, results)
     assert [o for o in chosen if o.startswith("trainer.epochs=")] == ["trainer.epochs=3"]

@@ -4,6 +4,7 @@
 Reference runs are DDP on one rank with the same global batch (16): micro-batches then change only
 where the work happens, so every step loss and the validation loss must agree within 1e-5.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,13 +23,23 @@ from tests.helpers import (
     summary,
 )
 
-COMMON = ["trainer.max_steps=8", "trainer.progress=false", "trainer.warmup_steps=1", "data.train_samples=128",
-          "data.val_samples=16"]
+COMMON = [
+    "trainer.max_steps=8",
+    "trainer.progress=false",
+    "trainer.warmup_steps=1",
+    "data.train_samples=128",
+    "data.val_samples=16",
+]
 WORKLOADS = {
     # grad_clip 0.5 is active at these sizes: the clipped norm must count the tied wte/lm_head gradient once
     # (a 4096-token vocabulary keeps the head cheap; the initial gradient norm is ~1.9)
-    "gpt2": ["workload=gpt2_tiny", "workload.seq_len=32", "workload.vocab_size=4096", "workload.dropout=0",
-             "trainer.grad_clip=0.5"],
+    "gpt2": [
+        "workload=gpt2_tiny",
+        "workload.seq_len=32",
+        "workload.vocab_size=4096",
+        "workload.dropout=0",
+        "trainer.grad_clip=0.5",
+    ],
     # VGG's classifier dropout off: micro-batching draws dropout masks in another order. SGD: Adam's
     # normalised step turns summation-order noise in VGG-tiny's near-zero gradients into 3e-4 by step 8
     "vgg": ["workload=vgg16_tiny", "workload.dropout=0", "optimizer=sgd", "optimizer.lr=0.05"],
@@ -48,8 +59,16 @@ def reference(tmp_path_factory):
     def get(workload: str) -> dict:
         if workload not in runs:
             out = tmp_path_factory.mktemp(f"ref_{workload}")
-            check_ok(bench(*COMMON, *WORKLOADS[workload], "adapter=ddp", "launcher.nprocs=1", "trainer.batch_size=16",
-                           results=out))
+            check_ok(
+                bench(
+                    *COMMON,
+                    *WORKLOADS[workload],
+                    "adapter=ddp",
+                    "launcher.nprocs=1",
+                    "trainer.batch_size=16",
+                    results=out,
+                )
+            )
             run = only_run(out)
             runs[workload] = {"losses": step_losses(run), "event": events(run)[0], "summary": summary(run)}
             if REF_DROP[workload]:
@@ -104,8 +123,15 @@ def test_gpipe_two_cpu_partitions_equal_unpipelined(tmp_path, reference, workloa
 @pytest.mark.parametrize("workload", ["gpt2", "vgg"])
 def test_pipeline_two_ranks_equal_unpipelined(tmp_path, reference, workload, schedule):
     """One stage per rank, 8 micro-batches of 2 (fixed mini-batch 16), stages split by layer count."""
-    proc = bench(*COMMON, *WORKLOADS[workload], "adapter=pipeline", f"adapter.schedule={schedule}", "launcher.nprocs=2",
-                 "trainer.batch_size=16", results=tmp_path)
+    proc = bench(
+        *COMMON,
+        *WORKLOADS[workload],
+        "adapter=pipeline",
+        f"adapter.schedule={schedule}",
+        "launcher.nprocs=2",
+        "trainer.batch_size=16",
+        results=tmp_path,
+    )
     check_ok(proc)
     run = only_run(tmp_path)
     ref = reference(workload)
@@ -126,8 +152,16 @@ def test_pipeline_two_ranks_equal_unpipelined(tmp_path, reference, workload, sch
 def test_interleaved_1f1b_on_2x2_mesh_equals_unpipelined(tmp_path, reference):
     """4 ranks = 2 pipeline ranks x 2 data-parallel replicas, 4 stages (2 per rank, stage s on rank s % 2):
     the embedding (stage 0, rank 0) and the head (stage 3, rank 1) sum their tied gradients each step."""
-    proc = bench(*COMMON, *WORKLOADS["gpt2"], "adapter=pipeline", "adapter.schedule=interleaved_1f1b",
-                 "adapter.pipeline_parallel=2", "launcher.nprocs=4", "trainer.batch_size=16", results=tmp_path)
+    proc = bench(
+        *COMMON,
+        *WORKLOADS["gpt2"],
+        "adapter=pipeline",
+        "adapter.schedule=interleaved_1f1b",
+        "adapter.pipeline_parallel=2",
+        "launcher.nprocs=4",
+        "trainer.batch_size=16",
+        results=tmp_path,
+    )
     check_ok(proc)
     run = only_run(tmp_path)
     assert_same_training(run, reference("gpt2"))
@@ -143,9 +177,17 @@ def _gpipe(workload: str, trainer: dict | None = None, **adapter):
     from ptbench.runner.compose import compose, typed
     from ptbench.workloads import build_workload
 
-    cfg = typed(compose(["adapter=gpipe", f"workload={workload}", "trainer.batch_size=4",
-                         *(f"adapter.{k}={v}" for k, v in adapter.items()),
-                         *(f"trainer.{k}={v}" for k, v in (trainer or {}).items())]))
+    cfg = typed(
+        compose(
+            [
+                "adapter=gpipe",
+                f"workload={workload}",
+                "trainer.batch_size=4",
+                *(f"adapter.{k}={v}" for k, v in adapter.items()),
+                *(f"trainer.{k}={v}" for k, v in (trainer or {}).items()),
+            ]
+        )
+    )
     wl = build_workload(cfg.workload, cfg.data)
     torch.manual_seed(0)
     reference = wl.build_model()
@@ -195,7 +237,9 @@ def test_deferred_batch_norm_keeps_full_batch_running_statistics():
     plain, _, _ = _gpipe("resnet50_tiny", balance=[11, 12], deferred_batch_norm=False)
     plain.train_step([(x, y)], PhaseTimer(cuda_sync=False))
     assert any(int(bn.num_batches_tracked) > 1 for bn in _batchnorms(plain.model))
-    assert not all(torch.allclose(bn.running_var, var, rtol=1e-3) for bn, (_, var) in zip(_batchnorms(plain.model), expected))
+    assert not all(
+        torch.allclose(bn.running_var, var, rtol=1e-3) for bn, (_, var) in zip(_batchnorms(plain.model), expected)
+    )
 
 
 def test_bf16_autocast_reaches_every_stage(tmp_path, reference):
@@ -206,8 +250,15 @@ def test_bf16_autocast_reaches_every_stage(tmp_path, reference):
     with torch.no_grad():
         assert gp.model(torch.randint(0, 4096, (8, 16))).dtype == torch.bfloat16  # the last partition's head
 
-    proc = bench(*COMMON, *WORKLOADS["gpt2"], "adapter=pipeline", "launcher.nprocs=2", "trainer.batch_size=16",
-                 "trainer.precision=bf16", results=tmp_path)
+    proc = bench(
+        *COMMON,
+        *WORKLOADS["gpt2"],
+        "adapter=pipeline",
+        "launcher.nprocs=2",
+        "trainer.batch_size=16",
+        "trainer.precision=bf16",
+        results=tmp_path,
+    )
     check_ok(proc)
     losses, ref = step_losses(only_run(tmp_path)), reference("gpt2")["losses"]
     assert len(losses) == 8 and not np.allclose(losses, ref, atol=1e-6, rtol=0)
@@ -218,30 +269,47 @@ def test_bf16_autocast_reaches_every_stage(tmp_path, reference):
 
 def test_bad_input_is_one_line_before_launch(tmp_path):
     """As a user sees it: exit code 2, one line naming the problem and the fix, no run folder."""
-    proc = bench("adapter=pipeline", "launcher.nprocs=2", "trainer.batch_size=10", "adapter.microbatches=4",
-                 results=tmp_path)
+    proc = bench(
+        "adapter=pipeline", "launcher.nprocs=2", "trainer.batch_size=10", "adapter.microbatches=4", results=tmp_path
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert err == ["error: the batch of one pipeline replica 10 is not divisible by 4 micro-batches; change "
-                   "trainer.batch_size or adapter.microbatches"]
+    assert err == [
+        "error: the batch of one pipeline replica 10 is not divisible by 4 micro-batches; change "
+        "trainer.batch_size or adapter.microbatches"
+    ]
     assert not list(tmp_path.rglob("summary.json"))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["adapter=pipeline", "launcher.nprocs=5"], "5 pipeline stages but gpt2_tiny has only 4 layers"),
-    (["adapter=pipeline", "launcher.nprocs=3", "adapter.pipeline_parallel=2"], "3 ranks cannot form pipelines"),
-    (["adapter=pipeline", "adapter.schedule=interleaved_1f1b", "adapter.balance=[1,1,2]"],
-     "3 stages, not a multiple of 2 pipeline ranks"),
-    (["adapter=pipeline", "adapter.balance=[1,2]"], "sums to 3 but gpt2_tiny has 4 layers"),
-    (["adapter=pipeline", "adapter.balance=[1,1,1,1]"], "runs one stage per rank"),
-    (["adapter=pipeline", "adapter.microbatches=1", "trainer.batch_size=4"], "at least as many micro-batches as stages"),
-    (["adapter=pipeline", "adapter.schedule=zb"], "adapter.schedule=zb: choose"),
-    (["adapter=gpipe", "adapter.pipeline_parallel=5"], "5 pipeline stages but gpt2_tiny has only 4 layers"),
-    (["adapter=gpipe", "adapter.balance=[1,1,2]"], "3 entries but adapter.pipeline_parallel=2 means 2 stages"),
-    (["adapter=gpipe", "workload=vgg16_tiny", "adapter.balance=[20,21]"], "sums to 41 but vgg16_tiny has 40 layers"),
-    (["adapter=gpipe", "adapter.batch_policy=fixed", "trainer.batch_size=12"], "12 is not divisible by 8 micro-batches"),
-    (["adapter=gpipe", "adapter.checkpoint=sometimes"], "choose always, except_last, never"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["adapter=pipeline", "launcher.nprocs=5"], "5 pipeline stages but gpt2_tiny has only 4 layers"),
+        (["adapter=pipeline", "launcher.nprocs=3", "adapter.pipeline_parallel=2"], "3 ranks cannot form pipelines"),
+        (
+            ["adapter=pipeline", "adapter.schedule=interleaved_1f1b", "adapter.balance=[1,1,2]"],
+            "3 stages, not a multiple of 2 pipeline ranks",
+        ),
+        (["adapter=pipeline", "adapter.balance=[1,2]"], "sums to 3 but gpt2_tiny has 4 layers"),
+        (["adapter=pipeline", "adapter.balance=[1,1,1,1]"], "runs one stage per rank"),
+        (
+            ["adapter=pipeline", "adapter.microbatches=1", "trainer.batch_size=4"],
+            "at least as many micro-batches as stages",
+        ),
+        (["adapter=pipeline", "adapter.schedule=zb"], "adapter.schedule=zb: choose"),
+        (["adapter=gpipe", "adapter.pipeline_parallel=5"], "5 pipeline stages but gpt2_tiny has only 4 layers"),
+        (["adapter=gpipe", "adapter.balance=[1,1,2]"], "3 entries but adapter.pipeline_parallel=2 means 2 stages"),
+        (
+            ["adapter=gpipe", "workload=vgg16_tiny", "adapter.balance=[20,21]"],
+            "sums to 41 but vgg16_tiny has 40 layers",
+        ),
+        (
+            ["adapter=gpipe", "adapter.batch_policy=fixed", "trainer.batch_size=12"],
+            "12 is not divisible by 8 micro-batches",
+        ),
+        (["adapter=gpipe", "adapter.checkpoint=sometimes"], "choose always, except_last, never"),
+    ],
+)
 def test_bad_pipeline_config_is_refused(tmp_path, overrides, message):
     from ptbench.core.errors import ConfigError
     from ptbench.runner.compose import compose, typed
@@ -256,8 +324,15 @@ def test_bad_pipeline_config_is_refused(tmp_path, overrides, message):
 def test_four_stages_middle_ranks_hold_no_tied_copy(tmp_path, reference):
     """4 ranks, one stage each: the middle stages hold neither the embedding nor the head (once crashed in
     the tied-gradient sync), and training still equals the unpipelined run."""
-    proc = bench(*COMMON, *WORKLOADS["gpt2"], "adapter=pipeline", "adapter.schedule=1f1b", "launcher.nprocs=4",
-                 "trainer.batch_size=16", results=tmp_path)
+    proc = bench(
+        *COMMON,
+        *WORKLOADS["gpt2"],
+        "adapter=pipeline",
+        "adapter.schedule=1f1b",
+        "launcher.nprocs=4",
+        "trainer.batch_size=16",
+        results=tmp_path,
+    )
     check_ok(proc)
     run = only_run(tmp_path)
     assert_same_training(run, reference("gpt2"))

@@ -1,6 +1,7 @@
 """README promises that no other test file covers: sweeps that go on past a failed point, a local Hydra
 multirun, `python -m ptbench --help` and `--cfg job`, every paper preset composing, ptbench.overhead, and
 training with each optimizer the README lists. Each runs the command a user would type."""
+
 from __future__ import annotations
 
 import math
@@ -26,10 +27,14 @@ def test_sweep_goes_on_after_a_failed_first_point(tmp_path):
     """`python -m ptbench.sweep run FILE`: the first point fails at its first step, the second still runs
     and ends ok; the sweep's exit status says a point failed and names it."""
     sweep, root = tmp_path / "sweep.txt", tmp_path / "results"
-    sweep.write_text("# first point fails, second must still run\n"
-                     "'trainer.inject_fault=raise@0\\:0' trainer.seed=1\n"
-                     "trainer.seed=2\n")
-    proc = run([sys.executable, "-m", "ptbench.sweep", "run", str(sweep), "--", *TINY, f"results.root={root}"], timeout=600)
+    sweep.write_text(
+        "# first point fails, second must still run\n"
+        "'trainer.inject_fault=raise@0\\:0' trainer.seed=1\n"
+        "trainer.seed=2\n"
+    )
+    proc = run(
+        [sys.executable, "-m", "ptbench.sweep", "run", str(sweep), "--", *TINY, f"results.root={root}"], timeout=600
+    )
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "point 0 (" in proc.stderr and "exited 1" in proc.stderr and "point 1 (" not in proc.stderr, proc.stderr
     got = sorted((s["status"], s.get("failed_rank")) for s in records(root))
@@ -43,16 +48,20 @@ def test_local_multirun_gives_one_ok_record_per_point(tmp_path):
     checkout). The multirun process forks both points' ranks: the DDP ranks, started after the ZeRO point,
     carry no DeepSpeed (the launcher imports a framework for its ranks only outside a multirun)."""
     had_multirun = (REPO / "multirun").exists()
-    proc = bench("-m", "adapter=zero,ddp", "experiment=smoke", "workload.vocab_size=256", results=tmp_path,
-                 timeout=600)
+    proc = bench("-m", "adapter=zero,ddp", "experiment=smoke", "workload.vocab_size=256", results=tmp_path, timeout=600)
     check_ok(proc)
     recs = {d: summary(d) for d in run_dirs(tmp_path)}
-    assert sorted((s["status"], s["world_size"], s["adapter"]) for s in recs.values()) == [("ok", 2, "ddp"), ("ok", 2, "zero")]
+    assert sorted((s["status"], s["world_size"], s["adapter"]) for s in recs.values()) == [
+        ("ok", 2, "ddp"),
+        ("ok", 2, "zero"),
+    ]
     by_adapter = {s["adapter"]: s for s in recs.values()}
     assert by_adapter["zero"]["frameworks_imported"] == ["deepspeed"]
     assert by_adapter["ddp"]["frameworks_imported"] == [], by_adapter["ddp"]["frameworks_imported"]
     assert by_adapter["ddp"]["plan"]["start_method"] == "fork"
-    assert proc.stdout.index(": zero x gpt2_tiny") < proc.stdout.index(": ddp x gpt2_tiny"), proc.stdout  # zero ran first
+    assert proc.stdout.index(": zero x gpt2_tiny") < proc.stdout.index(": ddp x gpt2_tiny"), (
+        proc.stdout
+    )  # zero ran first
     folders = {d.parent for d in recs}
     assert len(folders) == 1 and next(iter(folders)).name.startswith("multirun-"), folders
     assert len({s["point"] for s in recs.values()}) == 2  # two points, two ids
@@ -63,8 +72,15 @@ def test_help_lists_the_config_groups():
     proc = run([sys.executable, "-m", "ptbench", "--help"], timeout=120)
     check_ok(proc)
     groups = proc.stdout.split("== Configuration groups ==")[1].split("==")[0]
-    for group, option in [("adapter", "zero"), ("workload", "gpt2_small"), ("data", "wikitext2"), ("launcher", "torchrun"),
-                          ("optimizer", "lamb"), ("experiment", "paper_language"), ("trainer", "default")]:
+    for group, option in [
+        ("adapter", "zero"),
+        ("workload", "gpt2_small"),
+        ("data", "wikitext2"),
+        ("launcher", "torchrun"),
+        ("optimizer", "lamb"),
+        ("experiment", "paper_language"),
+        ("trainer", "default"),
+    ]:
         assert re.search(rf"^{group}: .*\b{option}\b", groups, re.M), (group, option, groups)
 
 
@@ -104,8 +120,10 @@ def test_every_paper_experiment_composes():
 
 def test_overhead_prints_its_ratio():
     # a small head (vocabulary 256): what is checked is that the harness and the bare loop both ran and were compared
-    proc = run([sys.executable, "-m", "ptbench.overhead", "--blocks", "2", "--steps", "3", "workload.vocab_size=256"],
-               timeout=600)
+    proc = run(
+        [sys.executable, "-m", "ptbench.overhead", "--blocks", "2", "--steps", "3", "workload.vocab_size=256"],
+        timeout=600,
+    )
     check_ok(proc)
     m = re.search(r"ratio harness/bare = (\S+)", proc.stdout)
     assert m, proc.stdout
@@ -125,8 +143,16 @@ def optimizer_runs(tmp_path_factory) -> dict:
     """The three runs as one Hydra multirun (`-m optimizer=adam,lamb,lars`): one launcher start-up, three
     points, each its own ranks; their folders by the optimizer each record's config.yaml names."""
     root = tmp_path_factory.mktemp("optimizers")
-    check_ok(bench("-m", "experiment=smoke", "launcher.nprocs=1", "trainer.max_steps=8",
-                   f"optimizer={','.join(sorted(OPTIMIZERS))}", results=root))
+    check_ok(
+        bench(
+            "-m",
+            "experiment=smoke",
+            "launcher.nprocs=1",
+            "trainer.max_steps=8",
+            f"optimizer={','.join(sorted(OPTIMIZERS))}",
+            results=root,
+        )
+    )
     return {yaml.safe_load((d / "config.yaml").read_text())["optimizer"]["name"]: d for d in run_dirs(root)}
 
 

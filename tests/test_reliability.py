@@ -5,6 +5,7 @@ earlier run's record is untouched. No wall-clock bounds: a timeout is told from 
 timeout by its message, a kill from the watchdog by its status. Every run starts in its own
 session and its process group is killed at teardown, so a failing case leaves nothing running.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,7 +40,11 @@ def results(tmp_path_factory, smoke_run):
 
 
 def digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 _started: list[subprocess.Popen] = []
@@ -109,8 +114,13 @@ def test_rank_failure_is_recorded(results, fault, status, rank):
 def test_hung_rank_times_out(results):
     before = set(run_dirs(results))
     # the collective timeout is an hour: only the watchdog (8 s without progress) can end this run in time
-    proc = start(results, "trainer.max_steps=50", "trainer.inject_fault=hang@1:2", "trainer.hang_timeout_s=8",
-                 "trainer.dist_timeout_s=3600")
+    proc = start(
+        results,
+        "trainer.max_steps=50",
+        "trainer.inject_fault=hang@1:2",
+        "trainer.hang_timeout_s=8",
+        "trainer.dist_timeout_s=3600",
+    )
     ranks = ranks_of(proc)
     finish(proc, ranks, timeout=300)
     s = new_run(results, before)
@@ -138,10 +148,7 @@ def test_killed_rank_is_recorded(results):
     assert "SIGKILL" in s["error"] or "killed" in s["error"] or "closed" in s["error"], s["error"]
 
 
-
-
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM],
-                         ids=["SIGUSR1", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
 def test_preemption_signal_gives_preempted_record(results, sig):
     """Slurm's --signal=USR1@120 and scancel's SIGTERM both end the run gracefully: preempted, exit 0."""
     before = set(run_dirs(results))

@@ -1,5 +1,6 @@
 """`python -m ptbench.report_scale`: the benchmark of the report on N synthetic records (a test of function at a
 tiny N, not of speed): the records it writes are what `load` reads, and the report it times has every section."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,13 @@ from tests.helpers import REPO
 
 
 def test_report_scale_writes_records_and_times_a_whole_report(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ptbench.report_scale", "--records", "20", "--keep", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ptbench.report_scale", "--records", "20", "--keep", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("report_scale:"))
     fields = dict(kv.split("=", 1) for kv in line.split()[1:])
@@ -26,6 +32,12 @@ def test_report_scale_writes_records_and_times_a_whole_report(tmp_path):
     assert int(fields["figures"]) == 6 and len(list((out / "figures").glob("*.svg"))) == 6
     assert {p.name for p in out.glob("*.csv")} >= {"epochs.csv", "runs.csv", "summary.csv"}
     md = (out / "report.md").read_text()
-    for section in ("## Runs", "## Summary (finished runs)", "## Runs that did not finish", "## Paper claims",
-                    "## Figures", "## Which adapter"):
+    for section in (
+        "## Runs",
+        "## Summary (finished runs)",
+        "## Runs that did not finish",
+        "## Paper claims",
+        "## Figures",
+        "## Which adapter",
+    ):
         assert section in md, section

@@ -1,6 +1,7 @@
 """Learning-rate schedules (bench/core/schedule.py, conf/schedule/): each curve against hand-computed
 values; DDP (2 ranks, stopped and resumed) and ZeRO-2 (DeepSpeed's wrapped optimizer) record the
 expected lr of every step; the presets name the schedules of their references; bad values are refused."""
+
 from __future__ import annotations
 
 import math
@@ -27,17 +28,28 @@ def curve(overrides: list[str], steps: int, steps_per_epoch: int, total: int) ->
     return lrs
 
 
-@pytest.mark.parametrize("overrides, spe, total, expected", [
-    (["schedule=constant"], 3, 6, [1.0] * 6),
-    # x0.1 every 2 epochs of 3 steps: changes after steps 6 and 12
-    (["schedule=step", "schedule.step_size=2"], 3, 14, [1.0] * 6 + [0.1] * 6 + [0.01] * 2),
-    # warm-up 2 steps ((k+1)/2), then (1 - (k-2)/4)^2 up to step 6, then end_factor 0
-    (["schedule=warmup_poly", "schedule.unit=step", "schedule.warmup=2", "schedule.total=6"], 1, 99,
-     [0.5, 1.0, 1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0]),
-    # warm-up 1 epoch = 2 steps, cosine over the run's 6 steps to 0.1: 0.1 + 0.9 (1 + cos(pi p)) / 2
-    (["schedule=warmup_cosine", "schedule.unit=epoch", "schedule.warmup=1", "schedule.end_factor=0.1"], 2, 6,
-     [0.5, 1.0, 1.0, 0.868198, 0.55, 0.231802]),
-])
+@pytest.mark.parametrize(
+    "overrides, spe, total, expected",
+    [
+        (["schedule=constant"], 3, 6, [1.0] * 6),
+        # x0.1 every 2 epochs of 3 steps: changes after steps 6 and 12
+        (["schedule=step", "schedule.step_size=2"], 3, 14, [1.0] * 6 + [0.1] * 6 + [0.01] * 2),
+        # warm-up 2 steps ((k+1)/2), then (1 - (k-2)/4)^2 up to step 6, then end_factor 0
+        (
+            ["schedule=warmup_poly", "schedule.unit=step", "schedule.warmup=2", "schedule.total=6"],
+            1,
+            99,
+            [0.5, 1.0, 1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0],
+        ),
+        # warm-up 1 epoch = 2 steps, cosine over the run's 6 steps to 0.1: 0.1 + 0.9 (1 + cos(pi p)) / 2
+        (
+            ["schedule=warmup_cosine", "schedule.unit=epoch", "schedule.warmup=1", "schedule.end_factor=0.1"],
+            2,
+            6,
+            [0.5, 1.0, 1.0, 0.868198, 0.55, 0.231802],
+        ),
+    ],
+)
 def test_each_curve_against_hand_computed_values(overrides, spe, total, expected):
     assert curve(overrides, len(expected), spe, total) == pytest.approx(expected, abs=1e-6)
 
@@ -54,11 +66,14 @@ def test_presets_follow_their_references():
     assert compose([]).schedule.name == "constant"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["schedule.unit=epochs"], "schedule.unit=epochs"),
-    (["schedule=warmup_poly", "schedule.warmup=3", "schedule.total=2"], "schedule.total=2 must exceed"),
-    (["schedule=step", "schedule.gamma=0"], "schedule=step needs"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["schedule.unit=epochs"], "schedule.unit=epochs"),
+        (["schedule=warmup_poly", "schedule.warmup=3", "schedule.total=2"], "schedule.total=2 must exceed"),
+        (["schedule=step", "schedule.gamma=0"], "schedule=step needs"),
+    ],
+)
 def test_bad_schedules_are_refused_before_launch(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_config(compose(overrides))
@@ -72,8 +87,15 @@ COSINE_LRS = [1e-3 * f for f in (0.5, 1.0, 1.0, 0.933013, 0.75, 0.5, 0.25, 0.066
 
 def test_ddp_resumed_run_continues_the_schedule(tmp_path):
     """2 ranks, 8 steps, stopped after step 3 and resumed: the record's lr per step is the whole curve."""
-    command = [*TINY, "data.train_samples=64", "trainer.max_steps=0", "trainer.stop_check_every=1",
-               "trainer.resume=auto", "trainer.inject_stop=0:3", *COSINE]
+    command = [
+        *TINY,
+        "data.train_samples=64",
+        "trainer.max_steps=0",
+        "trainer.stop_check_every=1",
+        "trainer.resume=auto",
+        "trainer.inject_stop=0:3",
+        *COSINE,
+    ]
     check_ok(bench(*command, results=tmp_path))
     assert summary(only_run(tmp_path))["status"] == "preempted"
     second = bench(*command, results=tmp_path)
@@ -87,8 +109,18 @@ def test_ddp_resumed_run_continues_the_schedule(tmp_path):
 
 def test_zero_steps_deepspeeds_optimizer_on_the_schedule(tmp_path):
     """ZeRO-2 (DeepSpeed's flat-partition wrapper): x0.5 per epoch of 4 steps, 2 epochs."""
-    check_ok(bench(*TINY, "adapter=zero2", "launcher.nprocs=1", "trainer.epochs=2", "schedule=step",
-                   "schedule.step_size=1", "schedule.gamma=0.5", results=tmp_path))
+    check_ok(
+        bench(
+            *TINY,
+            "adapter=zero2",
+            "launcher.nprocs=1",
+            "trainer.epochs=2",
+            "schedule=step",
+            "schedule.step_size=1",
+            "schedule.gamma=0.5",
+            results=tmp_path,
+        )
+    )
     evs = events(only_run(tmp_path))
     assert [lr for e in evs for lr in e["lrs"]] == pytest.approx([1e-3] * 4 + [5e-4] * 4)
     assert not math.isnan(evs[-1]["train_loss"])

@@ -4,6 +4,7 @@ Each variant runs as a user would run it (`python -m ptbench`, 2 ranks on gloo) 
 like 2-rank DDP: same seed, same data, clipping off. The same runs then answer the memory questions:
 the model-state bytes each rank reported (read from the engines' tensors) against the ZeRO formulas.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,11 +30,23 @@ from tests.helpers import (
     summary,
 )
 
-STEPS = ["trainer.max_steps=8", "trainer.batch_size=4", "trainer.max_eval_batches=2", "trainer.progress=false",
-         "trainer.grad_clip=0", "launcher.nprocs=2"]
+STEPS = [
+    "trainer.max_steps=8",
+    "trainer.batch_size=4",
+    "trainer.max_eval_batches=2",
+    "trainer.progress=false",
+    "trainer.grad_clip=0",
+    "launcher.nprocs=2",
+]
 WORKLOADS = {
     # with STEPS: the settings of the shared DDP reference run (conftest ddp_gpt2_reference, GPT2_REFERENCE)
-    "gpt2_tiny": ["workload=gpt2_tiny", "workload.vocab_size=1024", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=32"],
+    "gpt2_tiny": [
+        "workload=gpt2_tiny",
+        "workload.vocab_size=1024",
+        "workload.seq_len=32",
+        "data.train_samples=256",
+        "data.val_samples=32",
+    ],
     # BatchNorm normalizes per replica in every variant (DDP only broadcasts running stats), so it compares
     "resnet50_tiny": ["workload=resnet50_tiny", "data.train_samples=128", "data.val_samples=32"],
 }
@@ -42,6 +55,7 @@ SHARDED = ("zero0", "zero1", "zero2", "zero3", "fsdp")
 
 def _run_all(tmp_path_factory, workload: str, ddp_run=None) -> dict:
     """Every variant of SHARDED (and DDP, unless `ddp_run` is the DDP run of the same settings)."""
+
     def one(variant):
         results = tmp_path_factory.mktemp(f"{workload}-{variant}")
         proc = bench(*VARIANTS[variant], *WORKLOADS[workload], *STEPS, results=results)
@@ -164,8 +178,13 @@ def test_bf16_mixed_precision_state_and_losses(gpt_runs, tmp_path):
     """CPU twin of the GPU mixed-precision paths: DeepSpeed's bf16 mode (bf16 weights and gradients, fp32
     master + moments: the paper's 2Ψ + 2Ψ/N + 12Ψ/N for ZeRO-2) and FSDP2's bf16 MixedPrecisionPolicy
     (fp32 sharded state, bf16 compute). Both stay close to the fp32 DDP losses."""
-    common = [*WORKLOADS["gpt2_tiny"], *STEPS, "trainer.max_steps=4", "trainer.eval_every_epoch=false",
-              "trainer.precision=bf16"]
+    common = [
+        *WORKLOADS["gpt2_tiny"],
+        *STEPS,
+        "trainer.max_steps=4",
+        "trainer.eval_every_epoch=false",
+        "trainer.precision=bf16",
+    ]
 
     def one(variant):
         proc = bench(*VARIANTS[variant], *common, results=tmp_path / variant)
@@ -191,10 +210,19 @@ def test_bf16_mixed_precision_state_and_losses(gpt_runs, tmp_path):
 def test_zero_and_fsdp_clip_gradients_like_ddp(tmp_path):
     """trainer.grad_clip reaches DeepSpeed and FSDP: SGD steps (which clipping changes a lot) equal DDP's
     clipped steps, and differ from unclipped ones (so the clip really acted)."""
-    common = [*WORKLOADS["gpt2_tiny"], "trainer.max_steps=5", "trainer.batch_size=4", "trainer.progress=false",
-              "trainer.eval_every_epoch=false", "optimizer=sgd", "optimizer.lr=0.5"]
+    common = [
+        *WORKLOADS["gpt2_tiny"],
+        "trainer.max_steps=5",
+        "trainer.batch_size=4",
+        "trainer.progress=false",
+        "trainer.eval_every_epoch=false",
+        "optimizer=sgd",
+        "optimizer.lr=0.5",
+    ]
     runs = {"ddp": ["adapter=ddp"], "zero2": ["adapter=zero2"], "fsdp": ["adapter=fsdp"]}
-    runs = {k: [*v, "trainer.grad_clip=0.05"] for k, v in runs.items()} | {"unclipped": ["adapter=ddp", "trainer.grad_clip=0"]}
+    runs = {k: [*v, "trainer.grad_clip=0.05"] for k, v in runs.items()} | {
+        "unclipped": ["adapter=ddp", "trainer.grad_clip=0"]
+    }
     with ThreadPoolExecutor(max_workers=2) as pool:
         procs = list(pool.map(lambda k: bench(*runs[k], *common, results=tmp_path / k), runs))
     for proc in procs:
@@ -206,12 +234,21 @@ def test_zero_and_fsdp_clip_gradients_like_ddp(tmp_path):
     assert summary(only_run(tmp_path / "zero2"))["adapter_settings"]["gradient_clipping"] == 0.05
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["adapter=zero", "adapter.stage=4"], "adapter.stage=4: ZeRO stages are 0, 1, 2 or 3"),
-    (["adapter=zero2", "optimizer=lamb"], "optimizer.name=lamb: its per-layer trust ratio needs whole parameter tensors"),
-    (["adapter=zero", "adapter.stage=0", "trainer.precision=bf16", "optimizer=lars"], "with trainer.precision=bf16"),
-    (["adapter=fsdp", "adapter.offload_params=true"], "adapter.offload_params is not a key of adapter=fsdp"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["adapter=zero", "adapter.stage=4"], "adapter.stage=4: ZeRO stages are 0, 1, 2 or 3"),
+        (
+            ["adapter=zero2", "optimizer=lamb"],
+            "optimizer.name=lamb: its per-layer trust ratio needs whole parameter tensors",
+        ),
+        (
+            ["adapter=zero", "adapter.stage=0", "trainer.precision=bf16", "optimizer=lars"],
+            "with trainer.precision=bf16",
+        ),
+        (["adapter=fsdp", "adapter.offload_params=true"], "adapter.offload_params is not a key of adapter=fsdp"),
+    ],
+)
 def test_bad_input_fails_before_ranks_start(tmp_path, overrides, message):
     """Through the pre-launch checks in this process (what `python -m ptbench` prints after `error: `)."""
     with pytest.raises(ConfigError) as e:
@@ -220,10 +257,16 @@ def test_bad_input_fails_before_ranks_start(tmp_path, overrides, message):
     assert run_dirs(tmp_path) == []  # nothing launched, no record
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["adapter=zero1", "adapter.offload_optimizer=true"], "adapter.offload_optimizer=true moves state from GPU to CPU"),
-    (["adapter=zero3", "adapter.offload_params=true"], "adapter.offload_params=true moves state from GPU to CPU"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["adapter=zero1", "adapter.offload_optimizer=true"],
+            "adapter.offload_optimizer=true moves state from GPU to CPU",
+        ),
+        (["adapter=zero3", "adapter.offload_params=true"], "adapter.offload_params=true moves state from GPU to CPU"),
+    ],
+)
 def test_offload_without_gpu_is_one_line(tmp_path, overrides, message):
     """A CPU-only refusal, end to end with no visible GPU (so it holds on a GPU runner too)."""
     proc = bench(*overrides, results=tmp_path, timeout=120, env={"CUDA_VISIBLE_DEVICES": ""})
@@ -255,9 +298,14 @@ def test_deepspeed_config_for_gpu_only_settings():
 
 
 # --- the memory formulas at 1 and 4 ranks (python -m ptbench.memory_study's other rank counts) --------------
-SCALED = [*WORKLOADS["gpt2_tiny"],  # (a small head: 4 DeepSpeed ranks on 2 cores)
-          "trainer.max_steps=2", "trainer.batch_size=4", "trainer.eval_every_epoch=false", "trainer.progress=false",
-          "trainer.grad_clip=0"]
+SCALED = [
+    *WORKLOADS["gpt2_tiny"],  # (a small head: 4 DeepSpeed ranks on 2 cores)
+    "trainer.max_steps=2",
+    "trainer.batch_size=4",
+    "trainer.eval_every_epoch=false",
+    "trainer.progress=false",
+    "trainer.grad_clip=0",
+]
 SCALED_POINTS = [("zero3", 1), ("fsdp", 1), ("zero2", 4), ("zero3", 4), ("fsdp", 4)]
 
 

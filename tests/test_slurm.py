@@ -8,6 +8,7 @@ slurm-*.out logs land there, never in the checkout.
 The cluster is stopped at the end if these tests started it. Slurm environment parsing and
 per-job MASTER_PORT are tested in test_launch.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,20 +50,37 @@ TINY = ["workload.vocab_size=256", "trainer.max_steps=2"]
 
 
 def sweep_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "ptbench.sweep", *args], timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return run(
+        [sys.executable, "-m", "ptbench.sweep", *args], timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
 
 
 def records(root: Path) -> dict[Path, dict]:
     """run dir -> summary, env.json and config.yaml of every record under root."""
-    return {d: {"summary": summary(d), "env": json.loads((d / "env.json").read_text()),
-                "config": yaml.safe_load((d / "config.yaml").read_text())} for d in run_dirs(root)}
+    return {
+        d: {
+            "summary": summary(d),
+            "env": json.loads((d / "env.json").read_text()),
+            "config": yaml.safe_load((d / "config.yaml").read_text()),
+        }
+        for d in run_dirs(root)
+    }
 
 
 # --- sweep files, here (no Slurm) ------------------------------------------------------------------
 def test_point_id_names_what_is_measured_not_where_it_runs():
     base = point_id(["adapter=ddp", "launcher.nprocs=2"])
-    same = point_id(["launcher.nprocs=2", "adapter=ddp", "results.root=/x", "results.resume=true", "launcher=slurm",
-                     "hydra.launcher.partition=gpu", "launcher.master_port=29999"])
+    same = point_id(
+        [
+            "launcher.nprocs=2",
+            "adapter=ddp",
+            "results.root=/x",
+            "results.resume=true",
+            "launcher=slurm",
+            "hydra.launcher.partition=gpu",
+            "launcher.master_port=29999",
+        ]
+    )
     assert base == same
     assert point_id(["trainer.inject_fault=raise@0\\:0"]) == point_id(["trainer.inject_fault='raise@0:0'"])
     assert base != point_id(["adapter=ddp", "launcher.nprocs=4"]) != point_id(["adapter=zero", "launcher.nprocs=2"])
@@ -103,10 +121,16 @@ def test_submit_makes_one_array_per_point_size(tmp_path):
 def test_sweep_run_and_resume_reruns_only_points_not_ok(tmp_path):
     sweep, root = tmp_path / "sweep.txt", tmp_path / "results"
     # one point that works and one that fails at its first step
-    check_ok(sweep_cli("grid", "experiment=smoke", "launcher.nprocs=1", "trainer.inject_fault=null,raise@0:0", "-o", str(sweep)))
+    check_ok(
+        sweep_cli(
+            "grid", "experiment=smoke", "launcher.nprocs=1", "trainer.inject_fault=null,raise@0:0", "-o", str(sweep)
+        )
+    )
     points = read_points(sweep)
-    assert points == [["experiment=smoke", "launcher.nprocs=1", "trainer.inject_fault=null"],
-                      ["experiment=smoke", "launcher.nprocs=1", "trainer.inject_fault=raise@0\\:0"]]  # Hydra's escape
+    assert points == [
+        ["experiment=smoke", "launcher.nprocs=1", "trainer.inject_fault=null"],
+        ["experiment=smoke", "launcher.nprocs=1", "trainer.inject_fault=raise@0\\:0"],
+    ]  # Hydra's escape
     extra = [*TINY, f"results.root={root}"]
     ids = [point_id([*p, *extra]) for p in points]
     assert ids[0] != ids[1]
@@ -257,9 +281,16 @@ def test_usr1_to_running_job_gives_preempted_record_and_no_orphans(slurm, tmp_pa
         (data / "wikitext-2" / name).write_text("".join(lines[:1500]), encoding="utf-8")
     shutil.copytree(data_root / "gpt2-tokenizer", data / "gpt2-tokenizer")
 
-    job = sbatch(str(RUN), "data=wikitext2", "workload.seq_len=32", "trainer.epochs=1000", "trainer.progress=false",
-                 f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path,
-                 env=job_env(results, DATA=str(data), RESUME="never"))  # preempted, not checkpointed and requeued
+    job = sbatch(
+        str(RUN),
+        "data=wikitext2",
+        "workload.seq_len=32",
+        "trainer.epochs=1000",
+        "trainer.progress=false",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        cwd=tmp_path,
+        env=job_env(results, DATA=str(data), RESUME="never"),
+    )  # preempted, not checkpointed and requeued
     # The record appears once every rank has its stop handler and joined the process group.
     deadline = time.time() + 240
     while not list(results.rglob("summary.json")):
@@ -286,8 +317,15 @@ def test_usr1_to_running_job_gives_preempted_record_and_no_orphans(slurm, tmp_pa
 
 @pytest.mark.slurm
 def test_hydra_multirun_through_submitit_slurm(slurm, tmp_path):
-    proc = bench("-m", "hydra/launcher=bench_slurm", "experiment=smoke", "launcher.nprocs=1,2", *TINY,
-                 results=tmp_path, timeout=400)
+    proc = bench(
+        "-m",
+        "hydra/launcher=bench_slurm",
+        "experiment=smoke",
+        "launcher.nprocs=1,2",
+        *TINY,
+        results=tmp_path,
+        timeout=400,
+    )
     check_ok(proc)
     recs = records(tmp_path)
     assert len(recs) == 2, proc.stderr
@@ -313,8 +351,15 @@ def test_hydra_multirun_through_submitit_slurm(slurm, tmp_path):
 
 # --- preempted, requeued, resumed ------------------------------------------------------------------
 # 512 samples / (4 x 2 ranks) = 64 steps in one epoch, a checkpoint every 4: the stop lands mid-epoch.
-REQUEUE_RUN = ["experiment=smoke", "workload.vocab_size=256", "data.train_samples=512", "trainer.max_steps=0",
-               "trainer.stop_check_every=1", "trainer.progress=false", "trainer.eval_every_epoch=false"]
+REQUEUE_RUN = [
+    "experiment=smoke",
+    "workload.vocab_size=256",
+    "data.train_samples=512",
+    "trainer.max_steps=0",
+    "trainer.stop_check_every=1",
+    "trainer.progress=false",
+    "trainer.eval_every_epoch=false",
+]
 # The requeue mechanics (USR1, checkpoint, `scontrol requeue`, the record found by point id) are the
 # same for every adapter; each adapter's own checkpoint resuming to the uninterrupted losses is
 # tests/test_checkpoint.py (ddp, zero3, fsdp, megatron, pipeline). zero3 and fsdp ran here too until
@@ -334,7 +379,9 @@ def test_preempted_job_requeues_and_resumes_to_the_uninterrupted_losses(slurm, t
     results = tmp_path / "results"
     point = [*REQUEUE_RUN, *REQUEUE_ADAPTERS[name]]
     # the uninterrupted reference, on this machine while the job runs
-    reference = start([sys.executable, "-m", "ptbench", *point, "launcher.nprocs=2", f"results.root={tmp_path / 'ref'}"])
+    reference = start(
+        [sys.executable, "-m", "ptbench", *point, "launcher.nprocs=2", f"results.root={tmp_path / 'ref'}"]
+    )
     job = sbatch("--requeue", str(RUN), *point, "trainer.checkpoint_every=4", cwd=tmp_path, env=job_env(results))
     try:
         # Slurm's time-limit warning (--signal=USR1@120) signals every task of the job's steps, as this
@@ -359,8 +406,9 @@ def test_preempted_job_requeues_and_resumes_to_the_uninterrupted_losses(slurm, t
 
     assert job_field(job, "Restarts") == "1", job_logs(tmp_path)
     assert final_states(job) == {job: ("COMPLETED", "0:0")}, job_logs(tmp_path)  # the last attempt
-    attempts = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"], capture_output=True,
-                              text=True).stdout.split()
+    attempts = subprocess.run(
+        ["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True
+    ).stdout.split()
     assert attempts == ["REQUEUED", "COMPLETED"], attempts  # -D: every attempt of the job
     log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))  # --open-mode=append: both attempts
     assert f"scontrol requeue {job}" in log and "DUE TO JOB REQUEUE" in log and "resuming" in log, job_logs(tmp_path)
@@ -370,12 +418,19 @@ def test_preempted_job_requeues_and_resumes_to_the_uninterrupted_losses(slurm, t
     assert len(s["resumed_from"]) == 1, s["resumed_from"]
     resumed = s["resumed_from"][0]
     assert 4 <= resumed["step"] < REQUEUE_STEPS, resumed  # mid-epoch
-    assert (resumed["previous_status"], resumed["slurm_job_id"], resumed["slurm_restart_count"]) == \
-        ("preempted", job, "1"), resumed
+    assert (resumed["previous_status"], resumed["slurm_job_id"], resumed["slurm_restart_count"]) == (
+        "preempted",
+        job,
+        "1",
+    ), resumed
     assert s["restart_gap_excluded"] and resumed["restart_gap_s"] > 0
     evs = events(run_dir)
     assert len(evs) == 1 and evs[0]["steps"] == REQUEUE_STEPS and evs[0]["resumed"] and not evs[0]["partial"], evs
     # the epoch's time is its two parts' training time: the restart gap (>= 10 s of requeue delay) left out
     assert evs[0]["restart_gap_excluded"] and evs[0]["epoch_time_s"] < resumed["restart_gap_s"], (evs[0], resumed)
-    assert_losses_close(step_losses(run_dir), step_losses(only_run(tmp_path / "ref")), atol=1e-5,
-                        what=f"{name}: requeued and resumed under Slurm vs uninterrupted")
+    assert_losses_close(
+        step_losses(run_dir),
+        step_losses(only_run(tmp_path / "ref")),
+        atol=1e-5,
+        what=f"{name}: requeued and resumed under Slurm vs uninterrupted",
+    )

@@ -2,6 +2,7 @@
 
 Nothing here times anything: the tests check what is decided, refused and recorded.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -41,8 +42,16 @@ def test_compile_needs_a_warmup_step_and_a_known_backend(tmp_path):
 def test_compile_recorded_for_ddp_and_kept_out_of_step_stats(tmp_path):
     # backend "eager": TorchDynamo captures the graphs (the wiring, DDPOptimizer's bucket split, the
     # counters) but generates no code; inductor would compile C++ kernels for minutes on 2 loaded cores
-    proc = bench(*SMALL, "launcher.nprocs=2", "trainer.warmup_steps=1", "trainer.eval_every_epoch=false",
-                 "trainer.compile=true", "trainer.compile_backend=eager", results=tmp_path, timeout=600)
+    proc = bench(
+        *SMALL,
+        "launcher.nprocs=2",
+        "trainer.warmup_steps=1",
+        "trainer.eval_every_epoch=false",
+        "trainer.compile=true",
+        "trainer.compile_backend=eager",
+        results=tmp_path,
+        timeout=600,
+    )
     check_ok(proc)
     run = only_run(tmp_path)
     s, (epoch,) = summary(run), [e for e in events(run) if e.get("type") == "epoch"]

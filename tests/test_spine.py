@@ -1,4 +1,5 @@
 """The spine end to end: config -> launcher -> ranks -> workload -> DDP -> trainer -> records."""
+
 from __future__ import annotations
 
 import json
@@ -41,9 +42,19 @@ def test_ddp_two_ranks_equal_one_rank_same_global_batch_gpt2(tmp_path, ddp_gpt2_
 def test_ddp_two_ranks_equal_one_rank_resnet50_cifar(tmp_path, data_root):
     """ResNet-50 at 32 px on real CIFAR images. BatchNorm normalizes per replica, so the 1-rank
     reference accumulates 2 micro-batches of 4: the sampler gives it exactly the 2 ranks' micro-batches."""
-    common = ["workload=resnet50", "workload.num_classes=10", "workload.image_size=32", "data=cifar10",
-              f"data.root={data_root}/cifar10-subset", "data.augment=false", "optimizer=sgd",
-              "trainer.max_steps=8", "trainer.max_eval_batches=2", "trainer.batch_size=4", "trainer.progress=false"]
+    common = [
+        "workload=resnet50",
+        "workload.num_classes=10",
+        "workload.image_size=32",
+        "data=cifar10",
+        f"data.root={data_root}/cifar10-subset",
+        "data.augment=false",
+        "optimizer=sgd",
+        "trainer.max_steps=8",
+        "trainer.max_eval_batches=2",
+        "trainer.batch_size=4",
+        "trainer.progress=false",
+    ]
     one = bench(*common, "launcher.nprocs=1", "trainer.grad_accum=2", results=tmp_path / "one")
     two = bench(*common, "launcher.nprocs=2", results=tmp_path / "two")
     check_ok(one)
@@ -55,10 +66,21 @@ def test_ddp_two_ranks_equal_one_rank_resnet50_cifar(tmp_path, data_root):
 
 
 def test_wikitext_two_epochs_perplexity_falls(tmp_path, data_root):
-    proc = bench("workload=gpt2_tiny", "workload.seq_len=32", "data=wikitext2", f"data.root={data_root}/wikitext-2",
-                 f"data.tokenizer_dir={data_root}/gpt2-tokenizer",  # the shared token cache (BENCH_CACHE_DIR)
-                 "trainer.epochs=2", "trainer.max_steps=30", "trainer.batch_size=8", "trainer.max_eval_batches=8",
-                 "optimizer.lr=3e-3", "launcher.nprocs=2", "trainer.progress=false", results=tmp_path / "r")
+    proc = bench(
+        "workload=gpt2_tiny",
+        "workload.seq_len=32",
+        "data=wikitext2",
+        f"data.root={data_root}/wikitext-2",
+        f"data.tokenizer_dir={data_root}/gpt2-tokenizer",  # the shared token cache (BENCH_CACHE_DIR)
+        "trainer.epochs=2",
+        "trainer.max_steps=30",
+        "trainer.batch_size=8",
+        "trainer.max_eval_batches=8",
+        "optimizer.lr=3e-3",
+        "launcher.nprocs=2",
+        "trainer.progress=false",
+        results=tmp_path / "r",
+    )
     check_ok(proc)
     ev = events(only_run(tmp_path / "r"))
     ppl = [e["val_perplexity"] for e in ev]
@@ -71,10 +93,21 @@ def test_wikitext_two_epochs_perplexity_falls(tmp_path, data_root):
 
 
 def test_cifar_accuracy_rises_above_chance(tmp_path, data_root):
-    proc = bench("workload=vgg16_tiny", "data=cifar10", f"data.root={data_root}/cifar10-subset", "data.augment=false",
-                 "optimizer=adamw", "optimizer.lr=3e-4", "optimizer.weight_decay=1e-4", "trainer.epochs=2",
-                 "trainer.max_steps=100", "trainer.batch_size=16", "launcher.nprocs=2", "trainer.progress=false",
-                 results=tmp_path / "r")
+    proc = bench(
+        "workload=vgg16_tiny",
+        "data=cifar10",
+        f"data.root={data_root}/cifar10-subset",
+        "data.augment=false",
+        "optimizer=adamw",
+        "optimizer.lr=3e-4",
+        "optimizer.weight_decay=1e-4",
+        "trainer.epochs=2",
+        "trainer.max_steps=100",
+        "trainer.batch_size=16",
+        "launcher.nprocs=2",
+        "trainer.progress=false",
+        results=tmp_path / "r",
+    )
     check_ok(proc)
     ev = events(only_run(tmp_path / "r"))
     assert ev[-1]["val_samples"] == 1000  # the whole val split, no padded duplicates
@@ -104,12 +137,25 @@ def gpt2_tiny_forward_flops(seq_len: int) -> float:
 
 
 def test_record_folder_and_summary(tmp_path):
-    proc = bench(*TINY_GPT, "trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.epochs=2", "launcher.nprocs=2",
-                 "results.experiment=recordtest", results=tmp_path)
+    proc = bench(
+        *TINY_GPT,
+        "trainer.max_steps=6",
+        "trainer.warmup_steps=2",
+        "trainer.epochs=2",
+        "launcher.nprocs=2",
+        "results.experiment=recordtest",
+        results=tmp_path,
+    )
     check_ok(proc)
     run = only_run(tmp_path)
     assert run.parent.name == "recordtest"
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "env.json", "events.jsonl", "mllog.txt", "summary.json"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "config.yaml",
+        "env.json",
+        "events.jsonl",
+        "mllog.txt",
+        "summary.json",
+    ]
     s = summary(run)
     assert s["status"] == "ok" and s["world_size"] == 2 and s["adapter"] == "ddp"
     assert s["global_batch"] == 16 and s["steps"] == 12 and s["epochs_completed"] == 2
@@ -137,8 +183,11 @@ def test_record_folder_and_summary(tmp_path):
         # batch x steps over an epoch time: at most over the slowest rank's, at least over the fastest's
         rank_times = [r["epoch_time_s"] for r in e["ranks"]]
         assert e["epoch_time_s"] == max(rank_times)
-        assert 16 * e["steps"] / max(rank_times) * (1 - 1e-9) <= e["epoch_samples_per_s"] \
-            <= 16 * e["steps"] / min(rank_times) * (1 + 1e-9), (e["epoch_samples_per_s"], rank_times)
+        assert (
+            16 * e["steps"] / max(rank_times) * (1 - 1e-9)
+            <= e["epoch_samples_per_s"]
+            <= 16 * e["steps"] / min(rank_times) * (1 + 1e-9)
+        ), (e["epoch_samples_per_s"], rank_times)
         assert e["train_flops_per_sample"] == pytest.approx(train_flops, rel=1e-9)
         assert e["flops_per_s"] == pytest.approx(train_flops * 16 / e["step_time_mean_s"], rel=1e-9)
         assert e["mfu"] is None  # no peak known for a CPU

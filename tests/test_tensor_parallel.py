@@ -5,6 +5,7 @@ compared with Megatron TP=1; torch tensor parallelism shards the harness GPT-2 i
 compared with the single-process GPT-2 (adapter=ddp, one rank). Every pair trains on the same
 global batch of 8 sequences, sample for sample.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -29,10 +30,17 @@ STEPS = 8
 # the LM head most of every step. 4096 is a multiple of 128 x TP (Megatron pads the vocabulary to that),
 # so Megatron TP=1 and TP=2 hold the same vocabulary, and torch TP splits it evenly.
 VOCAB, WIDTH = 4096, 128
-COMMON = ["workload=gpt2_tiny", "workload.seq_len=32", f"workload.vocab_size={VOCAB}", "data.train_samples=256",
-          "data.val_samples=32", f"trainer.max_steps={STEPS}", "trainer.progress=false",
-          # clipping on (it changes the losses at this setting) so the model-parallel gradient norm is tested
-          "trainer.grad_clip=0.5"]
+COMMON = [
+    "workload=gpt2_tiny",
+    "workload.seq_len=32",
+    f"workload.vocab_size={VOCAB}",
+    "data.train_samples=256",
+    "data.val_samples=32",
+    f"trainer.max_steps={STEPS}",
+    "trainer.progress=false",
+    # clipping on (it changes the losses at this setting) so the model-parallel gradient norm is tested
+    "trainer.grad_clip=0.5",
+]
 MEGATRON = COMMON + ["adapter=megatron"]
 # Not measured for Megatron (adapter=megatron fails at HEAD 3112584, see the report of issue 20): the DDP
 # twin in test_spine (same tokens per step) measured 1302 and 1039; 5000 / 3000 leave ~3x, and are 10x
@@ -72,8 +80,14 @@ def _same_training(a, b, atol=1e-5):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sequence_parallel"])
 def test_megatron_tp2_matches_tp1_with_half_the_sharded_bytes(megatron_tp1, tmp_path, sequence_parallel):
-    tp2 = _run(tmp_path, *MEGATRON, "adapter.tensor_parallel=2", f"adapter.sequence_parallel={sequence_parallel}",
-               "launcher.nprocs=2", "trainer.batch_size=4")  # linear: 4 x 2 ranks = the same global batch of 8
+    tp2 = _run(
+        tmp_path,
+        *MEGATRON,
+        "adapter.tensor_parallel=2",
+        f"adapter.sequence_parallel={sequence_parallel}",
+        "launcher.nprocs=2",
+        "trainer.batch_size=4",
+    )  # linear: 4 x 2 ranks = the same global batch of 8
     _same_training(megatron_tp1, tp2)
     s = summary(tp2[0])
     assert s["adapter_settings"]["padded_vocab_size"] == VOCAB
@@ -109,11 +123,22 @@ def test_megatron_pipeline_pp2_matches_pp1(megatron_tp1, tmp_path):
 
 def test_megatron_wikitext2_perplexity_falls(tmp_path, data_root):
     """Megatron TP=1 on 2 ranks (DP=2 through Megatron's DDP), real Wikitext-2, 2 short epochs."""
-    proc = bench("adapter=megatron", "workload=gpt2_tiny", "workload.seq_len=64", "data=wikitext2",
-                 f"data.root={data_root}/wikitext-2", f"data.tokenizer_dir={data_root}/gpt2-tokenizer",
-                 "trainer.epochs=2", "trainer.max_steps=30",  # tokens from the shared cache (BENCH_CACHE_DIR)
-                 "trainer.batch_size=4", "trainer.max_eval_batches=8", "optimizer.lr=3e-3", "launcher.nprocs=2",
-                 "trainer.progress=false", results=tmp_path / "r")
+    proc = bench(
+        "adapter=megatron",
+        "workload=gpt2_tiny",
+        "workload.seq_len=64",
+        "data=wikitext2",
+        f"data.root={data_root}/wikitext-2",
+        f"data.tokenizer_dir={data_root}/gpt2-tokenizer",
+        "trainer.epochs=2",
+        "trainer.max_steps=30",  # tokens from the shared cache (BENCH_CACHE_DIR)
+        "trainer.batch_size=4",
+        "trainer.max_eval_batches=8",
+        "optimizer.lr=3e-3",
+        "launcher.nprocs=2",
+        "trainer.progress=false",
+        results=tmp_path / "r",
+    )
     check_ok(proc)
     ev = events(only_run(tmp_path / "r"))
     ppl = [e["val_perplexity"] for e in ev]
@@ -127,8 +152,9 @@ def _sharded_and_total_bytes():
     from ptbench.core.config import DataConfig, WorkloadConfig
     from ptbench.workloads.gpt2 import GPT2Workload
 
-    cfg = WorkloadConfig(name="gpt2_tiny", kind="language", arch="gpt2", n_layer=2, n_head=4, n_embd=WIDTH, seq_len=32,
-                         vocab_size=VOCAB)
+    cfg = WorkloadConfig(
+        name="gpt2_tiny", kind="language", arch="gpt2", n_layer=2, n_head=4, n_embd=WIDTH, seq_len=32, vocab_size=VOCAB
+    )
     with torch.device("meta"):
         model = GPT2Workload(cfg, DataConfig()).build_model()
     split = ("wte.weight", "c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight")
@@ -137,8 +163,14 @@ def _sharded_and_total_bytes():
 
 
 def test_torch_tensor_parallel_matches_single_process(gpt2_one_process, tmp_path):
-    tp2 = _run(tmp_path, *COMMON, "adapter=tensor_parallel", "adapter.tensor_parallel=2", "launcher.nprocs=2",
-               "trainer.batch_size=8")  # per_device = per model replica: one TP group reads the batch of 8
+    tp2 = _run(
+        tmp_path,
+        *COMMON,
+        "adapter=tensor_parallel",
+        "adapter.tensor_parallel=2",
+        "launcher.nprocs=2",
+        "trainer.batch_size=8",
+    )  # per_device = per model replica: one TP group reads the batch of 8
     _same_training(gpt2_one_process, tp2)
     assert summary(tp2[0])["frameworks_imported"] == []
 
@@ -156,21 +188,31 @@ def test_torch_tensor_parallel_matches_single_process(gpt2_one_process, tmp_path
 
 def test_torch_tensor_parallel_2d_tp2_x_dp2(gpt2_one_process, tmp_path):
     """4 ranks as a (dp=2, tp=2) mesh, 4 sequences per replica: the same global batch of 8."""
-    tp2dp2 = _run(tmp_path, *COMMON, "adapter=tensor_parallel", "adapter.tensor_parallel=2", "launcher.nprocs=4",
-                  "trainer.batch_size=4")
+    tp2dp2 = _run(
+        tmp_path,
+        *COMMON,
+        "adapter=tensor_parallel",
+        "adapter.tensor_parallel=2",
+        "launcher.nprocs=4",
+        "trainer.batch_size=4",
+    )
     _same_training(gpt2_one_process, tp2dp2)
     assert summary(tp2dp2[0])["adapter_settings"]["mesh"] == {"dp": 2, "tp": 2}
 
 
 BAD = [
     # the base validate's check (it always runs, before the adapter's own)
-    (["adapter=megatron", "workload=resnet50_tiny"], "adapter=megatron does not support vision workloads "
-                                                     "(workload=resnet50_tiny); it supports: language"),
+    (
+        ["adapter=megatron", "workload=resnet50_tiny"],
+        "adapter=megatron does not support vision workloads (workload=resnet50_tiny); it supports: language",
+    ),
     (["adapter=megatron", "adapter.tensor_parallel=3"], "does not divide the 2 ranks"),
     (["adapter=megatron", "adapter.sequence_parallel=true"], "needs adapter.tensor_parallel > 1"),
     (["adapter=megatron", "adapter.pipeline_parallel=2", "adapter.microbatches=3"], "not divisible by 3 micro-batches"),
-    (["adapter=tensor_parallel", "adapter.tensor_parallel=2", "workload.n_head=3", "workload.n_embd=96"],
-     "workload.n_head=3 is not divisible by adapter.tensor_parallel=2"),
+    (
+        ["adapter=tensor_parallel", "adapter.tensor_parallel=2", "workload.n_head=3", "workload.n_embd=96"],
+        "workload.n_head=3 is not divisible by adapter.tensor_parallel=2",
+    ),
 ]
 
 
@@ -178,8 +220,10 @@ BAD = [
 def test_bad_layout_is_one_line_before_launch(tmp_path, overrides, message):
     """Through the pre-launch checks in this process (`python -m ptbench` prints the same line after `error: `)."""
     with pytest.raises(ConfigError) as e:
-        make_plan(typed(compose(["trainer.max_steps=1", "launcher.nprocs=2", *overrides,
-                                 f"results.root={tmp_path / 'r'}"])), "local")
+        make_plan(
+            typed(compose(["trainer.max_steps=1", "launcher.nprocs=2", *overrides, f"results.root={tmp_path / 'r'}"])),
+            "local",
+        )
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not (tmp_path / "r").exists()
 

@@ -1,4 +1,5 @@
 """Workloads: exact GPT-2 sizes and logits (vs Hugging Face), pipeline forms, FLOPs, and data."""
+
 from __future__ import annotations
 
 import os
@@ -62,8 +63,19 @@ def test_gpt2_parameter_counts(name, expected):
 def test_gpt2_module_names_and_init():
     model = build_workload(wcfg("gpt2_tiny"), DataConfig()).build_model()
     names = dict(model.named_modules())
-    for n in ["wte", "wpe", "drop", "ln_f", "lm_head", "blocks.1.ln_1", "blocks.1.attn.c_attn",
-              "blocks.1.attn.c_proj", "blocks.1.ln_2", "blocks.1.mlp.c_fc", "blocks.1.mlp.c_proj"]:
+    for n in [
+        "wte",
+        "wpe",
+        "drop",
+        "ln_f",
+        "lm_head",
+        "blocks.1.ln_1",
+        "blocks.1.attn.c_attn",
+        "blocks.1.attn.c_proj",
+        "blocks.1.ln_2",
+        "blocks.1.mlp.c_fc",
+        "blocks.1.mlp.c_proj",
+    ]:
         assert n in names, n
     # GPT-2 init: normal(0, 0.02); residual projections 0.02 / sqrt(2 * n_layer)
     assert abs(model.blocks[0].mlp.c_fc.weight.std().item() - 0.02) < 0.001
@@ -84,12 +96,27 @@ def _to_hf(model: GPT2, c: GPT2Config):
     from transformers import GPT2Config as HFConfig
     from transformers import GPT2LMHeadModel
 
-    hf = GPT2LMHeadModel(HFConfig(vocab_size=c.vocab_size, n_positions=c.seq_len, n_embd=c.n_embd,
-                                  n_layer=c.n_layer, n_head=c.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0, layer_norm_epsilon=1e-5, activation_function="gelu_new"))
-    sd = {"transformer.wte.weight": model.wte.weight, "transformer.wpe.weight": model.wpe.weight,
-          "transformer.ln_f.weight": model.ln_f.weight, "transformer.ln_f.bias": model.ln_f.bias,
-          "lm_head.weight": model.lm_head.weight}
+    hf = GPT2LMHeadModel(
+        HFConfig(
+            vocab_size=c.vocab_size,
+            n_positions=c.seq_len,
+            n_embd=c.n_embd,
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            layer_norm_epsilon=1e-5,
+            activation_function="gelu_new",
+        )
+    )
+    sd = {
+        "transformer.wte.weight": model.wte.weight,
+        "transformer.wpe.weight": model.wpe.weight,
+        "transformer.ln_f.weight": model.ln_f.weight,
+        "transformer.ln_f.bias": model.ln_f.bias,
+        "lm_head.weight": model.lm_head.weight,
+    }
     for i, b in enumerate(model.blocks):
         h = f"transformer.h.{i}."
         for ln in ("ln_1", "ln_2"):
@@ -107,9 +134,14 @@ def _to_hf(model: GPT2, c: GPT2Config):
     return hf.eval()
 
 
-@pytest.mark.parametrize("dims,T", [(dict(n_layer=2, n_head=4, n_embd=128, seq_len=64), 64),
-                                    (dict(n_layer=12, n_head=12, n_embd=768, seq_len=1024), 16)],
-                         ids=["tiny", "gpt2_small_dims"])
+@pytest.mark.parametrize(
+    "dims,T",
+    [
+        (dict(n_layer=2, n_head=4, n_embd=128, seq_len=64), 64),
+        (dict(n_layer=12, n_head=12, n_embd=768, seq_len=1024), 16),
+    ],
+    ids=["tiny", "gpt2_small_dims"],
+)
 def test_gpt2_logits_match_huggingface(dims, T):
     c = GPT2Config(vocab_size=50257, dropout=0.0, **dims)
     torch.manual_seed(0)
@@ -202,8 +234,9 @@ def test_vision_sequential_matches_model(name):
         assert torch.equal(seq(x), out)
 
 
-@pytest.mark.parametrize("arch,layers,params,gmacs", [("vgg16", 40, 138_357_544, 15.47),
-                                                      ("resnet50", 23, 25_557_032, 4.089)])
+@pytest.mark.parametrize(
+    "arch,layers,params,gmacs", [("vgg16", 40, 138_357_544, 15.47), ("resnet50", 23, 25_557_032, 4.089)]
+)
 def test_full_vision_models_structure_and_flops(arch, layers, params, gmacs):
     """Reference numbers: torchvision's own weight metadata (num_params, _ops in GMACs)."""
     w = build_workload(wcfg(arch), DataConfig())
@@ -264,7 +297,9 @@ def test_wikitext_workload_datasets(data_root, tokenizer_dir, tmp_path, monkeypa
     root.mkdir()
     os.symlink(data_root / "wikitext-2" / "valid.txt", root / "valid.txt")
     (root / "train.txt").write_text((data_root / "wikitext-2" / "valid.txt").read_text()[:60_000])  # small stand-in
-    w = build_workload(wcfg("gpt2_tiny"), DataConfig(source="wikitext", root=str(root), tokenizer_dir=str(tokenizer_dir)))
+    w = build_workload(
+        wcfg("gpt2_tiny"), DataConfig(source="wikitext", root=str(root), tokenizer_dir=str(tokenizer_dir))
+    )
     w.check_data()
     train, val = w.datasets()
     cache = root / ".bench_cache"  # the default cache location
@@ -316,8 +351,9 @@ def test_other_ranks_wait_for_the_builder(tmp_path, tokenizer_dir):
     with pytest.raises(TimeoutError):
         D.token_cache(text, tokenizer_dir, cache_dir=cache, local_rank=1, wait_s=0.6)
     got = {}
-    waiter = threading.Thread(target=lambda: got.setdefault(
-        "p", D.token_cache(text, tokenizer_dir, cache_dir=cache, local_rank=1, wait_s=30)))
+    waiter = threading.Thread(
+        target=lambda: got.setdefault("p", D.token_cache(text, tokenizer_dir, cache_dir=cache, local_rank=1, wait_s=30))
+    )
     waiter.start()
     time.sleep(0.3)
     built = D.token_cache(text, tokenizer_dir, cache_dir=cache, local_rank=0)

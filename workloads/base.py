@@ -3,6 +3,7 @@
 Adapters only see this interface, so a framework never needs to know which model it trains,
 and a new workload never needs to know about frameworks.
 """
+
 from __future__ import annotations
 
 import math

@@ -11,6 +11,7 @@ Everything here is plain PyTorch `Dataset`s whose items are `(input, target)` te
 The synthetic sets are seeded by constants (not the trainer seed) so that every run, rank and
 framework sees the same data; only the model init and the sampling order follow the trainer seed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,8 +46,15 @@ class MarkovTokens(Dataset):
     Items: (input_ids [T] int64, targets [T] int64) with targets = the sequence shifted by one.
     """
 
-    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, split: str = "train",
-                 n_states: int = 256, probs: tuple[float, ...] = (0.6, 0.2, 0.1, 0.1)):
+    def __init__(
+        self,
+        num_samples: int,
+        seq_len: int,
+        vocab_size: int,
+        split: str = "train",
+        n_states: int = 256,
+        probs: tuple[float, ...] = (0.6, 0.2, 0.1, 0.1),
+    ):
         chain = np.random.default_rng([SYNTHETIC_SEED, 0])
         n_states = min(n_states, vocab_size)
         self.token_ids = chain.permutation(vocab_size)[:n_states]  # state -> token id
@@ -86,8 +94,7 @@ class SyntheticImages(Dataset):
     the same index always gives the same image. Items: (image [3,H,W] float32, label int64).
     """
 
-    def __init__(self, num_samples: int, num_classes: int, image_size: int, split: str = "train",
-                 signal: float = 0.5):
+    def __init__(self, num_samples: int, num_classes: int, image_size: int, split: str = "train", signal: float = 0.5):
         g = torch.Generator().manual_seed(SYNTHETIC_SEED)
         self.templates = torch.randn(num_classes, 3, 8, 8, generator=g)
         self.num_samples, self.num_classes = num_samples, num_classes
@@ -183,8 +190,13 @@ def cache_dirs(text_path: Path, cache_dir: str | None) -> list[Path]:
     return [text_path.parent / ".bench_cache", _user_cache_dir()]
 
 
-def token_cache(text_path: str | os.PathLike, tokenizer_dir: str | os.PathLike, cache_dir: str | None = None,
-                local_rank: int = 0, wait_s: float | None = None) -> Path:
+def token_cache(
+    text_path: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike,
+    cache_dir: str | None = None,
+    local_rank: int = 0,
+    wait_s: float | None = None,
+) -> Path:
     """Path of the uint16 token-id file for `text_path`, building it if needed.
 
     The name is keyed by the text file's name, size and mtime and a hash of the tokenizer files,
@@ -195,8 +207,10 @@ def token_cache(text_path: str | os.PathLike, tokenizer_dir: str | os.PathLike, 
     """
     text_path = Path(text_path)
     st = text_path.stat()
-    name = (f"{text_path.parent.name}.{text_path.name}.{st.st_size}.{st.st_mtime_ns}"
-            f".{tokenizer_fingerprint(tokenizer_dir)}.u16")
+    name = (
+        f"{text_path.parent.name}.{text_path.name}.{st.st_size}.{st.st_mtime_ns}"
+        f".{tokenizer_fingerprint(tokenizer_dir)}.u16"
+    )
     candidates = cache_dirs(text_path, cache_dir)
 
     def existing() -> Path | None:
@@ -217,13 +231,17 @@ def token_cache(text_path: str | os.PathLike, tokenizer_dir: str | os.PathLike, 
             found = existing()
             if found is not None:
                 return found
-        raise TimeoutError(f"local rank {local_rank} waited {wait_s:.0f} s for the token cache {name} "
-                           f"(built by local rank 0) in {', '.join(map(str, candidates))}")
+        raise TimeoutError(
+            f"local rank {local_rank} waited {wait_s:.0f} s for the token cache {name} "
+            f"(built by local rank 0) in {', '.join(map(str, candidates))}"
+        )
 
     target_dir = next((d for d in candidates if _writable_dir(d)), None)
     if target_dir is None:
-        raise ConfigError(f"data.cache_dir: none of {', '.join(map(str, candidates))} is writable; "
-                          "set data.cache_dir=<writable folder>")
+        raise ConfigError(
+            f"data.cache_dir: none of {', '.join(map(str, candidates))} is writable; "
+            "set data.cache_dir=<writable folder>"
+        )
     ids = encode_text(gpt2_tokenizer(tokenizer_dir), text_path.read_text(encoding="utf-8"))
     final = target_dir / name
     tmp = target_dir / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
@@ -259,8 +277,10 @@ class TokenBlocks(Dataset):
         self.n = self.num_tokens // (seq_len + 1)
         self._tokens = None
         if self.n == 0:
-            raise ConfigError(f"data.root: {self.path} holds {self.num_tokens} tokens, fewer than "
-                              f"workload.seq_len + 1 = {seq_len + 1}; lower workload.seq_len")
+            raise ConfigError(
+                f"data.root: {self.path} holds {self.num_tokens} tokens, fewer than "
+                f"workload.seq_len + 1 = {seq_len + 1}; lower workload.seq_len"
+            )
 
     def __getstate__(self):
         return {**self.__dict__, "_tokens": None}
@@ -321,8 +341,13 @@ class CropFlip:
         from torchvision.transforms import RandomResizedCrop
 
         i, j, h, w = RandomResizedCrop.get_params(image, self.scale, self.ratio)
-        x = F.interpolate(image[None, :, i:i + h, j:j + w].float(), size=(self.size, self.size), mode="bilinear",
-                          align_corners=False, antialias=True)[0].round_()
+        x = F.interpolate(
+            image[None, :, i : i + h, j : j + w].float(),
+            size=(self.size, self.size),
+            mode="bilinear",
+            align_corners=False,
+            antialias=True,
+        )[0].round_()
         return x.flip(-1) if torch.rand(1) < 0.5 else x
 
 
@@ -343,15 +368,17 @@ class ImageFiles(Dataset):
     same tensors with or without the cache (same seed): decoding is deterministic.
     """
 
-    def __init__(self, root: str | os.PathLike, image_size: int, train: bool, augment: bool = True,
-                 cache_decoded: bool = False):
+    def __init__(
+        self, root: str | os.PathLike, image_size: int, train: bool, augment: bool = True, cache_decoded: bool = False
+    ):
         from torchvision.datasets import ImageFolder
 
         listing = ImageFolder(str(root))  # scans the folders only; its PIL loader is never called
         self.samples, self.classes, self.targets = listing.samples, listing.classes, listing.targets
         # train: the reference RandomResizedCrop + flip (CropFlip: the same numbers, cheaper); val: Resize + CenterCrop
-        self.transform = CropFlip(image_size) if train and augment else imagenet_transforms(image_size, train, augment,
-                                                                                            uint8=True)
+        self.transform = (
+            CropFlip(image_size) if train and augment else imagenet_transforms(image_size, train, augment, uint8=True)
+        )
         self.images: list[torch.Tensor] | None = None
         self.cache_time_s = 0.0
         self.cache_bytes = 0
@@ -375,8 +402,14 @@ class ImageFiles(Dataset):
 DECODERS = ("torchvision", "pil")
 
 
-def image_folder(root: str | os.PathLike, split: str, image_size: int, augment: bool = True,
-                 decoder: str = "torchvision", cache_decoded: bool = False):
+def image_folder(
+    root: str | os.PathLike,
+    split: str,
+    image_size: int,
+    augment: bool = True,
+    decoder: str = "torchvision",
+    cache_decoded: bool = False,
+):
     """<root>/<split>/<class>/* as a dataset of (image [3,S,S] float32 normalised, label int).
 
     decoder=pil: torchvision's ImageFolder with the reference transforms on PIL images (the reference
@@ -397,8 +430,13 @@ def decoded_bytes_estimate(split_dir: str | os.PathLike) -> int:
     """Bytes a RAM cache of <split_dir>'s decoded images would take: the first image's x the image count."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
-    files = [Path(c.path) / f for c in sorted(os.scandir(split_dir), key=lambda e: e.name) if c.is_dir()
-             for f in sorted(os.listdir(c.path)) if f.lower().endswith(IMG_EXTENSIONS)]
+    files = [
+        Path(c.path) / f
+        for c in sorted(os.scandir(split_dir), key=lambda e: e.name)
+        if c.is_dir()
+        for f in sorted(os.listdir(c.path))
+        if f.lower().endswith(IMG_EXTENSIONS)
+    ]
     return decode_rgb(files[0]).numel() * len(files) if files else 0
 
 

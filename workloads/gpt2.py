@@ -12,6 +12,7 @@ for its heads, and the forward, which reshapes by head_dim only (`view(b, t, -1,
 unchanged on the local shard. c_proj's input features are head-major, so RowwiseParallel fits.
 `qkv_to_hf` / `qkv_from_hf` convert to and from the [q | k | v] layout of GPT-2 checkpoints.
 """
+
 from __future__ import annotations
 
 import math
@@ -122,8 +123,12 @@ class LMHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (type(w) is nn.Parameter and type(x) is torch.Tensor and self.bias is None
-                and not torch.is_autocast_enabled(x.device.type)):
+        if (
+            type(w) is nn.Parameter
+            and type(x) is torch.Tensor
+            and self.bias is None
+            and not torch.is_autocast_enabled(x.device.type)
+        ):
             return _TiedLinear.apply(x, w)
         return super().forward(x)
 
@@ -255,9 +260,15 @@ class _CrossEntropy(torch.autograd.Function):
 def _fused_loss_applies(output: torch.Tensor, target: torch.Tensor) -> bool:
     """The chunked loss runs on plain CPU tensors with class-index targets (no ignore_index);
     anything else (DTensor logits under loss_parallel, CUDA) takes the generic F.cross_entropy."""
-    return (type(output) is torch.Tensor and output.device.type == "cpu" and output.is_floating_point()
-            and type(target) is torch.Tensor and target.dtype == torch.int64 and target.numel() > 0
-            and bool(target.min() >= 0))
+    return (
+        type(output) is torch.Tensor
+        and output.device.type == "cpu"
+        and output.is_floating_point()
+        and type(target) is torch.Tensor
+        and target.dtype == torch.int64
+        and target.numel() > 0
+        and bool(target.min() >= 0)
+    )
 
 
 def qkv_to_hf(t: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -342,18 +353,26 @@ class GPT2Workload(Workload):
             raise ConfigError(f"data.source '{src}' does not suit a language workload: use synthetic or wikitext")
         root, tok = self.data.root, self.data.tokenizer_dir
         if not root:
-            raise ConfigError("data.root is not set; set data.root=<folder with train.txt and valid.txt> or BENCH_DATA_ROOT")
+            raise ConfigError(
+                "data.root is not set; set data.root=<folder with train.txt and valid.txt> or BENCH_DATA_ROOT"
+            )
         for name in ("train.txt", "valid.txt"):
             if not (Path(root) / name).is_file():
-                raise ConfigError(f"data.root: {root} has no {name}; set data.root=<folder with train.txt and "
-                                  "valid.txt> or BENCH_DATA_ROOT")
+                raise ConfigError(
+                    f"data.root: {root} has no {name}; set data.root=<folder with train.txt and "
+                    "valid.txt> or BENCH_DATA_ROOT"
+                )
         if not tok:
-            raise ConfigError("data.tokenizer_dir is not set; set data.tokenizer_dir=<folder with vocab.json and "
-                              "merges.txt> or BENCH_DATA_ROOT")
+            raise ConfigError(
+                "data.tokenizer_dir is not set; set data.tokenizer_dir=<folder with vocab.json and "
+                "merges.txt> or BENCH_DATA_ROOT"
+            )
         for name in D.TOKENIZER_FILES:
             if not (Path(tok) / name).is_file():
-                raise ConfigError(f"data.tokenizer_dir: {tok} has no {name}; set data.tokenizer_dir=<folder with "
-                                  "vocab.json and merges.txt> or BENCH_DATA_ROOT")
+                raise ConfigError(
+                    f"data.tokenizer_dir: {tok} has no {name}; set data.tokenizer_dir=<folder with "
+                    "vocab.json and merges.txt> or BENCH_DATA_ROOT"
+                )
 
     def datasets(self, local_rank: int = 0):
         """(train, val): items (input_ids [seq_len] int64, targets [seq_len] int64, shifted by one).
@@ -365,12 +384,16 @@ class GPT2Workload(Workload):
         self.check_data()
         c, d = self.gpt, self.data
         if d.source == "synthetic":
-            return (D.MarkovTokens(d.train_samples, c.seq_len, c.vocab_size, "train"),
-                    D.MarkovTokens(d.val_samples, c.seq_len, c.vocab_size, "val"))
+            return (
+                D.MarkovTokens(d.train_samples, c.seq_len, c.vocab_size, "train"),
+                D.MarkovTokens(d.val_samples, c.seq_len, c.vocab_size, "val"),
+            )
         vocab = D.gpt2_tokenizer(d.tokenizer_dir).get_vocab_size()
         if vocab > c.vocab_size:
-            raise ConfigError(f"workload.vocab_size={c.vocab_size} is smaller than the tokenizer's {vocab}; "
-                              f"set workload.vocab_size={vocab}")
+            raise ConfigError(
+                f"workload.vocab_size={c.vocab_size} is smaller than the tokenizer's {vocab}; "
+                f"set workload.vocab_size={vocab}"
+            )
         out = []
         for name in ("train.txt", "valid.txt"):
             path = D.token_cache(Path(d.root) / name, d.tokenizer_dir, d.cache_dir, local_rank)

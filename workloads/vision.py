@@ -12,6 +12,7 @@ width_div > 1 keeps the depth and layer structure and divides every width by wid
   `Bottleneck` and `forward`.
 Every ReLU is made non-inplace (torchgpipe breaks on in-place ReLU at partition starts).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -37,8 +38,12 @@ class NarrowVGG(tv_vgg.VGG):
         self.avgpool = nn.AdaptiveAvgPool2d((pool, pool))
         channels = [m.out_channels for m in features if isinstance(m, nn.Conv2d)][-1]
         self.classifier = nn.Sequential(
-            nn.Linear(channels * pool * pool, hidden), nn.ReLU(), nn.Dropout(dropout),
-            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(channels * pool * pool, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
             nn.Linear(hidden, num_classes),
         )
         for m in self.modules():  # as torchvision's VGG(init_weights=True)
@@ -90,8 +95,9 @@ def use_channels_last(setting: bool | None, device_type: str) -> bool:
     return device_type == "cuda" if setting is None else bool(setting)
 
 
-def build_vision_model(arch: str, num_classes: int, image_size: int = 224, width_div: int = 1,
-                       dropout: float = 0.5) -> nn.Module:
+def build_vision_model(
+    arch: str, num_classes: int, image_size: int = 224, width_div: int = 1, dropout: float = 0.5
+) -> nn.Module:
     if width_div < 1 or 64 % width_div:
         raise ConfigError(f"workload.width_div={width_div} must divide 64 (1, 2, 4, 8, 16, 32 or 64)")
     if arch == "vgg16":
@@ -205,24 +211,32 @@ class VisionWorkload(Workload):
             raise ConfigError("data.root is not set; set data.root=<folder with train/ and val/> or BENCH_DATA_ROOT")
         for split in ("train", "val"):
             if not (Path(root) / split).is_dir():
-                raise ConfigError(f"data.root: {root} has no {split}/ folder; set data.root=<folder with train/ "
-                                  "and val/ class folders> or BENCH_DATA_ROOT")
+                raise ConfigError(
+                    f"data.root: {root} has no {split}/ folder; set data.root=<folder with train/ "
+                    "and val/ class folders> or BENCH_DATA_ROOT"
+                )
             n = len(D.class_folders(Path(root) / split))
             if n != self.cfg.num_classes:
-                raise ConfigError(f"data.root: {Path(root) / split} has {n} class folders but "
-                                  f"workload.num_classes={self.cfg.num_classes}; set workload.num_classes={n}")
+                raise ConfigError(
+                    f"data.root: {Path(root) / split} has {n} class folders but "
+                    f"workload.num_classes={self.cfg.num_classes}; set workload.num_classes={n}"
+                )
         if self.data.decoder not in D.DECODERS:
             raise ConfigError(f"data.decoder={self.data.decoder}: choose {' or '.join(D.DECODERS)}")
         if self.data.cache_decoded:
             if self.data.decoder != "torchvision":
-                raise ConfigError("data.cache_decoded=true needs data.decoder=torchvision (the PIL path decodes per item)")
+                raise ConfigError(
+                    "data.cache_decoded=true needs data.decoder=torchvision (the PIL path decodes per item)"
+                )
             import psutil
 
             need = sum(D.decoded_bytes_estimate(Path(root) / split) for split in ("train", "val"))
             free = psutil.virtual_memory().available
             if need > free / 4:  # per rank: every rank of a node holds its own cache
-                raise ConfigError(f"data.cache_decoded: the decoded images of {root} need ~{need / 2**30:.1f} GiB per "
-                                  f"rank, over a quarter of the {free / 2**30:.1f} GiB free; set data.cache_decoded=false")
+                raise ConfigError(
+                    f"data.cache_decoded: the decoded images of {root} need ~{need / 2**30:.1f} GiB per "
+                    f"rank, over a quarter of the {free / 2**30:.1f} GiB free; set data.cache_decoded=false"
+                )
 
     def datasets(self, local_rank: int = 0):
         """(train, val): items (image [3, image_size, image_size] float32, label int64).
@@ -235,11 +249,17 @@ class VisionWorkload(Workload):
         self.check_data()
         c, d = self.cfg, self.data
         if d.source == "synthetic":
-            return (D.SyntheticImages(d.train_samples, c.num_classes, c.image_size, "train"),
-                    D.SyntheticImages(d.val_samples, c.num_classes, c.image_size, "val"))
-        sets = tuple(D.image_folder(d.root, split, c.image_size, d.augment, d.decoder, d.cache_decoded)
-                     for split in ("train", "val"))
+            return (
+                D.SyntheticImages(d.train_samples, c.num_classes, c.image_size, "train"),
+                D.SyntheticImages(d.val_samples, c.num_classes, c.image_size, "val"),
+            )
+        sets = tuple(
+            D.image_folder(d.root, split, c.image_size, d.augment, d.decoder, d.cache_decoded)
+            for split in ("train", "val")
+        )
         if d.cache_decoded:
-            self._data_facts = {"cache_build_s": sum(s.cache_time_s for s in sets),
-                                "cache_bytes": sum(s.cache_bytes for s in sets)}
+            self._data_facts = {
+                "cache_build_s": sum(s.cache_time_s for s in sets),
+                "cache_bytes": sum(s.cache_bytes for s in sets),
+            }
         return sets

@@ -17,6 +17,7 @@ status says it did not finish (RESUMABLE), with the same adapter and world size.
 
 Plumbing: imports nothing of workloads, adapters or the runner (they hand in what they save).
 """
+
 from __future__ import annotations
 
 import os
@@ -49,11 +50,15 @@ def check_config(cfg, adapter: str, unsupported: str | None) -> None:
     if t.resume not in RESUME_MODES:
         raise ConfigError(f"trainer.resume={t.resume}: choose auto or never")
     if t.inject_stop is not None and not re.fullmatch(r"\d+:\d+", str(t.inject_stop)):
-        raise ConfigError(f"trainer.inject_stop={t.inject_stop}: use RANK:STEP (that rank is asked to stop after "
-                          "that global step, as by a stop signal)")
+        raise ConfigError(
+            f"trainer.inject_stop={t.inject_stop}: use RANK:STEP (that rank is asked to stop after "
+            "that global step, as by a stop signal)"
+        )
     if unsupported and t.checkpoint_every > 0:
-        raise ConfigError(f"trainer.checkpoint_every={t.checkpoint_every}: adapter={adapter} cannot checkpoint "
-                          f"({unsupported}); set trainer.checkpoint_every=0")
+        raise ConfigError(
+            f"trainer.checkpoint_every={t.checkpoint_every}: adapter={adapter} cannot checkpoint "
+            f"({unsupported}); set trainer.checkpoint_every=0"
+        )
 
 
 def enabled(cfg, unsupported: str | None) -> bool:
@@ -186,8 +191,9 @@ def read_meta(path: Path) -> dict:
 
 
 # --- resume ----------------------------------------------------------------------------------------
-def find_resumable(folders, point: str | None, adapter: str, world_size: int,
-                   exclude: Path | None = None) -> tuple[Path, Path] | None:
+def find_resumable(
+    folders, point: str | None, adapter: str, world_size: int, exclude: Path | None = None
+) -> tuple[Path, Path] | None:
     """(record folder, its newest complete checkpoint) of the newest unfinished record of `point`,
     or None. Records of another adapter or world size are passed over."""
     if not point:
@@ -228,5 +234,9 @@ def attempt() -> dict:
     import socket
 
     env = os.environ
-    return {"host": socket.gethostname(), "time": time.time(),
-            "slurm_job_id": env.get("SLURM_JOB_ID"), "slurm_restart_count": env.get("SLURM_RESTART_COUNT")}
+    return {
+        "host": socket.gethostname(),
+        "time": time.time(),
+        "slurm_job_id": env.get("SLURM_JOB_ID"),
+        "slurm_restart_count": env.get("SLURM_RESTART_COUNT"),
+    }

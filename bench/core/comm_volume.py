@@ -38,6 +38,7 @@ cross-entropy all-reduces, activation recomputation (which repeats the forward T
 backward: 6 instead of 4 per layer), interleaved pipeline schedules (v x the p2p traffic), DDP's
 and ZeRO's bucketing (which changes message sizes, not volume), loss-scale / metric all-reduces.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,16 @@ from ptbench.core.layout import SHARDING
 # state sharding (an adapter's cost inputs) -> how gradients are synchronised across data-parallel ranks.
 # Megatron's distributed optimizer is counted as an all-reduce (on CUDA it reduce-scatters the gradients and
 # all-gathers the parameters: the same bytes).
-_DP_SYNC = {"none": "all_reduce", "distributed_optimizer": "all_reduce", "zero0": "all_reduce", "zero1": "zero12",
-            "zero2": "zero12", "zero3": "zero3", "fsdp": "zero3"}
+_DP_SYNC = {
+    "none": "all_reduce",
+    "distributed_optimizer": "all_reduce",
+    "zero0": "all_reduce",
+    "zero1": "zero12",
+    "zero2": "zero12",
+    "zero3": "zero3",
+    "fsdp": "zero3",
+}
+
 
 # ring factors of nccl-tests doc/PERFORMANCE.md (per-rank bus volume = S * factor)
 def ring_factor(op: str, n: int) -> float:
@@ -63,10 +72,30 @@ def ring_factor(op: str, n: int) -> float:
     raise ValueError(f"unknown op {op!r}; known: all_reduce, all_gather, reduce_scatter, broadcast, send_recv")
 
 
-def _item(name: str, op: str, group: str, group_size: int, message_bytes: float, calls: float,
-          bytes_: float, formula: str, phase: str, bytes_per_elem: int) -> dict:
-    return dict(name=name, op=op, group=group, group_size=group_size, message_bytes=message_bytes,
-                calls=calls, bytes=bytes_, formula=formula, phase=phase, bytes_per_elem=bytes_per_elem)
+def _item(
+    name: str,
+    op: str,
+    group: str,
+    group_size: int,
+    message_bytes: float,
+    calls: float,
+    bytes_: float,
+    formula: str,
+    phase: str,
+    bytes_per_elem: int,
+) -> dict:
+    return dict(
+        name=name,
+        op=op,
+        group=group,
+        group_size=group_size,
+        message_bytes=message_bytes,
+        calls=calls,
+        bytes=bytes_,
+        formula=formula,
+        phase=phase,
+        bytes_per_elem=bytes_per_elem,
+    )
 
 
 # The timed phase (bench/core/timing.py PHASES) each collective runs in, as the adapters' `phase_semantics`
@@ -140,9 +169,18 @@ def volume(
     name = sharding.strip().lower()
     if name not in SHARDING:
         raise ValueError(f"unknown sharding {sharding!r}; known: {', '.join(SHARDING)}")
-    for key, val, lo in (("params", params, 0), ("world_size", world_size, 1), ("bytes_per_elem", bytes_per_elem, 1),
-                         ("tp", tp, 1), ("pp", pp, 1), ("microbatches", microbatches, 1), ("layers", layers, 0),
-                         ("hidden", hidden, 0), ("seq_len", seq_len, 0), ("micro_batch", micro_batch, 0)):
+    for key, val, lo in (
+        ("params", params, 0),
+        ("world_size", world_size, 1),
+        ("bytes_per_elem", bytes_per_elem, 1),
+        ("tp", tp, 1),
+        ("pp", pp, 1),
+        ("microbatches", microbatches, 1),
+        ("layers", layers, 0),
+        ("hidden", hidden, 0),
+        ("seq_len", seq_len, 0),
+        ("micro_batch", micro_batch, 0),
+    ):
         if not isinstance(val, int) or isinstance(val, bool) or val < lo:
             raise ValueError(f"{key} must be an integer >= {lo}, got {val!r}")
     if world_size % (tp * pp):
@@ -168,8 +206,20 @@ def volume(
     items: list[dict] = []
 
     def add(item_name, op, group, n, message, calls, bytes_, formula, b):
-        items.append(_item(item_name, op, group, n, message, calls, bytes_, formula,
-                           _phase(item_name, grad_sync_phase, step_phase), b))
+        items.append(
+            _item(
+                item_name,
+                op,
+                group,
+                n,
+                message,
+                calls,
+                bytes_,
+                formula,
+                _phase(item_name, grad_sync_phase, step_phase),
+                b,
+            )
+        )
 
     # --- data parallel: once per optimizer step, over the dp group -----------------------------
     style = _DP_SYNC[name]
@@ -199,8 +249,17 @@ def volume(
         calls = 4 * layers_rank * microbatches
         # [Megatron] Sec. 3, Fig. 4: 2 all-reduces forward + 2 backward per layer on b*s*h,
         # each 2(t-1)/t * b*s*h*B per rank ([nccl-tests] ring all-reduce factor)
-        add("tp_activation_all_reduce", "all_reduce", "tp", tp, act, calls,
-            calls * ring_factor("all_reduce", tp) * act, "4 * ceil(L/p) * m * 2(t-1)/t * b*s*h * B", Ba)
+        add(
+            "tp_activation_all_reduce",
+            "all_reduce",
+            "tp",
+            tp,
+            act,
+            calls,
+            calls * ring_factor("all_reduce", tp) * act,
+            "4 * ceil(L/p) * m * 2(t-1)/t * b*s*h * B",
+            Ba,
+        )
 
     # --- pipeline: per micro-batch, point to point between consecutive stages -------------------
     if pp > 1:
@@ -213,8 +272,17 @@ def volume(
 
     per = {it["name"]: it["bytes"] for it in items}
     return dict(
-        adapter=label or name, sharding=name, world_size=world_size, dp=dp, tp=tp, pp=pp,
-        bytes_per_elem=B, params_per_rank=psi_rank, collectives=items, bytes=per, total=sum(per.values()),
+        adapter=label or name,
+        sharding=name,
+        world_size=world_size,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        bytes_per_elem=B,
+        params_per_rank=psi_rank,
+        collectives=items,
+        bytes=per,
+        total=sum(per.values()),
     )
 
 
@@ -243,23 +311,38 @@ def volume_run(cfg, plan, build_model) -> dict:
             inputs = {"params": model_facts(build_model())["params"]}
     half = cfg.trainer.precision in HALF
     accum = int(cfg.trainer.grad_accum)
-    kw = dict(params=int(inputs["params"]), world_size=layout.devices, dp=layout.dp, tp=layout.tp, pp=layout.pp,
-              bytes_per_elem=2 if half and (cost.half_states or cost.half_gather) else 4,
-              grad_bytes_per_elem=2 if half and cost.half_states else 4,
-              activation_bytes_per_elem=2 if half and cost.half_activation_comm else 4,
-              reshard_after_forward=cost.reshard_after_forward, grad_sync_phase=cost.grad_sync_phase,
-              step_phase=cost.step_phase, label=cfg.adapter.name)
+    kw = dict(
+        params=int(inputs["params"]),
+        world_size=layout.devices,
+        dp=layout.dp,
+        tp=layout.tp,
+        pp=layout.pp,
+        bytes_per_elem=2 if half and (cost.half_states or cost.half_gather) else 4,
+        grad_bytes_per_elem=2 if half and cost.half_states else 4,
+        activation_bytes_per_elem=2 if half and cost.half_activation_comm else 4,
+        reshard_after_forward=cost.reshard_after_forward,
+        grad_sync_phase=cost.grad_sync_phase,
+        step_phase=cost.step_phase,
+        label=cfg.adapter.name,
+    )
     vision = cfg.workload.kind != "language"
     if layout.tp > 1 or layout.pp > 1:
         if vision:  # no b x s x h for a CNN: placeholders, and the activation items are dropped below
             kw.update(layers=1, hidden=1, seq_len=1, micro_batch=1)
         else:
-            kw.update(layers=int(inputs["layers"]), hidden=int(inputs["hidden"]), seq_len=int(inputs["seq_len"]),
-                      micro_batch=int(inputs["micro_batch"]), microbatches=int(inputs["microbatches"]) * accum)
+            kw.update(
+                layers=int(inputs["layers"]),
+                hidden=int(inputs["hidden"]),
+                seq_len=int(inputs["seq_len"]),
+                micro_batch=int(inputs["micro_batch"]),
+                microbatches=int(inputs["microbatches"]) * accum,
+            )
     notes = []
     if accum > 1 and cost.sharding in ("zero0", "zero1", "zero2", "zero3", "fsdp"):
-        notes.append(f"trainer.grad_accum={accum}: parameter gathers (and DeepSpeed's gradient reductions) repeat "
-                     "per micro-batch; counted once here")
+        notes.append(
+            f"trainer.grad_accum={accum}: parameter gathers (and DeepSpeed's gradient reductions) repeat "
+            "per micro-batch; counted once here"
+        )
     if layout.devices_per_process > 1 and layout.pp > 1:
         notes.append("stages in one process: stage-to-stage traffic is device-to-device copies, not a collective")
     vol = volume(cost.sharding, **kw)
@@ -267,8 +350,9 @@ def volume_run(cfg, plan, build_model) -> dict:
         vol["collectives"] = [it for it in vol["collectives"] if it["group"] != "pp"]
         vol["bytes"] = {it["name"]: it["bytes"] for it in vol["collectives"]}
         vol["total"] = sum(vol["bytes"].values())
-        notes.append("vision pipeline: stage-to-stage activations are not modelled (no b x s x h); "
-                     "data-parallel traffic only")
+        notes.append(
+            "vision pipeline: stage-to-stage activations are not modelled (no b x s x h); data-parallel traffic only"
+        )
     vol["notes"] = notes
     return vol
 
@@ -282,8 +366,21 @@ def record_fields(vol: dict, backend: str | None = None) -> dict:
     phases = []
     for it in vol["collectives"]:
         phases += [p for p in it["phase"].split(",") if p not in phases]
-    return dict(model="bench/core/comm_volume.py", unit="bytes per optimizer step per rank (nccl-tests bus volume)",
-                backend=backend, adapter=vol["adapter"], sharding=vol["sharding"], world_size=vol["world_size"],
-                dp=vol["dp"], tp=vol["tp"], pp=vol["pp"], bytes_per_elem=vol["bytes_per_elem"],
-                params_per_rank=int(round(vol["params_per_rank"])), total_bytes=float(vol["total"]), by_op=by_op,
-                phases=phases, collectives=[dict(it) for it in vol["collectives"]], notes=list(vol.get("notes", [])))
+    return dict(
+        model="bench/core/comm_volume.py",
+        unit="bytes per optimizer step per rank (nccl-tests bus volume)",
+        backend=backend,
+        adapter=vol["adapter"],
+        sharding=vol["sharding"],
+        world_size=vol["world_size"],
+        dp=vol["dp"],
+        tp=vol["tp"],
+        pp=vol["pp"],
+        bytes_per_elem=vol["bytes_per_elem"],
+        params_per_rank=int(round(vol["params_per_rank"])),
+        total_bytes=float(vol["total"]),
+        by_op=by_op,
+        phases=phases,
+        collectives=[dict(it) for it in vol["collectives"]],
+        notes=list(vol.get("notes", [])),
+    )

@@ -6,6 +6,7 @@ lives with the adapters (adapters/configs.py) and is stored in the ConfigStore u
 `adapter`, so `adapter=ddp adapter.stage=3` fails in Hydra (DDPConfig has no `stage`) before any
 rank starts. The runner registers both (bench/runner/compose.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -12,6 +12,7 @@ Validation: every sample is counted exactly once. Ranks get equal-length strided
 frameworks that gather parameters in forward, like ZeRO-3/FSDP, never hang on uneven counts);
 the padding repeats samples with weight 0, so they do not inflate any metric.
 """
+
 from __future__ import annotations
 
 import math
@@ -105,8 +106,16 @@ def loader_options(device_type: str, workers: int) -> dict:
     return {"pin_memory": device_type == "cuda", "persistent_workers": workers > 0}
 
 
-def train_loader(dataset: Dataset, replicas: int, rank: int, batch_size: int, grad_accum: int, seed: int, workers: int,
-                 device_type: str | None = None):
+def train_loader(
+    dataset: Dataset,
+    replicas: int,
+    rank: int,
+    batch_size: int,
+    grad_accum: int,
+    seed: int,
+    workers: int,
+    device_type: str | None = None,
+):
     sampler = StepShardedSampler(dataset, replicas, rank, batch_size, grad_accum, seed)
     loader = DataLoader(
         dataset,

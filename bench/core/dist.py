@@ -2,6 +2,7 @@
 
 How a rank learns its place depends on what started it: see bench/core/environments.py.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -90,4 +91,3 @@ def init_process_group(ctx: DistContext, timeout_s: int) -> None:
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=ctx.device if ctx.is_cuda else None,
         )
-

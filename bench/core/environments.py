@@ -10,6 +10,7 @@ As in Lightning Fabric's `ClusterEnvironment`, each way of starting ranks is a c
 - adapters add their framework's own (Horovod's `horovodrun` in adapters/horovod.py).
 - `launcher=local` with none of these: the runner spawns `launcher.nprocs` ranks itself.
 """
+
 from __future__ import annotations
 
 import os
@@ -71,7 +72,9 @@ class SlurmEnvironment(ClusterEnvironment):
     def context(env, backend, master_port=0):
         missing = [k for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID") if k not in env]
         if missing:
-            raise ConfigError(f"launcher=slurm but {', '.join(missing)} not set: start ranks with srun inside an allocation")
+            raise ConfigError(
+                f"launcher=slurm but {', '.join(missing)} not set: start ranks with srun inside an allocation"
+            )
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or socket.gethostname()
         tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
         local_world = int(re.match(r"\d+", tasks_per_node).group(0))  # '4(x2),3' -> 4; informative only
@@ -113,7 +116,9 @@ def expand_nodelist(nodelist: str) -> list[str]:
     `scontrol show hostnames` where Slurm's tools are installed, else submitit's parser."""
     if shutil.which("scontrol"):
         try:
-            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=20)
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=20
+            )
             hosts = out.stdout.split()
             if out.returncode == 0 and hosts:
                 return hosts

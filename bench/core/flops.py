@@ -6,6 +6,7 @@ inputs on TF32 tensor cores, `trainer.tf32=true`) or fp32 (no tensor cores on NV
 matrix cores). Values are the vendors' datasheet dense (no-sparsity) numbers per device as torch
 sees it: an MI250X module is two devices (GCDs), so its row is per GCD.
 """
+
 from __future__ import annotations
 
 import torch

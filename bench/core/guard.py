@@ -16,6 +16,7 @@ batch. If no beat comes for `trainer.hang_timeout_s` seconds (a rank that stoppe
 collectives leaves every other rank blocked inside one), the rank writes its `timeout` error
 record and exits at once; the launcher then ends the other ranks.
 """
+
 from __future__ import annotations
 
 import os

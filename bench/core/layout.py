@@ -5,6 +5,7 @@ Each adapter returns both from one class method each (`Adapter.layout(cfg, world
 memory model (core/memory_model.py), the communication volume (core/comm_volume.py) and analysis
 read numbers, never adapter names. A new adapter states its own and touches no other module.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -35,13 +36,17 @@ class Layout:
         for key in ("world_size", "dp", "tp", "pp", "devices_per_process", "microbatches"):
             val = getattr(self, key)
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ConfigError(f"layout: {key}={val!r} must be an integer >= 1; check launcher.nprocs and the "
-                                  "adapter's parallel sizes")
+                raise ConfigError(
+                    f"layout: {key}={val!r} must be an integer >= 1; check launcher.nprocs and the "
+                    "adapter's parallel sizes"
+                )
         if self.dp * self.tp * self.pp != self.devices:
-            raise ConfigError(f"layout: dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.dp * self.tp * self.pp} "
-                              f"does not equal the {self.devices} device(s) ({self.world_size} process(es) x "
-                              f"{self.devices_per_process}); make launcher.nprocs a multiple of the adapter's "
-                              "tensor/pipeline sizes")
+            raise ConfigError(
+                f"layout: dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.dp * self.tp * self.pp} "
+                f"does not equal the {self.devices} device(s) ({self.world_size} process(es) x "
+                f"{self.devices_per_process}); make launcher.nprocs a multiple of the adapter's "
+                "tensor/pipeline sizes"
+            )
 
     @property
     def devices(self) -> int:
@@ -70,8 +75,11 @@ class CostInputs:
     step_phase: str | None = None  # one timed phase holding every collective of the step (a pipeline schedule)
 
     def __post_init__(self) -> None:
-        for key, val, allowed in (("sharding", self.sharding, SHARDING), ("recompute", self.recompute, RECOMPUTE),
-                                  ("schedule", self.schedule, SCHEDULES)):
+        for key, val, allowed in (
+            ("sharding", self.sharding, SHARDING),
+            ("recompute", self.recompute, RECOMPUTE),
+            ("schedule", self.schedule, SCHEDULES),
+        ):
             if val not in allowed:
                 raise ConfigError(f"cost inputs: {key}={val!r} is not one of {', '.join(allowed)}")
         if self.padded_vocab < 0 or self.fusion_buffer_bytes < 0:

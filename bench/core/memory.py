@@ -5,6 +5,7 @@ VmHWM from /proc/self/status, reset by writing 5 to /proc/self/clear_refs after 
 (without the trim, freed memory stays resident and the reset is a no-op). tracemalloc does not see
 tensors and polling misses peaks, so neither is used.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -59,8 +60,10 @@ def peak(device: torch.device) -> dict[str, int | None]:
     hwm = _status_kib("VmHWM")
     out = {"peak_allocated": None, "peak_reserved": None, "peak_rss": hwm * 1024 if hwm is not None else None}
     if device.type == "cuda":
-        out.update(peak_allocated=int(torch.cuda.max_memory_allocated(device)),
-                   peak_reserved=int(torch.cuda.max_memory_reserved(device)))
+        out.update(
+            peak_allocated=int(torch.cuda.max_memory_allocated(device)),
+            peak_reserved=int(torch.cuda.max_memory_reserved(device)),
+        )
     return out
 
 

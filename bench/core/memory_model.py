@@ -83,6 +83,7 @@ reserved-but-free blocks, the CUDA context (~0.3-0.5 GB per process, outside tor
 statistics), DDP / ZeRO bucket buffers when gradients are not bucket views, NCCL buffers, the data
 loader's pinned batches, temporaries of the loss and of the optimizer step (foreach kernels).
 """
+
 from __future__ import annotations
 
 import math
@@ -179,8 +180,9 @@ def _dp_shard(sharding: str, shapes, n: int, rank: int | None = None) -> dict:
     return best[1]
 
 
-def _gpt2_layer_activation_bytes(s: int, b: int, h: int, a: int, tp: int, sequence_parallel: bool,
-                                 attention_scores: bool) -> float:
+def _gpt2_layer_activation_bytes(
+    s: int, b: int, h: int, a: int, tp: int, sequence_parallel: bool, attention_scores: bool
+) -> float:
     """[Korthikanti] Eq. 1-3, bytes per transformer layer with 2-byte activations."""
     scores = 5 * a * s / h if attention_scores else 0.0
     if tp == 1:
@@ -264,9 +266,15 @@ def predict(
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if kind not in ("language", "vision"):
         raise ValueError(f"kind must be language or vision, got {kind!r}")
-    for key, val, lo in (("params", params, 0), ("world_size", world_size, 1), ("tp", tp, 1), ("pp", pp, 1),
-                         ("devices_per_process", devices_per_process, 1), ("microbatches", microbatches, 1),
-                         ("micro_batch", micro_batch, 0)):
+    for key, val, lo in (
+        ("params", params, 0),
+        ("world_size", world_size, 1),
+        ("tp", tp, 1),
+        ("pp", pp, 1),
+        ("devices_per_process", devices_per_process, 1),
+        ("microbatches", microbatches, 1),
+        ("micro_batch", micro_batch, 0),
+    ):
         if not isinstance(val, int) or isinstance(val, bool) or val < lo:
             raise ValueError(f"{key} must be an integer >= {lo}, got {val!r}")
     devices = world_size * devices_per_process
@@ -274,10 +282,13 @@ def predict(
         raise ValueError(f"{devices} device(s) are not a multiple of tp*pp = {tp * pp}")
     dp = dp or devices // (tp * pp)
     if dp * tp * pp != devices:
-        raise ValueError(f"dp*tp*pp must equal the devices (world_size x devices_per_process): "
-                         f"{dp}*{tp}*{pp} != {devices}")
+        raise ValueError(
+            f"dp*tp*pp must equal the devices (world_size x devices_per_process): {dp}*{tp}*{pp} != {devices}"
+        )
     if kind == "language" and micro_batch and not (layers and hidden and heads and seq_len):
-        raise ValueError("language activations need layers, hidden, heads and seq_len (or micro_batch=0 for states only)")
+        raise ValueError(
+            "language activations need layers, hidden, heads and seq_len (or micro_batch=0 for states only)"
+        )
 
     if half_states is None:
         half_states = name in ("zero0", "zero1", "zero2", "zero3")  # DeepSpeed's bf16/fp16 modes
@@ -302,18 +313,23 @@ def predict(
         elif kind == "language" and layers and hidden and seq_len and vocab:
             first, last = gpt2_stage_params(params, layers=layers, hidden=hidden, seq_len=seq_len, vocab=vocab, pp=pp)
             stages = [("first", float(first)), ("last", float(last))]
-            formula["params_per_rank"] = "first: V h + s h + ceil(L/p) block; last: ceil(L/p) block + 2h + V h (head copy)"
+            formula["params_per_rank"] = (
+                "first: V h + s h + ceil(L/p) block; last: ceil(L/p) block + 2h + V h (head copy)"
+            )
         else:
             stages = [("any", params / pp)]
             formula["params_per_rank"] = "Ψ/p"
-            notes.append("pipeline stages assumed to hold Ψ/p parameters each (no stage_params): real splits are uneven")
+            notes.append(
+                "pipeline stages assumed to hold Ψ/p parameters each (no stage_params): real splits are uneven"
+            )
     else:
         stages = [("all", float(params))]
         formula["params_per_rank"] = "Ψ"
     if tp > 1:
         if replicated_params is None:
-            replicated_params = gpt2_replicated_under_tp(layers, hidden, seq_len) if (
-                kind == "language" and hidden and layers) else 0
+            replicated_params = (
+                gpt2_replicated_under_tp(layers, hidden, seq_len) if (kind == "language" and hidden and layers) else 0
+            )
         stages = [(s, (p - replicated_params) / tp + replicated_params) for s, p in stages]
         formula["params_per_rank"] += f" -> (P - R)/t + R, R = {replicated_params:,} replicated"
 
@@ -341,14 +357,18 @@ def predict(
             full = 1 if recompute == "always" else 2
             inputs = microbatches * seq_len * b * hidden * act_b
             total = inputs + full * per_stage_layers * layer + (logits if stage_name != "first" else 0.0)
-            return total, (f"recompute={recompute}: m stage inputs (s b h) + {full} micro-batch(es) of "
-                           f"ceil(L/p)={per_stage_layers} layers [Korthikanti]" + (" + 4 s b V" if logits else ""))
+            return total, (
+                f"recompute={recompute}: m stage inputs (s b h) + {full} micro-batch(es) of "
+                f"ceil(L/p)={per_stage_layers} layers [Korthikanti]" + (" + 4 s b V" if logits else "")
+            )
         last_alive = 1 if (pp > 1 and schedule != "gpipe") else alive
         total = alive * per_stage_layers * layer + (last_alive * logits if logits else 0.0)
         sc = "" if attention_scores else " (no 5as/h: fused attention)"
-        tpf = ("" if tp == 1 else (" /t (sequence parallel)" if sequence_parallel else " with 10 + 24/t + 5as/(ht)"))
-        return total, (f"{how} x ceil(L/p)={per_stage_layers} layers x s b h (34 + 5as/h){sc}{tpf} x {act_b}/2 B"
-                       + (" + 4 s b V / t logits" if logits else ""))
+        tpf = "" if tp == 1 else (" /t (sequence parallel)" if sequence_parallel else " with 10 + 24/t + 5as/(ht)")
+        return total, (
+            f"{how} x ceil(L/p)={per_stage_layers} layers x s b h (34 + 5as/h){sc}{tpf} x {act_b}/2 B"
+            + (" + 4 s b V / t logits" if logits else "")
+        )
 
     def _alive(stage_name: str) -> tuple[int, str]:
         if pp == 1:
@@ -390,8 +410,10 @@ def predict(
             if name == "zero0" and half:
                 out["master"] = 4 * P
                 formula["master"] = "4 P"
-                notes.append("zero0 in half precision (DeepSpeed's BF16/FP16 optimizer wrapper) modelled as an "
-                             "unsharded fp32 master + moments: not validated")
+                notes.append(
+                    "zero0 in half precision (DeepSpeed's BF16/FP16 optimizer wrapper) modelled as an "
+                    "unsharded fp32 master + moments: not validated"
+                )
             if fusion_buffer_bytes:
                 out["transient"] = min(float(fusion_buffer_bytes), 4 * P)
                 formula["transient"] = "min(fusion threshold, 4P) fusion buffer"
@@ -417,10 +439,23 @@ def predict(
         out["total"] = out["model_states"] + out["transient"] + out["activations"]
         results.append((stage_name, P, out, formula))
     stage_name, P, out, formula = max(results, key=lambda r: r[2]["total"])
-    return dict(adapter=label or name, sharding=name,
-                world_size=world_size, dp=N, tp=tp, pp=pp, precision=precision, optimizer_name=optimizer,
-                optimizer_bytes_per_elem=K, kind=kind, busiest=stage_name, params_per_rank=P, **out,
-                formula=formula, notes=sorted(set(notes)))
+    return dict(
+        adapter=label or name,
+        sharding=name,
+        world_size=world_size,
+        dp=N,
+        tp=tp,
+        pp=pp,
+        precision=precision,
+        optimizer_name=optimizer,
+        optimizer_bytes_per_elem=K,
+        kind=kind,
+        busiest=stage_name,
+        params_per_rank=P,
+        **out,
+        formula=formula,
+        notes=sorted(set(notes)),
+    )
 
 
 def fits(predicted_total: float, device_bytes: float | None, headroom: float = 0.9) -> bool:
@@ -497,23 +532,45 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
     if cost.padded_vocab and vocab:  # the vocabulary the framework really builds (Megatron pads it)
         params += (cost.padded_vocab - vocab) * int(w.n_embd)
         vocab = cost.padded_vocab
-    kw = dict(params=params, world_size=layout.world_size, dp=layout.dp, tp=layout.tp, pp=layout.pp,
-              devices_per_process=layout.devices_per_process, precision=t.precision,
-              optimizer=cfg.optimizer.name, momentum=float(cfg.optimizer.momentum), kind=w.kind,
-              micro_batch=math.ceil(plan.local_batch / m), microbatches=m, device=device,
-              schedule=cost.schedule, recompute=cost.recompute, sequence_parallel=cost.sequence_parallel,
-              largest_unit_params=facts["largest_unit_params"], fusion_buffer_bytes=cost.fusion_buffer_bytes,
-              half_states=cost.half_states)
+    kw = dict(
+        params=params,
+        world_size=layout.world_size,
+        dp=layout.dp,
+        tp=layout.tp,
+        pp=layout.pp,
+        devices_per_process=layout.devices_per_process,
+        precision=t.precision,
+        optimizer=cfg.optimizer.name,
+        momentum=float(cfg.optimizer.momentum),
+        kind=w.kind,
+        micro_batch=math.ceil(plan.local_batch / m),
+        microbatches=m,
+        device=device,
+        schedule=cost.schedule,
+        recompute=cost.recompute,
+        sequence_parallel=cost.sequence_parallel,
+        largest_unit_params=facts["largest_unit_params"],
+        fusion_buffer_bytes=cost.fusion_buffer_bytes,
+        half_states=cost.half_states,
+    )
     if shapes and cost.sharding in ("zero1", "zero2", "zero3", "fsdp"):
         kw["shapes"] = facts["shapes"]
     if w.kind == "language":
         # the harness GPT-2 uses torch scaled_dot_product_attention (fused); a framework whose attention keeps
         # the scores on a CPU says so (Megatron's local spec; Transformer Engine on CUDA does not)
-        kw.update(layers=int(w.n_layer), hidden=int(w.n_embd), heads=int(w.n_head), seq_len=int(w.seq_len),
-                  vocab=vocab, attention_scores=cost.cpu_attention_scores and device != "cuda")
+        kw.update(
+            layers=int(w.n_layer),
+            hidden=int(w.n_embd),
+            heads=int(w.n_head),
+            seq_len=int(w.seq_len),
+            vocab=vocab,
+            attention_scores=cost.cpu_attention_scores and device != "cuda",
+        )
     else:
-        kw.update(image_size=int(w.image_size),
-                  activation_elements_per_sample=activation_elements(model, (3, int(w.image_size), int(w.image_size))))
+        kw.update(
+            image_size=int(w.image_size),
+            activation_elements_per_sample=activation_elements(model, (3, int(w.image_size), int(w.image_size))),
+        )
     out = predict(cost.sharding, label=cfg.adapter.name, **kw)
     out["inputs"] = {k: v for k, v in kw.items() if k != "shapes"}
     return out
@@ -547,7 +604,8 @@ def check_fits(prediction: dict, device: float | None, what: str = "device", hea
         f"{prediction['model_states'] / GIB:.2f}, transient {prediction['transient'] / GIB:.2f}, activations "
         f"{prediction['activations'] / GIB:.2f}) exceeds {headroom:.0%} of the {what} ({device / GIB:.2f} GiB); "
         "`python -m ptbench --plan ...` shows the breakdown: shard more (zero stage 3, fsdp, tensor/pipeline "
-        "parallel), lower trainer.batch_size, or use bf16")
+        "parallel), lower trainer.batch_size, or use bf16"
+    )
 
 
 def record_fields(prediction: dict) -> dict:
@@ -555,8 +613,16 @@ def record_fields(prediction: dict) -> dict:
     summary as `predicted_memory`."""
     p = prediction
     out = {k: int(round(p[k])) for k in (*PARTS, "model_states", "total")}
-    out.update(sharding=p["sharding"], busiest=p["busiest"], params_per_rank=int(round(p["params_per_rank"])),
-               dp=p["dp"], tp=p["tp"], pp=p["pp"], notes=p["notes"], model="bench/core/memory_model.py")
+    out.update(
+        sharding=p["sharding"],
+        busiest=p["busiest"],
+        params_per_rank=int(round(p["params_per_rank"])),
+        dp=p["dp"],
+        tp=p["tp"],
+        pp=p["pp"],
+        notes=p["notes"],
+        model="bench/core/memory_model.py",
+    )
     return out
 
 
@@ -570,17 +636,23 @@ def plan_memory(cfg, plan, build_model, check: bool | None = None, headroom: flo
     on_cuda = pred["inputs"]["device"] == "cuda"
     if check or (check is None and on_cuda):
         check_fits(pred, cap, what, headroom)
-    return {**record_fields(pred), "device_bytes": None if cap is None else int(cap), "device": what,
-            "fits": fits(pred["total"], cap, headroom)}
+    return {
+        **record_fields(pred),
+        "device_bytes": None if cap is None else int(cap),
+        "device": what,
+        "fits": fits(pred["total"], cap, headroom),
+    }
 
 
 def table(prediction: dict) -> str:
     """The prediction as lines for a terminal."""
     p = prediction
-    head = (f"predicted memory per rank: {p['adapter']}"
-            + (f" ({p['sharding']})" if p["sharding"] not in ("none", p["adapter"]) else "")
-            + f", {p['world_size']} rank(s) (dp={p['dp']} tp={p['tp']} pp={p['pp']}), {p['precision']}, "
-              f"{p['optimizer_name']}; busiest: {p['busiest']}, {p['params_per_rank']:,.0f} parameters")
+    head = (
+        f"predicted memory per rank: {p['adapter']}"
+        + (f" ({p['sharding']})" if p["sharding"] not in ("none", p["adapter"]) else "")
+        + f", {p['world_size']} rank(s) (dp={p['dp']} tp={p['tp']} pp={p['pp']}), {p['precision']}, "
+        f"{p['optimizer_name']}; busiest: {p['busiest']}, {p['params_per_rank']:,.0f} parameters"
+    )
     lines = [head, f"  {'part':<12} {'MiB':>12}  formula"]
     for k in PARTS:
         lines.append(f"  {k:<12} {p[k] / MIB:12.2f}  {p['formula'].get(k, '-')}")

@@ -2,6 +2,7 @@
 
 LAMB and LARS (the paper's GPT-2 and MLPerf vision optimizers) come from timm: torch has neither.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -20,9 +21,11 @@ LAYERWISE = ("lamb", "lars")
 def refuse_layerwise(cfg: OptimizerConfig, adapter: str, why: str) -> None:
     """One line before launch: LAMB/LARS on slices of tensors would be another algorithm."""
     if cfg.name in LAYERWISE:
-        raise ConfigError(f"optimizer.name={cfg.name}: its per-tensor trust ratio needs whole parameter tensors but "
-                          f"{adapter} {why}; use optimizer=adam or adamw, or an adapter that keeps tensors whole "
-                          "(ddp, horovod, pipeline, gpipe)")
+        raise ConfigError(
+            f"optimizer.name={cfg.name}: its per-tensor trust ratio needs whole parameter tensors but "
+            f"{adapter} {why}; use optimizer=adam or adamw, or an adapter that keeps tensors whole "
+            "(ddp, horovod, pipeline, gpipe)"
+        )
 
 
 def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
@@ -30,8 +33,11 @@ def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
     than 2 dimensions), as Megatron-LM, torchtitan and nanoGPT do; decay on matrices and embeddings."""
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-            if g["params"]]
+    return [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -64,8 +70,9 @@ def clip_gradients(parameters, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, parameters, max_norm: float, scaler=None,
-                   before_step=None) -> None:
+def optimizer_step(
+    optimizer: torch.optim.Optimizer, parameters, max_norm: float, scaler=None, before_step=None
+) -> None:
     """Unscale (fp16), clip, step: the order every torch-optimizer adapter needs. `before_step` runs
     between clipping and the step (gpipe copies a tied gradient to its second copy there)."""
     if scaler is not None:

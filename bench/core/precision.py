@@ -3,6 +3,7 @@
 The GPU path is autocast on cuda; its CPU twin is autocast on cpu with bf16, which runs the same
 code so tests exercise it here. fp16 needs a GradScaler and is GPU-only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,10 @@ def apply_tf32(enabled: bool) -> dict:
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = enabled
         torch.backends.cudnn.allow_tf32 = enabled
-    return {"matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32}
+    return {
+        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+    }
 
 
 def autocast(precision: str, device: torch.device):

@@ -16,6 +16,7 @@ those multiply the param group's current lr, so anything else writing the lr (Me
 OptimizerParamScheduler sets it to optimizer.lr after every step on GPU) would bend the curve; the
 closed form sets base_lr x factor whatever was there, and is exact against hand-computed values.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,13 +37,15 @@ def check_schedule(cfg: ScheduleConfig) -> None:
     if cfg.unit not in UNITS:
         raise ConfigError(f"schedule.unit={cfg.unit}: use schedule.unit=epoch or schedule.unit=step")
     if cfg.name == "step" and (cfg.step_size <= 0 or cfg.gamma <= 0):
-        raise ConfigError(f"schedule=step needs schedule.step_size > 0 and schedule.gamma > 0 "
-                          f"(got {cfg.step_size:g}, {cfg.gamma:g})")
+        raise ConfigError(
+            f"schedule=step needs schedule.step_size > 0 and schedule.gamma > 0 (got {cfg.step_size:g}, {cfg.gamma:g})"
+        )
     if cfg.warmup < 0 or cfg.total < 0 or not 0 <= cfg.end_factor <= 1:
         raise ConfigError("schedule.warmup and schedule.total must be >= 0 and schedule.end_factor in [0, 1]")
     if cfg.name.startswith("warmup_") and cfg.total and cfg.total <= cfg.warmup:
-        raise ConfigError(f"schedule.total={cfg.total:g} must exceed schedule.warmup={cfg.warmup:g} "
-                          "(or be 0: the whole run)")
+        raise ConfigError(
+            f"schedule.total={cfg.total:g} must exceed schedule.warmup={cfg.warmup:g} (or be 0: the whole run)"
+        )
 
 
 def lr_factor(cfg: ScheduleConfig, step: int, steps_per_epoch: int, total_steps: int) -> float:

@@ -29,6 +29,7 @@ installed its `mllog.MLLogger` writes the lines; otherwise they are written by h
 format. Times: the run's start (wall clock) plus each epoch event's `wall_time_s` (seconds since
 the first epoch began, after its validation), `val_time_s` and `epoch_time_s`.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,15 +47,31 @@ _MLLOG_TEMPLATE = ":::MLLOG {}"
 
 # the mlperf-logging constants used (mllog.constants names and values), for the hand-written path
 _K = {
-    "SUBMISSION_BENCHMARK": "submission_benchmark", "SUBMISSION_DIVISION": "submission_division",
-    "SUBMISSION_ORG": "submission_org", "SUBMISSION_PLATFORM": "submission_platform",
-    "SUBMISSION_STATUS": "submission_status", "INIT_START": "init_start", "INIT_STOP": "init_stop",
-    "RUN_START": "run_start", "RUN_STOP": "run_stop", "EPOCH_START": "epoch_start", "EPOCH_STOP": "epoch_stop",
-    "EVAL_START": "eval_start", "EVAL_STOP": "eval_stop", "EVAL_ACCURACY": "eval_accuracy",
-    "GLOBAL_BATCH_SIZE": "global_batch_size", "GRADIENT_ACCUMULATION_STEPS": "gradient_accumulation_steps",
-    "OPT_NAME": "opt_name", "OPT_BASE_LR": "opt_base_learning_rate", "SEED": "seed",
-    "TRAIN_SAMPLES": "train_samples", "EVAL_SAMPLES": "eval_samples", "OPEN": "open", "RESEARCH": "research",
-    "SUCCESS": "success", "ABORTED": "aborted",
+    "SUBMISSION_BENCHMARK": "submission_benchmark",
+    "SUBMISSION_DIVISION": "submission_division",
+    "SUBMISSION_ORG": "submission_org",
+    "SUBMISSION_PLATFORM": "submission_platform",
+    "SUBMISSION_STATUS": "submission_status",
+    "INIT_START": "init_start",
+    "INIT_STOP": "init_stop",
+    "RUN_START": "run_start",
+    "RUN_STOP": "run_stop",
+    "EPOCH_START": "epoch_start",
+    "EPOCH_STOP": "epoch_stop",
+    "EVAL_START": "eval_start",
+    "EVAL_STOP": "eval_stop",
+    "EVAL_ACCURACY": "eval_accuracy",
+    "GLOBAL_BATCH_SIZE": "global_batch_size",
+    "GRADIENT_ACCUMULATION_STEPS": "gradient_accumulation_steps",
+    "OPT_NAME": "opt_name",
+    "OPT_BASE_LR": "opt_base_learning_rate",
+    "SEED": "seed",
+    "TRAIN_SAMPLES": "train_samples",
+    "EVAL_SAMPLES": "eval_samples",
+    "OPEN": "open",
+    "RESEARCH": "research",
+    "SUCCESS": "success",
+    "ABORTED": "aborted",
 }
 
 
@@ -113,8 +130,12 @@ def mllog_entries(summary: dict, events: list[dict], config, start_time_s: float
     add(point, c["SUBMISSION_ORG"], "trainbench")
     add(point, c["SUBMISSION_DIVISION"], c["OPEN"])
     add(point, c["SUBMISSION_STATUS"], c["RESEARCH"])
-    add(point, c["SUBMISSION_PLATFORM"], f"{summary.get('devices') or summary.get('world_size')}x "
-                                         f"{summary.get('adapter') or _get(config, 'adapter.name', '?')}")
+    add(
+        point,
+        c["SUBMISSION_PLATFORM"],
+        f"{summary.get('devices') or summary.get('world_size')}x "
+        f"{summary.get('adapter') or _get(config, 'adapter.name', '?')}",
+    )
     add("INTERVAL_START", c["INIT_START"])
     first_epoch = events[0] if events else {}
     startup = summary.get("startup_s")
@@ -141,9 +162,17 @@ def mllog_entries(summary: dict, events: list[dict], config, start_time_s: float
         stop = t0 + 1000 * (wall - val)
         start = stop - 1000 * ep
         add("INTERVAL_START", c["EPOCH_START"], t_ms=start, epoch_num=n)
-        add("INTERVAL_END", c["EPOCH_STOP"], t_ms=stop, epoch_num=n, partial=bool(e.get("partial")),
-            samples=(e.get("steps") or 0) * (e.get("global_batch") or 0))
-        metric, name = (e.get("val_accuracy"), "top1_accuracy") if kind == "vision" else (e.get("val_perplexity"), "perplexity")
+        add(
+            "INTERVAL_END",
+            c["EPOCH_STOP"],
+            t_ms=stop,
+            epoch_num=n,
+            partial=bool(e.get("partial")),
+            samples=(e.get("steps") or 0) * (e.get("global_batch") or 0),
+        )
+        metric, name = (
+            (e.get("val_accuracy"), "top1_accuracy") if kind == "vision" else (e.get("val_perplexity"), "perplexity")
+        )
         if metric is not None and isinstance(metric, (int, float)) and math.isfinite(metric):
             add("INTERVAL_START", c["EVAL_START"], t_ms=stop, epoch_num=n)
             add("INTERVAL_END", c["EVAL_STOP"], t_ms=t0 + 1000 * wall, epoch_num=n)
@@ -189,9 +218,20 @@ def write_mllog(run_dir, summary: dict, events: list[dict], config, start_time_s
         lines = []
         for x in entries:
             meta = {"source": "trainbench", **(x["metadata"] or {})}
-            lines.append(_MLLOG_TEMPLATE.format(json.dumps({
-                "namespace": "", "time_ms": x["time_ms"], "event_type": x["event_type"], "key": x["key"],
-                "value": x["value"], "metadata": meta})))
+            lines.append(
+                _MLLOG_TEMPLATE.format(
+                    json.dumps(
+                        {
+                            "namespace": "",
+                            "time_ms": x["time_ms"],
+                            "event_type": x["event_type"],
+                            "key": x["key"],
+                            "value": x["value"],
+                            "metadata": meta,
+                        }
+                    )
+                )
+            )
         tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, path)
     return path
@@ -202,19 +242,38 @@ def read_mllog(path) -> list[dict]:
     out = []
     for line in Path(path).read_text().splitlines():
         if line.startswith(":::MLLOG "):
-            out.append(json.loads(line[len(":::MLLOG "):]))
+            out.append(json.loads(line[len(":::MLLOG ") :]))
     return out
 
 
 # per-epoch scalars every sink writes: tag -> epoch event key
-EPOCH_SCALARS = (("train/loss", "train_loss"), ("val/loss", "val_loss"), ("val/accuracy", "val_accuracy"),
-                 ("val/perplexity", "val_perplexity"), ("time/epoch_s", "epoch_time_s"),
-                 ("time/step_mean_s", "step_time_mean_s"), ("throughput/samples_per_s", "samples_per_s"),
-                 ("throughput/tokens_per_s", "tokens_per_s"), ("memory/peak_max_bytes", "peak_memory_max"))
+EPOCH_SCALARS = (
+    ("train/loss", "train_loss"),
+    ("val/loss", "val_loss"),
+    ("val/accuracy", "val_accuracy"),
+    ("val/perplexity", "val_perplexity"),
+    ("time/epoch_s", "epoch_time_s"),
+    ("time/step_mean_s", "step_time_mean_s"),
+    ("throughput/samples_per_s", "samples_per_s"),
+    ("throughput/tokens_per_s", "tokens_per_s"),
+    ("memory/peak_max_bytes", "peak_memory_max"),
+)
 # summary scalars W&B and MLflow get (the run's outcome), beside comm_volume.total_bytes
-SUMMARY_SCALARS = ("step_time_mean_s", "samples_per_s", "tokens_per_s", "epoch_time_mean_s", "epoch_time_steady_s",
-                   "peak_memory_max", "mfu", "train_loss", "val_loss", "val_accuracy", "val_perplexity", "startup_s",
-                   "total_time_s")
+SUMMARY_SCALARS = (
+    "step_time_mean_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "epoch_time_mean_s",
+    "epoch_time_steady_s",
+    "peak_memory_max",
+    "mfu",
+    "train_loss",
+    "val_loss",
+    "val_accuracy",
+    "val_perplexity",
+    "startup_s",
+    "total_time_s",
+)
 OPTIONAL_SINKS = {"wandb": "wandb", "mlflow": "mlflow"}  # results.<key> -> module to import
 
 
@@ -252,8 +311,10 @@ def check_sinks(results) -> None:
         if _get(results, key, False) is True:
             why = sink_unavailable(key)
             if why:
-                raise ConfigError(f"results.{key}=true but {why}: pip install -e \".[{key}]\" (the optional extra), "
-                                  f"or set results.{key}=false")
+                raise ConfigError(
+                    f'results.{key}=true but {why}: pip install -e ".[{key}]" (the optional extra), '
+                    f"or set results.{key}=false"
+                )
 
 
 def _scalars(summary: dict) -> dict:
@@ -284,10 +345,15 @@ def write_wandb(run_dir, summary: dict, events: list[dict], config) -> Path:
     import wandb
 
     mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-    run = wandb.init(project=os.environ.get("WANDB_PROJECT") or summary.get("experiment") or "trainbench",
-                     name=summary.get("run_id") or Path(run_dir).name, dir=str(run_dir), mode=mode,
-                     config=config or {}, job_type="benchmark",
-                     tags=[str(summary[k]) for k in ("adapter", "workload") if summary.get(k)])
+    run = wandb.init(
+        project=os.environ.get("WANDB_PROJECT") or summary.get("experiment") or "trainbench",
+        name=summary.get("run_id") or Path(run_dir).name,
+        dir=str(run_dir),
+        mode=mode,
+        config=config or {},
+        job_type="benchmark",
+        tags=[str(summary[k]) for k in ("adapter", "workload") if summary.get(k)],
+    )
     try:
         run.define_metric("global_step")
         run.define_metric("train/step_loss", step_metric="global_step")
@@ -321,14 +387,17 @@ def write_mlflow(run_dir, summary: dict, events: list[dict], config) -> str:
     try:
         now = int(time.time() * 1000)
         params = [Param(k, str(v)[:6000]) for k, v in sorted(_flat(config).items())]
-        tags = [RunTag(k, str(summary[k])) for k in ("adapter", "workload", "world_size", "point", "status", "run_id")
-                if summary.get(k) is not None] + [RunTag("run_dir", str(Path(run_dir).resolve()))]
+        tags = [
+            RunTag(k, str(summary[k]))
+            for k in ("adapter", "workload", "world_size", "point", "status", "run_id")
+            if summary.get(k) is not None
+        ] + [RunTag("run_dir", str(Path(run_dir).resolve()))]
         epochs, steps = _epoch_rows(events)
         metrics = [Metric("train/step_loss", loss, now, step) for step, loss in steps]
         metrics += [Metric(tag, v, now, ep) for ep, values in epochs for tag, v in values.items()]
         metrics += [Metric(k, v, now, 0) for k, v in _scalars(summary).items()]
         for i in range(0, max(len(params), len(metrics), 1), 100):  # the tracking API's batch limits
-            client.log_batch(rid, metrics=metrics[i:i + 100], params=params[i:i + 100], tags=tags if i == 0 else [])
+            client.log_batch(rid, metrics=metrics[i : i + 100], params=params[i : i + 100], tags=tags if i == 0 else [])
     except BaseException:
         client.set_terminated(rid, "FAILED")
         raise
@@ -378,8 +447,9 @@ def write_tensorboard(run_dir, events: list[dict]) -> Path | None:
     return out
 
 
-def write_sinks(run_dir, mllog: bool = True, tensorboard: bool = False, wandb: bool = False,
-                mlflow: bool = False) -> dict:
+def write_sinks(
+    run_dir, mllog: bool = True, tensorboard: bool = False, wandb: bool = False, mlflow: bool = False
+) -> dict:
     """The sinks asked for, from a finished record (summary.json, events.jsonl, config.yaml in RUN_DIR): the one
     call a runner makes after writing the summary. Returns {sink: path, or "skipped: why" / "failed: why"};
     never raises."""
@@ -396,10 +466,12 @@ def write_sinks(run_dir, mllog: bool = True, tensorboard: bool = False, wandb: b
             config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     except Exception as e:  # noqa: BLE001 - a sink never breaks a run
         return {"mllog": f"failed: {type(e).__name__}: {e}"} if mllog else {}
-    for name, on, fn in (("mllog", mllog, lambda: write_mllog(run_dir, summary, events, config)),
-                         ("tensorboard", tensorboard, lambda: write_tensorboard(run_dir, events)),
-                         ("wandb", wandb, lambda: write_wandb(run_dir, summary, events, config)),
-                         ("mlflow", mlflow, lambda: write_mlflow(run_dir, summary, events, config))):
+    for name, on, fn in (
+        ("mllog", mllog, lambda: write_mllog(run_dir, summary, events, config)),
+        ("tensorboard", tensorboard, lambda: write_tensorboard(run_dir, events)),
+        ("wandb", wandb, lambda: write_wandb(run_dir, summary, events, config)),
+        ("mlflow", mlflow, lambda: write_mlflow(run_dir, summary, events, config)),
+    ):
         if not on:
             continue
         try:
@@ -409,6 +481,10 @@ def write_sinks(run_dir, mllog: bool = True, tensorboard: bool = False, wandb: b
             result[name] = str(path) if path is not None else f"skipped: {tensorboard_unavailable()}"
         except Exception as e:  # noqa: BLE001
             result[name] = f"failed: {type(e).__name__}: {e}"
-            print(f"warning: the {name} sink of {run_dir} failed (the record is complete): {type(e).__name__}: "
-                  f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}", file=sys.stderr, flush=True)
+            print(
+                f"warning: the {name} sink of {run_dir} failed (the record is complete): {type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+                file=sys.stderr,
+                flush=True,
+            )
     return result

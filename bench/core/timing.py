@@ -12,6 +12,7 @@ NVTX ranges (`nvtx` package) are no-ops costing ~0.1 µs when no profiler is att
 on always; Nsight Systems then shows the same data/forward/backward/optimizer phases we record.
 `torch.profiler.record_function` is kept out of this hot path (15-26 µs per call even idle).
 """
+
 from __future__ import annotations
 
 import time

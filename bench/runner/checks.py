@@ -4,6 +4,7 @@ Hydra's schema has already refused unknown keys and wrong types (bench/core/conf
 adapters/configs.py); these are the checks of values. Workloads check their own fields
 (ptbench.workloads.check_config), adapters theirs (`Adapter.validate`).
 """
+
 from __future__ import annotations
 
 import os
@@ -37,11 +38,19 @@ def check_config(cfg: BenchConfig) -> None:
             raise ConfigError(f"{key}={value} must be > 0")
     t = cfg.trainer
     if t.dist_timeout_s and t.hang_timeout_s > 0 and t.dist_timeout_s <= t.hang_timeout_s:
-        raise ConfigError(f"trainer.dist_timeout_s={t.dist_timeout_s} must exceed trainer.hang_timeout_s="
-                          f"{t.hang_timeout_s:g}, or the backend kills hung ranks before the watchdog records the "
-                          "hang; leave it 0 (= hang_timeout_s + 60 s)")
-    for key in ("trainer.warmup_steps", "trainer.max_steps", "trainer.max_eval_batches", "trainer.dist_timeout_s",
-                "trainer.hang_timeout_s", "launcher.threads_per_rank"):
+        raise ConfigError(
+            f"trainer.dist_timeout_s={t.dist_timeout_s} must exceed trainer.hang_timeout_s="
+            f"{t.hang_timeout_s:g}, or the backend kills hung ranks before the watchdog records the "
+            "hang; leave it 0 (= hang_timeout_s + 60 s)"
+        )
+    for key in (
+        "trainer.warmup_steps",
+        "trainer.max_steps",
+        "trainer.max_eval_batches",
+        "trainer.dist_timeout_s",
+        "trainer.hang_timeout_s",
+        "launcher.threads_per_rank",
+    ):
         group, name = key.split(".")
         if getattr(getattr(cfg, group), name) < 0:
             raise ConfigError(f"{key}={getattr(getattr(cfg, group), name)} must be >= 0")
@@ -74,33 +83,43 @@ def check_compile(cfg: BenchConfig) -> None:
     cls = get_adapter_class(cfg.adapter.name)
     refusal = cls.compile_refusal(cfg)
     if refusal:
-        raise ConfigError(f"trainer.compile=true: adapter={cls.name} does not support it ({refusal}); "
-                          "drop trainer.compile or use adapter=ddp, fsdp or zero")
+        raise ConfigError(
+            f"trainer.compile=true: adapter={cls.name} does not support it ({refusal}); "
+            "drop trainer.compile or use adapter=ddp, fsdp or zero"
+        )
     if t.warmup_steps < 1:
-        raise ConfigError("trainer.compile=true compiles in the first step(s), which must stay out of the step "
-                          "statistics: set trainer.warmup_steps >= 1")
+        raise ConfigError(
+            "trainer.compile=true compiles in the first step(s), which must stay out of the step "
+            "statistics: set trainer.warmup_steps >= 1"
+        )
     from torch._dynamo import list_backends
 
     backends = list_backends(exclude_tags=())
     if t.compile_backend not in backends:
-        raise ConfigError(f"trainer.compile_backend={t.compile_backend} is not a torch.compile backend; choose one of "
-                          f"{', '.join(sorted(backends))}")
+        raise ConfigError(
+            f"trainer.compile_backend={t.compile_backend} is not a torch.compile backend; choose one of "
+            f"{', '.join(sorted(backends))}"
+        )
     import shutil
 
     import torch
 
     cxx = os.environ.get("CXX") or "g++"
     if t.compile_backend == "inductor" and not torch.cuda.is_available() and not shutil.which(cxx):
-        raise ConfigError(f"trainer.compile_backend=inductor on CPU needs a C++ compiler ({cxx} not found): install "
-                          "g++ (or set CXX), or set trainer.compile_backend=aot_eager")
+        raise ConfigError(
+            f"trainer.compile_backend=inductor on CPU needs a C++ compiler ({cxx} not found): install "
+            "g++ (or set CXX), or set trainer.compile_backend=aot_eager"
+        )
 
 
 def start_method(requested: str, cuda: bool) -> str:
     """The multiprocessing start method for launcher=local ranks: `auto` is fork on a CPU-only machine
     and spawn when CUDA is visible; fork is refused there (the forked ranks could not use CUDA)."""
     if requested == "fork" and cuda:
-        raise ConfigError("launcher.start_method=fork with CUDA visible: forked ranks cannot use CUDA; use "
-                          "launcher.start_method=spawn (or auto)")
+        raise ConfigError(
+            "launcher.start_method=fork with CUDA visible: forked ranks cannot use CUDA; use "
+            "launcher.start_method=spawn (or auto)"
+        )
     if requested == "auto":
         return "spawn" if cuda else "fork"
     return requested
@@ -110,8 +129,10 @@ def check_devices(world: int, devices_per_process: int, device_count: int) -> No
     """launcher=local on a GPU machine: one GPU per device a rank drives (NCCL refuses two ranks on one GPU)."""
     need = world * devices_per_process
     if device_count and need > device_count:
-        raise ConfigError(f"{world} rank(s) x {devices_per_process} device(s) need {need} GPUs but this node has "
-                          f"{device_count}: lower launcher.nprocs (or use launcher=slurm across nodes)")
+        raise ConfigError(
+            f"{world} rank(s) x {devices_per_process} device(s) need {need} GPUs but this node has "
+            f"{device_count}: lower launcher.nprocs (or use launcher=slurm across nodes)"
+        )
 
 
 def check_results_dir(root: Path) -> None:
@@ -127,4 +148,6 @@ def check_results_dir(root: Path) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(dir=probe, prefix=".bench-write-probe-"))
     except OSError as e:
-        raise ConfigError(f"results.root={root} is not writable ({probe}: {e.strerror or type(e).__name__}); {fix}") from None
+        raise ConfigError(
+            f"results.root={root} is not writable ({probe}: {e.strerror or type(e).__name__}); {fix}"
+        ) from None

@@ -3,6 +3,7 @@
 Used by `python -m ptbench` (Hydra's main) and by every driver that needs a point's config without
 running it (sweep, overhead, memory study), so the Hydra boilerplate is written once.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -104,8 +105,11 @@ def typed(cfg_dict) -> BenchConfig:
     name = cfg_dict["adapter"]["name"]
     if name not in SCHEMAS:
         raise ConfigError(f"unknown adapter '{name}': choose one of {', '.join(sorted(SCHEMAS))} (adapter=NAME)")
-    if OmegaConf.is_config(cfg_dict) and OmegaConf.get_type(cfg_dict) is BenchConfig \
-            and OmegaConf.get_type(cfg_dict, "adapter") is SCHEMAS[name]:
+    if (
+        OmegaConf.is_config(cfg_dict)
+        and OmegaConf.get_type(cfg_dict) is BenchConfig
+        and OmegaConf.get_type(cfg_dict, "adapter") is SCHEMAS[name]
+    ):
         return cfg_dict
     base = OmegaConf.structured(BenchConfig(adapter=SCHEMAS[name]()))
     return OmegaConf.merge(base, cfg_dict)  # type: ignore[return-value]

@@ -1,4 +1,5 @@
 """What a run prints: one line per epoch and a summary table at the end (rank 0 only)."""
+
 from __future__ import annotations
 
 import math
@@ -10,7 +11,9 @@ def fmt(v, spec: str) -> str:
 
 def print_epoch(e: dict) -> None:
     metric = (
-        f"val_acc {fmt(e.get('val_accuracy'), '.3f')}" if "val_accuracy" in e else f"val_ppl {fmt(e.get('val_perplexity'), '.2f')}"
+        f"val_acc {fmt(e.get('val_accuracy'), '.3f')}"
+        if "val_accuracy" in e
+        else f"val_ppl {fmt(e.get('val_perplexity'), '.2f')}"
     )
     print(
         f"epoch {e['epoch']}: {e['steps']} steps in {e['epoch_time_s']:.2f}s  "
@@ -21,7 +24,11 @@ def print_epoch(e: dict) -> None:
 
 
 def print_summary(s: dict) -> None:
-    metric = ("val_accuracy", s.get("val_accuracy")) if s.get("val_accuracy") is not None else ("val_perplexity", s.get("val_perplexity"))
+    metric = (
+        ("val_accuracy", s.get("val_accuracy"))
+        if s.get("val_accuracy") is not None
+        else ("val_perplexity", s.get("val_perplexity"))
+    )
     rows = [
         ("status", s["status"]),
         ("run", s.get("run_id")),
@@ -37,7 +44,12 @@ def print_summary(s: dict) -> None:
     ]
     if s.get("compile"):
         c = s["compile"]
-        rows.append(("torch.compile", f"{c['backend']}: {fmt(c['time_s'], '.1f')} s compiling (in warm-up, out of step "
-                                      f"stats), {c['frames']} frame(s), {c['timed_step_frames']} after warm-up"))
+        rows.append(
+            (
+                "torch.compile",
+                f"{c['backend']}: {fmt(c['time_s'], '.1f')} s compiling (in warm-up, out of step "
+                f"stats), {c['frames']} frame(s), {c['timed_step_frames']} after warm-up",
+            )
+        )
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows), flush=True)

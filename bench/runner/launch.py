@@ -7,6 +7,7 @@ starts the ranks itself: spawned processes, or the adapter's own launcher (horov
 fails after it began still ends with a record (summary.json status failed, with the failing rank
 and its error).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,21 +39,31 @@ def launch(cfg: DictConfig) -> int:
     adapter_cls = get_adapter_class(cfg.adapter.name)
     environment = detect(adapter_cls, cfg.launcher.name)
     if cfg.launcher.name == "torchrun" and environment is not TorchrunEnvironment:
-        raise ConfigError("launcher=torchrun but RANK/WORLD_SIZE/LOCAL_RANK are not set: start with `torchrun -m ptbench ...`")
+        raise ConfigError(
+            "launcher=torchrun but RANK/WORLD_SIZE/LOCAL_RANK are not set: start with `torchrun -m ptbench ...`"
+        )
     if environment is None and in_srun_step() > 1:
-        raise ConfigError(f"this process is one of {in_srun_step()} srun tasks but launcher={cfg.launcher.name} would "
-                          "start its own ranks in every task: add launcher=slurm (one rank per task)")
+        raise ConfigError(
+            f"this process is one of {in_srun_step()} srun tasks but launcher={cfg.launcher.name} would "
+            "start its own ranks in every task: add launcher=slurm (one rank per task)"
+        )
 
     if environment is not None:  # this process is one rank of a job someone else started
         ctx = environment.context(os.environ, cfg.launcher.backend, cfg.launcher.master_port)
-        if environment is SlurmEnvironment and os.environ.get("SUBMITIT_EXECUTOR") == "slurm" \
-                and ctx.world_size != adapter_cls.processes(cfg):
-            raise ConfigError(f"this submitit job has {ctx.world_size} task(s) but the point needs "
-                              f"{adapter_cls.processes(cfg)} ranks: use hydra/launcher=bench_slurm "
-                              "(conf/hydra/launcher/bench_slurm.yaml), which sizes each job")
+        if (
+            environment is SlurmEnvironment
+            and os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+            and ctx.world_size != adapter_cls.processes(cfg)
+        ):
+            raise ConfigError(
+                f"this submitit job has {ctx.world_size} task(s) but the point needs "
+                f"{adapter_cls.processes(cfg)} ranks: use hydra/launcher=bench_slurm "
+                "(conf/hydra/launcher/bench_slurm.yaml), which sizes each job"
+            )
         # the one rank that writes the summary records the comm volume; the memory check is the local launcher's
-        plan, _ = plan_run(cfg, environment.name, ctx.world_size, memory=False,
-                           backend=ctx.backend if ctx.rank == 0 else None)
+        plan, _ = plan_run(
+            cfg, environment.name, ctx.world_size, memory=False, backend=ctx.backend if ctx.rank == 0 else None
+        )
         return run_rank(cfg, plan, ctx, run_dir=None)
 
     plan, _ = plan_run(cfg, "local")
@@ -67,13 +78,26 @@ def launch(cfg: DictConfig) -> int:
         code = run_with_launcher(command, cfg.launcher.master_addr, port, writer)
     else:
         code = spawn_local(OmegaConf.to_container(cfg, resolve=True), plan, port, writer, plan.start_method)
-    write_sinks(writer.dir, mllog=cfg.results.mllog, tensorboard=cfg.results.tensorboard, wandb=cfg.results.wandb,
-                mlflow=cfg.results.mlflow)
+    write_sinks(
+        writer.dir,
+        mllog=cfg.results.mllog,
+        tensorboard=cfg.results.tensorboard,
+        wandb=cfg.results.wandb,
+        mlflow=cfg.results.mlflow,
+    )
     return code
 
 
-def plan_run(cfg: BenchConfig, environment: str, world_size: int | None = None, *, check: bool = True,
-             memory: bool = True, refuse: bool | None = None, backend: str | None = "auto") -> tuple[RunPlan, dict | None]:
+def plan_run(
+    cfg: BenchConfig,
+    environment: str,
+    world_size: int | None = None,
+    *,
+    check: bool = True,
+    memory: bool = True,
+    refuse: bool | None = None,
+    backend: str | None = "auto",
+) -> tuple[RunPlan, dict | None]:
     """The plan of one launch with its predictions: what `launch` runs and `python -m ptbench --plan` prints,
     from this one function so the two cannot drift.
 
@@ -120,10 +144,12 @@ def meta_model(workload):
 
 def _builder(model):
     """The no-argument model callable the memory and volume models take, over the one meta model."""
+
     def build():
         if isinstance(model, Exception):
             raise model
         return model
+
     return build
 
 
@@ -142,8 +168,12 @@ def predicted_memory(cfg, plan: RunPlan, model, refuse: bool | None = None) -> t
     cap, what = device_bytes(plan.world_size)
     if refuse or (refuse is None and pred["inputs"]["device"] == "cuda"):
         check_fits(pred, cap, what)
-    record = {**record_fields(pred), "device_bytes": None if cap is None else int(cap), "device": what,
-              "fits": fits(pred["total"], cap)}
+    record = {
+        **record_fields(pred),
+        "device_bytes": None if cap is None else int(cap),
+        "device": what,
+        "fits": fits(pred["total"], cap),
+    }
     return record, pred
 
 
@@ -203,8 +233,13 @@ def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter, met
         _preload(plan.adapter_cls.framework_module)
     sys.stdout.flush()  # a forked rank would print the launcher's unflushed output again
     sys.stderr.flush()
-    procs = mp.start_processes(_spawned_rank, args=(cfg_dict, plan, port, str(writer.dir)), nprocs=plan.world_size,
-                               start_method=method, join=False)
+    procs = mp.start_processes(
+        _spawned_rank,
+        args=(cfg_dict, plan, port, str(writer.dir)),
+        nprocs=plan.world_size,
+        start_method=method,
+        join=False,
+    )
     started.append(procs)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
     for signum in pending:
@@ -260,7 +295,9 @@ def run_with_launcher(command: list[str], addr: str, port: int, writer: RunWrite
 def _exit_code(writer: RunWriter) -> int:
     summary = writer.record.summary() or {}
     if summary.get("status") not in ("ok", "preempted"):
-        print(f"run {summary.get('status')}: rank {summary.get('failed_rank')}: {summary.get('error')}", file=sys.stderr)
+        print(
+            f"run {summary.get('status')}: rank {summary.get('failed_rank')}: {summary.get('error')}", file=sys.stderr
+        )
         return 1
     return 0
 
@@ -275,17 +312,32 @@ def record_failure(writer: RunWriter, exc: Exception, elapsed: float) -> None:
     elif errors:
         cause = errors[0]
     else:
-        cause = {"rank": getattr(exc, "error_index", None), "status": "failed", "error": str(exc).strip().splitlines()[-1]}
-    writer.fail(cause["status"], cause["error"], cause["rank"], total_time_s=elapsed,
-                rank_errors=[{k: e.get(k) for k in ("rank", "status", "error")} for e in errors])
+        cause = {
+            "rank": getattr(exc, "error_index", None),
+            "status": "failed",
+            "error": str(exc).strip().splitlines()[-1],
+        }
+    writer.fail(
+        cause["status"],
+        cause["error"],
+        cause["rank"],
+        total_time_s=elapsed,
+        rank_errors=[{k: e.get(k) for k in ("rank", "status", "error")} for e in errors],
+    )
 
 
 def _spawned_rank(local_rank: int, cfg_dict: dict, plan: RunPlan, port: int, run_dir: str) -> None:
     """A rank started by `spawn_local`: the resolved config comes as a plain dict (what pickles to a spawned
     process) and is typed once here."""
-    ctx = DistContext(rank=local_rank, world_size=plan.world_size, local_rank=local_rank,
-                      local_world_size=plan.world_size, master_port=port,
-                      backend=default_backend(cfg_dict["launcher"]["backend"]), launcher="local")
+    ctx = DistContext(
+        rank=local_rank,
+        world_size=plan.world_size,
+        local_rank=local_rank,
+        local_world_size=plan.world_size,
+        master_port=port,
+        backend=default_backend(cfg_dict["launcher"]["backend"]),
+        launcher="local",
+    )
     code = run_rank(typed(cfg_dict), plan, ctx, Path(run_dir))
     if code:
         sys.exit(code)

@@ -5,6 +5,7 @@
 inputs (ptbench.core.layout), local and global batch, the point id and the workload's facts. The
 record's identity fields come from here, so every summary (running, failed, ok) names a run alike.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -71,22 +72,39 @@ class RunPlan:
 
     def identity(self) -> dict:
         """The fields every summary of this run carries, whatever its status."""
-        return {"experiment": self.experiment, "point": self.point, "adapter": self.adapter, "workload": self.workload,
-                "world_size": self.world_size, "devices": self.devices}
+        return {
+            "experiment": self.experiment,
+            "point": self.point,
+            "adapter": self.adapter,
+            "workload": self.workload,
+            "world_size": self.world_size,
+            "devices": self.devices,
+        }
 
     def describe(self) -> dict:
         """The plan as the record states it (`summary["plan"]`): `layout` and `cost` as dicts, and the
         layout's numbers also under the plan's own names."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)
-             if f.name not in ("adapter_cls", "predicted_memory", "comm_volume", "layout", "cost")}
-        d.update(layout=self.layout.as_dict(), cost=self.cost.as_dict(), world_size=self.world_size,
-                 devices_per_process=self.devices_per_process, dp_size=self.dp_size, microbatches=self.microbatches,
-                 devices=self.devices, global_batch=self.global_batch)
+        d = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("adapter_cls", "predicted_memory", "comm_volume", "layout", "cost")
+        }
+        d.update(
+            layout=self.layout.as_dict(),
+            cost=self.cost.as_dict(),
+            world_size=self.world_size,
+            devices_per_process=self.devices_per_process,
+            dp_size=self.dp_size,
+            microbatches=self.microbatches,
+            devices=self.devices,
+            global_batch=self.global_batch,
+        )
         return d
 
 
-def make_plan(cfg: BenchConfig, environment: str, world_size: int | None = None, check: bool = True,
-              workload=None) -> RunPlan:
+def make_plan(
+    cfg: BenchConfig, environment: str, world_size: int | None = None, check: bool = True, workload=None
+) -> RunPlan:
     """The plan of `cfg` on `world_size` processes (None: as many as the adapter launches).
 
     check=True runs every check first; ranks started by the launcher (which checked) pass False."""
@@ -103,12 +121,21 @@ def make_plan(cfg: BenchConfig, environment: str, world_size: int | None = None,
         workload.check_data()
         check_results_dir(Path(cfg.results.dir or cfg.results.root))
     return RunPlan(
-        adapter=cfg.adapter.name, workload=cfg.workload.name, kind=cfg.workload.kind,
-        experiment=cfg.results.experiment, point=cfg.results.point, environment=environment,
-        layout=layout, cost=cls.cost_inputs(cfg),
-        local_batch=local, grad_accum=cfg.trainer.grad_accum, batch_policy=cfg.adapter.batch_policy,
-        precision=cfg.trainer.precision, tokens_per_sample=workload.tokens_per_sample(),
-        train_flops_per_sample=workload.train_flops_per_sample(), adapter_cls=cls,
+        adapter=cfg.adapter.name,
+        workload=cfg.workload.name,
+        kind=cfg.workload.kind,
+        experiment=cfg.results.experiment,
+        point=cfg.results.point,
+        environment=environment,
+        layout=layout,
+        cost=cls.cost_inputs(cfg),
+        local_batch=local,
+        grad_accum=cfg.trainer.grad_accum,
+        batch_policy=cfg.adapter.batch_policy,
+        precision=cfg.trainer.precision,
+        tokens_per_sample=workload.tokens_per_sample(),
+        train_flops_per_sample=workload.train_flops_per_sample(),
+        adapter_cls=cls,
     )
 
 

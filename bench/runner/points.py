@@ -16,6 +16,7 @@ point already has an ok record under results.root/results.experiment is skipped 
 A point whose run ends `oom` is run once more with half its per-device batch, as its own point with
 `extra.batch_reduced_from` (`oom_retry`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,11 +32,14 @@ from ptbench.runner.compose import compose, in_multirun
 
 # Keys of the resolved config that do not change what is measured: where records go, how ranks find
 # each other, where the data lives, progress bars.
-_NOT_PART_OF_POINT = {"results": None, "hydra": None,
-                      "launcher": ("name", "master_addr", "master_port"),
-                      "data": ("root", "tokenizer_dir", "cache_dir"),
-                      # how a run is resumed or stopped for tests is not what it measures
-                      "trainer": ("progress", "resume", "checkpoint_every", "checkpoint_keep", "inject_stop")}
+_NOT_PART_OF_POINT = {
+    "results": None,
+    "hydra": None,
+    "launcher": ("name", "master_addr", "master_port"),
+    "data": ("root", "tokenizer_dir", "cache_dir"),
+    # how a run is resumed or stopped for tests is not what it measures
+    "trainer": ("progress", "resume", "checkpoint_every", "checkpoint_keep", "inject_stop"),
+}
 
 # a short ptbench.comm: sizes 1K x 4^k up to its default maximum, fewer calls per size (~20 s for 2 CPU ranks)
 COMM_ARGS = ("--factor", "4", "--iters", "10", "--warmup", "3")

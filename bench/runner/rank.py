@@ -13,6 +13,7 @@ record's checkpoints and event log into it and removes the old folder: either wa
 point, with one continuous event log. A stop with a checkpoint inside a Slurm job that may be
 requeued ends with rank 0 calling `scontrol requeue` (bench/core/guard.py) after the record is written.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,9 @@ import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK") or "1")  # before torch: see bench/__main__.py
+os.environ.setdefault(
+    "OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK") or "1"
+)  # before torch: see bench/__main__.py
 
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
@@ -71,8 +74,14 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
         writer = RunWriter(run_dir, plan.identity())
 
         def on_hang(idle: float) -> None:
-            _record_rank_error(writer, ctx, "timeout", f"no progress for {idle:.0f}s (trainer.hang_timeout_s="
-                               f"{cfg.trainer.hang_timeout_s}): a rank stopped calling collectives or hangs", "")
+            _record_rank_error(
+                writer,
+                ctx,
+                "timeout",
+                f"no progress for {idle:.0f}s (trainer.hang_timeout_s="
+                f"{cfg.trainer.hang_timeout_s}): a rank stopped calling collectives or hangs",
+                "",
+            )
 
         watchdog = Watchdog(cfg.trainer.hang_timeout_s, on_hang).start()
         from ptbench.runner.trainer import CONVENTIONS, Trainer
@@ -82,8 +91,19 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
         adapter = plan.adapter_cls(cfg, workload, ctx)
         adapter.setup()
         watchdog.beat()
-        trainer = Trainer(cfg, plan, ctx, adapter, workload, writer.record if ctx.rank == 0 else None, stop, watchdog,
-                          run_dir=run_dir, resume_from=resume_from, resume_info=resume_info)
+        trainer = Trainer(
+            cfg,
+            plan,
+            ctx,
+            adapter,
+            workload,
+            writer.record if ctx.rank == 0 else None,
+            stop,
+            watchdog,
+            run_dir=run_dir,
+            resume_from=resume_from,
+            resume_info=resume_info,
+        )
         summary = trainer.run()
         requeue = None
         if ctx.rank == 0 and summary["status"] == "preempted" and trainer.saved_on_stop:
@@ -92,18 +112,33 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
                 summary["requeue"] = {"slurm_job_id": requeue, "time": time.time()}
         if ctx.rank == 0:
             extra = OmegaConf.to_container(cfg.extra) if OmegaConf.is_config(cfg.extra) else cfg.extra
-            summary.update(adapter_settings=adapter.describe(), plan=plan.describe(), layout=plan.layout.as_dict(),
-                           precision=plan.precision,
-                           predicted_memory=plan.predicted_memory, comm_volume=plan.comm_volume, extra=extra,
-                           batch_reduced_from=(extra or {}).get("batch_reduced_from") if isinstance(extra, dict) else None,
-                           phase_semantics=adapter.phase_semantics, precision_semantics=adapter.precision_semantics,
-                           batch_policy=plan.batch_policy, warmup_steps=cfg.trainer.warmup_steps,
-                           launcher=ctx.launcher, conventions=CONVENTIONS, frameworks_imported=frameworks_imported(),
-                           cpu_threads_per_rank=threads)
+            summary.update(
+                adapter_settings=adapter.describe(),
+                plan=plan.describe(),
+                layout=plan.layout.as_dict(),
+                precision=plan.precision,
+                predicted_memory=plan.predicted_memory,
+                comm_volume=plan.comm_volume,
+                extra=extra,
+                batch_reduced_from=(extra or {}).get("batch_reduced_from") if isinstance(extra, dict) else None,
+                phase_semantics=adapter.phase_semantics,
+                precision_semantics=adapter.precision_semantics,
+                batch_policy=plan.batch_policy,
+                warmup_steps=cfg.trainer.warmup_steps,
+                launcher=ctx.launcher,
+                conventions=CONVENTIONS,
+                frameworks_imported=frameworks_imported(),
+                cpu_threads_per_rank=threads,
+            )
             writer.finish(summary)
             if ctx.launcher != "local":  # no launcher process of ours: this rank writes the sinks
-                write_sinks(run_dir, mllog=cfg.results.mllog, tensorboard=cfg.results.tensorboard,
-                            wandb=cfg.results.wandb, mlflow=cfg.results.mlflow)
+                write_sinks(
+                    run_dir,
+                    mllog=cfg.results.mllog,
+                    tensorboard=cfg.results.tensorboard,
+                    wandb=cfg.results.wandb,
+                    mlflow=cfg.results.mlflow,
+                )
             print_summary({**summary, **writer.identity})
         if requeue:  # last: Slurm ends this job's steps now; the checkpoint and the record are complete
             print(f"scontrol requeue {requeue}: the job resumes from {summary['checkpoint']['latest']}", flush=True)
@@ -115,8 +150,9 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
     except BaseException as e:  # record every failure, then let it end the rank
         if run_dir is not None:
             status = "oom" if _is_oom(e) else "failed"
-            _record_rank_error(RunWriter(run_dir, plan.identity()), ctx, status, f"{type(e).__name__}: {e}",
-                               traceback.format_exc())
+            _record_rank_error(
+                RunWriter(run_dir, plan.identity()), ctx, status, f"{type(e).__name__}: {e}", traceback.format_exc()
+            )
         raise
     finally:
         if watchdog is not None:
@@ -128,9 +164,14 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
 
 
 def _record_rank_error(writer: RunWriter, ctx: DistContext, status: str, message: str, tb: str) -> None:
-    err = {"rank": ctx.rank, "host": socket.gethostname(), "status": status,
-           "error": message.strip().splitlines()[0][:500] if message.strip() else status,
-           "traceback": tb, "time": time.time()}
+    err = {
+        "rank": ctx.rank,
+        "host": socket.gethostname(),
+        "status": status,
+        "error": message.strip().splitlines()[0][:500] if message.strip() else status,
+        "traceback": tb,
+        "time": time.time(),
+    }
     writer.record.write_rank_error(ctx.rank, err)
     if ctx.launcher != "local" and ctx.rank == 0:  # no launcher process of ours to write the outcome
         writer.fail(status, err["error"], ctx.rank)
@@ -145,8 +186,9 @@ def _agree_on_run_dir(cfg, plan: RunPlan, ctx: DistContext, run_dir: Path | None
     if ctx.rank == 0:
         found = None
         if cfg.trainer.resume == "auto" and ckpt.enabled(cfg, plan.adapter_cls.checkpoint_refusal(cfg)):
-            found = ckpt.find_resumable(point_folders(cfg.results), plan.point, plan.adapter, plan.world_size,
-                                        exclude=run_dir)
+            found = ckpt.find_resumable(
+                point_folders(cfg.results), plan.point, plan.adapter, plan.world_size, exclude=run_dir
+            )
         info = None
         if found:
             old, checkpoint = found
@@ -156,19 +198,27 @@ def _agree_on_run_dir(cfg, plan: RunPlan, ctx: DistContext, run_dir: Path | None
             writer = RunWriter(old, plan.identity())
             writer.record.write_summary({"status": "running", **writer.identity, "resuming_from": checkpoint.name})
             box = [str(old), str(checkpoint), info]
-            print(f"run {old}: resuming {plan.adapter} x {plan.workload} from {checkpoint.name} "
-                  f"({info['previous_status']}), {ctx.world_size} rank(s) via {ctx.launcher}", flush=True)
+            print(
+                f"run {old}: resuming {plan.adapter} x {plan.workload} from {checkpoint.name} "
+                f"({info['previous_status']}), {ctx.world_size} rank(s) via {ctx.launcher}",
+                flush=True,
+            )
         elif run_dir is None:
             writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
             writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
             box = [str(writer.dir), None, None]
-            print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {ctx.world_size} rank(s) via {ctx.launcher}",
-                  flush=True)
+            print(
+                f"run {writer.dir}: {plan.adapter} x {plan.workload}, {ctx.world_size} rank(s) via {ctx.launcher}",
+                flush=True,
+            )
         elif found:  # the launcher made this record already: take the unfinished one's history into it
             ckpt.adopt(old, run_dir)
             box = [str(run_dir), str(ckpt.folder(run_dir) / checkpoint.name), info]
-            print(f"run {run_dir}: resuming from {checkpoint.name} of {old} ({info['previous_status']}), "
-                  "moved into this record", flush=True)
+            print(
+                f"run {run_dir}: resuming from {checkpoint.name} of {old} ({info['previous_status']}), "
+                "moved into this record",
+                flush=True,
+            )
         else:
             box = [str(run_dir), None, None]
     dist.broadcast_object_list(box, src=0)

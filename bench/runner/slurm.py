@@ -5,6 +5,7 @@ Each array task asks `python -m ptbench.sweep point FILE INDEX` for its point an
 (launcher=slurm, one rank per task); see slurm/README.md. The Hydra launcher plugin bench_slurm
 sizes its jobs with the same `slurm_shape`.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,14 +28,24 @@ def slurm_shape(ranks: int, devices: int, gpus_per_node: int | None) -> tuple[in
     per_node = max(1, gpus_per_node // devices)
     nodes = -(-ranks // per_node)
     if ranks % nodes:
-        raise ConfigError(f"{ranks} ranks do not split evenly over {nodes} nodes of {gpus_per_node} GPUs; "
-                          "change gpus_per_node or the point's rank count")
+        raise ConfigError(
+            f"{ranks} ranks do not split evenly over {nodes} nodes of {gpus_per_node} GPUs; "
+            "change gpus_per_node or the point's rank count"
+        )
     return nodes, ranks // nodes, ranks // nodes * devices
 
 
-def submit_arrays(file: Path, extra: list[str], *, gpus_per_node: int = 0, sbatch: list[str] = (),
-                  resume: bool = False, script: Path | None = None, dry_run: bool = False,
-                  out=None) -> tuple[int, list[str]]:
+def submit_arrays(
+    file: Path,
+    extra: list[str],
+    *,
+    gpus_per_node: int = 0,
+    sbatch: list[str] = (),
+    resume: bool = False,
+    script: Path | None = None,
+    dry_run: bool = False,
+    out=None,
+) -> tuple[int, list[str]]:
     """sbatch slurm/array.sbatch once per allocation shape (Slurm gives every task of an array the same
     resources); returns (exit code, job ids). `sbatch` options such as --dependency=afterok:ID go to
     every array. Dry run: the commands are printed and the ids are placeholders."""
@@ -46,8 +57,10 @@ def submit_arrays(file: Path, extra: list[str], *, gpus_per_node: int = 0, sbatc
     script = Path(script or REPO / "slurm" / "array.sbatch")
     # job logs under the results root, never in the folder sbatch was called from (a later
     # --sbatch=--output=... still wins: sbatch takes the last)
-    root = next((o.split("=", 1)[1] for o in reversed(extra) if o.startswith("results.root=")),
-                os.environ.get("RESULTS") or str(REPO / "results"))
+    root = next(
+        (o.split("=", 1)[1] for o in reversed(extra) if o.startswith("results.root=")),
+        os.environ.get("RESULTS") or str(REPO / "results"),
+    )
     logs = Path(root).absolute() / "slurm"
     if not dry_run:
         logs.mkdir(parents=True, exist_ok=True)
@@ -55,8 +68,18 @@ def submit_arrays(file: Path, extra: list[str], *, gpus_per_node: int = 0, sbatc
     for n, ((ranks, devices), indices) in enumerate(groups.items()):
         nodes, per_node, gpus = slurm_shape(ranks, devices, gpus_per_node)
         shape = [f"--nodes={nodes}", f"--ntasks-per-node={per_node}", *([f"--gpus-per-node={gpus}"] if gpus else [])]
-        cmd = ["sbatch", "--parsable", f"--output={logs}/%x-%A_%a.out", f"--array={','.join(map(str, indices))}",
-               *shape, *sbatch, str(script), str(file), *(["--resume"] if resume else []), *extra]
+        cmd = [
+            "sbatch",
+            "--parsable",
+            f"--output={logs}/%x-%A_%a.out",
+            f"--array={','.join(map(str, indices))}",
+            *shape,
+            *sbatch,
+            str(script),
+            str(file),
+            *(["--resume"] if resume else []),
+            *extra,
+        ]
         print(shlex.join(cmd), file=out, flush=True)
         if dry_run:
             ids.append(f"<{Path(file).stem}-{n}>")
@@ -71,8 +94,16 @@ def submit_arrays(file: Path, extra: list[str], *, gpus_per_node: int = 0, sbatc
     return code, ids
 
 
-def submit_comm(file: Path, extra: list[str], *, gpus_per_node: int = 0, sbatch: list[str] = (), resume: bool = False,
-                dry_run: bool = False, out=None) -> int:
+def submit_comm(
+    file: Path,
+    extra: list[str],
+    *,
+    gpus_per_node: int = 0,
+    sbatch: list[str] = (),
+    resume: bool = False,
+    dry_run: bool = False,
+    out=None,
+) -> int:
     """The sweep's network measurement: one small job per world size of the sweep running
     `srun python -m ptbench.comm --out <records>/comm` (under srun ptbench.comm is one rank per task)."""
     out = out or sys.stdout
@@ -82,10 +113,29 @@ def submit_comm(file: Path, extra: list[str], *, gpus_per_node: int = 0, sbatch:
             print(f"comm: {folder} already holds a {ranks}-rank measurement: kept (--resume)", file=out, flush=True)
             continue
         nodes, per_node, gpus = slurm_shape(ranks, 1, gpus_per_node)
-        inner = [sys.executable, "-m", "ptbench.comm", "--backend", backend, *COMM_ARGS, "--out", str(folder.absolute())]
-        cmd = ["sbatch", "--parsable", "--job-name=bench-comm", f"--chdir={REPO}", "--time=00:20:00",
-               f"--output={folder.absolute()}/slurm-%j.out", f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
-               *([f"--gpus-per-node={gpus}"] if gpus else []), *sbatch, f"--wrap=srun {shlex.join(inner)}"]
+        inner = [
+            sys.executable,
+            "-m",
+            "ptbench.comm",
+            "--backend",
+            backend,
+            *COMM_ARGS,
+            "--out",
+            str(folder.absolute()),
+        ]
+        cmd = [
+            "sbatch",
+            "--parsable",
+            "--job-name=bench-comm",
+            f"--chdir={REPO}",
+            "--time=00:20:00",
+            f"--output={folder.absolute()}/slurm-%j.out",
+            f"--nodes={nodes}",
+            f"--ntasks-per-node={per_node}",
+            *([f"--gpus-per-node={gpus}"] if gpus else []),
+            *sbatch,
+            f"--wrap=srun {shlex.join(inner)}",
+        ]
         print(shlex.join(cmd), file=out, flush=True)
         if dry_run:
             continue

@@ -14,6 +14,7 @@ ranks it needs, and submits one array per allocation shape: one Slurm task per r
 nodes by `gpus_per_node`. Every task runs the Hydra job (`python -m ptbench`'s task function), which
 sees SUBMITIT_EXECUTOR=slurm and becomes the rank SLURM_PROCID of the point (bench/runner/launch.py).
 """
+
 import dataclasses
 import logging
 from collections import defaultdict
@@ -45,8 +46,9 @@ class BenchSlurmLauncher(SlurmLauncher):
 
         params = dict(self.params)
         folder = params.pop("submitit_folder")
-        executor = submitit.AutoExecutor(cluster="slurm", folder=folder,
-                                         slurm_max_num_timeout=params.pop("max_num_timeout", 0))
+        executor = submitit.AutoExecutor(
+            cluster="slurm", folder=folder, slurm_max_num_timeout=params.pop("max_num_timeout", 0)
+        )
         params.update(nodes=nodes, tasks_per_node=tasks_per_node, gpus_per_node=gpus_per_node)
         shared = {f.name for f in dataclasses.fields(BaseQueueConf)}
         executor.update_parameters(**{k if k in shared else f"slurm_{k}": v for k, v in params.items()})
@@ -67,8 +69,13 @@ class BenchSlurmLauncher(SlurmLauncher):
                 log.info(f"\t#{num} ({nodes} node(s) x {tasks} task(s)): {' '.join(filter_overrides(overrides))}")
             nums = [num for num, _ in points]
             jobs = self._executor(nodes, tasks, gpus).map_array(
-                self, [o for _, o in points], ["hydra.sweep.dir"] * len(points), nums,
-                [f"job_id_for_{n}" for n in nums], [Singleton.get_state()] * len(points))
+                self,
+                [o for _, o in points],
+                ["hydra.sweep.dir"] * len(points),
+                nums,
+                [f"job_id_for_{n}" for n in nums],
+                [Singleton.get_state()] * len(points),
+            )
             submitted += zip(nums, jobs)
         # Rank 0's return is the point's result (every task returns one).
         return [job.results()[0] for _, job in sorted(submitted, key=lambda item: item[0])]
