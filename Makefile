@@ -31,7 +31,7 @@ demo: $(STAMP)
 # "Paper claims" section. Records and report under results/paper-demo-<time>/.
 PAPER_DEMO := results/paper-demo-$(shell date +%Y%m%d-%H%M%S)
 PAPER_DEMO_SIZE := data=synthetic data.train_samples=128 data.val_samples=32 workload.vocab_size=256 \
-	trainer.batch_size=8 trainer.warmup_steps=1 trainer.progress=false
+	trainer.batch_size=8 trainer.untimed_steps=1 trainer.progress=false
 paper-demo: $(STAMP)
 	bash slurm/local_cluster.sh status >/dev/null 2>&1 || bash slurm/local_cluster.sh start
 	RESULTS=$(abspath $(PAPER_DEMO)) $(PY) -m ptbench.paper plan --workloads gpt2_tiny --adapters ddp,zero,pipeline \
@@ -50,7 +50,7 @@ paper-demo: $(STAMP)
 #   gpipe            tests/test_pipeline.py::test_gpipe_two_cpu_partitions_equal_unpipelined (1 process, 2 partitions)
 #   pipeline         tests/test_pipeline.py::test_pipeline_two_ranks_equal_unpipelined (2 ranks)
 #   horovod          tests/test_horovod.py::test_gpt2_horovodrun_and_srun_style_equal_ddp (fails under CI=true if absent)
-#   the smoke driver tests/test_gpu_twins.py (layout per adapter, skip reasons, `python -m ptbench.smoke` itself)
+#   the smoke driver tests/test_gpu_path_cpu_twins.py (layout per adapter, skip reasons, `python -m ptbench.smoke` itself)
 # Three pytest-xdist workers, whole files each, the Slurm files together (tests/conftest.py): the ranks of
 # one test rarely keep 2 cores busy (measured on 2 cores, the same code: 2 workers 835 s; 3 workers 701 s,
 # the cores 99 % busy). TEST_WORKERS=1 runs one file after another.

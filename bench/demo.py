@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ptbench.adapters import available, get_adapter_class
 from ptbench.core.records import RunWriter, new_run_id
-from ptbench.invoke import run_bench
+from ptbench.run_point import run_bench
 from ptbench.smoke import framework_installed
 
 # Small enough that the default sweep takes a few minutes on 2 cores; full epochs (no max_steps), so
@@ -38,7 +38,7 @@ COMMON = (
     "data.val_samples=32",
     "trainer.epochs=2",
     "trainer.batch_size=8",
-    "trainer.warmup_steps=1",
+    "trainer.untimed_steps=1",
     "trainer.progress=false",
 )
 EXPERIMENT = "demo"

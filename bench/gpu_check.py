@@ -2,7 +2,7 @@
 bf16 run of gpt2_small and resnet50 per installed adapter on the visible GPUs, as a table (status,
 step time, tokens or images per second, MFU, peak device memory).
 
-Warm-up steps are excluded from the step statistics (trainer.warmup_steps); data is synthetic, so
+Warm-up steps are excluded from the step statistics (trainer.untimed_steps); data is synthetic, so
 the table measures the frameworks, not storage.
 """
 
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ptbench.adapters import available, get_adapter_class
-from ptbench.invoke import run_bench
+from ptbench.run_point import run_bench
 from ptbench.runner.compose import visible_gpus
 from ptbench.smoke import framework_installed, smoke_point
 from ptbench.smoke import main as smoke_main
@@ -25,7 +25,7 @@ COMMON = [
     "trainer.precision=bf16",
     "trainer.epochs=1",
     "trainer.max_steps=12",
-    "trainer.warmup_steps=4",
+    "trainer.untimed_steps=4",
     "trainer.eval_every_epoch=false",
     "trainer.batch_size=8",
     "data.train_samples=2048",

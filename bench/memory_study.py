@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from ptbench.core.memory_model import numel, predict
-from ptbench.invoke import run_bench
+from ptbench.run_point import run_bench
 
 VARIANTS = {
     "ddp": ["adapter=ddp"],
@@ -132,7 +132,7 @@ def run_point(
             *overrides,
             f"launcher.nprocs={ranks}",
             f"trainer.max_steps={steps}",
-            f"trainer.warmup_steps={warmup}",
+            f"trainer.untimed_steps={warmup}",
             "trainer.epochs=1",
             "trainer.eval_every_epoch=false",
             "trainer.progress=false",

@@ -126,7 +126,7 @@ def measure_startup(overrides: list[str]) -> float:
     """Seconds from `python -m ptbench` starting to its first finished step (from the run's record)."""
     from pathlib import Path
 
-    from ptbench.invoke import run_bench
+    from ptbench.run_point import run_bench
 
     with tempfile.TemporaryDirectory() as tmp:
         run = run_bench(["experiment=smoke", *overrides], root=Path(tmp), experiment="startup", timeout=600)
@@ -165,7 +165,7 @@ def data_shares(nprocs: int, steps: int = 12, warmup: int = 2, points: dict | No
     """Share of the step spent loading data (after warm-up), per bundled workload, from real runs."""
     from pathlib import Path
 
-    from ptbench.invoke import run_bench
+    from ptbench.run_point import run_bench
 
     lines = [
         f"data loading share of the step, {nprocs} rank(s), {steps} steps ({warmup} warm-up excluded)",
@@ -179,7 +179,7 @@ def data_shares(nprocs: int, steps: int = 12, warmup: int = 2, points: dict | No
                     f"launcher.nprocs={nprocs}",
                     "trainer.epochs=1",
                     f"trainer.max_steps={steps}",
-                    f"trainer.warmup_steps={warmup}",
+                    f"trainer.untimed_steps={warmup}",
                     "trainer.eval_every_epoch=false",
                     "trainer.progress=false",
                 ],

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ptbench.adapters import available, get_adapter_class
 from ptbench.core.errors import ConfigError
-from ptbench.invoke import run_bench
+from ptbench.run_point import run_bench
 from ptbench.runner.compose import compose, typed, visible_gpus
 from ptbench.runner.plan import make_plan
 

@@ -8,7 +8,7 @@
 
 This module is the command line only. Grids, sweep files, point ids, `--resume` and the OOM retry are
 bench/runner/points.py; Slurm submission is bench/runner/slurm.py; each point runs as
-`python -m ptbench <overrides>` (bench/invoke.py). `run` and `submit` also measure the network once per
+`python -m ptbench <overrides>` (bench/run_point.py). `run` and `submit` also measure the network once per
 world size of the sweep (`python -m ptbench.comm --out <records>/comm`, for the report).
 """
 
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from ptbench.core.errors import ConfigError
-from ptbench.invoke import run_bench
+from ptbench.run_point import run_bench
 from ptbench.runner.points import (
     COMM_ARGS,
     comm_measured,
@@ -73,7 +73,7 @@ def _point(args) -> int:
         print(*layout_of(compose_point(retry)), shlex.join(retry[-2:]))
         return 0
     if args.resume:
-        cfg.results.resume = True
+        cfg.results.skip_done = True
         if skip_if_done(cfg, out=sys.stderr):
             print("skip")  # array.sbatch: nothing to run, not even srun
             return 0
@@ -87,7 +87,7 @@ def _run(args) -> int:
     if not points:
         print(f"error: {args.file} has no points", file=sys.stderr)
         return 2
-    extra = [*args.extra, *(["results.resume=true"] if args.resume else [])]
+    extra = [*args.extra, *(["results.skip_done=true"] if args.resume else [])]
     if not args.no_comm:  # the measured network, once per sweep and world size, beside the records
         measure_comm(points, args.extra, dry_run=args.dry_run, resume=args.resume)
     failed = []

@@ -90,7 +90,7 @@ def ddp_gpt2_reference(tmp_path_factory) -> Path:
 def smoke_run(tmp_path_factory) -> Path:
     """`python -m ptbench` with helpers.SMOKE (experiment=smoke at vocabulary 256: DDP, 2 local ranks, 4
     steps): the good record of test_reliability, the local twin of test_launch's torchrun run, and the
-    record whose fields test_numbers reads. Its ranks are spawned, as on a GPU machine (the other local
+    record whose fields test_measurement_audit reads. Its ranks are spawned, as on a GPU machine (the other local
     runs of the suite fork them: launcher.start_method=auto on a CPU)."""
     from tests.helpers import SMOKE
 

@@ -202,7 +202,7 @@ def test_commit_prune_and_lookup(tmp_path):
 def test_sampler_resumes_at_a_step():
     import torch
 
-    from ptbench.core.data import StepShardedSampler
+    from ptbench.core.loaders import StepShardedSampler
 
     data = torch.utils.data.TensorDataset(torch.arange(64))
     whole = StepShardedSampler(data, 2, 1, 4, 1, seed=7)

@@ -119,7 +119,7 @@ BAD = [
     (["adapter.name=nosuch"], "unknown adapter 'nosuch'"),
     (["trainer.batch_size=0"], "trainer.batch_size=0 must be > 0"),
     (["launcher.nprocs=-2"], "launcher.nprocs=-2 must be > 0"),
-    (["trainer.warmup_steps=-1"], "trainer.warmup_steps=-1 must be >= 0"),
+    (["trainer.untimed_steps=-1"], "trainer.untimed_steps=-1 must be >= 0"),
     (["workload.n_head=3"], "not divisible by workload.n_head=3"),
     (["data=cifar10"], "does not fit language workload"),
     (["data=wikitext2", "data.root=/nonexistent/wt2"], "/nonexistent/wt2"),
@@ -133,6 +133,14 @@ BAD = [
     (["optimizer.lr=-0.1"], "optimizer.lr=-0.1 must be > 0"),
     (["launcher.start_method=forkserver"], "launcher.start_method=forkserver: choose auto, spawn, fork"),
     (["workload.seq_len=0"], "workload.seq_len=0 must be > 0"),
+    # keys renamed in issue 26: the old name is refused with the new one
+    (
+        ["trainer.warmup_steps=3"],
+        "trainer.warmup_steps was renamed trainer.untimed_steps: write trainer.untimed_steps=3",
+    ),
+    (["schedule=step"], "schedule was renamed lr_schedule: write lr_schedule=step"),
+    (["schedule.warmup=2"], "schedule.warmup was renamed lr_schedule.warmup: write lr_schedule.warmup=2"),
+    (["results.resume=true"], "results.resume was renamed results.skip_done: write results.skip_done=true"),
     (
         [
             "data=wikitext2",

@@ -8,7 +8,7 @@ import time
 import torch
 
 from ptbench.core import memory
-from ptbench.core.data import StepShardedSampler, eval_loader
+from ptbench.core.loaders import StepShardedSampler, eval_loader
 from ptbench.core.timing import PhaseTimer
 from tests.helpers import assert_loss_falls, assert_losses_close, bench, check_ok, events, only_run, summary
 

@@ -26,7 +26,7 @@ from tests.helpers import (
 COMMON = [
     "trainer.max_steps=8",
     "trainer.progress=false",
-    "trainer.warmup_steps=1",
+    "trainer.untimed_steps=1",
     "data.train_samples=128",
     "data.val_samples=16",
 ]

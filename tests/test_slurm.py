@@ -75,7 +75,7 @@ def test_point_id_names_what_is_measured_not_where_it_runs():
             "launcher.nprocs=2",
             "adapter=ddp",
             "results.root=/x",
-            "results.resume=true",
+            "results.skip_done=true",
             "launcher=slurm",
             "hydra.launcher.partition=gpu",
             "launcher.master_port=29999",

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptbench.core.data import loader_options
 from ptbench.core.errors import ConfigError
+from ptbench.core.loaders import loader_options
 from ptbench.runner.compose import compose, typed
 from ptbench.runner.plan import make_plan
 from tests.helpers import bench, check_ok, events, finite, only_run, summary
@@ -33,7 +33,7 @@ def test_compile_refused_with_one_line_where_unsupported(adapter, tmp_path):
 
 
 def test_compile_needs_a_warmup_step_and_a_known_backend(tmp_path):
-    assert "trainer.warmup_steps >= 1" in _refused(["trainer.compile=true", "trainer.warmup_steps=0"], tmp_path)
+    assert "trainer.untimed_steps >= 1" in _refused(["trainer.compile=true", "trainer.untimed_steps=0"], tmp_path)
     msg = _refused(["trainer.compile=true", "trainer.compile_backend=nosuch"], tmp_path)
     assert "trainer.compile_backend=nosuch" in msg and "aot_eager" in msg
     make_plan(typed(compose([*SMALL, "trainer.compile=true", f"results.root={tmp_path / 'ok'}"])), "local")
@@ -45,7 +45,7 @@ def test_compile_recorded_for_ddp_and_kept_out_of_step_stats(tmp_path):
     proc = bench(
         *SMALL,
         "launcher.nprocs=2",
-        "trainer.warmup_steps=1",
+        "trainer.untimed_steps=1",
         "trainer.eval_every_epoch=false",
         "trainer.compile=true",
         "trainer.compile_backend=eager",

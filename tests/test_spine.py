@@ -140,7 +140,7 @@ def test_record_folder_and_summary(tmp_path):
     proc = bench(
         *TINY_GPT,
         "trainer.max_steps=6",
-        "trainer.warmup_steps=2",
+        "trainer.untimed_steps=2",
         "trainer.epochs=2",
         "launcher.nprocs=2",
         "results.experiment=recordtest",

@@ -49,7 +49,7 @@ class OptimizerConfig:
 
 @dataclass
 class ScheduleConfig:
-    """Learning-rate schedule (conf/schedule/*.yaml; bench/core/schedule.py): a factor on optimizer.lr,
+    """Learning-rate schedule (conf/lr_schedule/*.yaml; bench/core/schedule.py): a factor on optimizer.lr,
     stepped once per optimizer step. Lengths are in `unit`s (epoch: x the run's steps per epoch)."""
 
     name: str = "constant"  # constant | step | warmup_poly | warmup_cosine
@@ -118,13 +118,13 @@ class TrainerConfig:
     max_steps: int = 0  # > 0 stops each epoch after this many optimizer steps
     batch_size: int = 8  # per device (per data-parallel rank); see adapter.batch_policy
     grad_accum: int = 1
-    warmup_steps: int = 2  # excluded from step statistics (stated in the record)
+    untimed_steps: int = 2  # excluded from step statistics (stated in the record)
     eval_every_epoch: bool = True
     max_eval_batches: int = 0  # 0 = the whole validation set
     grad_clip: float = 0.0  # 0 = off; always passed explicitly to frameworks that clip by default
     precision: str = "fp32"  # fp32 | bf16 | fp16 (GPU only)
     # torch.compile of the model (adapters that declare support: ddp, fsdp, zero); compilation runs in the
-    # warm-up steps, so trainer.warmup_steps must be >= 1; its time and any recompiles are recorded
+    # warm-up steps, so trainer.untimed_steps must be >= 1; its time and any recompiles are recorded
     compile: bool = False
     compile_backend: str = "inductor"  # torch.compile backend; aot_eager/eager skip code generation (tests)
     # CUDA: TF32 tensor cores for fp32 matmuls and convolutions (torch.backends.cuda.matmul / cudnn
@@ -168,7 +168,7 @@ class ResultsConfig:
     # summary. None = computed from the overrides; set it to name a point yourself.
     point: str | None = None
     # true: skip the run if <root>/<experiment> already holds an ok record of the same point
-    resume: bool = False
+    skip_done: bool = False
     # parent folder of the run's record; None = <root>/<experiment> (a Hydra multirun uses its sweep folder)
     dir: str | None = None
     # standard sinks written from the finished record (bench/core/sinks.py), never required:
@@ -186,7 +186,7 @@ class BenchConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    lr_schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     results: ResultsConfig = field(default_factory=ResultsConfig)
     extra: Any = None  # free-form notes copied into the record
 

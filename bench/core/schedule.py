@@ -1,4 +1,4 @@
-"""Learning-rate schedules (`schedule=constant|step|warmup_poly|warmup_cosine`, conf/schedule/).
+"""Learning-rate schedules (`lr_schedule=constant|step|warmup_poly|warmup_cosine`, conf/lr_schedule/).
 
 One `torch.optim.lr_scheduler.LambdaLR` per torch optimizer of the adapter, stepped once per optimizer
 step by the training loop (bench/runner/trainer.py), so every adapter follows the same curve. The factor
@@ -10,7 +10,7 @@ on `optimizer.lr` used by the optimizer step k (counted from 0 over the whole ru
 - warmup_cosine: (k + 1) / W for k < W, then end + (1 - end) (1 + cos(pi (k - W) / (T - W))) / 2
   (after T: end)
 
-with W, step_size and T converted from `schedule.unit` (epoch: x the run's optimizer steps per epoch).
+with W, step_size and T converted from `lr_schedule.unit` (epoch: x the run's optimizer steps per epoch).
 A closed-form LambdaLR rather than the chained built-ins (SequentialLR, LinearLR, PolynomialLR, ...):
 those multiply the param group's current lr, so anything else writing the lr (Megatron's own
 OptimizerParamScheduler sets it to optimizer.lr after every step on GPU) would bend the curve; the
@@ -35,16 +35,16 @@ def check_schedule(cfg: ScheduleConfig) -> None:
     if cfg.name not in SCHEDULES:
         raise ConfigError(f"unknown schedule '{cfg.name}': choose schedule=" + " | ".join(SCHEDULES))
     if cfg.unit not in UNITS:
-        raise ConfigError(f"schedule.unit={cfg.unit}: use schedule.unit=epoch or schedule.unit=step")
+        raise ConfigError(f"lr_schedule.unit={cfg.unit}: use lr_schedule.unit=epoch or lr_schedule.unit=step")
     if cfg.name == "step" and (cfg.step_size <= 0 or cfg.gamma <= 0):
         raise ConfigError(
-            f"schedule=step needs schedule.step_size > 0 and schedule.gamma > 0 (got {cfg.step_size:g}, {cfg.gamma:g})"
+            f"lr_schedule=step needs lr_schedule.step_size > 0 and lr_schedule.gamma > 0 (got {cfg.step_size:g}, {cfg.gamma:g})"
         )
     if cfg.warmup < 0 or cfg.total < 0 or not 0 <= cfg.end_factor <= 1:
-        raise ConfigError("schedule.warmup and schedule.total must be >= 0 and schedule.end_factor in [0, 1]")
+        raise ConfigError("lr_schedule.warmup and lr_schedule.total must be >= 0 and lr_schedule.end_factor in [0, 1]")
     if cfg.name.startswith("warmup_") and cfg.total and cfg.total <= cfg.warmup:
         raise ConfigError(
-            f"schedule.total={cfg.total:g} must exceed schedule.warmup={cfg.warmup:g} (or be 0: the whole run)"
+            f"lr_schedule.total={cfg.total:g} must exceed lr_schedule.warmup={cfg.warmup:g} (or be 0: the whole run)"
         )
 
 

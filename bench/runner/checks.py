@@ -44,7 +44,7 @@ def check_config(cfg: BenchConfig) -> None:
             "hang; leave it 0 (= hang_timeout_s + 60 s)"
         )
     for key in (
-        "trainer.warmup_steps",
+        "trainer.untimed_steps",
         "trainer.max_steps",
         "trainer.max_eval_batches",
         "trainer.dist_timeout_s",
@@ -68,7 +68,7 @@ def check_config(cfg: BenchConfig) -> None:
         raise ConfigError(f"trainer.inject_fault={fault}: use KIND@RANK:STEP with KIND raise, oom, hang or exit")
     if cfg.optimizer.name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer.name '{cfg.optimizer.name}': choose one of {', '.join(OPTIMIZERS)}")
-    check_schedule(cfg.schedule)
+    check_schedule(cfg.lr_schedule)
     check_compile(cfg)
 
 
@@ -87,10 +87,10 @@ def check_compile(cfg: BenchConfig) -> None:
             f"trainer.compile=true: adapter={cls.name} does not support it ({refusal}); "
             "drop trainer.compile or use adapter=ddp, fsdp or zero"
         )
-    if t.warmup_steps < 1:
+    if t.untimed_steps < 1:
         raise ConfigError(
             "trainer.compile=true compiles in the first step(s), which must stay out of the step "
-            "statistics: set trainer.warmup_steps >= 1"
+            "statistics: set trainer.untimed_steps >= 1"
         )
     from torch._dynamo import list_backends
 

@@ -50,6 +50,26 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+# Config keys renamed so that no two say the same word for different things (issue 26): the lr schedule
+# group beside adapter.schedule (a pipeline schedule), untimed steps beside lr_schedule.warmup, skipping a
+# finished point beside trainer.resume. An old key is refused with the new name, before Hydra sees it.
+RENAMED = {
+    "schedule": "lr_schedule",
+    "trainer.warmup_steps": "trainer.untimed_steps",
+    "results.resume": "results.skip_done",
+}
+
+
+def renamed_key(override: str) -> str | None:
+    """The one-line refusal of an override that uses a renamed key, else None."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    for old, new in RENAMED.items():
+        if key == old or key.startswith(old + "."):
+            new_key = new + key[len(old) :]
+            return f"{key} was renamed {new_key}: write {override.replace(key, new_key, 1)}"
+    return None
+
+
 def compose(overrides: list[str]) -> DictConfig:
     """The config `python -m ptbench <overrides>` would run (no torch import). Hydra's error, if any, as
     one-line ConfigError."""
@@ -59,6 +79,9 @@ def compose(overrides: list[str]) -> DictConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
+    for override in overrides:
+        if refusal := renamed_key(override):
+            raise ConfigError(refusal)
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             return hydra_compose("config", overrides=list(overrides))

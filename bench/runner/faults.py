@@ -11,7 +11,7 @@ import torch
 
 from ptbench.core.config import TrainerConfig
 from ptbench.core.errors import ConfigError
-from ptbench.core.guard import StopFlag
+from ptbench.core.stopping import StopFlag
 
 
 class Faults:

@@ -224,7 +224,7 @@ def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter, met
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
-    # ranks inherit the blocked mask and unblock once their handlers are set (bench/core/guard.py), so
+    # ranks inherit the blocked mask and unblock once their handlers are set (bench/core/stopping.py), so
     # a stop signal forwarded while they still import torch is held, not fatal
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     # the ranks inherit the framework instead of importing it; not in a multirun process, which runs point

@@ -1,7 +1,7 @@
 """What the training loop measured, as the record: the epoch event and the summary (bench/core/schema.py).
 
 Stated conventions (also written into every record under "conventions"):
-- the first `trainer.warmup_steps` optimizer steps of the run are excluded from step statistics and
+- the first `trainer.untimed_steps` optimizer steps of the run are excluded from step statistics and
   throughput; `epoch_time_s` is the wall time of the whole epoch's training steps, warm-up included,
   validation excluded (`val_time_s` separately);
 - a step's time is the slowest rank's time for that step; phase times are means over ranks;
@@ -23,16 +23,16 @@ import torch.distributed as dist
 from ptbench.adapters.base import Adapter, compile_stats
 from ptbench.core import schema
 from ptbench.core.config import BenchConfig
-from ptbench.core.data import loader_options
 from ptbench.core.dist import DistContext
 from ptbench.core.flops import math_dtype, mfu, peak_flops
+from ptbench.core.loaders import loader_options
 from ptbench.core.timing import PHASES
 from ptbench.runner.console import print_epoch
 from ptbench.runner.plan import RunPlan
 from ptbench.workloads.base import Workload
 
 CONVENTIONS = {
-    "warmup": "first trainer.warmup_steps steps of the run excluded from step stats and throughput",
+    "warmup": "first trainer.untimed_steps steps of the run excluded from step stats and throughput",
     "epoch_time": "wall time of the epoch's training steps incl. warm-up; validation excluded",
     "step_time": "per step, the slowest rank; phases are means over ranks",
     "flops": "analytic, 2 FLOPs per multiply-add, training = 3 x forward",
@@ -100,7 +100,7 @@ class Meter:
             },
         )
 
-        timed_from = max(0, self.cfg.trainer.warmup_steps - first_step)
+        timed_from = max(0, self.cfg.trainer.untimed_steps - first_step)
         timed = times[:, timed_from:, :]
         step_times = timed[:, :, -1].max(axis=0) if timed.shape[1] else np.zeros(0)
         phase_means = {c: float(timed[:, :, i].mean()) if timed.shape[1] else None for i, c in enumerate(PHASES)}
@@ -149,7 +149,7 @@ class Meter:
             "mfu_note": mfu_note,
             "train_loss": float(loss_vec.mean()) if len(loss_vec) else None,
             "train_losses": [float(v) for v in loss_vec] if t.log_step_losses else None,
-            # the lr of the epoch's first step; with a schedule, every step's (schedule=..., bench/core/schedule.py)
+            # the lr of the epoch's first step; with a schedule, every step's (lr_schedule=..., bench/core/schedule.py)
             "lr_epoch_start": lrs[first_step] if lrs is not None and len(lrs) > first_step else self.cfg.optimizer.lr,
             "lrs": lrs[first_step : first_step + steps] if lrs is not None else None,
             "memory_metric": mem_key,
@@ -199,7 +199,7 @@ class Meter:
 
     def compile_event(self, before: dict, trained: dict, validated: dict, first_step: int, global_step: int) -> dict:
         """torch._dynamo counters over the epoch: its training steps, their timed part, its validation."""
-        warmup = self.cfg.trainer.warmup_steps
+        warmup = self.cfg.trainer.untimed_steps
         if first_step >= warmup:
             timed_from = before
         elif global_step >= warmup and self.compile_warm is not None:
@@ -280,7 +280,7 @@ class Meter:
         if leaked:
             warnings.append(
                 f"torch.compile compiled {leaked} frame(s) after the warm-up (recompiles): those steps' "
-                "times include compilation; raise trainer.warmup_steps or find the recompile (TORCH_LOGS=recompiles)"
+                "times include compilation; raise trainer.untimed_steps or find the recompile (TORCH_LOGS=recompiles)"
             )
         if any(e.get("mfu_note") for e in epochs):
             warnings.append(next(e["mfu_note"] for e in epochs if e.get("mfu_note")))
@@ -297,7 +297,7 @@ class Meter:
             "time_s": total["time_s"],
             "frames": total["frames"],
             "graphs": total["graphs"],
-            "warmup_steps": t.warmup_steps,
+            "warmup_steps": t.untimed_steps,
             "timed_step_frames": timed_step_frames,
         }
 

@@ -10,7 +10,7 @@ A point is identified by `point_id`: a hash of the config its overrides resolve 
 size, leaving out where records go, how ranks find each other and where the data lives (results.*,
 hydra.*, launcher=..., master address and port, data paths), so the same line gives the same id
 whether it runs here, in a job array or in a Hydra multirun, and a changed default or another rank
-count is another point. Every record stores it as `point`; with `results.resume=true` a run whose
+count is another point. Every record stores it as `point`; with `results.skip_done=true` a run whose
 point already has an ok record under results.root/results.experiment is skipped (`skip_if_done`).
 
 A point whose run ends `oom` is run once more with half its per-device batch, as its own point with
@@ -88,6 +88,8 @@ def point_id_of(cfg, env=os.environ) -> str:
         else:
             for k in keys:
                 d.get(group, {}).pop(k, None)
+    if "lr_schedule" in d:  # hashed under its name before the rename (schedule=): ids stay as they were
+        d["schedule"] = d.pop("lr_schedule")
     if (d.get("schedule") or {}).get("name") == "constant":  # the default: points keep their ids from before schedules
         d.pop("schedule")
     if cfg.launcher.name == "slurm" and env.get("SLURM_NTASKS"):
@@ -163,14 +165,14 @@ def newest_status(cfg) -> str | None:
 
 
 def skip_if_done(cfg, out=None) -> bool:
-    """results.resume=true and this point already has an ok record: say so and skip the run. Called
+    """results.skip_done=true and this point already has an ok record: say so and skip the run. Called
     before torch is imported, so skipped points of a sweep or job array cost little."""
     out = out or sys.stdout  # looked up at call time: pytest's capsys and redirections replace sys.stdout
-    if not (cfg.results.resume and cfg.results.point):
+    if not (cfg.results.skip_done and cfg.results.point):
         return False
     done = ok_record(point_folders(cfg.results), cfg.results.point)
     if done and os.environ.get("SLURM_PROCID", "0") == "0":  # one line per point, not per rank
-        print(f"point {cfg.results.point} already ok in {done}: skipped (results.resume=true)", file=out, flush=True)
+        print(f"point {cfg.results.point} already ok in {done}: skipped (results.skip_done=true)", file=out, flush=True)
     return done is not None
 
 

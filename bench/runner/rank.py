@@ -11,7 +11,7 @@ record folder (no new one is made). Under `launcher=local` the launcher process 
 fresh folder before the ranks start (bench/runner/launch.py), so rank 0 moves the unfinished
 record's checkpoints and event log into it and removes the old folder: either way one record per
 point, with one continuous event log. A stop with a checkpoint inside a Slurm job that may be
-requeued ends with rank 0 calling `scontrol requeue` (bench/core/guard.py) after the record is written.
+requeued ends with rank 0 calling `scontrol requeue` (bench/core/stopping.py) after the record is written.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
     apply_tf32(cfg.trainer.tf32)
     import torch.distributed as dist
 
-    from ptbench.core.guard import StopFlag, Watchdog, requeue_slurm_job, slurm_job_requeueable
+    from ptbench.core.stopping import StopFlag, Watchdog, requeue_slurm_job, slurm_job_requeueable
 
     stop = StopFlag()
     stop.install()
@@ -124,7 +124,7 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
                 phase_semantics=adapter.phase_semantics,
                 precision_semantics=adapter.precision_semantics,
                 batch_policy=plan.batch_policy,
-                warmup_steps=cfg.trainer.warmup_steps,
+                warmup_steps=cfg.trainer.untimed_steps,
                 launcher=ctx.launcher,
                 conventions=CONVENTIONS,
                 frameworks_imported=frameworks_imported(),

@@ -26,9 +26,9 @@ from ptbench.adapters.base import Adapter
 from ptbench.core import checkpoint as ckpt
 from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext
-from ptbench.core.guard import Watchdog
 from ptbench.core.records import RunRecord, atomic_write, write_json
 from ptbench.core.schedule import Schedule
+from ptbench.core.stopping import Watchdog
 from ptbench.core.timing import PhaseTimer
 from ptbench.runner.plan import RunPlan
 

@@ -4,7 +4,7 @@ Per epoch: set the sampler's epoch, reset peak memory, run the steps (each timed
 validate, then let the meter gather per-rank numbers into the epoch event (one collective round per
 epoch: per-step losses stay on the device until the epoch ends, so the loop never forces a host sync
 for them). Inside the epoch the only collective of the harness's own is the stop agreement, every
-`trainer.stop_check_every` steps on a CPU group (bench/core/guard.py).
+`trainer.stop_check_every` steps on a CPU group (bench/core/stopping.py).
 
 The loop's companions, along torchtitan's component lines:
 - bench/runner/meter.py: the epoch event and the summary, and the conventions they follow;
@@ -25,12 +25,12 @@ import torch.distributed as dist
 from ptbench.adapters.base import Adapter, compile_stats
 from ptbench.core import memory
 from ptbench.core.config import BenchConfig
-from ptbench.core.data import data_workers, eval_loader, train_loader
 from ptbench.core.dist import DistContext
 from ptbench.core.errors import ConfigError
-from ptbench.core.guard import StopFlag, Watchdog
+from ptbench.core.loaders import data_workers, eval_loader, train_loader
 from ptbench.core.records import RunRecord
 from ptbench.core.schedule import Schedule
+from ptbench.core.stopping import StopFlag, Watchdog
 from ptbench.core.timing import PhaseTimer
 from ptbench.runner.faults import Faults
 from ptbench.runner.meter import CONVENTIONS, Meter, launch_time
@@ -99,8 +99,8 @@ class Trainer:
         # lr schedule (bench/core/schedule.py): stepped after every optimizer step; lr per step in state.lrs
         self.state.schedule = (
             None
-            if self.cfg.schedule.name == "constant"
-            else Schedule(self.cfg.schedule, self.adapter.optimizer, steps_per_epoch, t.epochs * steps_per_epoch)
+            if self.cfg.lr_schedule.name == "constant"
+            else Schedule(self.cfg.lr_schedule, self.adapter.optimizer, steps_per_epoch, t.epochs * steps_per_epoch)
         )
         epochs = []
         start_epoch = 0
@@ -231,7 +231,7 @@ class Trainer:
                 self.first_step_end = time.time()
             losses.append(loss if loss is not None else torch.zeros((), device=device))
             state.global_step += 1
-            if state.global_step == t.warmup_steps and t.compile:
+            if state.global_step == t.untimed_steps and t.compile:
                 self.meter.warmup_ended()
             self.watchdog.beat()
             if bar is not None:

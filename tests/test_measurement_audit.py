@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from ptbench.core.data import data_workers
 from ptbench.core.dist import dist_timeout_s
 from ptbench.core.errors import ConfigError
 from ptbench.core.flops import math_dtype, mfu, peak_for
+from ptbench.core.loaders import data_workers
 from ptbench.core.optim import build_optimizer, param_groups
 from ptbench.core.timing import PhaseTimer
 from ptbench.runner.compose import compose, typed
