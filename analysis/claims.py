@@ -18,7 +18,7 @@ series has several runs at one GPU count, their mean is used.
 With records of `python -m ptbench.paper`, memory checks read its memory phase (paper-memory-*) and time
 checks its epoch-time phase (paper-epoch-*); other records are used as they are.
 Also listed: every point that was retried with a smaller batch after running out of memory
-(`extra.batch_reduced_from`, bench/sweep.py `oom_retry`).
+(`extra.batch_reduced_from`, bench/runner/points.py `oom_retry`).
 """
 
 from __future__ import annotations

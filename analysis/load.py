@@ -54,8 +54,8 @@ CONFIG_FIELDS = {
     "optimizer.lr": "lr",
     "data.source": "data_source",
     "results.experiment": "experiment",
-    "results.point": "point",  # sweep point id (bench/sweep.py)
-    "extra.batch_reduced_from": "batch_reduced_from",  # a point retried after an OOM (bench/sweep.py oom_retry)
+    "results.point": "point",  # sweep point id (bench/runner/points.py)
+    "extra.batch_reduced_from": "batch_reduced_from",  # a point retried after an OOM (bench/runner/points.py oom_retry)
 }
 # summary["layout"] fields taken as columns where a record has them (over the config's tp/pp keys)
 LAYOUT_FIELDS = ("tp", "pp", "dp", "devices_per_process")

@@ -475,7 +475,7 @@ def _time_to_target(e: pd.DataFrame) -> pd.DataFrame:
 def busbw_at(report: dict, op: str, message_bytes: float) -> tuple[float, int] | None:
     """(busbw GB/s, size measured) of `op` at the measured size nearest to `message_bytes` on a log
     scale (a tie goes to the larger size; beyond the range, the end point), or None when the report
-    has no measured `op`. The same rule as bench/core/comm_volume.busbw_from_report."""
+    has no measured `op`."""
     rows = [r for r in report.get("results", []) if r.get("op") == op and r.get("busbw_GBps")]
     if not rows:
         return None

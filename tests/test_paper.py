@@ -90,7 +90,7 @@ def test_stateff_picks_each_adapters_fastest_gpu_count(tmp_path):
     out, results = tmp_path / "plan", tmp_path / "results"
     phases = plan(["gpt2_tiny"], ["ddp"], [1, 2], 0, [])
     write_plan(out, phases, "test")
-    from ptbench.sweep import point_id
+    from ptbench.runner.points import point_id
 
     for point, t in zip(phases["epoch"], (3.0, 2.0)):  # 2 ranks faster
         d = results / "paper-epoch-gpt2_tiny" / f"run-{t}"
@@ -137,7 +137,7 @@ def test_oom_point_is_retried_once_with_half_the_batch(tmp_path):
 def test_array_task_retries_only_an_oom_record_with_half_the_batch(tmp_path):
     """`ptbench.sweep point --oom-retry` (what slurm/array.sbatch asks after a failed srun): the retry's
     overrides when the point's newest record says oom, `skip` otherwise."""
-    from ptbench.sweep import compose_point
+    from ptbench.runner.points import compose_point
 
     sweep, root = tmp_path / "sweep.txt", tmp_path / "r"
     sweep.write_text("experiment=smoke trainer.batch_size=4 launcher.nprocs=2\n")
@@ -288,7 +288,7 @@ def test_stateff_epochs_from_the_plan(tmp_path):
     out, results = tmp_path / "plan", tmp_path / "results"
     phases = plan(["gpt2_tiny"], ["ddp"], [1], 0, [])
     write_plan(out, phases, "test", stateff_epochs=3)
-    from ptbench.sweep import point_id
+    from ptbench.runner.points import point_id
 
     d = results / "paper-epoch-gpt2_tiny" / "run"
     d.mkdir(parents=True)

@@ -132,7 +132,7 @@ def test_zero_steps_deepspeeds_optimizer_on_the_schedule(tmp_path):
 
 
 def test_a_schedule_is_part_of_the_point_and_the_default_keeps_old_ids():
-    from ptbench.sweep import point_id
+    from ptbench.runner.points import point_id
 
     assert point_id([]) == point_id(["lr_schedule=constant", "lr_schedule.gamma=0.5"])  # constant: no schedule settings
     assert point_id(["lr_schedule=step"]) != point_id([]) != point_id(["lr_schedule=warmup_cosine"])

@@ -12,7 +12,7 @@ crash at any point of a save leaves the previous checkpoints untouched and the t
 ignored. Only folders named step-* that hold meta.json count as checkpoints.
 
 Resume (`trainer.resume=auto`): the newest complete checkpoint of a record of the same point
-(results.point, bench/sweep.py) under results.root/results.experiment (and results.dir) whose
+(results.point, bench/runner/points.py) under results.root/results.experiment (and results.dir) whose
 status says it did not finish (RESUMABLE), with the same adapter and world size.
 
 Plumbing: imports nothing of workloads, adapters or the runner (they hand in what they save).

@@ -3,7 +3,7 @@
 `volume(sharding, params=..., world_size=..., ...)` returns the bytes one rank moves per optimizer
 step in each collective, and their total; `volume_run(cfg, plan, build_model)` fills it from a run
 plan's layout and its adapter's cost inputs (no adapter is named here). Seconds at a bus bandwidth
-measured by `python -m ptbench.comm` are the report's business (analysis/load.py `comm_time`: the one
+measured by `python -m ptbench.comm` are the report's business (analysis/tables.py `comm_time`: the one
 rule, bytes / busbw at the nearest measured size).
 
 Units. "Bytes" here are the per-rank bus volume of nccl-tests (doc/PERFORMANCE.md,

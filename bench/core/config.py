@@ -164,7 +164,7 @@ class ResultsConfig:
     root: str = "results"
     experiment: str = "default"
     run_id: str | None = None  # None = generated (time + host + random), unique across requeues
-    # Sweep point id (bench/sweep.py): a hash of the run's command-line overrides, stored in the
+    # Sweep point id (bench/runner/points.py): a hash of the run's command-line overrides, stored in the
     # summary. None = computed from the overrides; set it to name a point yourself.
     point: str | None = None
     # true: skip the run if <root>/<experiment> already holds an ok record of the same point

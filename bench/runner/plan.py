@@ -25,7 +25,7 @@ class RunPlan:
     workload: str
     kind: str  # vision | language
     experiment: str
-    point: str | None  # sweep point id (bench/sweep.py): what --resume matches
+    point: str | None  # sweep point id (bench/runner/points.py): what --resume matches
     environment: str  # what starts the ranks: local | torchrun | slurm | horovodrun ...
     layout: Layout  # processes, devices, dp x tp x pp, micro-batches (the adapter's `layout`)
     cost: CostInputs  # what the memory and communication models need beyond the layout (`cost_inputs`)
