@@ -135,6 +135,15 @@ EOF
 
 dead() { ! alive "$@"; }
 no_jobs() { [[ -z $(squeue -h -o %A 2>/dev/null) ]]; }
+# start begins with an empty queue: slurmctld restores the jobs of its saved state (a machine stopped
+# mid-job, e.g. a container snapshot), requeues the lost ones and would start them again on the fresh
+# node (seen in CI: "node not idle: mixed"). Nothing of them is alive any more (stop ran): cancel them.
+forget_jobs() {
+  local left; left=$(squeue -h -o %A 2>/dev/null | sort -u | tr '\n' ' ')
+  [[ -z $left ]] && return 0
+  echo "local_cluster: cancelling jobs restored from saved state: $left" >&2
+  xargs -r scancel <<< "$left" 2>/dev/null   # a restored running one completes once its slurmd registers
+}
 node_idle() { [[ $(sinfo -h -o %T 2>/dev/null) == idle ]]; }
 node_up() { [[ $(sinfo -h -o %T 2>/dev/null) =~ ^(idle|mixed|allocated|completing)$ ]]; }  # busy counts as up
 # A DRAIN saved in slurmctld state survives restarts (ReturnToService=2 does not clear it): resume.
@@ -196,6 +205,7 @@ start() {
   # -i: ignore unreadable/old state files instead of refusing to start.
   launch slurmctld slurmctld -D -i
   wait_for 20 scontrol ping || die "slurmctld did not come up (see $STATE/slurmctld.out, /var/log/slurm/slurmctld.log)"
+  forget_jobs
   launch slurmd slurmd -D
   wait_for "$TIMEOUT" node_ready \
     || die "node $HOST not idle after ${TIMEOUT}s: $(sinfo -h -o '%T %E' 2>&1) (see /var/log/slurm/)"
@@ -359,6 +369,7 @@ multi_start() {  # multi_start N
 
   launch slurmctld slurmctld -D -i
   wait_for 20 scontrol ping || die "slurmctld did not come up (see $MULTI/slurmctld.out, $MULTI/log/slurmctld.log)"
+  forget_jobs
   for node in "${nodes[@]}"; do
     # nsenter --net, not `ip netns exec` (that remounts /sys: slurmd then finds no cgroups);
     # unshare --uts: an own host name, which gloo resolves to the node's address, not 127.0.0.1

@@ -434,3 +434,22 @@ def test_preempted_job_requeues_and_resumes_to_the_uninterrupted_losses(slurm, t
         atol=1e-5,
         what=f"{name}: requeued and resumed under Slurm vs uninterrupted",
     )
+
+
+@pytest.mark.slurm
+def test_start_after_daemons_died_mid_job_begins_with_an_empty_queue(slurm, tmp_path):
+    """A machine stopped mid-job (a container snapshot, a reboot) leaves the job in slurmctld's saved state:
+    the next start cancels it rather than requeue and run it again (CI once found the node 'mixed')."""
+    job = sbatch("--wrap", "sleep 600", cwd=tmp_path, env=job_env(tmp_path / "results"))
+    deadline = time.time() + 60
+    while "R" not in subprocess.run(["squeue", "-h", "-j", job, "-o", "%t"], capture_output=True, text=True).stdout:
+        assert time.time() < deadline, f"job {job} never started"
+        time.sleep(0.5)
+    for daemon in ("slurmctld", "slurmd", "slurmstepd"):  # died with the machine: no stop ran
+        subprocess.run(["pkill", "-KILL", "-x", daemon])
+    subprocess.run(["pkill", "-KILL", "-f", "^sleep 600$"])
+    proc = run(["bash", str(CLUSTER), "start", "--accounting"], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"cancelling jobs restored from saved state: {job}" in proc.stderr
+    assert not subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip()
+    assert subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout.strip() == "idle"
