@@ -7,20 +7,67 @@ STAMP := $(VENV)/.installed
 # Where the tests find real data (Wikitext-2, GPT-2 tokenizer, CIFAR-10 subset); see README.
 export BENCH_DATA_ROOT ?= $(abspath ../shared/data)
 
-.PHONY: install demo paper-demo test lint smoke gpu-check horovod slurm-up slurm-down clean
+.PHONY: install constraints wheelhouse demo paper-demo test lint smoke gpu-check horovod slurm-up slurm-down clean
 
 # Strict editable install: a tree of links under build/ that Hydra's plugin scan can list (the default
 # editable mode hides hydra_plugins.ptbench_launcher from it). Links are per file, so the install is
 # redone when a package folder changes (a module added or removed) as well as when pyproject.toml does.
-PKG_DIRS := $(shell find bench adapters workloads analysis conf -type d -not -name __pycache__ 2>/dev/null)
+PKG_DIRS := $(shell find bench adapters workloads analysis conf slurm -type d -not -name __pycache__ 2>/dev/null)
 
-$(STAMP): pyproject.toml $(PKG_DIRS)
+# .[dev] holds every framework a plain pip install brings (.[all]) and the test tools; constraints.txt pins
+# them to the tested set (reproducible), while pyproject.toml keeps ranges for users installing onto their own torch.
+$(STAMP): pyproject.toml constraints.txt $(PKG_DIRS)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e ".[dev]" --config-settings editable_mode=strict
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]" --config-settings editable_mode=strict
 	touch $@
 
 install: $(STAMP)
+
+# constraints.txt again from the installed venv (after a deliberate upgrade, and make horovod): name==version of
+# everything but the project itself and pip's own tools
+constraints: $(STAMP)
+	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip list --format=freeze --exclude-editable \
+		| grep -viE '^(ptbench|pip|setuptools|wheel)=='; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+
+# Offline install for air-gapped compute nodes (README, "Offline install"): on a machine with index access, fill
+# WHEELHOUSE with wheels for the nodes' Python and platform, copy it over, then on the node:
+#   pip install --no-index --find-links wheelhouse 'ptbench[EXTRAS]'
+# WITH_TORCH=0 (the default) leaves torch, torchvision and their CUDA libraries out: the cluster brings its own torch
+# (module, NGC container), which the install keeps; WITH_TORCH=1 adds the tested torch (CUDA wheels: several GB).
+# Packages published only as source (deepspeed, torchgpipe) are built here into pure-Python wheels. Horovod is not
+# in it: it must be built on the node against its torch (make horovod).
+WHEELHOUSE ?= wheelhouse
+PYTHON_VERSION ?= $(shell $(PY) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")' 2>/dev/null || echo 3.11)
+PLATFORM ?= manylinux_2_28_x86_64
+EXTRAS ?= all
+WITH_TORCH ?= 0
+# pure-Python packages of the set published only as source: built here (pip wheel) so the target needs no build
+SDIST_ONLY ?= antlr4-python3-runtime deepspeed torchgpipe
+# pip does not widen a custom --platform to the older manylinux tags a glibc also runs: list them
+WH_PLATFORMS = $(shell $(PY) -c 'import re, sys; p = sys.argv[1]; m = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", p); \
+	print(" ".join(f"--platform {t}" for t in [p] + ([f"manylinux_2_{i}_{m[2]}" for i in range(int(m[1]) - 1, 16, -1)] \
+	+ [f"manylinux2014_{m[2]}"] if m else [])))' $(PLATFORM))
+WH_TARGET = --python-version $(PYTHON_VERSION) $(WH_PLATFORMS) --only-binary=:all:
+# left out unless WITH_TORCH=1: what a cluster's own torch already brings
+WH_TORCH_RE := ^(torch|torchvision|triton|nvidia-.*|cuda-.*)$$
+wheelhouse: $(STAMP)
+	rm -rf $(WHEELHOUSE)/.resolve && mkdir -p $(WHEELHOUSE)
+	rm -f $(WHEELHOUSE)/ptbench-*.whl
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(WHEELHOUSE) . 2>/dev/null
+	$(PY) -m pip wheel -q --no-deps -c constraints.txt -w $(WHEELHOUSE) $(SDIST_ONLY)
+	$(PY) -m pip install -q --dry-run --ignore-installed --target $(WHEELHOUSE)/.resolve $(WH_TARGET) \
+		-c constraints.txt --find-links $(WHEELHOUSE) --report $(WHEELHOUSE)/.report.json \
+		"$$(ls $(WHEELHOUSE)/ptbench-*.whl)[$(EXTRAS)]"
+	$(PY) -c 'import json, re, sys; r = json.load(open(sys.argv[1])); \
+		pins = [n + "==" + v for n, v in ((i["metadata"]["name"], i["metadata"]["version"]) for i in r["install"]) \
+		if n != "ptbench" and (sys.argv[2] == "1" or not re.match(sys.argv[3], re.sub(r"[-_.]+", "-", n).lower()))]; \
+		open(sys.argv[4], "w").write("\n".join(sorted(pins)) + "\n")' \
+		$(WHEELHOUSE)/.report.json $(WITH_TORCH) '$(WH_TORCH_RE)' $(WHEELHOUSE)/requirements.txt
+	$(PY) -m pip download -q --no-deps -d $(WHEELHOUSE) $(WH_TARGET) --find-links $(WHEELHOUSE) -r $(WHEELHOUSE)/requirements.txt
+	rm -rf $(WHEELHOUSE)/.resolve $(WHEELHOUSE)/.report.json
+	@echo "$(WHEELHOUSE): $$(ls $(WHEELHOUSE)/*.whl | wc -l) wheels, $$(du -sh $(WHEELHOUSE) | cut -f1), for Python $(PYTHON_VERSION) on $(PLATFORM) (WITH_TORCH=$(WITH_TORCH)); on the node:"
+	@echo "  pip install --no-index --find-links $(WHEELHOUSE) 'ptbench[$(EXTRAS)]'"
 
 demo: $(STAMP)
 	$(PY) -m ptbench.demo

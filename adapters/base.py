@@ -28,6 +28,8 @@ the default is a reason, so a new adapter never writes a checkpoint nobody has c
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,12 +48,30 @@ from ptbench.workloads.base import Workload
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
+# extras whose framework a plain `pip install 'ptbench[EXTRA]'` cannot bring working
+INSTALL_NOTES = {
+    "horovod": "build it against this torch: `make horovod` in a checkout, or "
+    f"`bash {Path(__file__).with_name('horovod_build.sh')} {sys.executable}` (pip install 'ptbench[horovod]' "
+    "alone fails to build on torch 2.14)",
+}
+
+
+def framework_importable(module: str) -> bool:
+    """`module` (dotted names too) can be imported here, without importing it (its parent package is)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent package; a module set to None in sys.modules
+        return False
+
 
 class Adapter(ABC):
     name: ClassVar[str]
     kinds: ClassVar[tuple[str, ...]] = ("vision", "language")  # workload kinds supported
     framework: ClassVar[str] = "torch"  # distribution name whose version the record states
     framework_module: ClassVar[str] = "torch"  # its import name (checked by `make smoke`, listed in the record)
+    # the pip extra that installs the framework (pyproject.toml): "" = torch alone; when the framework is
+    # missing, validate refuses in one line naming it (pip install 'ptbench[EXTRA]')
+    extra: ClassVar[str] = ""
     # What each timed phase holds for this adapter (recorded as `phase_semantics`; the breakdown figure
     # shows it): frameworks put communication and pipeline bubbles in different phases.
     phase_semantics: ClassVar[dict[str, str]] = {
@@ -69,6 +89,9 @@ class Adapter(ABC):
     environments: ClassVar[tuple[type[ClusterEnvironment], ...]] = ()
     checkpoint_format: ClassVar[str] = "torch.distributed.checkpoint (get_state_dict/set_state_dict)"
     compile_how: ClassVar[str] = ""  # what is compiled (recorded as compile.how)
+    # workload.channels_last: False where the framework needs contiguous parameters (it flattens, shards or
+    # broadcasts them as flat buffers): the vision workload then makes the activations channels_last only
+    channels_last_weights: ClassVar[bool] = True
 
     # --- before launch (class methods: no process group yet) ------------------------------------
     @classmethod
@@ -80,6 +103,9 @@ class Adapter(ABC):
     def validate(cls, cfg: BenchConfig, world_size: int) -> None:
         """Every check before launch: the workload kind and the checkpoint fields, then this adapter's
         own `check`. Adapters override `check`, never this, so the common checks always run."""
+        why = cls.framework_refusal()
+        if why:
+            raise ConfigError(why)
         if cfg.workload.kind not in cls.kinds:
             raise ConfigError(
                 f"adapter={cls.name} does not support {cfg.workload.kind} workloads "
@@ -87,6 +113,15 @@ class Adapter(ABC):
             )
         cls.check_checkpointing(cfg)
         cls.check(cfg, world_size)
+
+    @classmethod
+    def framework_refusal(cls) -> str | None:
+        """None when this adapter's framework can be imported (torch-only adapters always), else the one line
+        naming the extra that installs it."""
+        if not cls.extra or framework_importable(cls.framework_module):
+            return None
+        how = INSTALL_NOTES.get(cls.extra, f"pip install 'ptbench[{cls.extra}]'")
+        return f"adapter={cls.name} needs {cls.framework}, which is not installed: {how}"
 
     @classmethod
     def check(cls, cfg: BenchConfig, world_size: int) -> None:
@@ -114,6 +149,12 @@ class Adapter(ABC):
     @classmethod
     def processes(cls, cfg: BenchConfig) -> int:
         return cfg.launcher.nprocs
+
+    @classmethod
+    def rank_environment(cls, cfg: BenchConfig) -> dict[str, str]:
+        """Environment variables each rank sets before CUDA starts (before the process group), e.g. Megatron's
+        CUDA_DEVICE_MAX_CONNECTIONS=1 for tensor parallelism; the adapter records them."""
+        return {}
 
     @classmethod
     def launch_command(cls, cfg: BenchConfig, world_size: int) -> list[str] | None:
@@ -171,6 +212,7 @@ class Adapter(ABC):
     def __init__(self, cfg: BenchConfig, workload: Workload, ctx: DistContext):
         self.cfg = cfg
         self.workload = workload
+        workload.channels_last_weights = self.channels_last_weights  # before any build_model
         self.ctx = ctx
         self.device = ctx.device
 

@@ -47,9 +47,11 @@ class FSDPAdapter(Adapter):
         "optimizer": "clip over the global norm of the sharded gradients, step the local shards",
     }
     compile_how = "module.compile() of each shard unit before fully_shard (torchtitan's per-block compile)"
+    # fully_shard refuses non-contiguous parameters: channels_last activations only
+    channels_last_weights = False
     precision_semantics = (
         "FSDP2 MixedPrecisionPolicy: bf16/fp16 parameters for compute (param_dtype), fp32 "
-        "sharded master parameters and fp32 gradient reduction"
+        "sharded master parameters and fp32 gradient reduction; BatchNorm parameters and math in fp32"
     )
 
     @classmethod
@@ -86,10 +88,23 @@ class FSDPAdapter(Adapter):
             param_dtype=HALF_DTYPES.get(precision), reduce_dtype=torch.float32 if precision in HALF_DTYPES else None
         )
         reshard = cfg.adapter.reshard_after_forward
+        # BatchNorm keeps fp32 parameters (FSDP2's documented per-module policy): its running statistics are
+        # fp32 buffers FSDP does not cast, and batch_norm refuses bf16 weights beside them. Each unit's norms
+        # form one grouped fully_shard (one extra all-gather per unit), inputs cast to fp32, outputs back to half
+        half = HALF_DTYPES.get(precision)
+        self.norm_policy = MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=half
+        )
+        self.norm_groups = 0
         self.units = shard_units(self.workload, model)
         for unit in self.units:
             self.compile_module(unit)
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=self.mp_policy)
+            norms = [m for m in unit.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)] if half else []
+            policy = self.norm_policy if norms == [unit] else self.mp_policy
+            if norms and norms != [unit]:
+                fully_shard(norms, mesh=mesh, reshard_after_forward=reshard, mp_policy=self.norm_policy)
+            self.norm_groups += bool(norms)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         # the root is all-gathered first in forward and needed again first in backward: keeping it
         # unsharded between the two saves one all-gather, as FSDP2 itself does by default for the root
         fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=self.mp_policy)
@@ -153,6 +168,8 @@ class FSDPAdapter(Adapter):
             "reduce_dtype": str(self.mp_policy.reduce_dtype).replace("torch.", "")
             if self.mp_policy.reduce_dtype
             else "fp32",
+            # BatchNorm's own fully_shard groups with fp32 parameters (0: none, or fp32 training)
+            "batchnorm_fp32_groups": self.norm_groups,
         }
 
 

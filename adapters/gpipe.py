@@ -38,6 +38,7 @@ class GPipeAdapter(Adapter):
     name = "gpipe"
     framework = "torchgpipe"
     framework_module = "torchgpipe"
+    extra = "gpipe"
     checkpoint_format = "rank 0 torch.save of model and optimizer state_dict"
     phase_semantics = {
         **Adapter.phase_semantics,

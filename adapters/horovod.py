@@ -86,8 +86,11 @@ class HorovodAdapter(Adapter):
     name = "horovod"
     framework = "horovod"
     framework_module = "horovod"
+    extra = "horovod"
     environments = (HorovodrunEnvironment,)
     checkpoint_format = "rank 0 torch.save of model and optimizer state_dict"
+    # Horovod broadcasts and all-reduces contiguous tensors only: channels_last activations only
+    channels_last_weights = False
     phase_semantics = {
         **Adapter.phase_semantics,
         "backward": "backward; gradient hooks only start Horovod's all-reduces (background thread)",

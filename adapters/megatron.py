@@ -8,13 +8,13 @@ last stage, sequence-parallel LayerNorm reduction), then an optimizer step.
 
 The model is Megatron's own GPTModel with the workload's GPT-2 dimensions (layers, width, heads,
 sequence length; vocabulary padded as Megatron-LM pads it, to a multiple of
-`adapter.make_vocab_size_divisible_by` x TP; Megatron's default GELU; tied embeddings; learned
+`adapter.make_vocab_size_divisible_by` x TP; GELU's tanh approximation, as GPT-2; tied embeddings; learned
 positions). Its initial weights differ from the harness GPT-2's, so compare Megatron layouts with
 each other. The loss is Megatron's per-token vocab-parallel cross-entropy averaged over tokens,
 as the workload's loss, except that the softmax also spans the padded vocabulary rows.
 
 GPU: Transformer Engine layer spec when TE is installed (local spec otherwise), Megatron's
-distributed optimizer for sgd/adam/adamw (clip_grad always passed: its default is 1.0), bf16 as
+distributed optimizer for adam/adamw (clip_grad always passed: its default is 1.0), bf16 as
 autocast around the forward (fp32 weights, gradients and optimizer state).
 CPU: local spec, `use_cpu_initialization`, fusions off, an explicit causal mask, gloo, a torch
 optimizer stepping Megatron's gradient buffers, fp32 only, and adapters/_megatron_cpu.py for the few
@@ -31,7 +31,7 @@ Checkpoints: Megatron's own `dist_checkpointing` (the format Megatron-LM writes,
 `GPTModel.sharded_state_dict()` names every tensor by its global (un-split) key and TP/PP/DP offset,
 and the torch optimizer's state is mapped onto those keys as Megatron's FP32Optimizer does
 (`optim_state_to_sharding_state`), so every rank writes only its slice and a replica's copy is
-written once. Runs on CPU over gloo. Megatron's distributed optimizer (GPU, sgd/adam/adamw) is not
+written once. Runs on CPU over gloo. Megatron's distributed optimizer (GPU, adam/adamw) is not
 checkpointed here yet: that combination refuses trainer.checkpoint_every before launch.
 
 Batch: `batch_policy=linear` (conf/adapter/megatron.yaml), as the paper scales Megatron: the global
@@ -69,7 +69,15 @@ _PHASE_OF = {
     "non-tensor-parallel-grads-all-reduce": "backward",
     "embedding-grads-all-reduce": "backward",
 }
-_MEGATRON_OPTIMIZERS = ("sgd", "adam", "adamw")
+# Megatron's distributed optimizer (GPU) wraps Adam only (DistributedOptimizer asserts Adam/AdamW); SGD steps a
+# torch optimizer on Megatron's main_grad buffers, on GPU as on CPU (recorded as `optimizer`)
+_MEGATRON_OPTIMIZERS = ("adam", "adamw")
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation: what the harness GPT-2 computes and what Megatron's fused bias_gelu (GPU,
+    bias_activation_fusion) computes; the CPU path's activation_func, so CPU and GPU runs compute one GELU."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
 
 
 def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
@@ -83,6 +91,7 @@ class MegatronAdapter(Adapter):
     kinds = ("language",)
     framework = "megatron-core"
     framework_module = "megatron.core"
+    extra = "megatron"
     checkpoint_format = "megatron.core.dist_checkpointing (torch_dist): GPTModel.sharded_state_dict + optimizer state"
     phase_semantics = {
         **Adapter.phase_semantics,
@@ -101,12 +110,23 @@ class MegatronAdapter(Adapter):
     @classmethod
     def checkpoint_refusal(cls, cfg) -> str | None:
         """megatron.core.dist_checkpointing (module docstring), except with Megatron's distributed optimizer."""
-        if torch.cuda.is_available() and cfg.optimizer.name in _MEGATRON_OPTIMIZERS:
+        if cls.distributed_optimizer(cfg, torch.cuda.is_available()):
             return (
                 f"Megatron's distributed optimizer (GPU, optimizer={cfg.optimizer.name}) is not checkpointed here "
                 "yet; CPU runs and GPU runs with another optimizer are"
             )
         return None
+
+    @classmethod
+    def rank_environment(cls, cfg) -> dict[str, str]:
+        """TP > 1: one CUDA work queue, so a tensor-parallel collective launched before a GEMM runs before it
+        (Megatron-LM's launch scripts export it; sequence parallelism and TP overlap rely on it)."""
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if cfg.adapter.tensor_parallel > 1 else {}
+
+    @classmethod
+    def distributed_optimizer(cls, cfg, cuda: bool) -> bool:
+        """Megatron's distributed optimizer: on CUDA for adam/adamw (it asserts Adam); else a torch optimizer."""
+        return cuda and cfg.optimizer.name in _MEGATRON_OPTIMIZERS
 
     @classmethod
     def layout(cls, cfg, world_size: int) -> Layout:
@@ -248,8 +268,10 @@ class MegatronAdapter(Adapter):
 
         self.vocab = padded_vocab_size(w.vocab_size, self.tp, a.make_vocab_size_divisible_by)
         self.timers = _PhaseTimers()
+        # batch_p2p_sync=False on both: True (megatron-core's default) synchronizes the device after every
+        # batched pipeline send/recv, a workaround for old NCCL/torch (Megatron-LM: --no-batch-p2p-sync)
         on_gpu = dict(bias_activation_fusion=True, bias_dropout_fusion=True, deallocate_pipeline_outputs=True)
-        on_cpu = dict(use_cpu_initialization=True, batch_p2p_sync=False, deallocate_pipeline_outputs=True)
+        on_cpu = dict(use_cpu_initialization=True, deallocate_pipeline_outputs=True, activation_func=gelu_tanh)
         self.config = TransformerConfig(
             num_layers=w.n_layer,
             hidden_size=w.n_embd,
@@ -264,6 +286,7 @@ class MegatronAdapter(Adapter):
             pipeline_dtype=torch.float32,
             params_dtype=torch.float32,
             timers=self.timers,
+            batch_p2p_sync=False,
             **(on_gpu if cuda else on_cpu),
         )
         self.layer_spec = "transformer_engine" if cuda and importlib.util.find_spec("transformer_engine") else "local"
@@ -285,7 +308,7 @@ class MegatronAdapter(Adapter):
         if cuda:
             model.cuda(torch.cuda.current_device())
 
-        self.megatron_optimizer = cuda and self.cfg.optimizer.name in _MEGATRON_OPTIMIZERS
+        self.megatron_optimizer = self.distributed_optimizer(self.cfg, cuda)
         self.ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=bool(cuda and a.overlap_comm),  # overlap uses CUDA streams
             use_distributed_optimizer=self.megatron_optimizer,
@@ -360,13 +383,12 @@ class MegatronAdapter(Adapter):
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
             mcfg = OptimizerConfig(
-                optimizer="sgd" if o.name == "sgd" else "adam",
+                optimizer="adam",  # adam/adamw only (distributed_optimizer)
                 lr=o.lr,
                 weight_decay=o.weight_decay,
                 adam_beta1=o.betas[0],
                 adam_beta2=o.betas[1],
                 adam_eps=o.eps,
-                sgd_momentum=o.momentum,
                 decoupled_weight_decay=o.name != "adam",  # Megatron's "adam" is AdamW unless told otherwise
                 use_distributed_optimizer=True,
                 clip_grad=clip,
@@ -559,8 +581,13 @@ class MegatronAdapter(Adapter):
         return out
 
     def describe(self) -> dict:
+        import os
+
         a = self.cfg.adapter
         return {
+            "gelu": "tanh approximation (GPU: fused bias_gelu; CPU: F.gelu(approximate='tanh'))",
+            "batch_p2p_sync": self.config.batch_p2p_sync,
+            "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
             "tensor_parallel": self.tp,
             "pipeline_parallel": self.pp,
             "data_parallel": self.dp_size,

@@ -101,6 +101,11 @@ class PipelineAdapter(Adapter):
     @classmethod
     def check(cls, cfg: BenchConfig, world_size: int) -> None:
         a = cfg.adapter
+        if cfg.trainer.precision == "fp16":  # refused on a CPU stand-in too (the twin test calls this)
+            raise ConfigError(
+                "trainer.precision=fp16: adapter=pipeline has no gradient scaler (an overflow would have to skip "
+                "the step on every stage at once); use trainer.precision=bf16, or adapter=gpipe, which scales"
+            )
         if a.schedule not in SCHEDULES:
             raise ConfigError(f"adapter.schedule={a.schedule}: choose {', '.join(SCHEDULES)}")
         pp = cls.pipeline_size(cfg, world_size)
@@ -181,6 +186,10 @@ class PipelineAdapter(Adapter):
         del seq, layers
         gc.collect()
 
+        if getattr(self.workload, "channels_last", False):  # the p2p buffers must be contiguous (gloo, NCCL)
+            for module in self.stage_modules:
+                module.register_forward_pre_hook(_contiguous_input_grad)
+                module.register_forward_hook(_contiguous_output)
         precision = cfg.trainer.precision
         stages = []
         for s, module in zip(self.stage_ids, self.stage_modules):
@@ -343,3 +352,25 @@ class PipelineAdapter(Adapter):
 
 
 ADAPTER = PipelineAdapter
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose gradient is made contiguous: a stage's input gradient is sent to the previous stage."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _contiguous_input_grad(module: nn.Module, args: tuple) -> tuple:
+    """workload.channels_last: stage boundaries carry contiguous (NCHW) tensors both ways; inside a stage the
+    channels_last weights make the activations NHWC again."""
+    return tuple(_ContiguousGrad.apply(a) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+def _contiguous_output(module: nn.Module, args: tuple, out):
+    return out.contiguous() if torch.is_tensor(out) else out

@@ -64,6 +64,9 @@ def deepspeed_config(cfg: BenchConfig, micro_batch: int, cuda: bool) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer is on by default and synchronizes the device twice per micro-batch
+        # (start and stop) from the first step: off, the harness times every adapter itself
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
     if a.offload_optimizer:
         o = cfg.optimizer
@@ -89,6 +92,7 @@ class ZeroAdapter(Adapter):
     name = "zero"
     framework = "deepspeed"
     framework_module = "deepspeed"
+    extra = "deepspeed"
     phase_semantics = {
         **Adapter.phase_semantics,
         "forward": "engine forward; stage 3 all-gathers each layer's parameters here (prefetched)",
@@ -98,6 +102,8 @@ class ZeroAdapter(Adapter):
     }
     checkpoint_format = "deepspeed engine.save_checkpoint/load_checkpoint"
     compile_how = "deepspeed engine.compile(backend=trainer.compile_backend)"
+    # DeepSpeed flattens parameters into contiguous buffers: channels_last activations only
+    channels_last_weights = False
     precision_semantics = "DeepSpeed bf16/fp16 mode: bf16/fp16 model weights and gradients, fp32 master partition"
 
     @classmethod
@@ -248,6 +254,9 @@ class ZeroAdapter(Adapter):
             "offload_optimizer": a.offload_optimizer,
             "offload_params": a.offload_params,
             "gradient_clipping": self.ds_config["gradient_clipping"],
+            # as the engine resolved them: no device synchronization of DeepSpeed's own in the timed steps
+            "throughput_timer": self.engine.tput_timer.config.enabled,
+            "wall_clock_breakdown": self.engine.wall_clock_breakdown(),
             "mixed_precision": {
                 "bf16": "deepspeed bf16 (fp32 master)",
                 "fp16": "deepspeed fp16 (loss scaling, fp32 master)",

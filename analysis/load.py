@@ -5,6 +5,9 @@ produced no epoch (failed before the first epoch ended, still running, or missin
 config but no summary) still appear, as one row with `epoch` NaN, their `status` and `error`, so a
 sweep's holes stay visible instead of vanishing from the plots. Only `status == "ok"` counts as
 finished (`ok`); a preempted run keeps its own status and is listed with the runs that did not finish.
+A record whose summary.json or an events.jsonl line is not JSON (cut short) is `damaged`, its reason in
+`error` (what its summary said in `status_written`); a diverged run (non-finite loss) keeps `diverged`; a
+`running` record whose launcher on this host is gone (SIGKILL, the OOM killer) is `killed`.
 
 Columns: identity (run_id, run_dir, experiment, adapter, workload, kind, label), layout (world_size,
 devices, stage, tp, pp, schedule, microbatches, batch_policy, global_batch, ...; tp/pp/dp from the summary's
@@ -92,6 +95,13 @@ class AnalysisError(ValueError):
     """A problem with the records or the request, stated in one line for the user."""
 
 
+class NoRecords(AnalysisError):
+    """A folder holding no run record; shown in a notebook as its one line (IPython's `_render_traceback_`)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
 def find_runs(root: str | Path) -> list[Path]:
     """Every run folder under root (root itself may be one)."""
     root = Path(root)
@@ -114,18 +124,54 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _read_events(path: Path) -> list[dict]:
+def _read_events(path: Path, damage: list[str] | None = None) -> list[dict]:
+    """The epoch events of events.jsonl; a line that is not a JSON object (half-written) is skipped and
+    named in `damage`."""
     if not path.exists():
         return []
     events = []
-    for i, line in enumerate(path.read_text().splitlines()):
+    for i, line in enumerate(path.read_text(errors="replace").splitlines()):
         if not line.strip():
             continue
         try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            warnings.warn(f"{path}:{i + 1}: not JSON, skipped")
+            event = json.loads(line)
+            if not isinstance(event, dict):
+                raise ValueError("not a JSON object")
+            events.append(event)
+        except ValueError as e:
+            why = f"{path.name}:{i + 1} is not a JSON object ({_first_line(e)}): a line cut short?"
+            if damage is None:
+                warnings.warn(f"{path.parent}/{why}")
+            else:
+                damage.append(why)
     return [e for e in events if e.get("type", "epoch") == "epoch"]
+
+
+def _owner_gone(owner) -> str | None:
+    """Why a `running` record will never get its final status (its writer, on this host, is gone), else None
+    (still going, or on another host: cannot tell)."""
+    import socket
+
+    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname() or not owner.get("pid"):
+        return None
+    try:
+        import psutil
+
+        p = psutil.Process(int(owner["pid"]))
+        if owner.get("started") is None or abs(p.create_time() - float(owner["started"])) < 1.0:
+            return None  # the same process: still running
+    except ImportError:
+        return None
+    except psutil.Error:
+        pass
+    return (
+        f"no final status: the process that ran it (pid {owner['pid']} on {owner['host']}) is gone, killed "
+        "outright (SIGKILL, the OOM killer)"
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 # --- memory ------------------------------------------------------------------------------------------
@@ -382,11 +428,15 @@ def load_run(run_dir: str | Path) -> list[dict]:
         except yaml.YAMLError as e:
             warnings.warn(f"{run_dir / 'config.yaml'}: {e}")
     summary = {}
+    damage: list[str] = []  # why this record cannot be trusted whole: its status becomes `damaged`
     if (run_dir / "summary.json").exists():
         try:
-            summary = json.loads((run_dir / "summary.json").read_text())
-        except json.JSONDecodeError as e:
-            warnings.warn(f"{run_dir / 'summary.json'}: {e}")
+            summary = json.loads((run_dir / "summary.json").read_text(errors="replace"))
+            if not isinstance(summary, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            summary = {}
+            damage.append(f"summary.json is not a JSON object ({_first_line(e)}): cut short?")
     env = {}
     if (run_dir / "env.json").exists():
         try:
@@ -424,7 +474,11 @@ def load_run(run_dir: str | Path) -> list[dict]:
         nccl=env.get("nccl"),
         driver=env.get("driver"),
     )
-    events = _read_events(run_dir / "events.jsonl")
+    events = _read_events(run_dir / "events.jsonl", damage)
+    if base["status"] == "running" and (gone := _owner_gone(summary.get("owner"))):
+        base.update(status="killed", error=gone, status_written="running")
+    if damage:  # kept in the tables with the reason, never counted as finished
+        base.update(status="damaged", error="; ".join(damage), status_written=summary.get("status"))
     if not events:
         base["global_batch"] = summary.get("global_batch")
         return [base]
@@ -437,10 +491,21 @@ def load_run(run_dir: str | Path) -> list[dict]:
     return rows
 
 
-def load(*roots: str | Path) -> pd.DataFrame:
-    """All runs under the given folders, one row per run x epoch; see the module doc for columns."""
-    rows = [row for root in roots for d in find_runs(root) for row in load_run(d)]
+def load(*roots: str | Path, empty_ok: bool = True) -> pd.DataFrame:
+    """All runs under the given folders, one row per run x epoch; see the module doc for columns.
+    `empty_ok=False` (the notebooks): a folder that is missing or holds no record raises NoRecords, one line."""
+    try:
+        rows = [row for root in roots for d in find_runs(root) for row in load_run(d)]
+    except FileNotFoundError as e:
+        if empty_ok:
+            raise
+        raise NoRecords(str(e)) from None
     df = pd.DataFrame(rows)
+    if df.empty and not empty_ok:
+        raise NoRecords(
+            f"no run records under {', '.join(str(Path(r).resolve()) for r in roots)}: point BENCH_RESULTS (or "
+            "RESULTS_DIR) at a folder that `python -m ptbench` or `make demo` wrote"
+        )
     if df.empty:
         return df
     for col in (

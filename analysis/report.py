@@ -6,6 +6,7 @@ python -m ptbench.analysis report RESULTS_DIR --out DIR [--baseline best|per-ser
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pandas as pd
 
 from ptbench.analysis import plots
 from ptbench.analysis.claims import claims_lines
-from ptbench.analysis.load import load, load_comm
+from ptbench.analysis.load import AnalysisError, load, load_comm
 from ptbench.analysis.tables import EPOCH_TIME_SOURCES, Study, comm_table, summary_table, time_to_target
 
 FIGURES = {
@@ -412,7 +413,12 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
     """Figures into out/figures, tables into out/*.csv, and out/report.md; returns report.md's path."""
     results_dir, out = Path(results_dir), Path(out)
     baseline = baseline or "best"
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise AnalysisError(f"--out {out} is a file, not a folder: name a folder (it is made if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise AnalysisError(f"--out {out}: cannot make the folder ({e.strerror or e})") from None
     df = load(results_dir)
     lines = [
         f"# Benchmark report: {results_dir}",
@@ -422,6 +428,7 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
         "",
     ]
     if df.empty:
+        print(f"note: no run records under {results_dir}: the report says so and holds nothing else", file=sys.stderr)
         lines += ["No run records found under this folder.", ""]
         path = out / "report.md"
         path.write_text("\n".join(lines))
@@ -497,8 +504,9 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
         "## Runs that did not finish",
         "",
         (
-            "Any status but `ok` (failed, oom, timeout, preempted, missing, skipped): left out of the curves, "
-            "marked on every figure."
+            "Any status but `ok` (failed, oom, timeout, preempted, missing, skipped; `diverged`: the training "
+            "loss became non-finite, at the step its error names; `damaged`: a record file cut short, the "
+            "reason in its error): left out of the curves, speedup and efficiency, marked on every figure."
         ),
         "",
         markdown_table(bad[["run_id", "label", "workload", "devices", "status", "error"]]) if len(bad) else "_none_\n",

@@ -12,13 +12,13 @@ Exit 1 only on a real failure. Each run has a timeout (--timeout) that ends its 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import tempfile
 from pathlib import Path
 
 from ptbench.adapters import available, get_adapter_class
+from ptbench.adapters.base import framework_importable
 from ptbench.core.errors import ConfigError
 from ptbench.run_point import run_bench
 from ptbench.runner.compose import compose, typed, visible_gpus
@@ -26,7 +26,7 @@ from ptbench.runner.plan import make_plan
 
 
 def framework_installed(cls) -> bool:
-    return importlib.util.find_spec(cls.framework_module) is not None
+    return framework_importable(cls.framework_module)
 
 
 def in_ci() -> bool:

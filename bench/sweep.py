@@ -33,12 +33,13 @@ from ptbench.runner.points import (
     newest_status,
     oom_retry,
     point_id,
+    read_point,
     read_points,
     run_name,
     skip_if_done,
     write_points,
 )
-from ptbench.runner.slurm import REPO, submit_arrays, submit_comm
+from ptbench.runner.slurm import script_path, submit_arrays, submit_comm
 
 
 # --- command line ----------------------------------------------------------------------------------
@@ -57,16 +58,16 @@ def _grid(args) -> int:
 
 
 def _point(args) -> int:
-    points = read_points(args.file)
-    if not 0 <= args.index < len(points):
+    point, count = read_point(args.file, args.index)  # only this task's line: another line's error is not ours
+    if not point:
         print(
-            f"error: {args.file} has {len(points)} points (0-{len(points) - 1}); there is no point {args.index}",
+            f"error: {args.file} has {count} points (0-{count - 1}); there is no point {args.index}",
             file=sys.stderr,
         )
         return 2
-    cfg = compose_point([*points[args.index], *args.extra])
+    cfg = compose_point([*point, *args.extra])
     if args.oom_retry:  # array.sbatch after a failed srun: the retry's own overrides, or "skip"
-        retry = oom_retry([*points[args.index], *args.extra]) if newest_status(cfg) == "oom" else None
+        retry = oom_retry([*point, *args.extra]) if newest_status(cfg) == "oom" else None
         if retry is None:
             print("skip")
             return 0
@@ -78,7 +79,7 @@ def _point(args) -> int:
             print("skip")  # array.sbatch: nothing to run, not even srun
             return 0
     ranks, devices = layout_of(cfg)
-    print(ranks, devices, shlex.join(points[args.index]))
+    print(ranks, devices, shlex.join(point))
     return 0
 
 
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
     s.add_argument("file", type=Path)
     s.add_argument("--resume", action="store_true", help="array tasks skip points that already have an ok record")
     s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node of your cluster (0: CPU, one node)")
-    s.add_argument("--script", default=str(REPO / "slurm" / "array.sbatch"))
+    s.add_argument("--script", default=str(script_path("array.sbatch")))
     s.add_argument(
         "--sbatch",
         action="append",

@@ -9,10 +9,12 @@ checkout, with PYTHONPATH removed from the environment.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,35 @@ def test_smoke_run_from_any_directory(installed, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list((tmp_path / "out").rglob("summary.json"))) == 1
     assert '"status": "ok"' in next((tmp_path / "out").rglob("summary.json")).read_text()
+    # the record states the installed package's version; no git commit (a wheel is not a checkout)
+    env = json.loads(next((tmp_path / "out").rglob("env.json")).read_text())
+    assert env["package_version"] == "0.1.0" and env["git_sha"] is None and env["git_dirty"] is None, env
+
+
+SBATCH = ("array.sbatch", "run.sbatch", "stage_data.sh", "local_cluster.sh", "README.md")
+
+
+def test_sbatch_scripts_ship_and_an_installed_copy_finds_them(installed, tmp_path):
+    """slurm/ is package data (ptbench.slurm): the wheel holds the scripts, and the installed copy's
+    submission (`ptbench.sweep submit`) points sbatch at its own copy, jobs running from the submit folder."""
+    wheel = next((installed.parents[2] / "dist").glob("ptbench-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"ptbench/slurm/{name}" for name in SBATCH} <= names, sorted(n for n in names if "slurm" in n)
+    proc = _run(
+        installed,
+        tmp_path,
+        "-c",
+        "from ptbench.runner.slurm import script_path, REPO, CHECKOUT; "
+        "print(script_path('array.sbatch')); print(REPO); print(CHECKOUT)",
+    )
+    assert proc.returncode == 0, proc.stderr
+    script, repo, checkout = proc.stdout.split()
+    assert "site-packages" in script and str(REPO) not in script and Path(script).is_file(), script
+    assert Path(script).read_text() == (REPO / "slurm" / "array.sbatch").read_text()
+    assert repo == str(tmp_path) and checkout == "None", proc.stdout
+    (tmp_path / "sweep.txt").write_text("adapter=ddp launcher.nprocs=1\n")
+    proc = _run(installed, tmp_path, "-m", "ptbench.sweep", "submit", "sweep.txt", "--dry-run")
+    assert proc.returncode == 0 and f" {script} " in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_submitit_local_multirun_without_pythonpath(installed, tmp_path):

@@ -19,6 +19,10 @@ from ptbench.core.config import DataConfig, WorkloadConfig
 
 class Workload(ABC):
     kind: str  # "vision" | "language"
+    # False where the adapter's framework flattens, shards or broadcasts parameters as contiguous buffers
+    # (DeepSpeed, FSDP2, Horovod): vision then keeps NCHW weights and makes activations channels_last
+    # from the input (Adapter.channels_last_weights sets it; the record says which was applied)
+    channels_last_weights: bool = True
 
     def __init__(self, cfg: WorkloadConfig, data: DataConfig):
         self.cfg = cfg

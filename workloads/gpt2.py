@@ -127,7 +127,7 @@ class LMHead(nn.Linear):
             type(w) is nn.Parameter
             and type(x) is torch.Tensor
             and self.bias is None
-            and not torch.is_autocast_enabled(x.device.type)
+            and (x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type))  # meta: no autocast
         ):
             return _TiedLinear.apply(x, w)
         return super().forward(x)

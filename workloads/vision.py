@@ -88,6 +88,11 @@ def _no_inplace(model: nn.Module) -> nn.Module:
     return model
 
 
+def _channels_last_input(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook on the first convolution: its input in channels_last (NHWC) memory format."""
+    return (args[0].contiguous(memory_format=torch.channels_last), *args[1:])
+
+
 def use_channels_last(setting: bool | None, device_type: str) -> bool:
     """workload.channels_last: None (auto) = on for CUDA only, where tensor-core convolutions run in NHWC
     and cuDNN picks that layout from the weights; on CPU NCHW stays the default. A pure function of the
@@ -176,12 +181,23 @@ class VisionWorkload(Workload):
         # workload.dropout: VGG's classifier dropout (torchvision: 0.5); 0 makes runs comparable across
         # pipelines, whose micro-batching draws dropout masks in a different order. ResNet has none.
         model = build_vision_model(c.arch, c.num_classes, c.image_size, c.width_div, c.dropout)
-        # the weights' layout; the first convolution then writes NHWC activations, inputs stay NCHW
-        return model.to(memory_format=torch.channels_last) if self.channels_last else model
+        if not self.channels_last:
+            return model
+        # channels_last activations: the first convolution's input is made NHWC (a hook on that module, so
+        # the pipelines' sequential form has it too) and cuDNN/oneDNN then keep every activation NHWC.
+        # The weights follow where the adapter accepts strided parameters (DDP, pipelines): else (ZeRO,
+        # FSDP2, Horovod flatten or shard them into contiguous buffers) they stay NCHW
+        first_conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+        first_conv.register_forward_pre_hook(_channels_last_input)
+        return model.to(memory_format=torch.channels_last) if self.channels_last_weights else model
 
     def describe(self) -> dict:
         d = self.data
-        facts = {"channels_last": self.channels_last}
+        # channels_last_weights: the weights too (false: activations only, the adapter needs contiguous weights)
+        facts = {
+            "channels_last": self.channels_last,
+            "channels_last_weights": self.channels_last and self.channels_last_weights,
+        }
         if d.source == "imagefolder":
             facts.update(decoder=d.decoder, cache_decoded=d.cache_decoded, **self._data_facts)
         return facts

@@ -9,9 +9,11 @@
 Atomic: every rank writes into the temp folder; after a barrier rank 0 writes meta.json there and
 renames the folder to step-NNNNNN (one rename on one file system), then prunes to the newest K. A
 crash at any point of a save leaves the previous checkpoints untouched and the temp folder
-ignored. Only folders named step-* that hold meta.json count as checkpoints.
+ignored. Only folders named step-* that hold meta.json count as checkpoints. meta.json carries the
+manifest (each file's size and SHA-256); resume loads only a checkpoint whose files match it (`damage`),
+passing over a damaged newer one with one line that names it and why.
 
-Resume (`trainer.resume=auto`): the newest complete checkpoint of a record of the same point
+Resume (`trainer.resume=auto`): the newest verified checkpoint of a record of the same point
 (results.point, bench/runner/points.py) under results.root/results.experiment (and results.dir) whose
 status says it did not finish (RESUMABLE), with the same adapter and world size.
 
@@ -20,6 +22,7 @@ Plumbing: imports nothing of workloads, adapters or the runner (they hand in wha
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import re
@@ -97,6 +100,70 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def manifest(path: Path) -> dict[str, dict]:
+    """{relative path: {bytes, sha256}} of every file of a checkpoint folder but meta.json."""
+    out = {}
+    for p in sorted(Path(path).rglob("*")):
+        if p.is_file() and p.relative_to(path).as_posix() != META:
+            out[p.relative_to(path).as_posix()] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def damage(path: Path) -> str | None:
+    """Why checkpoint `path` cannot be loaded as written (a file missing, short, changed; meta.json
+    unreadable), or None when every file of its manifest is there with its size and checksum. A
+    checkpoint written before manifests existed is checked for its files' total size only."""
+    try:
+        meta = read_meta(path)
+    except (OSError, ValueError) as e:
+        return f"{META} unreadable ({type(e).__name__}: {e})"
+    if not isinstance(meta, dict):
+        return f"{META} is not a JSON object"
+    files = meta.get("manifest")
+    if files is None:
+        if "bytes" in meta and tree_bytes(path) - (path / META).stat().st_size != meta["bytes"]:
+            return (
+                f"its files hold {tree_bytes(path) - (path / META).stat().st_size} bytes, {META} says {meta['bytes']}"
+            )
+        return None
+    for rel, want in files.items():
+        p = Path(path) / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        size = p.stat().st_size
+        if size != want["bytes"]:
+            return f"{rel} has {size} bytes, the manifest says {want['bytes']}"
+        if _sha256(p) != want["sha256"]:
+            return f"{rel} does not match its checksum"
+    return None
+
+
+def newest_verified(run_dir: Path, say=None) -> Path | None:
+    """The newest checkpoint of `run_dir` whose files verify (`damage`); each damaged newer one is passed
+    over with one line to `say` (default: stderr) naming it and why."""
+    say = say or _stderr
+    for _, p in reversed(complete(run_dir)):
+        why = damage(p)
+        if why is None:
+            return p
+        say(f"warning: checkpoint {p} is damaged ({why}): skipped, trying the next older one")
+    return None
+
+
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
 def prepare(tmp: Path) -> None:
     """Rank 0, before a save: an empty temp folder (a crashed save's leftovers removed)."""
     if tmp.exists():
@@ -105,9 +172,11 @@ def prepare(tmp: Path) -> None:
 
 
 def commit(tmp: Path, meta: dict) -> Path:
-    """Rank 0, after every rank wrote into `tmp`: meta.json, then one rename. Returns the checkpoint."""
+    """Rank 0, after every rank wrote into `tmp`: meta.json with the manifest (every file's size and
+    SHA-256), written last, then one rename. Returns the checkpoint."""
     final = tmp.parent / tmp.name.removeprefix(".tmp-")
-    meta = {**meta, "bytes": tree_bytes(tmp), "files": sum(1 for p in tmp.rglob("*") if p.is_file()) + 1}
+    files = manifest(tmp)
+    meta = {**meta, "bytes": sum(f["bytes"] for f in files.values()), "files": len(files) + 1, "manifest": files}
     write_json(tmp / META, meta)
     _fsync_tree(tmp)
     if final.exists():  # the same step saved before (a resumed run stopped again at once): replace it
@@ -192,10 +261,11 @@ def read_meta(path: Path) -> dict:
 
 # --- resume ----------------------------------------------------------------------------------------
 def find_resumable(
-    folders, point: str | None, adapter: str, world_size: int, exclude: Path | None = None
+    folders, point: str | None, adapter: str, world_size: int, exclude: Path | None = None, say=None
 ) -> tuple[Path, Path] | None:
-    """(record folder, its newest complete checkpoint) of the newest unfinished record of `point`,
-    or None. Records of another adapter or world size are passed over."""
+    """(record folder, its newest checkpoint that verifies) of the newest unfinished record of `point`,
+    or None. Records of another adapter or world size are passed over; a damaged checkpoint is skipped
+    with one line to `say` (default: stderr) saying which and why."""
     if not point:
         return None
     best = None
@@ -205,8 +275,14 @@ def find_resumable(
             continue
         if s.get("status") not in RESUMABLE or s.get("adapter") != adapter or s.get("world_size") != world_size:
             continue
-        ckpt = latest(run_dir)
+        if latest(run_dir) is None:
+            continue
+        ckpt = newest_verified(run_dir, say)
         if ckpt is None:
+            (say or _stderr)(
+                f"warning: record {run_dir} ({s.get('status')}) has no checkpoint that verifies: it is kept as "
+                "it is, and this run starts from step 0 in a record of its own"
+            )
             continue
         when = read_meta(ckpt).get("time", 0)
         if best is None or when > best[0]:
@@ -223,6 +299,13 @@ def adopt(old: Path, new: Path) -> None:
     events = Path(old) / "events.jsonl"
     if events.exists():
         atomic_write(Path(new) / "events.jsonl", events.read_text())
+    try:  # the earlier record's outcome goes into the new one: an attempt that fails still names it
+        before = read_json(Path(old) / "summary.json")
+        current = read_json(Path(new) / "summary.json")
+        keys = ("run_id", "status", "error", "steps", "epochs_completed")
+        write_json(Path(new) / "summary.json", {**current, "previous_record": {k: before.get(k) for k in keys}})
+    except (OSError, ValueError):
+        pass
     if folder(new).exists():
         shutil.rmtree(folder(new))
     os.rename(folder(old), folder(new))

@@ -157,6 +157,10 @@ class TrainerConfig:
     # checkpoint, in that record; never: always a fresh run (the default: a benchmark record is one
     # uninterrupted attempt unless asked; slurm/run.sbatch passes auto so requeued jobs resume)
     resume: str = "never"
+    # the memory model's verdict before launch (bench/core/memory_model.py; it is an estimate, about -30 %/+50 %):
+    # warn = one line with its numbers when the busiest rank's prediction exceeds 90 % of the device, and run;
+    # refuse = refuse such a run before launch; off = predict and record only
+    memory_check: str = "warn"
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Mapping
 from contextlib import closing
 from dataclasses import dataclass
 
@@ -30,12 +31,34 @@ class DistContext:
     def device(self) -> torch.device:
         # Choose by cuda availability, not torch.accelerator: that names cuda even without a GPU.
         if torch.cuda.is_available():
-            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            return torch.device("cuda", device_index(self.local_rank, torch.cuda.device_count()))
         return torch.device("cpu")
 
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+
+def visible_device_count(env: Mapping[str, str] = os.environ) -> int:
+    """GPUs this process may use: the entries of CUDA_VISIBLE_DEVICES when set (Slurm's --gpus-per-task /
+    --gpu-bind bind one per task), else every GPU torch sees."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    return torch.cuda.device_count()
+
+
+def device_index(local_rank: int, device_count: int) -> int:
+    """This rank's device among the visible ones: the node-local rank when each rank sees every GPU, 0 when
+    the scheduler bound one GPU to each task; the node-local rank again when there is no GPU."""
+    return local_rank % device_count if device_count > 0 else local_rank
+
+
+def exported_local_rank(local_rank: int, env: Mapping[str, str] = os.environ) -> int:
+    """LOCAL_RANK as exported to frameworks: the index of the rank's device among the visible devices, since
+    DeepSpeed (and torch's own convention) calls set_device(LOCAL_RANK). With one GPU bound per Slurm task,
+    SLURM_LOCALID 3 is cuda:0, and LOCAL_RANK=3 would ask for an ordinal that does not exist."""
+    return device_index(local_rank, visible_device_count(env))
 
 
 def free_port() -> int:
@@ -78,7 +101,8 @@ def init_process_group(ctx: DistContext, timeout_s: int) -> None:
         MASTER_PORT=str(ctx.master_port),
         RANK=str(ctx.rank),
         WORLD_SIZE=str(ctx.world_size),
-        LOCAL_RANK=str(ctx.local_rank),
+        # the device's index among the visible GPUs (device_index: exported_local_rank's rule), not SLURM_LOCALID
+        LOCAL_RANK=str(ctx.device.index if ctx.is_cuda else ctx.local_rank),
         LOCAL_WORLD_SIZE=str(ctx.local_world_size),
     )
     if ctx.is_cuda:

@@ -15,7 +15,7 @@ by the state sharding an adapter states (its `cost_inputs().sharding`):
     sharding (fp32)                    params   grads        optimizer   master   transient
     none (ddp, horovod, tensor_parallel, pipeline, gpipe), zero0, distributed_optimizer on a CPU
                                        4P       4P           K P         -        fusion buffer (horovod)
-    distributed_optimizer on CUDA (megatron with sgd/adam/adamw)
+    distributed_optimizer on CUDA (megatron with adam/adamw)
                                        4P       4P           K P/N       -
     zero1 (DeepSpeed 0.19)             4P       4P/N (*)     K P/N       4P/N     full gradients in backward
     zero2                              4P       4P/N (*)     K P/N       4P/N
@@ -52,7 +52,8 @@ of s tokens, width h, a heads, with 2-byte activations and 1-byte dropout masks:
     s b h (34 + 5 a s / h)                       no tensor parallelism
     s b h (10 + 24/t + 5 a s / (h t))            tensor parallel t, no sequence parallelism
     s b h (34 + 5 a s / h) / t                   tensor + sequence parallel
-    + 4 s b V / t                                the fp32 logits the cross-entropy keeps (output layer)
+    + 12 s b V / t                               the loss at the start of backward: the fp32 log-softmax
+                                                 cross_entropy saves, its gradient and the logits' gradient
 
 The 5 a s / h term is the attention score, softmax and its dropout mask (5 a s^2 b bytes); fused
 attention (torch scaled_dot_product_attention's flash / memory-efficient kernels, which the harness
@@ -66,17 +67,13 @@ Megatron) the first stage keeps min(p, m) micro-batches of ceil(L/p) layers (int
 each micro-batch's stage input (s b h) and recomputes one micro-batch's layers at a time
 (`recompute=always`: m inputs + 1 micro-batch; `except_last`: m inputs + 2; `never`: m).
 
-Activations, vision: no closed formula covers VGG and ResNet, so the estimate counts them: one
-forward of the real model on the meta device (`activation_elements`, no memory, no FLOPs) with a
-hook on every leaf module summing the elements of its output (in-place ReLUs, which share their
-input's storage, are skipped), x bytes per element (4 fp32, 2 bf16/fp16) x micro-batch. It counts
-what autograd usually keeps (every conv / linear saves its input, the previous leaf's output;
-BatchNorm its input; ReLU its output) once each. Uncertainty: about -30 % / +50 %: max-pool indices
-(int64) and BatchNorm's saved statistics are missed, residual adds outside modules are missed,
-cuDNN workspaces and the gradient of the largest activation during backward are not counted, and
-a tensor saved by two consumers is counted once. At 224 px the count gives ResNet-50
-22.4 M elements per sample (86 MiB fp32) and VGG-16 15.1 M (58 MiB fp32): the same order as the
-commonly quoted ~100 MB per ResNet-50 sample, and more likely under than over the truth.
+Activations, vision: no closed formula covers VGG and ResNet, so the estimate counts what autograd
+saves: one forward of the real model on the meta device (`activation_elements`, no memory, no FLOPs)
+under `torch.autograd.graph.saved_tensors_hooks`, each saved storage once (a view and its base, or a
+tensor two ops save, are one), parameters and buffers excluded, x bytes per element (4 fp32, 2
+bf16/fp16) x micro-batch. At 224 px: ResNet-50 21.5 M fp32 elements per sample (82 MiB), VGG-16
+18.3 M (70 MiB). (It replaced a count of every leaf module's output: 32.0 M and 28.7 M, which refused
+runs that fit.) Not counted: cuDNN workspaces and the gradients alive during backward.
 
 Unmodelled (all add to the measured peak): the CUDA caching allocator's fragmentation and
 reserved-but-free blocks, the CUDA context (~0.3-0.5 GB per process, outside torch's allocator
@@ -225,6 +222,8 @@ def predict(
     largest_unit_params: int = 0,
     fusion_buffer_bytes: int = 0,
     half_states: bool | None = None,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
     device: str = "cuda",
     label: str | None = None,
 ) -> dict:
@@ -250,6 +249,8 @@ def predict(
         `gpt2_replicated_under_tp`, when the dimensions are given; 0 for vision).
     largest_unit_params: the largest group of parameters zero3 / fsdp gather at once.
     fusion_buffer_bytes: a gradient fusion buffer of up to that size (Horovod's threshold).
+    offload_optimizer / offload_params (ZeRO-Offload, zero1-3 / zero3): the optimizer state and fp32 master
+        partition / the parameter partition live in host memory: not on the device (0 bytes here).
     device: cuda | cpu (Megatron shards its optimizer only on CUDA). label: what the run is called (the
         adapter's name; only printed).
 
@@ -351,7 +352,9 @@ def predict(
         layer = _gpt2_layer_activation_bytes(seq_len, b, hidden, heads, tp, sequence_parallel, attention_scores)
         layer *= act_b / 2
         per_stage_layers = math.ceil(layers / pp)
-        logits = 4 * seq_len * b * vocab / tp if stage_name in ("all", "last", "any") else 0.0
+        # the loss at the start of backward: cross_entropy's fp32 log-softmax (saved), its gradient and the
+        # logits' gradient, 4 s b V bytes each (the forward's logits are freed once the loss has them)
+        logits = 12 * seq_len * b * vocab / tp if stage_name in ("all", "last", "any") else 0.0
         alive, how = _alive(stage_name)
         if recompute in ("always", "except_last") and microbatches > 1:
             full = 1 if recompute == "always" else 2
@@ -359,7 +362,7 @@ def predict(
             total = inputs + full * per_stage_layers * layer + (logits if stage_name != "first" else 0.0)
             return total, (
                 f"recompute={recompute}: m stage inputs (s b h) + {full} micro-batch(es) of "
-                f"ceil(L/p)={per_stage_layers} layers [Korthikanti]" + (" + 4 s b V" if logits else "")
+                f"ceil(L/p)={per_stage_layers} layers [Korthikanti]" + (" + 12 s b V loss" if logits else "")
             )
         last_alive = 1 if (pp > 1 and schedule != "gpipe") else alive
         total = alive * per_stage_layers * layer + (last_alive * logits if logits else 0.0)
@@ -367,7 +370,7 @@ def predict(
         tpf = "" if tp == 1 else (" /t (sequence parallel)" if sequence_parallel else " with 10 + 24/t + 5as/(ht)")
         return total, (
             f"{how} x ceil(L/p)={per_stage_layers} layers x s b h (34 + 5as/h){sc}{tpf} x {act_b}/2 B"
-            + (" + 4 s b V / t logits" if logits else "")
+            + (" + 12 s b V / t loss (fp32 log-softmax, its gradient, the logits' gradient)" if logits else "")
         )
 
     def _alive(stage_name: str) -> tuple[int, str]:
@@ -434,6 +437,12 @@ def predict(
                 gb = 2 if half else 4
                 out["transient"] = gb * largest_unit_params * (N - 1) / N if N > 1 else 0.0
                 formula["transient"] = f"{gb} x largest gathered unit ({largest_unit_params:,}) x (N-1)/N"
+        if offload_optimizer and name in ("zero1", "zero2", "zero3"):
+            out["optimizer"] = out["master"] = 0.0
+            formula["optimizer"] = formula["master"] = "0 (offload_optimizer: in host memory)"
+        if offload_params and name == "zero3":
+            out["params"] = 0.0
+            formula["params"] = "0 (offload_params: in host memory; gathered units in transient)"
         out["activations"], formula["activations"] = activations(stage_name)
         out["model_states"] = out["params"] + out["grads"] + out["optimizer"] + out["master"]
         out["total"] = out["model_states"] + out["transient"] + out["activations"]
@@ -468,37 +477,33 @@ def fits(predicted_total: float, device_bytes: float | None, headroom: float = 0
 
 
 # --- from a model and a config (the runner's and `python -m ptbench --plan`'s entry points) --------------
-_VIEWS = ("Flatten", "Unflatten", "Identity")  # modules whose output is a view of their input
-
-
 def activation_elements(model, sample_shape, dtype=None) -> float:
-    """Elements of every leaf module's output for ONE sample of `sample_shape` (without the batch
-    dimension), from a forward on the meta device: no memory, no FLOPs. In-place modules
-    (nn.ReLU(inplace=True)) and views (Flatten, Identity) are skipped: their output is their input's
-    storage. `model` must be on
-    the meta device (build it under `torch.device("meta")`)."""
+    """What autograd really saves for backward for ONE sample of `sample_shape` (without the batch
+    dimension), in fp32 elements (bytes / 4): a forward on the meta device (no memory, no FLOPs) under
+    `torch.autograd.graph.saved_tensors_hooks`, counting each saved tensor's storage once (a view and its
+    base, or one tensor saved by two consumers, are one storage), parameters and buffers excluded. Max-pool
+    indices (int64), BatchNorm's statistics and residual adds count as saved; an output nobody saves (a
+    leaf module's output that is only an input to an in-place op or a view) does not. `model` must be on the
+    meta device (build it under `torch.device("meta")`)."""
     import torch
 
-    total = 0
+    held = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+    saved: dict[int, int] = {}
+    alive = []  # the saved tensors stay referenced until the count is done: their storages' ids stay unique
 
-    def hook(module, _inp, output):
-        nonlocal total
-        if getattr(module, "inplace", False) or type(module).__name__ in _VIEWS:
-            return
-        outs = output if isinstance(output, (tuple, list)) else (output,)
-        total += sum(o.numel() for o in outs if isinstance(o, torch.Tensor))
+    def pack(t):
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in held and key not in saved:
+            saved[key] = storage.nbytes()
+        alive.append(t)
+        return t
 
-    leaves = [m for m in model.modules() if not list(m.children())]
-    handles = [m.register_forward_hook(hook) for m in leaves]
-    try:
-        # two samples, halved: BatchNorm in training mode refuses one value per channel (a 1x1 map)
-        x = torch.empty((2, *sample_shape), device="meta", dtype=dtype or torch.float32)
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return total / 2
+    # two samples, halved: BatchNorm in training mode refuses one value per channel (a 1x1 map)
+    x = torch.empty((2, *sample_shape), device="meta", dtype=dtype or torch.float32)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(saved.values()) / 4 / 2
 
 
 def model_facts(model) -> dict:
@@ -552,6 +557,9 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
         largest_unit_params=facts["largest_unit_params"],
         fusion_buffer_bytes=cost.fusion_buffer_bytes,
         half_states=cost.half_states,
+        # ZeRO-Offload, once CostInputs states it (bench/core/layout.py; adapters/zero.py cost_inputs)
+        offload_optimizer=bool(getattr(cost, "offload_optimizer", False)),
+        offload_params=bool(getattr(cost, "offload_params", False)),
     )
     if shapes and cost.sharding in ("zero1", "zero2", "zero3", "fsdp"):
         kw["shapes"] = facts["shapes"]
@@ -593,6 +601,14 @@ def device_bytes(processes_on_host: int = 1) -> tuple[float | None, str]:
     return float(avail) / max(1, processes_on_host), f"host available memory / {max(1, processes_on_host)} ranks"
 
 
+def _exceeds(prediction: dict, device: float, what: str, headroom: float) -> str:
+    return (
+        f"predicted memory per rank {prediction['total'] / GIB:.2f} GiB ({prediction['adapter']}: states "
+        f"{prediction['model_states'] / GIB:.2f}, transient {prediction['transient'] / GIB:.2f}, activations "
+        f"{prediction['activations'] / GIB:.2f}) exceeds {headroom:.0%} of the {what} ({device / GIB:.2f} GiB)"
+    )
+
+
 def check_fits(prediction: dict, device: float | None, what: str = "device", headroom: float = 0.9) -> None:
     """Raise ConfigError (the run is refused before launch) when the predicted total does not fit."""
     from ptbench.core.errors import ConfigError
@@ -600,11 +616,18 @@ def check_fits(prediction: dict, device: float | None, what: str = "device", hea
     if fits(prediction["total"], device, headroom):
         return
     raise ConfigError(
-        f"predicted memory per rank {prediction['total'] / GIB:.2f} GiB ({prediction['adapter']}: states "
-        f"{prediction['model_states'] / GIB:.2f}, transient {prediction['transient'] / GIB:.2f}, activations "
-        f"{prediction['activations'] / GIB:.2f}) exceeds {headroom:.0%} of the {what} ({device / GIB:.2f} GiB); "
+        f"{_exceeds(prediction, device, what, headroom)} (trainer.memory_check=refuse); "
         "`python -m ptbench --plan ...` shows the breakdown: shard more (zero stage 3, fsdp, tensor/pipeline "
         "parallel), lower trainer.batch_size, or use bf16"
+    )
+
+
+def memory_warning(prediction: dict, device: float, what: str = "device", headroom: float = 0.9) -> str:
+    """trainer.memory_check=warn (the default): the one line printed before launch when the prediction, an
+    estimate, does not fit; the run goes on and its record holds the prediction beside the measured peak."""
+    return (
+        f"warning: {_exceeds(prediction, device, what, headroom)}; running anyway (an estimate: "
+        "trainer.memory_check=refuse refuses such runs, `python -m ptbench --plan ...` shows the breakdown)"
     )
 
 
@@ -629,12 +652,11 @@ def record_fields(prediction: dict) -> dict:
 def plan_memory(cfg, plan, build_model, check: bool | None = None, headroom: float = 0.9) -> dict:
     """The runner's one call before launch: predict (`predict_run`), refuse the run with ConfigError
     when the busiest rank's total does not fit `headroom` x the device (`check_fits`; check=None:
-    only on CUDA, where the device memory is the limit; on a CPU the ranks share the host's memory),
-    and return `record_fields` plus the device memory compared against (`device_bytes`, `device`)."""
+    only when trainer.memory_check=refuse, the estimate being only that), and return `record_fields`
+    plus the device memory compared against (`device_bytes`, `device`)."""
     pred = predict_run(cfg, plan, build_model)
     cap, what = device_bytes(getattr(plan, "world_size", 1))
-    on_cuda = pred["inputs"]["device"] == "cuda"
-    if check or (check is None and on_cuda):
+    if check or (check is None and cfg.trainer.memory_check == "refuse"):
         check_fits(pred, cap, what, headroom)
     return {
         **record_fields(pred),

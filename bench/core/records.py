@@ -3,20 +3,26 @@
     config.yaml    the resolved config
     env.json       versions, host, devices, git sha, Slurm ids
     events.jsonl   one line per epoch (appended; each append rewrites the file via temp + rename)
-    summary.json   status (ok / failed / oom / timeout / preempted / running) and the run's totals
+    summary.json   status (ok / failed / oom / timeout / preempted / diverged / running) and the run's totals
 
 Every key of those files is listed in bench/core/schema.py; a key it does not list is refused here.
 
-A crash at any point leaves every file either in its previous state or its new one, never half.
+A crash at any point leaves every file either in its previous state or its new one, never half. Every file
+is strict JSON (a non-finite number is written null and named in `nonfinite`); a write that fails for
+want of space is tried once more after releasing the record's reserve (RESERVE), so a run on a full disk
+still ends with its error and a final status.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import secrets
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -28,7 +34,8 @@ from ptbench.core import schema
 # versions every record states; the runner adds each adapter's framework (from the adapter registry)
 BASE_PACKAGES = ("torch", "torchvision", "hydra-core", "nvtx")
 # skipped: a driver never ran the point (its framework is not installed); the rest are a run's own outcomes
-STATUSES = ("running", "ok", "failed", "oom", "timeout", "preempted", "skipped")
+# diverged: the training loss became non-finite (the step is in diverged_at_step)
+STATUSES = ("running", "ok", "failed", "oom", "timeout", "preempted", "diverged", "skipped")
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -48,12 +55,48 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, obj) -> None:
-    atomic_write(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    atomic_write(path, dumps(obj, indent=2) + "\n")
+
+
+def dumps(obj, indent: int | None = None) -> str:
+    """Strict JSON (RFC 8259): a non-finite float (NaN, inf) is written null; `nonfinite` finds them first."""
+    return json.dumps(finite(obj)[0], indent=indent, sort_keys=True, default=str, allow_nan=False)
+
+
+def finite(obj, path: str = "") -> tuple[object, list[str]]:
+    """(`obj` with every non-finite float replaced by None, the dotted paths of those replaced)."""
+    if isinstance(obj, float):
+        return (obj, []) if math.isfinite(obj) else (None, [path])
+    if isinstance(obj, dict):
+        out, bad = {}, []
+        for k, v in obj.items():
+            out[k], b = finite(v, f"{path}.{k}" if path else str(k))
+            bad += b
+        return out, bad
+    if isinstance(obj, (list, tuple)):
+        items = [finite(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return [v for v, _ in items], [p for _, b in items for p in b]
+    if type(obj).__module__ == "numpy" and getattr(obj, "shape", None) == ():
+        return finite(obj.item(), path)
+    return obj, []
+
+
+def flag_nonfinite(record: dict) -> dict:
+    """`record` with `nonfinite` listing the fields whose non-finite values the writer will write null."""
+    bad = [p for p in finite({k: v for k, v in record.items() if k != "nonfinite"})[1]]
+    return {**record, "nonfinite": sorted(set(bad))} if bad else record
 
 
 def read_json(path: Path):
     with open(path) as f:
         return json.load(f)
+
+
+def _readable(path: Path) -> dict | None:
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return None
 
 
 def results_folder(results) -> Path:
@@ -95,9 +138,43 @@ def new_run_id(adapter: str, workload: str, world_size: int) -> str:
     return f"{stamp}-{adapter}-{workload}-w{world_size}{slurm}-{secrets.token_hex(3)}"
 
 
+# Bytes set aside in every record folder (RESERVE) while the run is on: when a write fails for want of space
+# (a full disk, a quota), the reserve is released and the write tried once more, so the record still gets
+# its error and its final status. Removed when the final summary is written.
+RESERVE = ".space-reserve"
+RESERVE_BYTES = 256 * 1024
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 class RunRecord:
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir)
+
+    def reserve(self) -> None:
+        """Set RESERVE_BYTES aside (real blocks: zeros written, not a sparse file); never fails a run."""
+        try:
+            with open(self.dir / RESERVE, "wb") as f:
+                f.write(b"\0" * RESERVE_BYTES)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            self.release()
+
+    def release(self) -> bool:
+        try:
+            os.unlink(self.dir / RESERVE)
+            return True
+        except OSError:
+            return False
+
+    def _write_json(self, path: Path, obj) -> None:
+        """write_json; on a full disk, once more after releasing the reserve."""
+        try:
+            write_json(path, obj)
+        except OSError as e:
+            if e.errno not in _FULL or not self.release():
+                raise
+            write_json(path, obj)
 
     def create(self, config_yaml: str, packages: tuple[str, ...] = ()) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -105,10 +182,11 @@ class RunRecord:
         write_json(self.dir / "env.json", environment(packages))
 
     def append_event(self, event: dict) -> None:
+        event = flag_nonfinite(event)
         schema.check(event, schema.EPOCH_EVENT, "events.jsonl")
         path = self.dir / "events.jsonl"
         old = path.read_text() if path.exists() else ""
-        atomic_write(path, old + json.dumps(event, sort_keys=True, default=str) + "\n")
+        atomic_write(path, old + dumps(event) + "\n")
 
     def events(self) -> list[dict]:
         path = self.dir / "events.jsonl"
@@ -122,11 +200,12 @@ class RunRecord:
 
     def write_summary(self, summary: dict) -> None:
         assert summary.get("status") in STATUSES, summary.get("status")
+        summary = flag_nonfinite(summary)
         schema.check(summary, schema.SUMMARY, "summary.json")
-        write_json(self.dir / "summary.json", summary)
+        self._write_json(self.dir / "summary.json", summary)
 
     def write_rank_error(self, rank: int, error: dict) -> None:
-        write_json(self.dir / f"error-rank{rank}.json", error)
+        self._write_json(self.dir / f"error-rank{rank}.json", error)
 
     def rank_errors(self) -> list[dict]:
         return [read_json(p) for p in sorted(self.dir.glob("error-rank*.json"))]
@@ -145,29 +224,83 @@ class RunWriter:
         return self.record.dir
 
     def start(self, config_yaml: str, packages: tuple[str, ...] = ()) -> None:
-        self.record.create(config_yaml, packages)
-        self.record.write_summary({"status": "running", **self.identity})
+        """A new record: refused (one line, nothing written) when the folder already holds one."""
+        held = [n for n in ("summary.json", "events.jsonl", "config.yaml") if (self.dir / n).exists()]
+        if held:
+            from ptbench.core.errors import ConfigError
+
+            status = (_readable(self.dir / "summary.json") or {}).get("status", "unknown")
+            raise ConfigError(
+                f"results.run_id={self.dir.name}: {self.dir} already holds a record (status {status}); it is "
+                "never overwritten: choose another results.run_id, or leave it unset for a new one"
+            )
+        made = not self.dir.exists()
+        try:
+            self.record.create(config_yaml, packages)
+            self.record.write_summary({"status": "running", **self.identity, "owner": owner()})
+        except OSError as e:  # a full disk, a read-only folder: one line, no empty record folder left behind
+            if made:
+                shutil.rmtree(self.dir, ignore_errors=True)
+            from ptbench.core.errors import ConfigError
+
+            raise ConfigError(
+                f"cannot write the record {self.dir} ({e.strerror or e}): free space there or choose "
+                "another results.root=PATH"
+            ) from None
+        self.record.reserve()
 
     def fail(self, status: str, error: str, failed_rank: int | None = None, **extra) -> None:
         """A failed outcome; the first word wins: an outcome already written (by rank 0) is kept."""
         current = self.record.summary() or {}
         if current.get("status") not in (None, "running"):
             return
+        current.pop("owner", None)  # a running record's writer: this one, now final
         self.record.write_summary(
             {**current, **self.identity, "status": status, "error": error, "failed_rank": failed_rank, **extra}
         )
+        self.record.release()
 
     def finish(self, summary: dict) -> None:
         self.record.write_summary({**summary, **self.identity})
+        self.record.release()
 
 
-def _git_sha() -> str | None:
+def provenance() -> dict:
+    """The harness's own version: the installed package version, and at launch the checkout's commit and
+    whether tracked files differ from it. git_* are None when this copy is not a git checkout of the
+    harness (an installed wheel, even one inside some other repository)."""
     try:
-        here = Path(__file__).resolve().parent
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+        version = importlib.metadata.version("ptbench")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    sha = dirty = None
+    root = Path(__file__).resolve().parents[2]  # a checkout: bench/core/records.py under it
+    if (root / "bench" / "core" / "records.py").is_file() and (root / ".git").exists():
+        try:
+
+            def git(*args):
+                return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+
+            out = git("rev-parse", "HEAD")
+            if out.returncode == 0 and out.stdout.strip():
+                sha = out.stdout.strip()
+                status = git("status", "--porcelain", "--untracked-files=no")
+                dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return {"package_version": version, "git_sha": sha, "git_dirty": dirty}
+
+
+def owner() -> dict:
+    """Who writes a running record's final status: this process (host, pid, its start time), so that a
+    reader can tell a run still going from one whose launcher was killed outright (SIGKILL, the OOM killer)."""
+    try:
+        import psutil
+
+        started = psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - psutil missing or refused: the reader then cannot tell
+        started = None
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
 
 
 def environment(packages: tuple[str, ...] = ()) -> dict:
@@ -184,7 +317,7 @@ def environment(packages: tuple[str, ...] = ()) -> dict:
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
-        "git_sha": _git_sha(),
+        **provenance(),
         "slurm": {k: v for k, v in os.environ.items() if k.startswith("SLURM_") and k in SLURM_KEYS},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -149,6 +149,8 @@ EPOCH_EVENT = (
     F("resumed_at_step", "steps", "global step of the checkpoint the epoch resumed from"),
     F("restart_gap_excluded", "", "the time between the attempts is left out of epoch_time_s"),
     F("memory_note", "", "what the memory readings of a resumed epoch cover"),
+    F("diverged_at_step", "steps", "global step of the first non-finite training loss (its value written null)"),
+    F("nonfinite", "", "fields whose non-finite value (NaN, inf) was written null", kind="list"),
 )
 
 # --- summary.json -----------------------------------------------------------------------------------
@@ -182,11 +184,31 @@ SUMMARY = (
     F("devices", "count", "world_size x devices per process"),
     F("overrides", "", "a point a driver never ran: its overrides", kind="list"),
     # outcome
-    F("status", "", "running / ok / failed / oom / timeout / preempted / skipped"),
+    F("status", "", "running / ok / failed / oom / timeout / preempted / diverged / skipped"),
     F("error", "", "one line: why the run failed"),
+    F("diverged_at_step", "steps", "status diverged: global step of the first non-finite training loss"),
+    F("nonfinite", "", "fields whose non-finite value (NaN, inf) was written null", kind="list"),
+    F(
+        "previous_record",
+        "",
+        "a resumed attempt: the unfinished record it took over (kept when the attempt fails)",
+        F("run_id", "", ""),
+        F("status", "", ""),
+        F("error", "", ""),
+        F("steps", "steps", ""),
+        F("epochs_completed", "epochs", ""),
+    ),
     F("failed_rank", "", "the rank whose error is the cause"),
     T("rank_errors", "every rank's error, earliest first", F("rank", "", ""), F("status", "", ""), F("error", "", "")),
     F("resuming_from", "", "status running: the checkpoint being resumed"),
+    F(
+        "owner",
+        "",
+        "status running: the process that will write the final status (a reader finds it gone: `killed`)",
+        F("host", "", "its host"),
+        F("pid", "", "its process id"),
+        F("started", "Unix s", "its start time (tells a reused pid apart)"),
+    ),
     F(
         "requeue",
         "",
@@ -331,7 +353,9 @@ ENV = (
     F("platform", "", ""),
     F("cpu", "", ""),
     F("cpu_count", "count", ""),
-    F("git_sha", "", "the checkout's commit"),
+    F("package_version", "", "the ptbench package's version (None: not installed)"),
+    F("git_sha", "", "the checkout's commit at launch (None: not a git checkout, e.g. an installed wheel)"),
+    F("git_dirty", "", "tracked files differed from git_sha at launch (None: no checkout)"),
     OPEN("slurm", "SLURM_* ids of the job"),
     F("time", "", "ISO time of the record's creation"),
     F("cuda_available", "", ""),

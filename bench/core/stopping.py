@@ -51,6 +51,15 @@ class StopFlag:
         self.requested = True
         self.signal_name = name
 
+    def prepare(self) -> None:
+        """Create the CPU group `agreed` all-reduces on (a collective over every rank): call it once after the
+        process group starts, so the group's creation (a store round trip and, under NCCL, a new gloo group)
+        is not inside the timed loop at the first stop check."""
+        import torch.distributed as dist
+
+        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+
     def agreed(self) -> bool:
         """True on every rank once any rank has been asked to stop (a collective: call on all ranks)."""
         import torch
@@ -58,8 +67,7 @@ class StopFlag:
 
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.requested
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        self.prepare()
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         if flag.item() and not self.requested:

@@ -22,6 +22,7 @@ from ptbench.workloads import check_config as check_workload
 
 LAUNCHERS = ("local", "torchrun", "slurm")
 START_METHODS = ("auto", "spawn", "fork")
+MEMORY_CHECKS = ("warn", "refuse", "off")  # trainer.memory_check
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -62,6 +63,8 @@ def check_config(cfg: BenchConfig) -> None:
     if cfg.launcher.start_method not in START_METHODS:
         raise ConfigError(f"launcher.start_method={cfg.launcher.start_method}: choose {', '.join(START_METHODS)}")
     check_precision(cfg.trainer.precision)
+    if cfg.trainer.memory_check not in MEMORY_CHECKS:
+        raise ConfigError(f"trainer.memory_check={cfg.trainer.memory_check}: choose {', '.join(MEMORY_CHECKS)}")
     check_sinks(cfg.results)
     fault = cfg.trainer.inject_fault
     if fault and not re.fullmatch(r"(raise|oom|hang|exit)@\d+:\d+", fault):

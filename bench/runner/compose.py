@@ -70,6 +70,44 @@ def renamed_key(override: str) -> str | None:
     return None
 
 
+# Keys whose value names one folder of a record's path (results.root/results.experiment/results.run_id):
+# one path component each, so that a record always lands inside results.root (issue 28).
+FOLDER_KEYS = ("results.experiment", "results.run_id")
+
+
+def check_record_paths(cfg) -> None:
+    """One line per key that names a folder but is not a single path component (a separator, "." or
+    "..", an absolute path, empty): the record would land outside results.root."""
+    import os
+
+    for key in FOLDER_KEYS:
+        value = OmegaConf.select(cfg, key) if OmegaConf.is_config(cfg) else _select(cfg, key)
+        if value is None and key == "results.run_id":
+            continue  # generated
+        text = str(value)
+        seps = {os.sep, "/", "\\"} | ({os.altsep} if os.altsep else set())
+        bad = (
+            "is empty"
+            if not text.strip()
+            else "is a path, not a folder name"
+            if any(c in text for c in seps) or text in (".", "..") or Path(text).is_absolute()
+            else "holds a control character"
+            if any(ord(c) < 32 for c in text)
+            else None
+        )
+        if bad:
+            raise ConfigError(
+                f"{key}={text} {bad}: it names one folder under results.root; use a plain name such as "
+                f"{key}=my_{key.rsplit('.', 1)[-1]} (put the records elsewhere with results.root=PATH)"
+            )
+
+
+def _select(d, key: str):
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
 def compose(overrides: list[str]) -> DictConfig:
     """The config `python -m ptbench <overrides>` would run (no torch import). Hydra's error, if any, as
     one-line ConfigError."""
@@ -84,9 +122,11 @@ def compose(overrides: list[str]) -> DictConfig:
             raise ConfigError(refusal)
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            return hydra_compose("config", overrides=list(overrides))
+            cfg = hydra_compose("config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(one_line(e)) from None
+    check_record_paths(cfg)
+    return cfg
 
 
 def one_line(e: BaseException) -> str:
@@ -126,6 +166,7 @@ def typed(cfg_dict) -> BenchConfig:
     """A resolved config (dict or DictConfig) merged into its schema, for typed attribute access. One that is
     typed already is returned as it is: a process types its config once, however many callers ask."""
     name = cfg_dict["adapter"]["name"]
+    check_record_paths(cfg_dict)
     if name not in SCHEMAS:
         raise ConfigError(f"unknown adapter '{name}': choose one of {', '.join(sorted(SCHEMAS))} (adapter=NAME)")
     if (

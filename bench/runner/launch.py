@@ -103,7 +103,7 @@ def plan_run(
 
     `make_plan` (every check when `check`; environment local: the devices and the start method too), then the
     workload's model built ONCE on the meta device for both the memory prediction (`memory`; `refuse`: refuse
-    a run that does not fit, None = on CUDA only) and the comm volume at `backend` ("auto": the launcher's
+    a run that does not fit, None = trainer.memory_check) and the comm volume at `backend` ("auto": the launcher's
     choice; None: not computed). Returns the plan carrying both as record fields, and the memory model's full
     prediction (its formulas, for a table; None when not predicted or when the model failed)."""
     from ptbench.workloads import build_workload
@@ -155,9 +155,10 @@ def _builder(model):
 
 def predicted_memory(cfg, plan: RunPlan, model, refuse: bool | None = None) -> tuple[dict, dict | None]:
     """(record field, full prediction) of the memory model (bench/core/memory_model.py, as its `plan_memory`):
-    a run that cannot fit the device is refused here, before launch (`refuse`; None: on CUDA only). A
+    a run predicted not to fit the device is refused here, before launch, or warned about in one line with the
+    numbers (`refuse` True / False = refuse / say nothing; None: trainer.memory_check, default warn). A
     prediction that fails otherwise is recorded, not fatal."""
-    from ptbench.core.memory_model import check_fits, device_bytes, fits, predict_run, record_fields
+    from ptbench.core.memory_model import check_fits, device_bytes, fits, memory_warning, predict_run, record_fields
 
     try:
         pred = predict_run(cfg, plan, _builder(model))
@@ -166,13 +167,17 @@ def predicted_memory(cfg, plan: RunPlan, model, refuse: bool | None = None) -> t
     except Exception as e:  # noqa: BLE001 - the prediction must never stop a run it cannot model
         return {"error": f"{type(e).__name__}: {e}"}, None
     cap, what = device_bytes(plan.world_size)
-    if refuse or (refuse is None and pred["inputs"]["device"] == "cuda"):
+    mode = cfg.trainer.memory_check if refuse is None else ("refuse" if refuse else "off")
+    if mode == "refuse":
         check_fits(pred, cap, what)
+    elif mode == "warn" and not fits(pred["total"], cap):
+        print(memory_warning(pred, cap, what), file=sys.stderr)
     record = {
         **record_fields(pred),
         "device_bytes": None if cap is None else int(cap),
         "device": what,
         "fits": fits(pred["total"], cap),
+        "check": mode,  # trainer.memory_check as applied
     }
     return record, pred
 

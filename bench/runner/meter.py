@@ -161,6 +161,9 @@ class Meter:
         }
         if compile is not None:
             event["compile"] = compile
+        nonfinite = np.flatnonzero(~np.isfinite(loss_vec))
+        if len(nonfinite):  # found on the losses the event brings to the host anyway: no per-step sync
+            event["diverged_at_step"] = first_step + int(nonfinite[0]) + 1
         if resumed_at is not None:
             event["resumed"] = True  # this epoch ran in two attempts: the parts are joined
             event["resumed_at_step"] = resumed_at
@@ -227,8 +230,10 @@ class Meter:
         checkpoint: dict | None,
         resumed_from: list[dict],
         timing: dict,
+        diverged_at_step: int | None = None,
     ) -> dict:
-        """The run's totals from its epoch events (rank.py adds the run's setup before writing it)."""
+        """The run's totals from its epoch events (rank.py adds the run's setup before writing it).
+        `diverged_at_step`: the global step whose training loss was first non-finite (status diverged)."""
         last = epochs[-1] if epochs else {}
         timed = [e for e in epochs if e["timed_steps"]]
         total_timed = sum(e["timed_steps"] for e in timed)
@@ -267,6 +272,13 @@ class Meter:
             "hosts": [r["host"] for r in last.get("ranks", [])],  # one per rank, in rank order
             **{k: last.get(k) for k in LAST_EPOCH},
         }
+        if diverged_at_step is not None:
+            summary["diverged_at_step"] = diverged_at_step
+            summary["error"] = (
+                f"training diverged: the loss was not finite at global step {diverged_at_step} (run stopped at "
+                f"the end of epoch {last.get('epoch')}); its times are not comparable: lower optimizer.lr "
+                f"(now {self.cfg.optimizer.lr:g}) or set trainer.grad_clip"
+            )
         return schema.check(summary, schema.SUMMARY, "summary.json", deep=True)
 
     def _warnings(self, epochs: list[dict], timed: list[dict], leaked: int) -> list[str]:

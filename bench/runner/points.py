@@ -59,13 +59,44 @@ def expand_grid(overrides: list[str]) -> list[list[str]]:
     return BasicSweeper.split_arguments(parsed, None)[0]
 
 
-def read_points(path: Path) -> list[list[str]]:
-    points = []
-    for line in Path(path).read_text().splitlines():
+def _sweep_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of every point line of a sweep file: not blank, not a comment. One line
+    (ConfigError) when the file cannot be read."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"sweep file {path}: no such file (write one with `python -m ptbench.sweep grid ... -o {path}`)"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"sweep file {path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    return [
+        (n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip() and not line.lstrip().startswith("#")
+    ]
+
+
+def _parse_line(path: Path, number: int, line: str) -> list[str]:
+    try:
         args = shlex.split(line, comments=True)
-        if args:
-            points.append(args)
-    return points
+    except ValueError as e:  # shlex: "No closing quotation", "No escaped character"
+        raise ConfigError(f"{path}:{number}: {str(e).lower()}: {line.strip()}") from None
+    if not args:
+        raise ConfigError(f"{path}:{number}: no overrides on this line: {line.strip()}")
+    return args
+
+
+def read_points(path: Path) -> list[list[str]]:
+    """Every point of a sweep file, parsed up front: a bad line is one ConfigError naming file:line."""
+    return [_parse_line(path, n, line) for n, line in _sweep_lines(path)]
+
+
+def read_point(path: Path, index: int) -> tuple[list[str], int]:
+    """(point `index` of a sweep file, the number of points): only that line is parsed (an array task
+    is not failed by a bad line of another task)."""
+    lines = _sweep_lines(path)
+    if not 0 <= index < len(lines):
+        return [], len(lines)
+    return _parse_line(path, *lines[index]), len(lines)
 
 
 def write_points(path: Path, points: list[list[str]], header: str) -> None:

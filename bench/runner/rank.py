@@ -66,7 +66,9 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
 
     stop = StopFlag()
     stop.install()
+    os.environ.update(plan.adapter_cls.rank_environment(cfg))  # read when CUDA starts, in init_process_group
     init_process_group(ctx, dist_timeout_s(cfg.trainer))
+    stop.prepare()  # its CPU group now, not inside the timed loop at the first stop check
     adapter = None
     watchdog = None
     try:

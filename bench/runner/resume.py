@@ -15,7 +15,7 @@ time spent saving left out, and flagged); events of the epochs after the checkpo
 
 from __future__ import annotations
 
-import json
+import shutil
 import time
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from ptbench.adapters.base import Adapter
 from ptbench.core import checkpoint as ckpt
 from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext
-from ptbench.core.records import RunRecord, atomic_write, write_json
+from ptbench.core.records import RunRecord, atomic_write, dumps, write_json
 from ptbench.core.schedule import Schedule
 from ptbench.core.stopping import Watchdog
 from ptbench.core.timing import PhaseTimer
@@ -158,10 +158,10 @@ class Checkpointer:
         rank_state = self.state.state_dict()  # RNG first: nothing below may move it
         tmp = ckpt.temp_path(self.run_dir, step)
         if self.ctx.rank == 0:
-            ckpt.prepare(tmp)
+            self._unless_full(tmp, step, ckpt.prepare, tmp)
         dist.barrier()
-        self.adapter.save_checkpoint(tmp)
-        ckpt.save_rank_state(tmp, self.ctx.rank, rank_state)
+        self._unless_full(tmp, step, self.adapter.save_checkpoint, tmp)
+        self._unless_full(tmp, step, ckpt.save_rank_state, tmp, self.ctx.rank, rank_state)
         dist.barrier()  # every rank's part is on disk
         entry = {
             "step": step,
@@ -172,7 +172,10 @@ class Checkpointer:
         }
         if self.ctx.rank == 0:
             ckpt.crash_hook(step)
-            final = ckpt.commit(
+            final = self._unless_full(
+                tmp,
+                step,
+                ckpt.commit,
                 tmp,
                 {
                     **entry,
@@ -196,6 +199,22 @@ class Checkpointer:
         self.state.checkpoint_time += elapsed
         self._last_saved = step
         self.watchdog.beat()
+
+    def _unless_full(self, tmp: Path, step: int, fn, *args):
+        """`fn(*args)` of a save; a write error (a full disk, a quota, a read-only folder) removes the partial
+        save (never a checkpoint: only a committed folder with its manifest is) and ends the run, saying why."""
+        try:
+            return fn(*args)
+        except BaseException as exc:  # torch DCP's CheckpointException is a BaseException
+            e = _os_error(exc)
+            if e is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(
+                e.errno,
+                f"checkpoint {ckpt.name(step)} not saved, the partial save removed ({e.strerror or e}); free space "
+                f"under {self.run_dir.parent} or lower trainer.checkpoint_keep ({self.cfg.trainer.checkpoint_keep})",
+            ) from exc
 
     def restore(self, path: Path) -> int:
         """Load checkpoint `path` on every rank; returns the epoch to continue."""
@@ -242,7 +261,7 @@ class Checkpointer:
         dropped = [e.get("epoch") for e in events if e not in kept]
         path = record.dir / "events.jsonl"
         if dropped or path.exists():
-            atomic_write(path, "".join(json.dumps(e, sort_keys=True, default=str) + "\n" for e in kept))
+            atomic_write(path, "".join(dumps(e) + "\n" for e in kept))
         self.state.resumed_from[-1]["events_replaced"] = dropped
         return [e for e in kept if e.get("type") == "epoch"]
 
@@ -259,3 +278,21 @@ class Checkpointer:
             "saved": self.state.checkpoints,
             "latest": latest.name if latest else None,
         }
+
+
+def _os_error(e: BaseException, depth: int = 0) -> OSError | None:
+    """The OSError behind a save's failure: itself, its cause, or one wrapped by a framework (torch DCP's
+    CheckpointException keeps each rank's exception in `failures`)."""
+    if e is None or depth > 4:
+        return None
+    if isinstance(e, OSError):
+        return e
+    inner = [e.__cause__, e.__context__, getattr(e, "exc", None)]
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):  # {rank: (exception, traceback summary)}
+        inner += [v[0] if isinstance(v, tuple) and v else v for v in failures.values()]
+    for x in inner:
+        found = _os_error(x, depth + 1) if isinstance(x, BaseException) else None
+        if found is not None:
+            return found
+    return None

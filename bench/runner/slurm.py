@@ -8,6 +8,7 @@ sizes its jobs with the same `slurm_shape`.
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import shlex
 import subprocess
@@ -18,7 +19,17 @@ from pathlib import Path
 from ptbench.core.errors import ConfigError
 from ptbench.runner.points import COMM_ARGS, comm_measured, comm_targets, layout, read_points
 
-REPO = Path(__file__).resolve().parents[2]  # a source checkout: slurm/ beside bench/
+_HERE = Path(__file__).resolve().parents[2]
+# A source checkout (slurm/ beside bench/): jobs run from it; an installed copy (pip install ptbench) has
+# none, so jobs run from, and results default under, the folder the command was started in.
+CHECKOUT = _HERE if (_HERE / "bench" / "__main__.py").is_file() and (_HERE / "slurm").is_dir() else None
+REPO = CHECKOUT or Path.cwd()
+
+
+def script_path(name: str) -> Path:
+    """A file of the shipped slurm/ folder (array.sbatch, run.sbatch, stage_data.sh, local_cluster.sh): the
+    package data `ptbench.slurm`, so an installed copy finds it as a checkout does."""
+    return Path(str(importlib.resources.files("ptbench") / "slurm" / name)).resolve()  # a checkout: its slurm/
 
 
 def slurm_shape(ranks: int, devices: int, gpus_per_node: int | None) -> tuple[int, int, int | None]:
@@ -54,7 +65,7 @@ def submit_arrays(
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, point in enumerate(points):
         groups[layout([*point, *extra])].append(i)
-    script = Path(script or REPO / "slurm" / "array.sbatch")
+    script = Path(script or script_path("array.sbatch"))
     # job logs under the results root, never in the folder sbatch was called from (a later
     # --sbatch=--output=... still wins: sbatch takes the last)
     root = next(
@@ -85,7 +96,12 @@ def submit_arrays(
             ids.append(f"<{Path(file).stem}-{n}>")
             continue
         # the job finds this checkout and interpreter even when submitted from elsewhere
-        env = {"REPO": str(REPO), "PYTHON": sys.executable, **os.environ}
+        env = {
+            "REPO": str(REPO),
+            "PYTHON": sys.executable,
+            "SCRIPTS": str(script_path("stage_data.sh").parent),
+            **os.environ,
+        }
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         print(proc.stdout.strip() or proc.stderr.strip(), file=out, flush=True)
         code = code or proc.returncode

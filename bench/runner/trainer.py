@@ -108,6 +108,7 @@ class Trainer:
             start_epoch = self.checkpointer.restore(self.resume_from)
             epochs = self.checkpointer.replace_events(self.record, start_epoch)
         run_start = self.state.run_start = time.perf_counter()
+        diverged = None  # the global step of the first non-finite loss, found when the epoch's losses are on the host
         for epoch in range(start_epoch, t.epochs):
             prior = self.state.continued(epoch)
             if prior is not None:
@@ -118,11 +119,20 @@ class Trainer:
             epochs.append(event)
             if self.record is not None:
                 self.record.append_event(event)
-            if self.stop_requested:
+            diverged = event.get("diverged_at_step")
+            if diverged is not None and self.ctx.rank == 0:
+                print(
+                    f"error: training diverged: the loss was not finite at global step {diverged} (epoch {epoch}); "
+                    "the run stops here with status diverged",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if self.stop_requested or diverged is not None:  # every rank has the same event: all stop
                 break
         return self.meter.summary(
             epochs,
-            status="preempted" if self.stop_requested else "ok",
+            status="diverged" if diverged is not None else "preempted" if self.stop_requested else "ok",
+            diverged_at_step=diverged,
             total_time=self.state.prior_run_time + time.perf_counter() - run_start,
             steps=self.global_step,
             startup_s=self.first_step_end - launch_time() if self.first_step_end else None,

@@ -1,0 +1,100 @@
+"""Resume after damage (issue 28): real runs, real checkpoint files damaged on disk.
+
+A 2-rank DDP run saves every 2 steps and is stopped at step 6 (trainer.inject_stop, deterministic):
+checkpoints step-4 and step-6. Damaging step-6 (a shard cut short, a meta.json cut short) makes the
+next `trainer.resume=auto` run say which checkpoint it skipped and why, and continue from step 4; a
+resumed attempt that fails keeps the earlier record's outcome; a record none of whose checkpoints
+verifies is kept as it is and the new run says it starts from step 0, in a record of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ptbench.core import checkpoint as ckpt
+from tests.helpers import bench, check_ok, only_run, run_dirs, summary
+
+TINY = [
+    "experiment=smoke",
+    "workload.vocab_size=256",
+    "data.train_samples=64",
+    "trainer.max_steps=0",  # 8 steps: 64 samples / (4 x 2 ranks)
+    "trainer.stop_check_every=1",
+    "trainer.progress=false",
+    "trainer.resume=auto",
+    "trainer.checkpoint_every=2",
+    "results.point=resume-faults",  # one point whatever fault a run injects
+]
+
+
+def _stopped_at_6(root: Path) -> Path:
+    first = bench(*TINY, "trainer.inject_stop=0:6", results=root)
+    check_ok(first)
+    run_dir = only_run(root)
+    assert summary(run_dir)["status"] == "preempted"
+    assert [p.name for _, p in ckpt.complete(run_dir)] == ["step-000004", "step-000006"]
+    return run_dir
+
+
+def _warnings(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("warning: ")]
+
+
+def test_damaged_newest_checkpoint_is_skipped_and_a_failed_attempt_keeps_the_record(tmp_path):
+    run_dir = _stopped_at_6(tmp_path)
+    shard = run_dir / "checkpoints" / "step-000006" / "trainer-rank1.pt"
+    shard.write_bytes(shard.read_bytes()[:100])  # a save cut short by a full disk or a crash
+
+    # a resumed attempt that fails after taking the record over: the record still names the earlier one
+    failed = bench(*TINY, "trainer.inject_fault=raise@0:5", results=tmp_path)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    lines = [w for w in _warnings(failed.stderr) if "step-000006" in w]
+    assert len(lines) == 1 and "trainer-rank1.pt has 100 bytes" in lines[0] and "next older" in lines[0], lines
+    run_dir = only_run(tmp_path)
+    s = summary(run_dir)
+    assert s["status"] == "failed" and "injected fault" in s["error"], s
+    assert s["previous_record"]["status"] == "preempted" and s["previous_record"]["steps"] == 6, s
+    assert "step-000004" in [p.name for _, p in ckpt.complete(run_dir)]
+
+    resumed = bench(*TINY, results=tmp_path)  # step-000006 is still damaged: step-4 again
+    check_ok(resumed)
+    s = summary(only_run(tmp_path))
+    assert s["status"] == "ok" and s["steps"] == 8, s
+    assert [(r["step"], r["previous_status"]) for r in s["resumed_from"]] == [(4, "failed")], s["resumed_from"]
+
+
+def test_damaged_meta_and_no_verified_checkpoint_start_over_in_a_new_record(tmp_path):
+    run_dir = _stopped_at_6(tmp_path)
+    for _, p in ckpt.complete(run_dir):
+        meta = p / "meta.json"
+        meta.write_text(meta.read_text()[:40])  # JSONDecodeError before issue 28, naming no file
+    kept = (run_dir / "summary.json").read_text()
+
+    again = bench(*TINY, results=tmp_path)
+    check_ok(again)
+    warnings = _warnings(again.stderr)
+    assert any("step-000006" in w and "meta.json unreadable" in w for w in warnings), again.stderr[-3000:]
+    assert any("no checkpoint that verifies" in w and "starts from step 0" in w for w in warnings), warnings
+    dirs = run_dirs(tmp_path)
+    assert len(dirs) == 2 and (run_dir / "summary.json").read_text() == kept  # the earlier record untouched
+    new = summary(next(d for d in dirs if d != run_dir))
+    assert new["status"] == "ok" and new["steps"] == 8 and "resumed_from" not in new, new
+
+
+def test_manifest_checks_sizes_and_checksums(tmp_path):
+    tmp = ckpt.temp_path(tmp_path, 3)
+    ckpt.prepare(tmp)
+    (tmp / "state.pt").write_bytes(b"x" * 10)
+    (tmp / "sub").mkdir()
+    (tmp / "sub" / "shard").write_bytes(b"y" * 5)
+    final = ckpt.commit(tmp, {"step": 3, "time": 1.0})
+    meta = json.loads((final / "meta.json").read_text())
+    assert meta["bytes"] == 15 and set(meta["manifest"]) == {"state.pt", "sub/shard"}
+    assert ckpt.damage(final) is None
+    (final / "sub" / "shard").write_bytes(b"z" * 5)  # same size, other bytes
+    assert ckpt.damage(final) == "sub/shard does not match its checksum"
+    (final / "sub" / "shard").unlink()
+    assert ckpt.damage(final) == "sub/shard is missing"
+    said = []
+    assert ckpt.newest_verified(tmp_path, said.append) is None and "step-000003" in said[0]
