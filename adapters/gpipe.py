@@ -167,6 +167,7 @@ class GPipeAdapter(Adapter):
                 torch.cuda.synchronize(d)
 
     def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer):
+        timer.use_devices(self._devices)  # >= 2 GPUs: phase events on every partition's device (next step on)
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         for x, y in micro_batches:  # trainer.grad_accum mini-batches, each pipelined in `chunks` micro-batches

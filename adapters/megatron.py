@@ -595,6 +595,9 @@ class MegatronAdapter(Adapter):
             "schedule": "1f1b" if self.pp > 1 else "no_pipelining",
             "microbatches": self.layout(self.cfg, self.ctx.world_size).microbatches,
             "padded_vocab_size": self.vocab,
+            # FLOPs, MFU and tokens/s count the workload's vocabulary, as for every adapter: the padding
+            # columns are computed here but not counted (comparability with the harness GPT-2)
+            "flops_vocab_size": int(self.cfg.workload.vocab_size),
             "layer_spec": self.layer_spec,
             "optimizer": ("megatron distributed " if self.megatron_optimizer else "torch ") + self.cfg.optimizer.name,
             "grad_clip": self.cfg.trainer.grad_clip,

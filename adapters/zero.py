@@ -120,7 +120,14 @@ class ZeroAdapter(Adapter):
     def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
         # bf16/fp16 mode: 2-byte weights and gradients (gathered and reduced as such), an fp32 master
         # partition; stage 3 gathers parameters again in backward
-        return CostInputs(sharding=f"zero{cfg.adapter.stage}", half_states=True, half_gather=True)
+        a = cfg.adapter
+        return CostInputs(
+            sharding=f"zero{a.stage}",
+            half_states=True,
+            half_gather=True,
+            offload_optimizer=bool(a.offload_optimizer),
+            offload_params=bool(a.offload_params),
+        )
 
     @classmethod
     def check(cls, cfg: BenchConfig, world_size: int) -> None:

@@ -68,7 +68,18 @@ def _hydra_main(cfg: DictConfig) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
-    if code and not in_multirun():
+    except OSError as e:  # a folder or file the run needs that cannot be written or read: one line, no traceback
+        where = e.filename or cfg.results.root
+        print(
+            f"error: {where}: {e.strerror or e}: check that path (results.root={cfg.results.root} must be a "
+            "writable folder with free space)",
+            file=sys.stderr,
+        )
+        code = 1
+    except KeyboardInterrupt:  # Ctrl-C before a record existed (one that exists ends `interrupted`)
+        print("interrupted (Ctrl-C) before the run started: nothing recorded", file=sys.stderr)
+        code = 130
+    if code and not in_multirun() or code == 130:  # Ctrl-C ends a sweep too, not only its current point
         sys.exit(code)
     return code
 
@@ -112,7 +123,15 @@ def _plan(argv: list[str]) -> int:
     if mem["device_bytes"] is None:
         print("device memory: unknown (no check)")
     else:
-        verdict = "fits" if mem["fits"] else "does NOT fit (the run would be refused)"
+        verdict = (
+            "fits"
+            if mem["fits"]
+            else (
+                "does NOT fit (refused: trainer.memory_check=refuse)"
+                if typed(compose(argv)).trainer.memory_check == "refuse"
+                else "does NOT fit (a warning; trainer.memory_check=refuse refuses)"
+            )
+        )
         print(
             f"device memory: {mem['device_bytes'] / GIB:.2f} GiB ({mem['device']}); predicted "
             f"{pred['total'] / GIB:.3f} GiB per rank {verdict} within 90 %"

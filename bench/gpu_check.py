@@ -4,19 +4,30 @@ step time, tokens or images per second, MFU, peak device memory).
 
 Warm-up steps are excluded from the step statistics (trainer.untimed_steps); data is synthetic, so
 the table measures the frameworks, not storage.
+
+CUDA is required (one line naming a driver/CUDA mismatch otherwise: torch.version.cuda against the
+driver's CUDA from nvidia-smi); `--assert-cuda` only checks that (the GPU CI's first step). Under CI=true a
+skipped adapter is a failure (a missing framework, a layout that cannot run, a Gloo-only Horovod build on
+GPUs). Sized for the GPU CI: the whole check stops starting runs after --budget seconds (default 540, under
+10 minutes on one GPU); a run not started for the budget is a failure. With 2 GPUs every adapter runs its
+largest layout on both (pipeline stages, tensor parallelism across the devices: the cross-device paths).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from ptbench.adapters import available, get_adapter_class
 from ptbench.run_point import run_bench
 from ptbench.runner.compose import visible_gpus
-from ptbench.smoke import framework_installed, smoke_point
+from ptbench.smoke import framework_installed, in_ci, smoke_point
 from ptbench.smoke import main as smoke_main
 
 WORKLOADS = {"gpt2_small": "language", "resnet50": "vision"}
@@ -31,6 +42,77 @@ COMMON = [
     "data.train_samples=2048",
     "trainer.progress=false",
 ]
+
+
+def nvidia_smi_versions(run=None) -> tuple[str | None, str | None]:
+    """(driver version, newest CUDA the driver supports) from nvidia-smi's header; (None, None) without it.
+    `run() -> stdout` is injectable (tests feed recorded output)."""
+    if run is None:
+        if not shutil.which("nvidia-smi"):
+            return None, None
+
+        def run():
+            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+
+    try:
+        out = run()
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    driver = re.search(r"Driver Version:\s*([\d.]+)", out)
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", out)
+    return (driver.group(1) if driver else None), (cuda.group(1) if cuda else None)
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:2])
+
+
+def cuda_error_line(
+    available: bool, torch_version: str, torch_cuda: str | None, driver: str | None, driver_cuda: str | None
+) -> str | None:
+    """None when torch sees a GPU, else the one line saying why not and the fix."""
+    if available:
+        return None
+    head = f"error: CUDA required but torch.cuda.is_available() is False (torch {torch_version}"
+    if torch_cuda is None:
+        return f"{head}, a CPU-only build: torch.version.cuda is None); install a CUDA build of torch"
+    if driver is None:
+        return f"{head} built for CUDA {torch_cuda}): nvidia-smi finds no NVIDIA driver; run on a GPU node"
+    if driver_cuda and _version(driver_cuda) < _version(torch_cuda):
+        return (
+            f"{head}): driver/CUDA mismatch: torch.version.cuda={torch_cuda} but driver {driver} supports CUDA "
+            f"<= {driver_cuda}; install a torch build for CUDA <= {driver_cuda} or a driver for CUDA {torch_cuda}"
+        )
+    return (
+        f"{head}, torch.version.cuda={torch_cuda}, driver {driver} supports CUDA {driver_cuda}): no device visible "
+        "to torch; check CUDA_VISIBLE_DEVICES and the runner's GPU binding (docker --gpus)"
+    )
+
+
+def cuda_error() -> str | None:
+    """`cuda_error_line` for this machine (nvidia-smi asked only when torch sees no GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return cuda_error_line(False, torch.__version__, torch.version.cuda, *nvidia_smi_versions())
+
+
+def cuda_ok_line() -> str:
+    import torch
+
+    driver, driver_cuda = nvidia_smi_versions()
+    return (
+        f"cuda: torch {torch.__version__} built for CUDA {torch.version.cuda}, driver {driver} (CUDA {driver_cuda}), "
+        f"{torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}"
+    )
+
+
+def ci_skip_fails(r: list[str]) -> list[str]:
+    """Under CI=true a skipped row is a failure."""
+    if r[2] == "skipped" and in_ci():
+        return [r[0], r[1], "FAILED", f"{r[3]} (CI=true: a skip is a failure)", *r[4:]]
+    return r
 
 
 def row(adapter: str, workload: str, gpus: int, root: Path, timeout: float) -> list[str]:
@@ -74,22 +156,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapters", default=",".join(available()))
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--skip-smoke", action="store_true")
+    p.add_argument("--budget", type=float, default=540, help="seconds after which no further run starts")
+    p.add_argument("--assert-cuda", action="store_true", help="only check that torch sees a GPU, in one line")
     args = p.parse_args(argv)
-    gpus = visible_gpus()
-    if not gpus:
-        print(
-            "error: make gpu-check needs a visible GPU (torch.cuda.is_available() is False); on a CPU "
-            "machine use make smoke",
-            file=sys.stderr,
-        )
+    error = cuda_error()
+    if error:
+        print(f"{error} (on a CPU machine use make smoke)", file=sys.stderr)
         return 2
-    code = 0 if args.skip_smoke else smoke_main(["--world-size", "1"])
+    print(cuda_ok_line(), flush=True)
+    if args.assert_cuda:
+        return 0
+    gpus = visible_gpus()
+    deadline = time.monotonic() + args.budget
+    code = 0 if args.skip_smoke else smoke_main(["--world-size", "1", "--timeout", str(min(args.timeout, 300))])
     header = ["adapter", "workload", "status", "layout / reason", "step", "throughput", "MFU", "peak mem"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-gpu-check-") as tmp:
         for adapter in args.adapters.split(","):
             for workload in WORKLOADS:
-                rows.append(row(adapter, workload, gpus, Path(tmp), args.timeout))
+                left = deadline - time.monotonic()
+                if left < 30:
+                    r = [adapter, workload, "FAILED", f"not started: --budget={args.budget:.0f}s spent", *[""] * 4]
+                else:
+                    r = ci_skip_fails(row(adapter, workload, gpus, Path(tmp), min(args.timeout, left)))
+                rows.append(r)
                 print("  ".join(rows[-1]), flush=True)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print(f"\ngpu-check on {gpus} GPU(s), bf16, synthetic data, {COMMON[4].split('=')[1]} warm-up steps excluded")

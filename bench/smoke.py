@@ -5,7 +5,9 @@ N defaults to the visible GPUs (a one-GPU CI runner: 1), or 2 on a CPU-only mach
 runs at the largest world size <= N that its layout allows (`Adapter.smoke_overrides`; at N=1:
 ddp, zero, fsdp, megatron TP=1, tensor_parallel 1, gpipe with one partition, horovod 1); an adapter
 that cannot run at any size <= N is *skipped with its reason*, as is one whose framework is not
-installed — except under CI=true, where a missing framework is a failure (CI installs them all).
+installed — except under CI=true, where a missing framework, and any skip, is a failure (CI installs them
+all and sizes the runner for every adapter; a Gloo-only Horovod build on a GPU machine is such a skip).
+`--require-cuda` (the GPU CI) fails in one line unless torch sees a GPU: no silent CPU fallback.
 Exit 1 only on a real failure. Each run has a timeout (--timeout) that ends its launcher and ranks.
 """
 
@@ -55,7 +57,7 @@ def run_one(name: str, world_size: int, root: Path, timeout: float) -> tuple[str
         return ("FAILED", f"{reason} (CI=true: CI must install every framework)") if in_ci() else ("skipped", reason)
     overrides, why = smoke_point(name, world_size, root)
     if overrides is None:
-        return "skipped", why
+        return ("FAILED", f"{why} (CI=true: a skip is a failure)") if in_ci() else ("skipped", why)
     run = run_bench(
         overrides, root=root, experiment=f"smoke-{name}", timeout=timeout, run_name=(name, "smoke", world_size)
     )
@@ -78,7 +80,17 @@ def main(argv: list[str] | None = None) -> int:
         help="devices to use at most (default: the visible GPUs, or 2 on a CPU-only machine)",
     )
     p.add_argument("--timeout", type=float, default=600, help="seconds per adapter before its run is ended")
+    p.add_argument(
+        "--require-cuda", action="store_true", help="fail in one line unless torch sees a GPU (the GPU CI's flag)"
+    )
     args = p.parse_args(argv)
+    if args.require_cuda:
+        from ptbench.gpu_check import cuda_error
+
+        error = cuda_error()
+        if error:
+            print(error, file=sys.stderr)
+            return 2
     world = args.world_size or visible_gpus() or 2
     names = args.adapters or available()
     unknown = [n for n in names if n not in available()]

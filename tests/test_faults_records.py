@@ -60,6 +60,7 @@ def test_divergence_is_its_own_status_in_strict_json(diverged):
         ln.startswith("error: training diverged: the loss was not finite at global step")
         for ln in proc.stderr.splitlines()
     )
+    assert "run diverged: " in proc.stderr and "rank None" not in proc.stderr, proc.stderr[-3000:]
     s = strict((run_dir / "summary.json").read_text())
     [strict(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert s["status"] == "diverged" and isinstance(s["diverged_at_step"], int) and s["diverged_at_step"] >= 1, s

@@ -10,10 +10,12 @@ verifies is kept as it is and the new run says it starts from step 0, in a recor
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 from ptbench.core import checkpoint as ckpt
-from tests.helpers import bench, check_ok, only_run, run_dirs, summary
+from tests.helpers import bench, check_ok, only_run, run, run_dirs, summary
 
 TINY = [
     "experiment=smoke",
@@ -98,3 +100,26 @@ def test_manifest_checks_sizes_and_checksums(tmp_path):
     assert ckpt.damage(final) == "sub/shard is missing"
     said = []
     assert ckpt.newest_verified(tmp_path, said.append) is None and "step-000003" in said[0]
+
+
+def test_a_failed_torchrun_attempt_keeps_the_earlier_record(tmp_path):
+    """torchrun ranks continue in the unfinished record itself (no launcher of ours made a new one): an
+    attempt that fails there still names the earlier outcome in `previous_record`."""
+    run_dir = _stopped_at_6(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ptbench"]
+    failed = run(
+        [*cmd, "launcher=torchrun", *TINY, "trainer.inject_fault=raise@0:7", f"results.root={tmp_path}"],
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )
+    assert failed.returncode != 0, failed.stderr[-3000:]
+    assert only_run(tmp_path) == run_dir
+    s = summary(run_dir)
+    assert s["status"] == "failed" and "injected fault" in s["error"], s
+    assert s["previous_record"] == {
+        "run_id": run_dir.name,
+        "status": "preempted",
+        "error": None,
+        "steps": 6,
+        "epochs_completed": 1,
+    }, s

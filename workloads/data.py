@@ -257,6 +257,15 @@ def token_cache(
     return final
 
 
+def blank_text(path: str | os.PathLike, probe: int = 1 << 16) -> bool:
+    """The text file holds nothing to tokenize: empty, or (when small) only whitespace."""
+    size = os.path.getsize(path)
+    if size > probe:
+        return False
+    with open(path, "rb") as f:
+        return not f.read().strip()
+
+
 def load_tokens(path: str | os.PathLike) -> np.ndarray:
     """The token ids of a cache file as a read-only uint16 memmap."""
     if os.path.getsize(path) == 0:
@@ -271,15 +280,15 @@ class TokenBlocks(Dataset):
     so nothing large is pickled when workers are spawned.
     """
 
-    def __init__(self, cache_path: str | os.PathLike, seq_len: int):
+    def __init__(self, cache_path: str | os.PathLike, seq_len: int, source: str | os.PathLike | None = None):
         self.path, self.seq_len = str(cache_path), seq_len
         self.num_tokens = os.path.getsize(self.path) // 2
         self.n = self.num_tokens // (seq_len + 1)
         self._tokens = None
         if self.n == 0:
             raise ConfigError(
-                f"data.root: {self.path} holds {self.num_tokens} tokens, fewer than "
-                f"workload.seq_len + 1 = {seq_len + 1}; lower workload.seq_len"
+                f"data.root: {source or self.path} holds {self.num_tokens} tokens, fewer than "
+                f"workload.seq_len + 1 = {seq_len + 1}; lower workload.seq_len or use a longer file"
             )
 
     def __getstate__(self):

@@ -362,6 +362,11 @@ class GPT2Workload(Workload):
                     f"data.root: {root} has no {name}; set data.root=<folder with train.txt and "
                     "valid.txt> or BENCH_DATA_ROOT"
                 )
+            if D.blank_text(Path(root) / name):  # before any rank starts, named as the user gave it
+                raise ConfigError(
+                    f"data.root: {Path(root) / name} is empty (no text to train on): put WikiText's {name} there "
+                    "or set data.root=<folder with train.txt and valid.txt>"
+                )
         if not tok:
             raise ConfigError(
                 "data.tokenizer_dir is not set; set data.tokenizer_dir=<folder with vocab.json and "
@@ -397,5 +402,5 @@ class GPT2Workload(Workload):
         out = []
         for name in ("train.txt", "valid.txt"):
             path = D.token_cache(Path(d.root) / name, d.tokenizer_dir, d.cache_dir, local_rank)
-            out.append(D.TokenBlocks(path, c.seq_len))
+            out.append(D.TokenBlocks(path, c.seq_len, source=Path(d.root) / name))
         return tuple(out)

@@ -38,7 +38,7 @@ from ptbench.core.records import point_records, read_json, write_json
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
-RESUMABLE = ("preempted", "running", "failed", "timeout")  # a record that did not finish
+RESUMABLE = ("preempted", "interrupted", "killed", "running", "failed", "timeout")  # a record that did not finish
 RESUME_MODES = ("never", "auto")
 _NAME = re.compile(r"step-(\d+)")
 

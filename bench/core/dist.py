@@ -87,12 +87,13 @@ def cpu_threads(requested: int, env=os.environ) -> int:
 
 
 def set_cpu_threads(requested: int) -> int:
-    """Intra-op threads of this rank on CPU (OMP_NUM_THREADS too, for libraries that read it later)."""
+    """Intra-op threads of this rank (OMP_NUM_THREADS too, for libraries that read it later), on GPU as on
+    CPU: GPU ranks run host work too (ZeRO-Offload's CPU Adam, data transforms), and the record's
+    cpu_threads_per_rank is what torch.get_num_threads() then reports."""
     n = cpu_threads(requested)
-    if not torch.cuda.is_available():
-        os.environ["OMP_NUM_THREADS"] = str(n)
-        torch.set_num_threads(n)
-    return n
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+    return torch.get_num_threads()
 
 
 def init_process_group(ctx: DistContext, timeout_s: int) -> None:

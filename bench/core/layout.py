@@ -73,6 +73,8 @@ class CostInputs:
     fusion_buffer_bytes: int = 0  # a gradient fusion buffer of up to this size (Horovod)
     grad_sync_phase: str = "backward"  # the timed phase the gradient all-reduce's exposed part shows in
     step_phase: str | None = None  # one timed phase holding every collective of the step (a pipeline schedule)
+    offload_optimizer: bool = False  # ZeRO-Offload: optimizer state and fp32 master in host memory (zero1-3)
+    offload_params: bool = False  # ZeRO-Infinity style: stage 3 parameters in host memory, gathered per unit
 
     def __post_init__(self) -> None:
         for key, val, allowed in (

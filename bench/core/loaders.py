@@ -106,6 +106,14 @@ def loader_options(device_type: str, workers: int) -> dict:
     return {"pin_memory": device_type == "cuda", "persistent_workers": workers > 0}
 
 
+def ignore_interrupt(worker_id: int) -> None:
+    """DataLoader workers leave Ctrl-C to their rank: a Ctrl-C to the process group reaches every worker too,
+    and a worker that quit on it would fail the rank's next batch instead of letting it stop at a step's end."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def train_loader(
     dataset: Dataset,
     replicas: int,
@@ -123,6 +131,7 @@ def train_loader(
         sampler=sampler,
         num_workers=workers,
         drop_last=True,
+        worker_init_fn=ignore_interrupt if workers else None,
         **loader_options(device_type or _device_type(), workers),
     )
     return loader, sampler
@@ -143,5 +152,6 @@ def eval_loader(dataset: Dataset, replicas: int, rank: int, batch_size: int, wor
         batch_size=batch_size,
         sampler=StridedSampler(len(padded), rank, replicas),
         num_workers=workers,
+        worker_init_fn=ignore_interrupt if workers else None,
         pin_memory=loader_options(_device_type(), workers)["pin_memory"],
     )

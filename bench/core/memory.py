@@ -54,15 +54,26 @@ def rss() -> int | None:
     return kib * 1024 if kib is not None else None
 
 
+def used_outside_allocator(free: int, total: int, reserved: int) -> int:
+    """Device bytes in use (total - free) that the caching allocator does not hold (reserved)."""
+    return max(0, int(total) - int(free) - int(reserved))
+
+
 def peak(device: torch.device) -> dict[str, int | None]:
     """Bytes: `peak_allocated`/`peak_reserved` (CUDA) and always the process's `peak_rss` (VmHWM: host
-    memory, on CUDA runs too)."""
+    memory, on CUDA runs too). CUDA also gives `outside_allocator`: device memory in use that the allocator's
+    peaks never see (torch.cuda.mem_get_info's total - free minus memory_reserved, read now): the CUDA
+    context, NCCL communicator buffers (megatron and horovod create more communicators), library
+    workspaces, and any other process on the GPU. Add it to peak_reserved to compare adapters' device use."""
     hwm = _status_kib("VmHWM")
     out = {"peak_allocated": None, "peak_reserved": None, "peak_rss": hwm * 1024 if hwm is not None else None}
     if device.type == "cuda":
         out.update(
             peak_allocated=int(torch.cuda.max_memory_allocated(device)),
             peak_reserved=int(torch.cuda.max_memory_reserved(device)),
+            outside_allocator=used_outside_allocator(
+                *torch.cuda.mem_get_info(device), torch.cuda.memory_reserved(device)
+            ),
         )
     return out
 

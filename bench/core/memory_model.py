@@ -557,9 +557,9 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
         largest_unit_params=facts["largest_unit_params"],
         fusion_buffer_bytes=cost.fusion_buffer_bytes,
         half_states=cost.half_states,
-        # ZeRO-Offload, once CostInputs states it (bench/core/layout.py; adapters/zero.py cost_inputs)
-        offload_optimizer=bool(getattr(cost, "offload_optimizer", False)),
-        offload_params=bool(getattr(cost, "offload_params", False)),
+        # ZeRO-Offload (bench/core/layout.py CostInputs; adapters/zero.py cost_inputs)
+        offload_optimizer=cost.offload_optimizer,
+        offload_params=cost.offload_params,
     )
     if shapes and cost.sharding in ("zero1", "zero2", "zero3", "fsdp"):
         kw["shapes"] = facts["shapes"]

@@ -3,7 +3,7 @@
     config.yaml    the resolved config
     env.json       versions, host, devices, git sha, Slurm ids
     events.jsonl   one line per epoch (appended; each append rewrites the file via temp + rename)
-    summary.json   status (ok / failed / oom / timeout / preempted / diverged / running) and the run's totals
+    summary.json   status (ok / failed / oom / timeout / preempted / interrupted / killed / diverged / running) and the run's totals
 
 Every key of those files is listed in bench/core/schema.py; a key it does not list is refused here.
 
@@ -34,8 +34,9 @@ from ptbench.core import schema
 # versions every record states; the runner adds each adapter's framework (from the adapter registry)
 BASE_PACKAGES = ("torch", "torchvision", "hydra-core", "nvtx")
 # skipped: a driver never ran the point (its framework is not installed); the rest are a run's own outcomes
-# diverged: the training loss became non-finite (the step is in diverged_at_step)
-STATUSES = ("running", "ok", "failed", "oom", "timeout", "preempted", "diverged", "skipped")
+# diverged: the training loss became non-finite (the step is in diverged_at_step); interrupted: stopped by
+# SIGINT (Ctrl-C); killed: left `running` by a launcher killed outright, so marked by the next run of the point
+STATUSES = ("running", "ok", "failed", "oom", "timeout", "preempted", "interrupted", "killed", "diverged", "skipped")
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -243,9 +244,16 @@ class RunWriter:
                 shutil.rmtree(self.dir, ignore_errors=True)
             from ptbench.core.errors import ConfigError
 
+            blocker = next((p for p in (self.dir, *self.dir.parents) if p.exists() and not p.is_dir()), None)
+            fix = (
+                "free space there"
+                if e.errno in _FULL
+                else f"{blocker} is a file, not a folder: move it"
+                if blocker
+                else f"{e.filename or self.dir} must be writable"
+            )
             raise ConfigError(
-                f"cannot write the record {self.dir} ({e.strerror or e}): free space there or choose "
-                "another results.root=PATH"
+                f"cannot write the record {self.dir} ({e.strerror or e}): {fix}, or choose another results.root=PATH"
             ) from None
         self.record.reserve()
 
@@ -301,6 +309,50 @@ def owner() -> dict:
     except Exception:  # noqa: BLE001 - psutil missing or refused: the reader then cannot tell
         started = None
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
+
+
+def owner_gone(owner) -> str | None:
+    """Why a `running` record will never get its final status (its writer, on this host, is gone: no such
+    pid, or the pid now belongs to a process started at another time), else None (still going, or written
+    on another host or by a harness without `owner`: cannot tell)."""
+    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname() or not owner.get("pid"):
+        return None
+    try:
+        import psutil
+
+        p = psutil.Process(int(owner["pid"]))
+        if owner.get("started") is None or abs(p.create_time() - float(owner["started"])) < 1.0:
+            return None  # the same process: still running
+    except ImportError:
+        return None
+    except psutil.Error:
+        pass
+    return (
+        f"no final status: the process that ran it (pid {owner['pid']} on {owner['host']}) is gone, killed "
+        "outright (SIGKILL, the OOM killer)"
+    )
+
+
+def mark_killed(folders, point: str | None, say=None) -> list[Path]:
+    """Before a new run of `point`: every record of it left `running` by a launcher that is gone (`owner_gone`)
+    gets its final status `killed` with that line as its error, and loses its space reserve; one line to `say`
+    (default: stderr) per record. Returns their folders. Never fails the run that asks."""
+    import sys
+
+    marked = []
+    for path, s in point_records(folders, point) if point else ():
+        why = s.get("status") == "running" and owner_gone(s.get("owner"))
+        if not why:
+            continue
+        record = RunRecord(path.parent)
+        try:
+            record.write_summary({**{k: v for k, v in s.items() if k != "owner"}, "status": "killed", "error": why})
+        except (OSError, ValueError, AssertionError):
+            continue
+        record.release()
+        marked.append(path.parent)
+        print(f"warning: record {path.parent} was left running: {why}; marked killed", file=say or sys.stderr)
+    return marked
 
 
 def environment(packages: tuple[str, ...] = ()) -> dict:

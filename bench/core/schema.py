@@ -76,6 +76,12 @@ MEMORY = F(
     "the rank's peak memory over the epoch's training steps (reset each epoch)",
     F("peak_allocated", "bytes", "CUDA max_memory_allocated (null on CPU)"),
     F("peak_reserved", "bytes", "CUDA max_memory_reserved (null on CPU)"),
+    F(
+        "outside_allocator",
+        "bytes",
+        "CUDA: device bytes in use outside the caching allocator at the epoch end (mem_get_info total - free -"
+        " memory_reserved): CUDA context, NCCL buffers, workspaces, other processes; absent on CPU",
+    ),
     F("peak_rss", "bytes", "host VmHWM of the process (always; holds the whole interpreter)"),
     F("peak_rss_delta", "bytes", "peak_rss minus the RSS before the epoch's first step: what training added"),
     T(
@@ -184,7 +190,7 @@ SUMMARY = (
     F("devices", "count", "world_size x devices per process"),
     F("overrides", "", "a point a driver never ran: its overrides", kind="list"),
     # outcome
-    F("status", "", "running / ok / failed / oom / timeout / preempted / diverged / skipped"),
+    F("status", "", "running / ok / failed / oom / timeout / preempted / interrupted / killed / diverged / skipped"),
     F("error", "", "one line: why the run failed"),
     F("diverged_at_step", "steps", "status diverged: global step of the first non-finite training loss"),
     F("nonfinite", "", "fields whose non-finite value (NaN, inf) was written null", kind="list"),
@@ -217,7 +223,7 @@ SUMMARY = (
         F("time", "Unix s", "when"),
         F("error", "", "scontrol requeue's error"),
     ),
-    F("stop_signal", "", "the signal that stopped the run (preempted)"),
+    F("stop_signal", "", "the signal that stopped the run (preempted, interrupted)"),
     # checkpoints and restarts
     F(
         "checkpoint",

@@ -1,6 +1,8 @@
 """Graceful stop on preemption signals, and a watchdog for hung collectives.
 
-Stop: SIGUSR1 (Slurm's `--signal=USR1@120`) or SIGTERM (scancel) sets a flag. Ranks may see the
+Stop: SIGUSR1 (Slurm's `--signal=USR1@120`) or SIGTERM (scancel) sets a flag; so does SIGINT (Ctrl-C, to
+the launcher or to the whole process group), which ends the run `interrupted` instead of `preempted`
+(resumable alike). Ranks may see the
 signal at different steps, so every `trainer.stop_check_every` steps (10 by default) they agree
 through one tiny all-reduce on a CPU (gloo) group: a CPU tensor, so a GPU run is never forced to
 sync the device for it. The trainer then finishes that step, writes a record with status
@@ -25,19 +27,22 @@ import threading
 import time
 from collections.abc import Callable
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+# what the all-reduce of `agreed` carries: the strongest request of any rank wins
+_NONE, _STOP, _INTERRUPT = 0, 1, 2
 
 
 class StopFlag:
     def __init__(self):
         self.requested = False
         self.signal_name: str | None = None
+        self.interrupted = False  # SIGINT (Ctrl-C) on some rank: the run ends `interrupted`, not `preempted`
         self._group = None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        for sig in STOP_SIGNALS:
+        for sig in STOP_SIGNALS:  # for the life of the rank process: a late Ctrl-C must not raise in its teardown
             signal.signal(sig, self._handler)
         # the local launcher spawns ranks with these signals blocked, so one sent during start-up
         # waits here instead of killing a rank that is still importing torch
@@ -50,6 +55,7 @@ class StopFlag:
         """Ask for a stop as a signal would (`trainer.inject_stop` uses it for deterministic tests)."""
         self.requested = True
         self.signal_name = name
+        self.interrupted |= name == "SIGINT"
 
     def prepare(self) -> None:
         """Create the CPU group `agreed` all-reduces on (a collective over every rank): call it once after the
@@ -68,11 +74,15 @@ class StopFlag:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.requested
         self.prepare()
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        mine = _INTERRUPT if self.interrupted else _STOP if self.requested else _NONE
+        flag = torch.tensor([mine], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        if flag.item() and not self.requested:
+        agreed = int(flag.item())
+        if agreed and not self.requested:
             self.requested, self.signal_name = True, "peer"
-        return bool(flag.item())
+        if agreed == _INTERRUPT and not self.interrupted:  # a peer's Ctrl-C: every rank ends the same way
+            self.interrupted, self.signal_name = True, "SIGINT"
+        return bool(agreed)
 
 
 class Watchdog:

@@ -73,6 +73,7 @@ def check_config(cfg: BenchConfig) -> None:
         raise ConfigError(f"unknown optimizer.name '{cfg.optimizer.name}': choose one of {', '.join(OPTIMIZERS)}")
     check_schedule(cfg.lr_schedule)
     check_compile(cfg)
+    check_triton(cfg)
 
 
 def check_compile(cfg: BenchConfig) -> None:
@@ -112,6 +113,46 @@ def check_compile(cfg: BenchConfig) -> None:
         raise ConfigError(
             f"trainer.compile_backend=inductor on CPU needs a C++ compiler ({cxx} not found): install "
             "g++ (or set CXX), or set trainer.compile_backend=aot_eager"
+        )
+
+
+def triton_missing(which=None, include_dir: str | None = None) -> list[str]:
+    """What Triton's launcher build lacks here: the C compiler it picks (CC, else gcc, else clang) and
+    Python.h (sysconfig's include directory), as in triton/runtime/build.py."""
+    import shutil
+    import sysconfig
+
+    which = which or shutil.which
+    include_dir = include_dir or sysconfig.get_paths()["include"]
+    cc = os.environ.get("CC")
+    missing = []
+    if not (which(cc) if cc else (which("gcc") or which("clang"))):
+        missing.append(f"a C compiler ({f'CC={cc}' if cc else 'gcc or clang'} not found)")
+    if not (Path(include_dir) / "Python.h").is_file():
+        missing.append(f"Python's headers ({include_dir}/Python.h)")
+    return missing
+
+
+def check_triton(cfg: BenchConfig, which=None, include_dir: str | None = None) -> None:
+    """On CUDA, Triton builds a C launcher per kernel with the host's C compiler against Python's headers:
+    for torch.compile's inductor (trainer.compile) and for megatron, whose fusions always go through
+    torch.compile on GPU. A minimal host (a slim container) lacks them and the run crashes in its first step."""
+    import torch
+
+    t = cfg.trainer
+    uses = []
+    if t.compile and t.compile_backend == "inductor":
+        uses.append("trainer.compile=true (inductor)")
+    if cfg.adapter.name == "megatron":
+        uses.append("adapter=megatron (its fusions go through torch.compile)")
+    if not uses or not torch.cuda.is_available():
+        return
+    missing = triton_missing(which, include_dir)
+    if missing:
+        raise ConfigError(
+            f"{' and '.join(uses)} on CUDA builds Triton kernels, which need {' and '.join(missing)}: install "
+            "them (e.g. apt-get install gcc python3-dev, or set CC)"
+            + (", or set trainer.compile=false" if t.compile and cfg.adapter.name != "megatron" else "")
         )
 
 

@@ -24,8 +24,9 @@ from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext, default_backend, free_port
 from ptbench.core.environments import SlurmEnvironment, TorchrunEnvironment, detect, in_srun_step
 from ptbench.core.errors import ConfigError
-from ptbench.core.records import RunWriter
+from ptbench.core.records import RunWriter, mark_killed, point_folders
 from ptbench.core.sinks import write_sinks
+from ptbench.core.stopping import STOP_SIGNALS
 from ptbench.runner.checks import check_devices, start_method
 from ptbench.runner.compose import in_multirun, typed
 from ptbench.runner.plan import RunPlan, make_plan, run_dir_of
@@ -70,22 +71,47 @@ def launch(cfg: DictConfig) -> int:
     command = adapter_cls.launch_command(cfg, plan.world_size)
     if command:
         plan = dataclasses.replace(plan, start_method=None)
+    if cfg.launcher.master_port:
+        _check_port(cfg.launcher.master_port)  # before the record: rank 0 would fail, the others wait for it
+    mark_killed(point_folders(cfg.results), plan.point)  # a record its killed launcher left `running`
     writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
     writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
     port = cfg.launcher.master_port or free_port()
     print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {plan.world_size} rank(s)", flush=True)
-    if command:
-        code = run_with_launcher(command, cfg.launcher.master_addr, port, writer)
-    else:
-        code = spawn_local(OmegaConf.to_container(cfg, resolve=True), plan, port, writer, plan.start_method)
-    write_sinks(
-        writer.dir,
-        mllog=cfg.results.mllog,
-        tensorboard=cfg.results.tensorboard,
-        wandb=cfg.results.wandb,
-        mlflow=cfg.results.mlflow,
-    )
+    try:
+        if command:
+            code = run_with_launcher(command, cfg.launcher.master_addr, port, writer)
+        else:
+            code = spawn_local(OmegaConf.to_container(cfg, resolve=True), plan, port, writer, plan.start_method)
+        write_sinks(
+            writer.dir,
+            mllog=cfg.results.mllog,
+            tensorboard=cfg.results.tensorboard,
+            wandb=cfg.results.wandb,
+            mlflow=cfg.results.mlflow,
+        )
+    except KeyboardInterrupt:  # Ctrl-C outside the ranks' training (before they started, after they ended)
+        writer.fail("interrupted", "interrupted (SIGINT) before the ranks trained", stop_signal="SIGINT")
+        code = _exit_code(writer)  # an outcome already written is kept (the first word wins)
     return code
+
+
+def _check_port(port: int) -> None:
+    """One line, before any rank starts, when launcher.master_port is taken on this host (rank 0 listens there)."""
+    import errno
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's: a TIME_WAIT leftover is no owner
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # not ours to judge (a privileged port as root is fine, ...): the ranks say
+            raise ConfigError(
+                f"launcher.master_port={port} is in use on this host (another run or program listens there): "
+                "choose another port, or leave launcher.master_port unset for a free one"
+            ) from None
 
 
 def plan_run(
@@ -211,17 +237,28 @@ def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter, met
 
     start = time.time()
     os.environ["BENCH_LAUNCH_T0"] = _launch_t0()  # inherited by the ranks
-    stop_signals = (signal.SIGUSR1, signal.SIGTERM)
+    stop_signals = STOP_SIGNALS  # SIGUSR1, SIGTERM (preempted) and SIGINT (Ctrl-C: interrupted)
     started: list = []  # the ranks, once spawned
     pending: list[int] = []  # stop signals that came before them
+    interrupts = []  # SIGINTs so far: the second ends the ranks at once
 
-    def forward(signum, frame):  # a preemption signal to the launcher reaches every rank
+    def forward(signum, frame):  # a stop signal to the launcher reaches every rank
+        if signum == signal.SIGINT:
+            interrupts.append(time.time())
+            if len(interrupts) == 2:
+                print(
+                    "second interrupt: ending the ranks now (no checkpoint at this stop)", file=sys.stderr, flush=True
+                )
         if not started:
             pending.append(signum)
             return
+        deliver(signum)
+
+    def deliver(signum):
+        hard = len(interrupts) >= 2
         for p in started[0].processes:
             if p.is_alive():
-                os.kill(p.pid, signum)
+                os.kill(p.pid, signal.SIGKILL if hard else signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in stop_signals}
     # multiprocessing's resource tracker, started by the first spawn, *unblocks* SIGINT and SIGTERM in
@@ -248,18 +285,33 @@ def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter, met
     started.append(procs)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
     for signum in pending:
-        forward(signum, None)
+        deliver(signum)
     try:
-        # join() ends the other ranks (SIGTERM, then SIGKILL) as soon as one fails: no orphans
-        while not procs.join():
+        # join() ends the other ranks as soon as one fails: no orphans. A rank takes SIGTERM as a graceful stop
+        # (useless once a peer is gone; one waiting for a dead peer never gets to it), so SIGKILL follows soon,
+        # not after torch's default 30 s
+        while not procs.join(grace_period=JOIN_GRACE_S):
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        record_failure(writer, e, time.time() - start)
+        if len(interrupts) >= 2:  # the ranks ended by a second Ctrl-C: still a final status
+            writer.fail(
+                "interrupted",
+                "interrupted twice (SIGINT): the ranks were ended at once, after their last checkpoint",
+                total_time_s=time.time() - start,
+                stop_signal="SIGINT",
+            )
+        else:
+            record_failure(writer, e, time.time() - start)
         return _exit_code(writer)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if interrupts:  # the record is final: a further Ctrl-C while this process ends must not kill it midway
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     return _exit_code(writer)
+
+
+JOIN_GRACE_S = 3.0  # after a rank failed: the others' time to end by themselves, then again after SIGTERM
 
 
 def _preload(module: str) -> None:
@@ -298,11 +350,26 @@ def run_with_launcher(command: list[str], addr: str, port: int, writer: RunWrite
 
 
 def _exit_code(writer: RunWriter) -> int:
+    """0 ok / preempted, 130 interrupted (as a shell's Ctrl-C), else 1; not ok: one line on stderr saying why."""
     summary = writer.record.summary() or {}
-    if summary.get("status") not in ("ok", "preempted"):
-        print(
-            f"run {summary.get('status')}: rank {summary.get('failed_rank')}: {summary.get('error')}", file=sys.stderr
+    status = summary.get("status")
+    if status == "interrupted":
+        from ptbench.core import checkpoint as ckpt
+
+        newest = ckpt.latest(writer.dir)  # also when the ranks were ended at once (no totals in the record)
+        latest = newest.name if newest is not None else None
+        after = f" after step {summary['steps']}" if summary.get("steps") is not None else ""
+        then = (
+            f"trainer.resume=auto continues it from {latest}"
+            if latest
+            else "it has no checkpoint: a rerun starts from step 0 (trainer.checkpoint_every=N saves)"
         )
+        print(f"run interrupted (Ctrl-C){after}: {writer.dir} is final (status interrupted); {then}", file=sys.stderr)
+        return 130
+    if status not in ("ok", "preempted"):
+        rank = summary.get("failed_rank")
+        where = "" if rank is None else f"rank {rank}: "
+        print(f"run {status}: {where}{summary.get('error')}", file=sys.stderr)
         return 1
     return 0
 
@@ -310,7 +377,8 @@ def _exit_code(writer: RunWriter) -> int:
 def record_failure(writer: RunWriter, exc: Exception, elapsed: float) -> None:
     """The launcher's word on a failed run: the earliest rank error is the cause; a rank killed by a
     signal (it could write nothing) is named from the exit status."""
-    errors = sorted(writer.record.rank_errors(), key=lambda e: e.get("time", 0))
+    # the earliest error is the cause; in a hang, a rank that froze before one that only waited for it
+    errors = sorted(writer.record.rank_errors(), key=lambda e: (bool(e.get("waiting")), e.get("time", 0)))
     killed = getattr(exc, "signal_name", None)
     if killed and not any(e.get("status") == "timeout" for e in errors):
         cause = {"rank": exc.error_index, "status": "failed", "error": f"rank {exc.error_index} killed by {killed}"}

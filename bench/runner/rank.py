@@ -36,7 +36,7 @@ from ptbench.core.config import BenchConfig  # noqa: E402
 from ptbench.core.dist import DistContext, dist_timeout_s, init_process_group, set_cpu_threads  # noqa: E402
 from ptbench.core.environments import detect  # noqa: E402
 from ptbench.core.precision import apply_tf32  # noqa: E402
-from ptbench.core.records import RunWriter, point_folders  # noqa: E402
+from ptbench.core.records import RunWriter, mark_killed, owner, point_folders  # noqa: E402
 from ptbench.core.sinks import write_sinks  # noqa: E402
 from ptbench.runner.compose import typed  # noqa: E402
 from ptbench.runner.console import print_summary  # noqa: E402
@@ -76,14 +76,25 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
         writer = RunWriter(run_dir, plan.identity())
 
         def on_hang(idle: float) -> None:
+            waiting, where = _main_thread_at()
+            what = (
+                f"waiting in a collective ({where}) for a rank that stopped"
+                if waiting
+                else f"rank {ctx.rank} stopped in {where}, the others wait for it in a collective"
+            )
             _record_rank_error(
                 writer,
                 ctx,
                 "timeout",
-                f"no progress for {idle:.0f}s (trainer.hang_timeout_s="
-                f"{cfg.trainer.hang_timeout_s}): a rank stopped calling collectives or hangs",
+                f"no progress for {idle:.0f}s (trainer.hang_timeout_s={cfg.trainer.hang_timeout_s}): {what}",
                 "",
+                waiting=waiting,
             )
+            if waiting:  # the rank that froze reports too (its watchdog fires about now): its error is the cause
+                time.sleep(min(5.0, cfg.trainer.hang_timeout_s / 2))
+                if ctx.launcher != "local" and ctx.rank == 0:  # no launcher of ours to choose it: this rank does
+                    errors = sorted(writer.record.rank_errors(), key=lambda e: (bool(e.get("waiting")), e["time"]))
+                    writer.fail("timeout", errors[0]["error"], errors[0]["rank"])  # its own when no other wrote
 
         watchdog = Watchdog(cfg.trainer.hang_timeout_s, on_hang).start()
         from ptbench.runner.trainer import CONVENTIONS, Trainer
@@ -112,6 +123,8 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
             requeue = slurm_job_requeueable()  # sbatch --requeue: this job starts again and resumes
             if requeue:
                 summary["requeue"] = {"slurm_job_id": requeue, "time": time.time()}
+        if summary["status"] == "interrupted" and not summary.get("error"):  # the report's one line on it
+            summary["error"] = f"interrupted (Ctrl-C, SIGINT) after step {summary['steps']}"
         if ctx.rank == 0:
             extra = OmegaConf.to_container(cfg.extra) if OmegaConf.is_config(cfg.extra) else cfg.extra
             summary.update(
@@ -151,7 +164,8 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
         return 0
     except BaseException as e:  # record every failure, then let it end the rank
         if run_dir is not None:
-            status = "oom" if _is_oom(e) else "failed"
+            # a KeyboardInterrupt here came before the stop handlers (they turn SIGINT into a stop)
+            status = "oom" if _is_oom(e) else "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
             _record_rank_error(
                 RunWriter(run_dir, plan.identity()), ctx, status, f"{type(e).__name__}: {e}", traceback.format_exc()
             )
@@ -165,7 +179,22 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
             dist.destroy_process_group()
 
 
-def _record_rank_error(writer: RunWriter, ctx: DistContext, status: str, message: str, tb: str) -> None:
+def _main_thread_at() -> tuple[bool, str]:
+    """(whether the main thread waits inside torch's collectives or autograd, where it is: file:line in
+    function of its innermost Python frame), for the watchdog's word on a hang."""
+    import threading
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return False, "an unknown place"
+    path = frame.f_code.co_filename.replace(os.sep, "/")
+    waiting = any(f"/torch/{part}/" in path for part in ("distributed", "autograd", "nn/parallel"))
+    return waiting, f"{Path(path).name}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def _record_rank_error(
+    writer: RunWriter, ctx: DistContext, status: str, message: str, tb: str, waiting: bool = False
+) -> None:
     err = {
         "rank": ctx.rank,
         "host": socket.gethostname(),
@@ -173,9 +202,10 @@ def _record_rank_error(writer: RunWriter, ctx: DistContext, status: str, message
         "error": message.strip().splitlines()[0][:500] if message.strip() else status,
         "traceback": tb,
         "time": time.time(),
+        "waiting": waiting,  # a hang: this rank only waited for another (never the cause when one froze)
     }
     writer.record.write_rank_error(ctx.rank, err)
-    if ctx.launcher != "local" and ctx.rank == 0:  # no launcher process of ours to write the outcome
+    if ctx.launcher != "local" and ctx.rank == 0 and not waiting:  # no launcher process of ours to write it
         writer.fail(status, err["error"], ctx.rank)
 
 
@@ -187,6 +217,8 @@ def _agree_on_run_dir(cfg, plan: RunPlan, ctx: DistContext, run_dir: Path | None
     box = [None, None, None]
     if ctx.rank == 0:
         found = None
+        if run_dir is None:  # srun / torchrun: no launcher of ours looked for records its killed run left
+            mark_killed(point_folders(cfg.results), plan.point)
         if cfg.trainer.resume == "auto" and ckpt.enabled(cfg, plan.adapter_cls.checkpoint_refusal(cfg)):
             found = ckpt.find_resumable(
                 point_folders(cfg.results), plan.point, plan.adapter, plan.world_size, exclude=run_dir
@@ -198,7 +230,17 @@ def _agree_on_run_dir(cfg, plan: RunPlan, ctx: DistContext, run_dir: Path | None
             info = {"previous_status": previous.get("status")}
         if run_dir is None and found:  # continue in that record
             writer = RunWriter(old, plan.identity())
-            writer.record.write_summary({"status": "running", **writer.identity, "resuming_from": checkpoint.name})
+            keys = ("run_id", "status", "error", "steps", "epochs_completed")  # as ckpt.adopt keeps them
+            writer.record.write_summary(
+                {
+                    "status": "running",
+                    **writer.identity,
+                    "resuming_from": checkpoint.name,
+                    "owner": owner(),
+                    "previous_record": {k: previous.get(k) for k in keys},  # kept when this attempt fails
+                }
+            )
+            writer.record.reserve()
             box = [str(old), str(checkpoint), info]
             print(
                 f"run {old}: resuming {plan.adapter} x {plan.workload} from {checkpoint.name} "

@@ -15,6 +15,8 @@ time spent saving left out, and flagged); events of the epochs after the checkpo
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import time
 from pathlib import Path
@@ -206,7 +208,7 @@ class Checkpointer:
         try:
             return fn(*args)
         except BaseException as exc:  # torch DCP's CheckpointException is a BaseException
-            e = _os_error(exc)
+            e = _os_error(exc) or _full_disk(exc, tmp)
             if e is None:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
@@ -278,6 +280,19 @@ class Checkpointer:
             "saved": self.state.checkpoints,
             "latest": latest.name if latest else None,
         }
+
+
+def _full_disk(exc: BaseException, where: Path) -> OSError | None:
+    """A write that failed as something other than an OSError (torch's zip writer raises RuntimeError
+    "PytorchStreamWriter failed writing file ...: file write failed") on a file system with no space left:
+    the full disk, named as such (checked before the partial save is removed)."""
+    try:
+        free = shutil.disk_usage(where if where.exists() else where.parent).free
+    except OSError:
+        return None
+    if free < 1 << 20 or "write failed" in str(exc):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) if free < 1 << 20 else f"write failed, {free} B free")
+    return None
 
 
 def _os_error(e: BaseException, depth: int = 0) -> OSError | None:

@@ -68,6 +68,7 @@ class Trainer:
         self.stop_requested = False  # all ranks agreed to stop (graceful preemption)
         self.first_step_end: float | None = None
         self.timer = PhaseTimer(cuda_sync=cfg.trainer.sync_timing)  # CUDA events; per-phase sync only as a diagnostic
+        self.timer.use_devices(adapter.devices())  # every device a process drives (GPipe's partitions)
         self.state = TrainState(self.timer)
         self.meter = Meter(cfg, plan, ctx, adapter, workload)
         self.checkpointer = Checkpointer(cfg, plan, ctx, adapter, self.state, run_dir, self.watchdog, resume_info)
@@ -131,7 +132,11 @@ class Trainer:
                 break
         return self.meter.summary(
             epochs,
-            status="diverged" if diverged is not None else "preempted" if self.stop_requested else "ok",
+            status="diverged"
+            if diverged is not None
+            else ("interrupted" if self.stop.interrupted else "preempted")
+            if self.stop_requested
+            else "ok",
             diverged_at_step=diverged,
             total_time=self.state.prior_run_time + time.perf_counter() - run_start,
             steps=self.global_step,
@@ -237,7 +242,10 @@ class Trainer:
             if schedule is not None:
                 schedule.step()
             self.timer.end_step()
-            if self.first_step_end is None:
+            if self.first_step_end is None:  # startup ends when step 1 has run, not when it was queued
+                for d in self.adapter.devices():
+                    if torch.device(d).type == "cuda":
+                        torch.cuda.synchronize(d)
                 self.first_step_end = time.time()
             losses.append(loss if loss is not None else torch.zeros((), device=device))
             state.global_step += 1
