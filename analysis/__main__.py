@@ -1,4 +1,5 @@
-"""`python -m ptbench.analysis report RESULTS_DIR --out DIR`: all figures, tables and report.md, no Jupyter."""
+"""`python -m ptbench.analysis report RESULTS_DIR --out DIR`: all figures, tables and report.md, no Jupyter.
+`python -m ptbench.analysis noise FILE`: the statistics of a `python -m ptbench.sweep noise` measurement."""
 
 from __future__ import annotations
 
@@ -20,7 +21,18 @@ def main(argv: list[str] | None = None) -> int:
         "(as the paper; default); per-series = each series' own point at its fewest devices; "
         "or one series' label (as in the report) for every series",
     )
+    r.add_argument(
+        "--include-contended",
+        action="store_true",
+        help="keep runs whose record warns of contention in the verdicts (left out by default)",
+    )
+    n = sub.add_parser("noise", help="B/A step-time ratio with its interval of a noise file (ptbench.sweep noise)")
+    n.add_argument("file", help="<results>/<experiment>/noise/noise-*.json")
     args = p.parse_args(argv)
+    if args.command == "noise":
+        from ptbench.analysis.stats import _main as noise_main
+
+        return noise_main(["noise", args.file])
 
     import matplotlib
 
@@ -29,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from ptbench.analysis.report import write_report
 
     try:
-        path = write_report(args.results, args.out, baseline=args.baseline)
+        path = write_report(args.results, args.out, baseline=args.baseline, include_contended=args.include_contended)
     except (FileNotFoundError, AnalysisError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,12 +30,22 @@ import pandas as pd
 import yaml
 
 from ptbench.analysis.load import read_yaml
+from ptbench.analysis.stats import ratio_interval, verdict
 
 HOLDS, FAILS, NOT_MEASURED, MEASURED = "holds", "does not hold", "not measured", "measured"
 ZERO_MEMORY_SHARE = (0.42, 0.66)
 ZERO_TIME_TOLERANCE = 0.15
 FLAT = 0.10  # DDP memory "flat": every count within 10 % of the series' mean; pipeline plateau: last step < 10 %
 PIPELINES = ("gpipe", "pipeline")
+
+
+def _versus(sub: pd.DataFrame, a: str, b: str, column: str = "time_per_sample_used_s") -> str:
+    """The verdict of series `a` against `b` over their runs' `column` (issue 29): `a is x % ± y % faster
+    than b` or `not distinguishable` (ptbench.analysis.stats.verdict); single runs: no interval."""
+    t = {k: pd.to_numeric(sub.loc[sub["label"] == k, column], errors="coerce").dropna().tolist() for k in (a, b)}
+    if min(len(t[a]), len(t[b])) < 2:
+        return "not distinguishable without repeats (single runs)"
+    return verdict(a, t[a], b, t[b], paired=False)
 
 
 def _series(runs: pd.DataFrame, column: str) -> dict[str, pd.Series]:
@@ -102,6 +112,14 @@ def zero_memory_falls_ddp_flat(runs: pd.DataFrame) -> dict:
     return _claim(name, HOLDS if flat and all(falls.values()) else FAILS, "; ".join(text), _of(runs, ["ddp", "zero"]))
 
 
+def _ratio_ci(zero: pd.DataFrame, label: str, ddp: pd.DataFrame, n: int, column="time_per_sample_used_s") -> str:
+    """ " [lo, hi]": the 95 % interval of a ZeRO series' time over DDP's at n GPUs, where both have repeats."""
+    z = zero[(zero["label"] == label) & (zero["devices"].astype(int) == n)][column]
+    d = ddp[ddp["devices"].astype(int) == n][column]
+    iv = ratio_interval(pd.to_numeric(z, errors="coerce"), pd.to_numeric(d, errors="coerce"), paired=False)
+    return f" [{iv.lo:.2f}, {iv.hi:.2f}] (95 %, {iv.n} repeats)" if np.isfinite(iv.lo) else ""
+
+
 def zero_time_close_to_ddp(runs: pd.DataFrame) -> dict:
     name = f"ZeRO epoch time within {100 * ZERO_TIME_TOLERANCE:.0f} % of DDP's"
     ddp, zero = _of(runs, ["ddp"]), _of(runs, ["zero"])
@@ -117,7 +135,7 @@ def zero_time_close_to_ddp(runs: pd.DataFrame) -> dict:
     return _claim(
         name,
         HOLDS if ok else FAILS,
-        "; ".join(f"{lab} x{n}: {r:.2f}x DDP" for lab, n, r in pairs),
+        "; ".join(f"{lab} x{n}: {r:.2f}x DDP{_ratio_ci(zero, lab, ddp, n)}" for lab, n, r in pairs),
         pd.concat([ddp, zero]),
     )
 
@@ -166,7 +184,7 @@ def fastest(runs: pd.DataFrame) -> list[dict]:
                 f"fastest framework at x{n}",
                 MEASURED,
                 f"**{t.index[0]}** {1e3 * t.iloc[0]:.3g} ms/sample; next {t.index[1]} "
-                f"{t.iloc[1] / t.iloc[0]:.2f}x slower",
+                f"{t.iloc[1] / t.iloc[0]:.2f}x slower; {_versus(sub, t.index[0], t.index[1])}",
                 sub,
             )
         )
@@ -184,10 +202,12 @@ def _phase(runs: pd.DataFrame, prefix: str) -> pd.DataFrame:
     return mine if len(mine) else runs
 
 
-def claims(per_run: pd.DataFrame) -> dict[str, list[dict]]:
+def claims(per_run: pd.DataFrame, include_contended: bool = False) -> dict[str, list[dict]]:
     """workload -> the checks over its finished runs (rows of `ptbench.analysis.tables.runs` with status ok):
     memory checks on the paper's memory phase, time checks on its epoch-time phase, where present."""
     done = per_run[(per_run["status"] == "ok")] if len(per_run) else per_run
+    if not include_contended and "contention" in done:  # records that warn of contention: out of the verdicts
+        done = done[done["contention"].isna()]
     if "mem_plot_bytes" not in done:
         done = done.assign(mem_plot_bytes=np.nan)
     out = {}
@@ -220,7 +240,7 @@ def _reduced_from(run_dir) -> float:
     return float(v) if v is not None else np.nan
 
 
-def claims_lines(per_run: pd.DataFrame) -> list[str]:
+def claims_lines(per_run: pd.DataFrame, include_contended: bool = False) -> list[str]:
     """The report's "Paper claims" section."""
     lines = [
         "## Paper claims",
@@ -228,11 +248,13 @@ def claims_lines(per_run: pd.DataFrame) -> list[str]:
         (
             "The findings of Lin et al. checked against these records (analysis/claims.py states each test). "
             "Memory is the busiest rank's peak (`mem_plot_bytes`), time is per training sample over steady epochs; "
-            "CPU ranks share one machine's memory and cores, so CPU verdicts check the harness, not the paper."
+            "CPU ranks share one machine's memory and cores, so CPU verdicts check the harness, not the paper. "
+            "Speed comparisons give `A is x % ± y % faster than B` (95 %) or `not distinguishable`; runs whose "
+            "record warns of contention are " + ("kept (asked for)." if include_contended else "left out.")
         ),
         "",
     ]
-    for workload, found in claims(per_run).items():
+    for workload, found in claims(per_run, include_contended).items():
         lines += [f"### {workload}", "", "| claim | verdict | numbers | runs |", "|---|---|---|---|"]
         for c in found:
             lines.append(f"| {c['claim']} | **{c['verdict']}** | {c['numbers']} | {', '.join(c['runs']) or '-'} |")

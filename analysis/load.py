@@ -58,8 +58,12 @@ CONFIG_FIELDS = {
     "data.source": "data_source",
     "results.experiment": "experiment",
     "results.point": "point",  # sweep point id (bench/runner/points.py)
+    "results.repeat": "repeat",  # repeat index (python -m ptbench.sweep run --repeats N)
+    "trainer.seed": "seed",
     "extra.batch_reduced_from": "batch_reduced_from",  # a point retried after an OOM (bench/runner/points.py oom_retry)
 }
+# a record's warnings of contention (bench/runner/checks.py contention_warnings) start with this
+CONTENTION = "contention:"
 # summary["layout"] fields taken as columns where a record has them (over the config's tp/pp keys)
 LAYOUT_FIELDS = ("tp", "pp", "dp", "devices_per_process")
 # Settings that make two runs of one adapter different series, in label order, with the value at
@@ -465,6 +469,8 @@ def load_run(run_dir: str | Path) -> list[dict]:
         local_batch=summary.get("local_batch"),
         epoch_time_steady_s=summary.get("epoch_time_steady_s"),
         record_label=summary.get("label") or cfg.get("results.label"),
+        # contention found before or during the run (its `warnings` starting "contention:"): kept out of verdicts
+        contention="; ".join(w for w in summary.get("warnings") or [] if str(w).startswith(CONTENTION)) or None,
         host=env.get("host"),
         git_sha=env.get("git_sha"),
         torch=(env.get("versions") or {}).get("torch"),

@@ -164,7 +164,7 @@ def _list_failed(ax, study: Study, workload: str) -> pd.DataFrame:
 def epoch_time(data: pd.DataFrame | Study, out=None, name: str = "epoch_time") -> Figure:
     """Epoch time per run vs number of devices (log2 axis), one line per series: the epoch time
     speedup uses (`epoch_time_used_s`: the summary's steady epoch time, else the mean of the complete
-    epochs after the first, else the first epoch; partial epochs left out), bars = sd over repeats."""
+    epochs after the first, else the first epoch; partial epochs left out), bars = 95 % interval over repeats."""
     study = Study.of(data)
     data = study.epoch_time
     workloads = sorted(data["workload"].unique())
@@ -173,7 +173,7 @@ def epoch_time(data: pd.DataFrame | Study, out=None, name: str = "epoch_time") -
     failed = []
     for ax, wl in zip(axes[0], workloads):
         sub = data[data["workload"] == wl]
-        _lines(ax, sub, "devices", "epoch_time_s", "label", colors, sd="epoch_time_sd")  # bars: sd over repeats
+        _lines(ax, sub, "devices", "epoch_time_s", "label", colors, sd="epoch_time_ci95")  # bars: 95 % interval
         bad = _mark_failed(ax, study, wl)
         failed.append(bad)
         _log2_devices(ax, [*sub["devices"], *bad["devices"]])

@@ -16,6 +16,7 @@ import pandas as pd
 from ptbench.analysis import plots
 from ptbench.analysis.claims import claims_lines
 from ptbench.analysis.load import AnalysisError, load, load_comm
+from ptbench.analysis.stats import point_stats, verdict
 from ptbench.analysis.tables import EPOCH_TIME_SOURCES, Study, comm_table, summary_table, time_to_target
 
 FIGURES = {
@@ -176,12 +177,80 @@ def _runner_up(values: list[tuple[float, str]], lower_is_better: bool, unit: str
     return f"; next {who} {fmt(nxt)}{unit}, {100 * gap:.1f} % behind{close}"
 
 
-def which_adapter(data: pd.DataFrame | Study, baseline: str | None = "best") -> dict:
+def _versus(values: dict, runner_up: str, noise: float = 0.0) -> str:
+    """ "; <verdict>" of the best point against the next from {point name: [per-run times]} (lower is
+    better), best first by median: `A is x % ± y % faster than B` or `not distinguishable`
+    (ptbench.analysis.stats.verdict). Single runs have no interval: the ranking (`runner_up`) is kept and
+    marked not distinguishable."""
+    values = {k: v for k, v in values.items() if v}
+    if len(values) < 2:
+        return runner_up
+    a, b = sorted(values, key=lambda k: float(np.median(values[k])))[:2]
+    if len(values[a]) < 2 or len(values[b]) < 2:
+        return (
+            runner_up + "; not distinguishable without repeats (single runs: `python -m ptbench.sweep run --repeats N`)"
+        )
+    return "; against the next: " + verdict(a, values[a], b, values[b], paired=False, noise=noise)
+
+
+def interval_lines(ok_runs: pd.DataFrame, out: Path | None = None) -> list[str]:
+    """With repeated points (`python -m ptbench.sweep run --repeats N`): per point, the means over repeats of
+    epoch time, throughput and median step time with 95 % intervals (*_lo / *_hi; intervals.csv)."""
+    if ok_runs.empty or ok_runs.groupby(["workload", "label", "devices"])["run_id"].count().max() < 2:
+        return []
+    t = point_stats(ok_runs, ("workload", "label", "devices"))
+    if out is not None:
+        t.to_csv(Path(out) / "intervals.csv", index=False)
+    shown = t[
+        [
+            c
+            for c in t.columns
+            if c in ("workload", "label", "devices", "repeats")
+            or c.startswith(("epoch_time_used", "samples_per_s", "step_time_p50"))
+        ]
+    ]
+    return [
+        "",
+        "### Intervals over repeats",
+        "",
+        "Mean over a point's repeats with a 95 % Student-t interval (`_lo`, `_hi`; one repeat: none); "
+        "comparisons below use these runs (ptbench.analysis.stats).",
+        "",
+        markdown_table(shown),
+        "",
+    ]
+
+
+def noise_floor(results_dir: str | Path) -> float:
+    """The newest A/A measurement's noise floor under results_dir (`python -m ptbench.sweep noise`: */noise/*.json),
+    as a fraction; 0 when none was measured."""
+    import json
+
+    found = sorted(Path(results_dir).rglob("noise/noise-*.json"), key=lambda p: p.stat().st_mtime)
+    for path in reversed(found):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.get("kind") == "A/A" and rec.get("noise_floor") is not None:
+            return float(rec["noise_floor"])
+    return 0.0
+
+
+def which_adapter(
+    data: pd.DataFrame | Study, baseline: str | None = "best", include_contended: bool = False, noise: float = 0.0
+) -> dict:
     """The "Which adapter" verdicts per workload, computed from the finished runs:
     {workload: {"fastest": {...} | None, "memory": [{devices, label, mib, states_mib, metric, runs}],
-    "scaling": {...} | None, "undecided": [reasons]}}."""
+    "scaling": {...} | None, "undecided": [reasons]}}. Runs whose record warns of contention are left out
+    unless `include_contended`; speed comparisons carry a verdict with its interval (`noise`: the A/A floor)."""
     out: dict = {}
     study = Study.of(data)
+    contended = []
+    if not include_contended and "contention" in study.epochs and study.epochs["contention"].notna().any():
+        bad = study.epochs["contention"].notna()
+        contended = sorted(set(study.epochs.loc[bad, "run_id"]))
+        study = Study(study.epochs[~bad])
     per_run = study.ok_runs if len(study.ok_epochs) else pd.DataFrame()
     if per_run.empty:
         return out
@@ -192,6 +261,10 @@ def which_adapter(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
         sp = pd.DataFrame()
     for wl, r in per_run.groupby("workload"):
         v: dict = {"fastest": None, "memory": [], "scaling": None, "undecided": []}
+        if contended:
+            v["undecided"].append(
+                f"left out for contention (their records warn of shared CPUs or other runs): {_ids(contended)}"
+            )
         # fastest to the target
         t = ttt[ttt["workload"] == wl].sort_values(["time_s", "run_id"]) if len(ttt) else pd.DataFrame()
         if t.empty or t["time_s"].isna().all():
@@ -210,6 +283,11 @@ def which_adapter(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
                 epoch=int(w["epoch"]),
                 run_id=w["run_id"],
                 ranking=[(float(x.time_s), _point(x.label, x.devices), x.run_id) for x in t.itertuples()],
+                versus=_versus(
+                    {_point(*k): g["time_s"].dropna().tolist() for k, g in t.groupby(["label", "devices"])},
+                    _runner_up([(float(x.time_s), _point(x.label, x.devices)) for x in t.itertuples()], True, " s"),
+                    noise,
+                ),
             )
             without = sorted(set(r["run_id"]) - set(t["run_id"]))
             if without:
@@ -284,6 +362,17 @@ def which_adapter(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
                     baseline_runs=base_ids.tolist(),
                     ranking=[(float(x.efficiency), _point(x.label, x.devices)) for x in s.itertuples()],
                 )
+                if "time_per_sample_used_s" in r and s["baseline"].nunique() == 1:
+                    # one baseline: efficiencies at one device count compare as the inverse of time per sample
+                    at = r[(r["devices"] == devices[-1]) & r["label"].isin(s["label"])]
+                    v["scaling"]["versus"] = _versus(
+                        {
+                            _point(lab, devices[-1]): g["time_per_sample_used_s"].dropna().tolist()
+                            for lab, g in at.groupby("label")
+                        },
+                        _runner_up(v["scaling"]["ranking"], False, "", fmt=lambda x: f"{x:.3g}"),
+                        noise,
+                    )
                 missing = sorted(set(r["label"]) - set(s["label"]))
                 if missing:
                     v["undecided"].append(
@@ -314,7 +403,9 @@ def which_adapter(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
     return out
 
 
-def which_adapter_lines(data: pd.DataFrame | Study, baseline: str | None = "best") -> list[str]:
+def which_adapter_lines(
+    data: pd.DataFrame | Study, baseline: str | None = "best", include_contended: bool = False, noise: float = 0.0
+) -> list[str]:
     """The report's closing "Which adapter" section (markdown lines)."""
     lines = [
         "## Which adapter",
@@ -323,7 +414,9 @@ def which_adapter_lines(data: pd.DataFrame | Study, baseline: str | None = "best
         "",
     ]
     study = Study.of(data)
-    verdicts = which_adapter(study, baseline)
+    verdicts = which_adapter(study, baseline, include_contended, noise)
+    if noise:
+        lines += [f"Noise floor (A/A, `python -m ptbench.sweep noise`): ±{100 * noise:.1f} %.", ""]
     if not verdicts:
         return lines + ["No finished run: nothing to compare.", ""]
     bad = study.not_finished
@@ -333,12 +426,11 @@ def which_adapter_lines(data: pd.DataFrame | Study, baseline: str | None = "best
         if f:
             name = "perplexity" if f["metric"] == "val_perplexity" else "accuracy"
             rel = "≤" if name == "perplexity" else "≥"
-            rank = [(tm, who) for tm, who, _ in f["ranking"]]
             lines.append(
                 f"- **Fastest to the target**: validation {name} {rel} {f['target']:.4g} (the best value every "
                 f"finished run with validation reached): **{_point(f['label'], f['devices'])}** after "
                 f"{f['time_s']:.4g} s of wall time (epoch {f['epoch']}; run {f['run_id']})"
-                + _runner_up(rank, True, " s")
+                + f["versus"]
                 + ". Wall time counts from the first epoch's start, "
                 "includes validation, and is known only at epoch ends (validation once per epoch)."
             )
@@ -357,7 +449,7 @@ def which_adapter_lines(data: pd.DataFrame | Study, baseline: str | None = "best
                 f"- **Best scaling efficiency at {sc['devices']} devices**: **{_point(sc['label'], sc['devices'])}** "
                 f"efficiency {sc['efficiency']:.3g} (speedup {sc['speedup']:.3g} against {sc['baseline']}; "
                 f"runs {_ids(sc['runs'])}, baseline {_ids(sc['baseline_runs'])})"
-                + _runner_up(rank, False, "", fmt=lambda x: f"{x:.3g}")
+                + (sc.get("versus") or _runner_up(rank, False, "", fmt=lambda x: f"{x:.3g}"))
                 + "."
             )
         wl_bad = bad[bad["workload"] == wl] if len(bad) and "workload" in bad else bad.iloc[:0]
@@ -409,7 +501,9 @@ def comm_lines(data: pd.DataFrame | Study, reports: list[dict], out: Path | None
     ]
 
 
-def write_report(results_dir: str | Path, out: str | Path, baseline: str | None = "best") -> Path:
+def write_report(
+    results_dir: str | Path, out: str | Path, baseline: str | None = "best", include_contended: bool = False
+) -> Path:
     """Figures into out/figures, tables into out/*.csv, and out/report.md; returns report.md's path."""
     results_dir, out = Path(results_dir), Path(out)
     baseline = baseline or "best"
@@ -486,6 +580,7 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
                 )
             ),
         ]
+        lines += interval_lines(study.ok_runs, out)
         capped = study.ok_epochs.groupby("workload")["samples_per_epoch"].nunique()
         if (capped > 1).any():
             lines += [
@@ -513,7 +608,9 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
         "",
     ]
 
-    lines += claims_lines(per_run)  # the paper's findings checked against these records (analysis/claims.py)
+    lines += claims_lines(
+        per_run, include_contended
+    )  # the paper's findings checked against these records (analysis/claims.py)
     skipped = plots.save_all(study, out / "figures", baseline=baseline)
     lines += ["## Figures", ""]
     for key, title in FIGURES.items():
@@ -521,7 +618,7 @@ def write_report(results_dir: str | Path, out: str | Path, baseline: str | None 
             lines += [f"### {title}", "", f"![{title}](figures/{key}.png)", "", f"[SVG](figures/{key}.svg)", ""]
         else:
             lines += [f"### {title}", "", f"_not drawn: {skipped.get(key)}_", ""]
-    lines += which_adapter_lines(study, baseline)
+    lines += which_adapter_lines(study, baseline, include_contended, noise=noise_floor(results_dir))
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path

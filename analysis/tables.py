@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from ptbench.analysis.load import AnalysisError, _missing
+from ptbench.analysis.stats import t975
 
 PHASES = ("data", "forward", "forward_backward", "backward", "optimizer")  # stacking order, bottom up
 MIB = 2**20
@@ -261,14 +262,21 @@ def speedup_table(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
 
 
 def _epoch_time_table(study: Study) -> pd.DataFrame:
-    """Per point: the mean and sd over repeats of the epoch time speedup uses, runs, samples per epoch."""
-    return study.finished_runs.groupby(["workload", "label", "devices"], as_index=False).agg(
+    """Per point: the mean and sd over repeats of the epoch time speedup uses, its 95 % Student-t interval
+    (epoch_time_lo / _hi, half-width epoch_time_ci95; one run: none), runs, samples per epoch."""
+    t = study.finished_runs.groupby(["workload", "label", "devices"], as_index=False).agg(
         epoch_time_s=("epoch_time_used_s", "mean"),
         epoch_time_sd=("epoch_time_used_s", "std"),
         runs=("run_id", "count"),
         samples_per_epoch=("samples_per_epoch_used", "mean"),
         epoch_time_source=("epoch_time_source", _join),
     )
+    t["epoch_time_ci95"] = [
+        t975(n - 1) * sd / np.sqrt(n) if n > 1 else np.nan for n, sd in zip(t["runs"], t["epoch_time_sd"])
+    ]
+    t["epoch_time_lo"] = t["epoch_time_s"] - t["epoch_time_ci95"]
+    t["epoch_time_hi"] = t["epoch_time_s"] + t["epoch_time_ci95"]
+    return t
 
 
 def _speedup_table(study: Study, mode: str) -> pd.DataFrame:

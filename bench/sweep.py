@@ -2,6 +2,8 @@
 
     python -m ptbench.sweep grid adapter=ddp,zero workload=gpt2_small launcher.nprocs=1,2,4 -o sweep.txt
     python -m ptbench.sweep run sweep.txt [--resume] [-- trainer.epochs=3 ...]   # here, one after another
+    python -m ptbench.sweep run sweep.txt --repeats 3 [--vary-seed]  # each point 3 times, interleaved ABCABCABC
+    python -m ptbench.sweep noise --repeats 5 [--b trainer.inject_fault=slow@0.15] -- overrides  # A/A noise floor
     python -m ptbench.sweep submit sweep.txt [--resume] [--gpus-per-node 8] [--sbatch=--partition=gpu]  # job arrays
     python -m ptbench.sweep point sweep.txt 3 [--resume] [-- overrides]  # "RANKS GPUS_PER_RANK overrides" or "skip"
     python -m ptbench.sweep point sweep.txt 3 --oom-retry [-- overrides]  # its OOM retry's overrides, or "skip"
@@ -35,6 +37,7 @@ from ptbench.runner.points import (
     point_id,
     read_point,
     read_points,
+    repeat_overrides,
     run_name,
     skip_if_done,
     write_points,
@@ -92,8 +95,15 @@ def _run(args) -> int:
     if not args.no_comm:  # the measured network, once per sweep and world size, beside the records
         measure_comm(points, args.extra, dry_run=args.dry_run, resume=args.resume)
     failed = []
-    for i, point in enumerate(points):
-        print(f"[{i + 1}/{len(points)}] point {point_id([*point, *args.extra])}: {shlex.join(point)}", flush=True)
+    repeats = max(1, args.repeats)
+    # interleaved: every point once, then every point again (ABCABC): a drift of the machine spreads over all
+    order = [(r, i) for r in range(repeats) for i in range(len(points))]
+    for n, (r, i) in enumerate(order):
+        point = points[i]
+        tag = f" repeat {r}" if repeats > 1 else ""
+        print(f"[{n + 1}/{len(order)}] point {point_id([*point, *args.extra])}{tag}: {shlex.join(point)}", flush=True)
+        if repeats > 1:
+            point = repeat_overrides(point, r, args.vary_seed, extra=args.extra)
         if args.dry_run:
             print("  " + shlex.join([sys.executable, "-m", "ptbench", *point, *extra]))
             continue
@@ -111,6 +121,57 @@ def _run(args) -> int:
     for i, code in failed:
         print(f"point {i} ({shlex.join(points[i])}) exited {code}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _run_step_time(run) -> float | None:
+    """A finished run's typical step time: the median over its epochs of the epochs' median step time
+    (events.jsonl step_time_p50_s; warm-up excluded), else the summary's mean step time."""
+    import json
+    import statistics
+
+    if not run.ok or run.run_dir is None:
+        return None
+    path = Path(run.run_dir) / "events.jsonl"
+    p50 = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            e = json.loads(line) if line.strip() else {}
+            if e.get("type") == "epoch" and e.get("step_time_p50_s"):
+                p50.append(e["step_time_p50_s"])
+    return statistics.median(p50) if p50 else run.summary.get("step_time_mean_s")
+
+
+def _noise(args) -> int:
+    """A/A (or A/B with --b): the same point run 2 x --repeats times, interleaved (A B A B ...), and the
+    paired ratio of B's step time to A's with its 95 % interval (`python -m ptbench.analysis noise FILE`),
+    stored as JSON under <results>/<experiment>/noise/ for the report."""
+    import json
+    import time
+
+    from ptbench.core.records import results_folder
+
+    a = list(args.extra)
+    b = [*a, *args.b]
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for r in range(args.repeats):
+        for arm, overrides in (("A", a), ("B", b)):
+            point = [*overrides, f"results.repeat={r}"]
+            print(f"[{2 * r + (arm == 'B') + 1}/{2 * args.repeats}] {arm} repeat {r}: "
+                  f"{shlex.join(overrides)}", flush=True)  # fmt: skip
+            run = run_bench(point, capture=True, run_name=run_name(point))
+            t = _run_step_time(run)
+            if t is None:
+                print(f"error: {arm} repeat {r} ended {run.status}: {run.error_line}", file=sys.stderr)
+                return 1
+            times[arm].append(t)
+            print(f"  step time {t * 1e3:.2f} ms ({run.run_dir})", flush=True)
+    folder = results_folder(compose_point(a).results) / "noise"
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"noise-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    record = {"kind": "A/B" if args.b else "A/A", "overrides": a, "b_overrides": args.b, "metric": "step_time_p50_s"}
+    out.write_text(json.dumps({**record, "a": times["A"], "b": times["B"]}, indent=1) + "\n")
+    # the statistics are the analysis package's (drivers do not import it): it adds them to the file and prints
+    return subprocess.run([sys.executable, "-m", "ptbench.analysis", "noise", str(out)]).returncode
 
 
 def measure_comm(points: list[list[str]], extra: list[str], dry_run: bool = False, resume: bool = False) -> None:
@@ -182,6 +243,14 @@ def main(argv=None) -> int:
     r.add_argument("--resume", action="store_true", help="skip points that already have an ok record")
     r.add_argument("--dry-run", action="store_true", help="print the commands only")
     r.add_argument(
+        "--repeats", type=int, default=1, help="run each point N times, interleaved (ABCABC); results.repeat=R"
+    )
+    r.add_argument(
+        "--vary-seed",
+        action="store_true",
+        help="with --repeats: trainer.seed + R per repeat, one point id (statistical-efficiency runs)",
+    )
+    r.add_argument(
         "--no-comm",
         action="store_true",
         help="skip the per-sweep `python -m ptbench.comm` measurement "
@@ -207,6 +276,19 @@ def main(argv=None) -> int:
         action="store_true",
         help="skip the one small `python -m ptbench.comm` job per world "
         "size (stored in <results>/<experiment>/comm/ for the report)",
+    )
+    n = sub.add_parser(
+        "noise",
+        help="the noise floor: the point given after -- run 2 x --repeats times interleaved (A/A), or against "
+        "itself plus --b overrides (A/B), and the paired step-time ratio with its 95 %% interval",
+    )
+    n.add_argument("--repeats", type=int, default=5, help="runs per arm (default 5)")
+    n.add_argument(
+        "--b",
+        action="append",
+        default=[],
+        metavar="OVERRIDE",
+        help="an override for arm B only, e.g. --b trainer.inject_fault=slow@0.15 (repeatable; none: A/A)",
     )
     p = sub.add_parser(
         "point",
@@ -234,7 +316,7 @@ def _dispatch(args, extra: list[str]) -> int:
     if args.cmd == "grid":
         return _grid(args)
     args.extra = extra
-    return {"point": _point, "run": _run, "submit": _submit}[args.cmd](args)
+    return {"point": _point, "run": _run, "submit": _submit, "noise": _noise}[args.cmd](args)
 
 
 if __name__ == "__main__":

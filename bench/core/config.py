@@ -143,7 +143,8 @@ class TrainerConfig:
     sync_timing: bool = False
     progress: bool | None = None  # tqdm bars; None = only when stdout is a terminal (not in batch logs)
     log_step_losses: bool = True
-    # Fault injection for resilience tests: "KIND@RANK:STEP", KIND = raise | oom | hang | exit
+    # Fault injection for resilience tests: "KIND@RANK:STEP", KIND = raise | oom | hang | exit; or
+    # "slow@FRACTION": every step FRACTION longer on every rank (the noise-floor check, bench/runner/faults.py)
     inject_fault: str | None = None
     # A deterministic stop for tests of preemption and resume: "RANK:STEP" = that rank is asked to stop
     # right after global step STEP, as by SIGUSR1 (the ranks agree at the next stop check)
@@ -173,6 +174,8 @@ class ResultsConfig:
     point: str | None = None
     # true: skip the run if <root>/<experiment> already holds an ok record of the same point
     skip_done: bool = False
+    # repeat index of the point (python -m ptbench.sweep run --repeats N); not part of the point's identity
+    repeat: int = 0
     # parent folder of the run's record; None = <root>/<experiment> (a Hydra multirun uses its sweep folder)
     dir: str | None = None
     # standard sinks written from the finished record (bench/core/sinks.py), never required:

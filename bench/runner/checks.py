@@ -67,8 +67,11 @@ def check_config(cfg: BenchConfig) -> None:
         raise ConfigError(f"trainer.memory_check={cfg.trainer.memory_check}: choose {', '.join(MEMORY_CHECKS)}")
     check_sinks(cfg.results)
     fault = cfg.trainer.inject_fault
-    if fault and not re.fullmatch(r"(raise|oom|hang|exit)@\d+:\d+", fault):
-        raise ConfigError(f"trainer.inject_fault={fault}: use KIND@RANK:STEP with KIND raise, oom, hang or exit")
+    if fault and not re.fullmatch(r"(raise|oom|hang|exit)@\d+:\d+|slow@(\d+\.?\d*|\.\d+)", fault):
+        raise ConfigError(
+            f"trainer.inject_fault={fault}: use KIND@RANK:STEP with KIND raise, oom, hang or exit, or "
+            "slow@FRACTION (every step FRACTION longer, e.g. slow@0.15)"
+        )
     if cfg.optimizer.name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer.name '{cfg.optimizer.name}': choose one of {', '.join(OPTIMIZERS)}")
     check_schedule(cfg.lr_schedule)
@@ -195,3 +198,56 @@ def check_results_dir(root: Path) -> None:
         raise ConfigError(
             f"results.root={root} is not writable ({probe}: {e.strerror or type(e).__name__}); {fix}"
         ) from None
+
+
+def affinity_cpus() -> int:
+    """CPUs this process may run on (its affinity: a cgroup, taskset or Slurm binding), else os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def running_harness_runs(results_root, exclude_pids=()) -> list[str]:
+    """Other runs of this harness going now on this host: `running` summaries under results_root whose
+    owner (host, pid, start time) is alive here (ptbench.core.records.owner_gone says not gone)."""
+    import json
+    import socket
+
+    from ptbench.core.records import owner_gone
+
+    host, found = socket.gethostname(), []
+    root = Path(results_root)
+    for path in sorted(root.rglob("summary.json")) if root.is_dir() else []:
+        try:
+            s = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        o = s.get("owner") if isinstance(s, dict) and s.get("status") == "running" else None
+        if not isinstance(o, dict) or o.get("host") != host or o.get("pid") in (os.getpid(), *exclude_pids):
+            continue
+        if owner_gone(o) is None:
+            found.append(f"{path.parent} (pid {o['pid']})")
+    return found
+
+
+def contention_warnings(cfg: BenchConfig, world_size: int, cpus: int | None = None) -> list[str]:
+    """Before launch (issue 29): what will make this run's times suspect, as one-line warnings for the
+    record's `warnings`: local ranks x threads per rank above the CPUs of the process's affinity, and
+    other runs of this harness going on this host (their steps and ours share the cores)."""
+    out = []
+    cpus = cpus or affinity_cpus()
+    threads = cfg.launcher.threads_per_rank or int(os.environ.get("SLURM_CPUS_PER_TASK") or 1)
+    if cfg.launcher.name == "local" and world_size * threads > cpus:
+        out.append(
+            f"contention: {world_size} rank(s) x {threads} thread(s) on {cpus} CPU(s) of this process's affinity: "
+            "ranks share cores, times are not comparable; lower launcher.nprocs or launcher.threads_per_rank"
+        )
+    others = running_harness_runs(cfg.results.root, exclude_pids=(os.getppid(),))
+    if others:
+        out.append(
+            f"contention: {len(others)} other run(s) of this harness running on this host: {', '.join(others[:3])}"
+            + (" ..." if len(others) > 3 else "")
+            + "; run timing points one at a time"
+        )
+    return out

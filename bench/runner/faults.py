@@ -1,4 +1,6 @@
-"""Failures on purpose, for the tests of failure capture and of resume (trainer.inject_fault, inject_stop).
+"""Failures on purpose, for the tests of failure capture and of resume (trainer.inject_fault, inject_stop),
+and a known slowdown for the noise-floor check (trainer.inject_fault=slow@FRACTION: every rank's every step
+takes FRACTION longer; issue 29).
 
 Checked before launch (bench/runner/checks.py, bench/core/checkpoint.py); here only their effect.
 """
@@ -21,11 +23,30 @@ class Faults:
         self.rank = rank
         self.fault = trainer.inject_fault or None
         self.stop_at = tuple(int(v) for v in str(trainer.inject_stop).split(":")) if trainer.inject_stop else None
+        kind, _, arg = (self.fault or "").partition("@")
+        self.slow = float(arg) if kind == "slow" else None
+        self._last = None  # perf_counter at the previous step's before_step
+        self._slept = 0.0  # what that step slept
 
     def before_step(self, step: int) -> None:
         """After the step's data is loaded, before its compute: the injected fault, if it is this rank's and step's."""
-        if self.fault:
+        if self.slow is not None:
+            self._slow_down()
+        elif self.fault:
             inject_fault(self.fault, self.rank, step)
+
+    def _slow_down(self) -> None:
+        """Spin for `slow` x the last step's own time (the interval since the previous step's call, less what
+        that one added), so every step after the first takes `slow` longer. On CUDA the queued work is
+        waited for first, or the sleep would hide under it."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        pause = self.slow * max(0.0, now - self._last - self._slept) if self._last is not None else 0.0
+        end = now + pause
+        while time.perf_counter() < end:  # busy, as more compute would be: a sleep would let the loader's
+            pass  # workers take the core meanwhile, and the step would come out less than `slow` slower
+        self._last, self._slept = now, pause
 
     def after_step(self, step: int, stop: StopFlag) -> None:
         """After global step `step`: ask for a stop as a signal would, if this is the injected one."""

@@ -27,7 +27,7 @@ from ptbench.core.errors import ConfigError
 from ptbench.core.records import RunWriter, mark_killed, point_folders
 from ptbench.core.sinks import write_sinks
 from ptbench.core.stopping import STOP_SIGNALS
-from ptbench.runner.checks import check_devices, start_method
+from ptbench.runner.checks import check_devices, contention_warnings, start_method
 from ptbench.runner.compose import in_multirun, typed
 from ptbench.runner.plan import RunPlan, make_plan, run_dir_of
 from ptbench.runner.rank import packages, run_rank
@@ -68,6 +68,9 @@ def launch(cfg: DictConfig) -> int:
         return run_rank(cfg, plan, ctx, run_dir=None)
 
     plan, _ = plan_run(cfg, "local")
+    plan = dataclasses.replace(plan, warnings=tuple(contention_warnings(cfg, plan.world_size)))
+    for w in plan.warnings:  # before our own record exists: it is not one of the other runs
+        print(f"warning: {w}", file=sys.stderr, flush=True)
     command = adapter_cls.launch_command(cfg, plan.world_size)
     if command:
         plan = dataclasses.replace(plan, start_method=None)

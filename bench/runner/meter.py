@@ -282,7 +282,7 @@ class Meter:
         return schema.check(summary, schema.SUMMARY, "summary.json", deep=True)
 
     def _warnings(self, epochs: list[dict], timed: list[dict], leaked: int) -> list[str]:
-        warnings = []
+        warnings = list(self.plan.warnings)  # found before launch (contention)
         data_share = [e["data_share"] for e in timed if e.get("data_share") is not None]
         if data_share and max(data_share) > 0.10:
             warnings.append(

@@ -44,6 +44,9 @@ class RunPlan:
     # launcher=local: how the ranks were started (spawn | fork, ptbench.runner.checks.start_method); None
     # when another launcher (torchrun, srun, horovodrun) started them
     start_method: str | None = field(default=None, compare=False)
+    # launcher=local: what makes this run's times suspect, found before launch (checks.contention_warnings);
+    # recorded first in the summary's `warnings`
+    warnings: tuple[str, ...] = field(default=(), compare=False)
 
     # the layout's numbers under the names the launcher, ranks and trainer use
     @property

@@ -15,6 +15,11 @@ point already has an ok record under results.root/results.experiment is skipped 
 
 A point whose run ends `oom` is run once more with half its per-device batch, as its own point with
 `extra.batch_reduced_from` (`oom_retry`).
+
+Repeats (`python -m ptbench.sweep run --repeats N`, issue 29) run every point N times, interleaved (all
+points once, then all again); each run carries `results.repeat` (not part of the point id) and, with
+`--vary-seed`, trainer.seed + repeat under the same pinned point id (`repeat_overrides`); skip_done
+skips only a repeat that already has an ok record.
 """
 
 from __future__ import annotations
@@ -184,9 +189,28 @@ def apply_hydra_context(cfg) -> None:
 
 
 # --- what was run already --------------------------------------------------------------------------
-def ok_record(folders, point: str) -> Path | None:
-    """The first run folder under `folders` whose summary says this point finished ok."""
-    return next((path.parent for path, s in point_records(folders, point) if s.get("status") == "ok"), None)
+def record_repeat(run_dir: Path) -> int:
+    """The repeat index a record ran as (results.repeat in its config.yaml; 0 when absent)."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return 0
+    return int((cfg.get("results") or {}).get("repeat") or 0)
+
+
+def ok_record(folders, point: str, repeat: int | None = None) -> Path | None:
+    """The first run folder under `folders` whose summary says this point finished ok (and, given
+    `repeat`, ran as that repeat: `--resume` of a sweep with --repeats counts repeats)."""
+    return next(
+        (
+            path.parent
+            for path, s in point_records(folders, point)
+            if s.get("status") == "ok" and (repeat is None or record_repeat(path.parent) == repeat)
+        ),
+        None,
+    )
 
 
 def newest_status(cfg) -> str | None:
@@ -201,10 +225,23 @@ def skip_if_done(cfg, out=None) -> bool:
     out = out or sys.stdout  # looked up at call time: pytest's capsys and redirections replace sys.stdout
     if not (cfg.results.skip_done and cfg.results.point):
         return False
-    done = ok_record(point_folders(cfg.results), cfg.results.point)
+    repeat = cfg.results.get("repeat") or 0
+    done = ok_record(point_folders(cfg.results), cfg.results.point, repeat)
     if done and os.environ.get("SLURM_PROCID", "0") == "0":  # one line per point, not per rank
-        print(f"point {cfg.results.point} already ok in {done}: skipped (results.skip_done=true)", file=out, flush=True)
+        which = f"point {cfg.results.point}" + (f" repeat {repeat}" if repeat else "")
+        print(f"{which} already ok in {done}: skipped (results.skip_done=true)", file=out, flush=True)
     return done is not None
+
+
+def repeat_overrides(overrides: list[str], repeat: int, vary_seed: bool = False, extra=()) -> list[str]:
+    """The overrides of repeat `repeat` of a point: `results.repeat=R` (outside the point's identity,
+    as all of results.* is) and, with `vary_seed` (statistical-efficiency runs), trainer.seed = the point's
+    seed + R, with results.point pinned to the point's id so every repeat stays one point."""
+    out = [*overrides, f"results.repeat={repeat}"]
+    if vary_seed and repeat:
+        cfg = compose_point([*overrides, *extra])
+        out += [f"trainer.seed={cfg.trainer.seed + repeat}", f"results.point={cfg.results.point}"]
+    return out
 
 
 def oom_retry(overrides: list[str]) -> list[str] | None:

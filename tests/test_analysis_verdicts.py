@@ -1,0 +1,78 @@
+"""The report's verdicts (issue 29): with repeats, "Which adapter" says `A is x % ± y % faster than B` or
+`not distinguishable`; runs whose record warns of contention are kept out unless asked; the noise floor."""
+
+import json
+
+from test_analysis import _epoch, write_run
+
+from ptbench.analysis import load
+from ptbench.analysis.report import noise_floor, which_adapter, which_adapter_lines
+
+
+def _runs(root, name, adapter, walls, settings=None, warnings=None):
+    for i, w in enumerate(walls):
+        epochs = [_epoch(e, 2.0, 10, 8, 1, partial=False, wall_time_s=w * (e + 1)) for e in range(2)]
+        d = write_run(root, f"{name}{i}", adapter, 1, epochs=epochs, settings=settings)
+        if warnings:
+            s = json.loads((d / "summary.json").read_text())
+            (d / "summary.json").write_text(json.dumps({**s, "warnings": warnings}))
+
+
+def test_which_adapter_gives_an_interval_and_keeps_contended_runs_out(tmp_path):
+    root = tmp_path / "r"
+    _runs(root, "ddp", "ddp", [10.0, 10.2, 9.9])
+    _runs(root, "z", "zero", [12.0, 12.1, 11.9], settings={"stage": 1})
+    _runs(root, "busy", "fsdp", [3.0], warnings=["contention: 4 rank(s) x 1 thread(s) on 2 CPU(s) ..."])
+    df = load(root)
+    v = which_adapter(df)["wl"]
+    assert v["fastest"]["label"] == "ddp gb=8/replica"  # the contended fsdp run (3 s) is left out
+    assert "`ddp gb=8/replica` x1 is 19.6 % ± 3.8 % faster" in v["fastest"]["versus"]  # 12.0 / 10.03, Welch t
+    assert "faster than `zero stage=1 gb=8/replica` x1" in v["fastest"]["versus"]
+    assert any(u.startswith("left out for contention") and "busy0" in u for u in v["undecided"])
+    assert which_adapter(df, include_contended=True)["wl"]["fastest"]["label"] == "fsdp gb=8/replica"
+    # inside a 25 % noise floor the same difference is not distinguishable
+    lines = "\n".join(which_adapter_lines(df, noise=0.25))
+    assert "Noise floor (A/A, `python -m ptbench.sweep noise`): ±25.0 %" in lines
+    assert "against the next: not distinguishable" in lines
+
+
+def test_noise_floor_is_the_newest_aa_measurement(tmp_path):
+    assert noise_floor(tmp_path) == 0.0
+    (tmp_path / "exp" / "noise").mkdir(parents=True)
+    (tmp_path / "exp" / "noise" / "noise-1.json").write_text(json.dumps({"kind": "A/A", "noise_floor": 0.031}))
+    (tmp_path / "exp" / "noise" / "noise-2.json").write_text(json.dumps({"kind": "A/B", "noise_floor": None}))
+    assert noise_floor(tmp_path) == 0.031
+
+
+def test_report_tables_carry_intervals_and_claims_give_verdicts(tmp_path):
+    from ptbench.analysis.claims import fastest
+    from ptbench.analysis.report import write_report
+    from ptbench.analysis.tables import runs
+
+    root = tmp_path / "r"
+    _runs(root, "ddp", "ddp", [10.0, 10.2, 9.9])
+    _runs(root, "z", "zero", [12.0, 12.1, 11.9], settings={"stage": 1})
+    report = write_report(root, tmp_path / "out").read_text()
+    assert "### Intervals over repeats" in report
+    t = __import__("pandas").read_csv(tmp_path / "out" / "intervals.csv")
+    assert {"repeats", "epoch_time_used_s_lo", "epoch_time_used_s_hi", "samples_per_s_lo"} <= set(t.columns)
+    assert set(t["repeats"]) == {3}
+    # the claims' "fastest framework": a verdict with its interval; equal times: not distinguishable
+    per_run = runs(load(root))
+    per_run["time_per_sample_used_s"] = [1.0, 1.02, 0.99, 1.2, 1.21, 1.19]
+    found = fastest(per_run)[0]["numbers"]
+    assert "`ddp gb=8/replica`" not in found and "ddp gb=8/replica is 19.6 % ± 3.8 % faster than zero" in found
+    per_run["time_per_sample_used_s"] = [1.0, 1.02, 0.99, 1.0, 0.99, 1.02]
+    assert "not distinguishable" in fastest(per_run)[0]["numbers"]
+
+
+def test_epoch_time_table_and_figure_carry_the_95_interval(tmp_path):
+    from ptbench.analysis import plots
+    from ptbench.analysis.tables import Study
+
+    root = tmp_path / "r"
+    _runs(root, "ddp", "ddp", [10.0, 10.2, 9.9])
+    fig = plots.epoch_time(Study(load(root)))
+    row = fig.bench_data.iloc[0]
+    assert row["runs"] == 3 and row["epoch_time_s"] == 2.0 and row["epoch_time_ci95"] == 0  # equal times
+    assert row["epoch_time_lo"] == row["epoch_time_hi"] == 2.0

@@ -1,0 +1,53 @@
+"""The noise floor (issue 29): trainer.inject_fault=slow@FRACTION slows every step by that fraction, and the
+A/A / A/B statistics of `python -m ptbench.sweep noise` (ptbench.analysis.stats noise_result)."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ptbench.analysis.stats import NOT_DISTINGUISHABLE, noise_result
+from ptbench.core.config import TrainerConfig
+from ptbench.core.errors import ConfigError
+from ptbench.runner.checks import check_config
+from ptbench.runner.faults import Faults
+from ptbench.runner.points import compose_point
+
+
+def _loop(faults, steps=12, work=0.02):
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        if faults:
+            faults.before_step(step)
+        time.sleep(work)  # the step's own work
+        times.append(time.perf_counter() - t0)
+    return times[2:]
+
+
+def test_slow_fault_slows_every_step_by_its_fraction():
+    base = sorted(_loop(None))[len(_loop(None)) // 2]
+    slow = _loop(Faults(TrainerConfig(inject_fault="slow@0.5"), rank=0))
+    ratio = sorted(slow)[len(slow) // 2] / base
+    assert 1.35 < ratio < 1.7  # 1.5 with the loop's own overhead and a shared CPU's jitter
+
+
+def test_slow_fault_is_checked():
+    check_config(compose_point(["experiment=smoke", "trainer.inject_fault=slow@0.15"]))
+    with pytest.raises(ConfigError, match="slow@FRACTION"):
+        check_config(compose_point(["experiment=smoke", "trainer.inject_fault=slow@fast"]))
+
+
+def test_noise_result_known_answers(tmp_path):
+    a = [0.100, 0.104, 0.098, 0.102, 0.101]
+    slow = noise_result(a, [t * 1.15 for t in a], "A/B")
+    assert slow["ratio"] == pytest.approx(1.15) and slow["verdict"].startswith("B is 15.0 % ± 0.0 % slower than A")
+    aa = noise_result(a, [0.101, 0.099, 0.103, 0.100, 0.102])
+    assert aa["verdict"] == NOT_DISTINGUISHABLE and 0 < aa["noise_floor"] < 0.05
+    f = tmp_path / "noise.json"
+    f.write_text(json.dumps({"kind": "A/B", "a": a, "b": [t * 1.15 for t in a], "b_overrides": ["x=1"]}))
+    out = subprocess.run([sys.executable, "-m", "ptbench.analysis", "noise", str(f)], capture_output=True, text=True)
+    assert out.returncode == 0 and "noise A/B (B: x=1): B/A step time 1.1500 [1.1500, 1.1500]" in out.stdout
+    assert json.loads(f.read_text())["verdict"].startswith("B is 15.0 %")
