@@ -112,9 +112,9 @@ def point_folders(results) -> set[Path]:
     return {Path(results.root) / results.experiment, Path(results.dir or results.root)}
 
 
-def point_records(folders, point: str):
-    """(summary.json path, summary) of every record of `point` under `folders`: each record folder
-    once (the folders may nest), in path order; a summary being written (unreadable) is passed over."""
+def summaries(folders):
+    """(summary.json path, summary) of every record under `folders`: each record folder once (the folders
+    may nest), in path order; a summary being written (unreadable) is passed over."""
     seen = set()
     for root in map(Path, folders):
         for path in sorted(root.rglob("summary.json")) if root.is_dir() else []:
@@ -126,8 +126,14 @@ def point_records(folders, point: str):
                 s = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            if s.get("point") == point:
-                yield path, s
+            yield path, s
+
+
+def point_records(folders, point: str):
+    """(summary.json path, summary) of every record of `point` under `folders` (`summaries`)."""
+    for path, s in summaries(folders):
+        if s.get("point") == point:
+            yield path, s
 
 
 def new_run_id(adapter: str, workload: str, world_size: int) -> str:

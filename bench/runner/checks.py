@@ -211,18 +211,12 @@ def affinity_cpus() -> int:
 def running_harness_runs(results_root, exclude_pids=()) -> list[str]:
     """Other runs of this harness going now on this host: `running` summaries under results_root whose
     owner (host, pid, start time) is alive here (ptbench.core.records.owner_gone says not gone)."""
-    import json
     import socket
 
-    from ptbench.core.records import owner_gone
+    from ptbench.core.records import owner_gone, summaries
 
     host, found = socket.gethostname(), []
-    root = Path(results_root)
-    for path in sorted(root.rglob("summary.json")) if root.is_dir() else []:
-        try:
-            s = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+    for path, s in summaries([results_root]):
         o = s.get("owner") if isinstance(s, dict) and s.get("status") == "running" else None
         if not isinstance(o, dict) or o.get("host") != host or o.get("pid") in (os.getpid(), *exclude_pids):
             continue
