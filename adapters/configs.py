@@ -2,7 +2,8 @@
 
 This module imports no framework (dataclasses and the base schema only), so Hydra can check a
 config before any rank starts and before any framework is imported. Each schema is stored in the
-ConfigStore as `adapter/<name>_schema`, and conf/adapter/<name>.yaml names it first in its
+ConfigStore as `adapter_<name>_schema` (no group: `--help` does not list it), and conf/adapter/<name>.yaml
+names it first (`/adapter_<name>_schema@_here_`) in its
 defaults list and holds only what differs from it. A key of another adapter
 (`adapter=ddp adapter.stage=3`) is therefore refused by Hydra, naming the key.
 
@@ -117,4 +118,5 @@ SCHEMAS: dict[str, type[AdapterConfig]] = {
 
 def store_schemas(cs: ConfigStore) -> None:
     for name, schema in SCHEMAS.items():
-        cs.store(group="adapter", name=f"{name}_schema", node=schema)
+        # outside the `adapter` group, so `--help` lists only adapters a user can choose (issue 31)
+        cs.store(name=f"adapter_{name}_schema", node=schema)

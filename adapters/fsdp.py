@@ -69,7 +69,12 @@ class FSDPAdapter(Adapter):
     @classmethod
     def cost_inputs(cls, cfg) -> CostInputs:
         # MixedPrecisionPolicy: bf16/fp16 parameters gathered, fp32 sharded master and gradient reduction
-        return CostInputs(sharding="fsdp", half_gather=True, reshard_after_forward=cfg.adapter.reshard_after_forward)
+        return CostInputs(
+            sharding="fsdp",
+            half_gather=True,
+            reshard_after_forward=cfg.adapter.reshard_after_forward,
+            root_unit_gathered=True,  # the root unit is wrapped reshard_after_forward=False (as torchtitan)
+        )
 
     @classmethod
     def check(cls, cfg, world_size: int) -> None:

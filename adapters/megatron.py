@@ -155,6 +155,8 @@ class MegatronAdapter(Adapter):
             schedule=a.schedule if a.pipeline_parallel > 1 else "none",
             sequence_parallel=a.sequence_parallel,
             cpu_attention_scores=True,  # the local layer spec on CPU materializes the scores; TE on CUDA fuses them
+            vocab_parallel_loss=True,  # vocab-parallel embedding, output layer and cross-entropy (parallel_output)
+            tied_embedding_stages=True,  # share_embeddings_and_output_weights: megatron-core's embedding group
         )
 
     @classmethod

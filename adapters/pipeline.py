@@ -85,7 +85,8 @@ class PipelineAdapter(Adapter):
     @classmethod
     def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
         # the schedule runs the whole step (sends, bubbles, the dp gradient reduction) in one timed phase
-        return CostInputs(schedule=cfg.adapter.schedule, step_phase="forward_backward")
+        # a language model's tied embedding spans the first and last stage (adapters/_pipeline.py TiedPair)
+        return CostInputs(schedule=cfg.adapter.schedule, step_phase="forward_backward", tied_embedding_stages=True)
 
     @classmethod
     def checkpoint_refusal(cls, cfg: BenchConfig) -> None:

@@ -127,6 +127,10 @@ class ZeroAdapter(Adapter):
             half_gather=True,
             offload_optimizer=bool(a.offload_optimizer),
             offload_params=bool(a.offload_params),
+            # DeepSpeed 0.19: zero_optimization.use_multi_rank_bucket_allreduce (default true) all-reduces ZeRO-1/2's
+            # gradient buckets; stage3_max_live_parameters (default 1e9): below it gathered parameters stay for backward
+            grad_bucket_all_reduce=a.stage in (1, 2),
+            live_params_limit=1_000_000_000 if a.stage == 3 else 0,
         )
 
     @classmethod

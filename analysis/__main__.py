@@ -1,4 +1,5 @@
-"""`python -m ptbench.analysis report RESULTS_DIR --out DIR`: all figures, tables and report.md, no Jupyter.
+"""`python -m ptbench.analysis report RESULTS_DIR [--out DIR]`: all figures, tables and report.md, no Jupyter
+(into RESULTS_DIR/report unless --out names another folder).
 `python -m ptbench.analysis noise FILE`: the statistics of a `python -m ptbench.sweep noise` measurement."""
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="figures (PNG+SVG), CSV tables and report.md from a tree of run records")
     r.add_argument("results", help="folder holding run records (searched recursively)")
-    r.add_argument("--out", required=True, help="folder for report.md, figures/ and the CSV tables")
+    r.add_argument(
+        "--out", default=None, help="folder for report.md, figures/ and the CSV tables (default: RESULTS/report)"
+    )
     r.add_argument(
         "--baseline",
         default="best",
@@ -41,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     from ptbench.analysis.report import write_report
 
     try:
-        path = write_report(args.results, args.out, baseline=args.baseline, include_contended=args.include_contended)
+        from pathlib import Path
+
+        out = args.out if args.out is not None else Path(args.results) / "report"
+        path = write_report(args.results, out, baseline=args.baseline, include_contended=args.include_contended)
     except (FileNotFoundError, AnalysisError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -255,10 +255,11 @@ def claims_lines(per_run: pd.DataFrame, include_contended: bool = False) -> list
         "",
     ]
     for workload, found in claims(per_run, include_contended).items():
-        lines += [f"### {workload}", "", "| claim | verdict | numbers | runs |", "|---|---|---|---|"]
-        for c in found:
-            lines.append(f"| {c['claim']} | **{c['verdict']}** | {c['numbers']} | {', '.join(c['runs']) or '-'} |")
-        lines.append("")
+        table = pd.DataFrame(
+            [(c["claim"], f"**{c['verdict']}**", c["numbers"], ", ".join(c["runs"]) or "-") for c in found],
+            columns=["claim", "verdict", "numbers", "runs"],
+        )
+        lines += [f"### {workload}", "", table.to_markdown(index=False, tablefmt="pipe", disable_numparse=True), ""]
     retried = oom_retried(per_run) if len(per_run) else pd.DataFrame()
     lines += ["### Points retried after running out of memory", ""]
     if len(retried):

@@ -25,6 +25,7 @@ rule, e.g. "zero stage=3 gb=8/replica". Adding runs to a folder never renames an
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -104,6 +105,18 @@ class NoRecords(AnalysisError):
 
     def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: {self}"]
+
+
+def user_path(path: str | Path) -> Path:
+    """A folder as the user typed it (`~` and $VARS expanded), absolute. A relative path is taken from the
+    folder the user's shell was in ($PWD) when it started Jupyter or papermill, not from the notebook's own
+    folder (where Jupyter starts its kernels); without $PWD, from the current directory."""
+    p = Path(os.path.expandvars(os.path.expanduser(str(path))))
+    if p.is_absolute():
+        return p
+    pwd = os.environ.get("PWD")
+    base = Path(pwd) if pwd and Path(pwd).is_dir() else Path.cwd()
+    return (base / p).resolve()
 
 
 def find_runs(root: str | Path) -> list[Path]:
@@ -492,6 +505,12 @@ def load_run(run_dir: str | Path) -> list[dict]:
     for e in events:
         row = dict(base)
         row.update({k: v for k, v in e.items() if k not in EVENT_SKIP and not isinstance(v, (list, dict))})
+        # the timed steps' times (a list per epoch): the point's step-time median and its bootstrap interval
+        row["step_times_s"] = e["step_times_s"] if isinstance(e.get("step_times_s"), list) else None
+        est = e.get("epoch_time_estimate")  # trainer.timing_sample: the epoch's whole time is an estimate
+        if isinstance(est, dict):
+            row.update({f"epoch_time_estimate_{k}": est.get(k) for k in ("value_s", "lo_s", "hi_s", "steps_in_epoch")})
+            row["epoch_time_estimate_s"] = row.pop("epoch_time_estimate_value_s")
         row.update(_memory_fields(e, base.get("offload_optimizer"), base.get("offload_params")))
         rows.append(row)
     return rows

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import textwrap
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -52,9 +53,35 @@ def save(fig: Figure, out: str | Path | None, name: str) -> Figure:
     return fig
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
+DASHES = ("-", "--", ":", "-.")
+
+
 def _palette(labels) -> dict:
+    """Series -> line style: a colour, a marker shape and a dash pattern of its own, so series stay apart
+    in print, in grey and where they overplot (open markers of different shapes show through each other)."""
     labels = sorted(set(labels))
-    return dict(zip(labels, sns.color_palette("colorblind", max(len(labels), 1))))
+    colors = sns.color_palette("colorblind", max(len(labels), 1))
+    return {
+        lab: {"color": colors[i % len(colors)], "marker": MARKERS[i % len(MARKERS)], "linestyle": DASHES[i % 4]}
+        for i, lab in enumerate(labels)
+    }
+
+
+def _coinciding(curves: dict) -> dict:
+    """{series: the earlier series it lies on} for series whose (x, y) points equal another's (relative
+    1e-3: closer than a line's width), e.g. adapters doing the same maths on one validation curve."""
+    on, seen = {}, []
+    for name, (xs, ys) in curves.items():
+        xs, ys = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+        for other, (ox, oy) in seen:
+            if len(xs) == len(ox) and len(xs) and np.allclose(xs, ox, rtol=1e-3, equal_nan=True):
+                if np.allclose(ys, oy, rtol=1e-3, equal_nan=True):
+                    on[name] = on.get(other, other)
+                    break
+        else:
+            seen.append((name, (xs, ys)))
+    return on
 
 
 def _log2_devices(ax, devices) -> None:
@@ -74,24 +101,44 @@ def _grid(n_rows: int, n_cols: int, w: float = 5.0, h: float = 3.6, sharey: bool
     return fig, axes
 
 
+def _plot(ax, xs, ys, style: dict, label: str):
+    return ax.plot(xs, ys, **style, label=label, markerfacecolor="none", markeredgewidth=1.4, markersize=7)
+
+
 def _lines(ax, data: pd.DataFrame, x: str, y: str, by: str, colors: dict, sd: str | None = None) -> None:
     """One labelled line per `by` value (its label is the series name, so tests and legends find it)."""
     for name, sub in data.groupby(by, sort=True):
         sub = sub.sort_values(x)
-        ax.plot(sub[x], sub[y], marker="o", color=colors[name], label=name)
+        _plot(ax, sub[x], sub[y], colors[name], name)
         if sd is not None and sub[sd].notna().any():
-            ax.errorbar(sub[x], sub[y], yerr=sub[sd].fillna(0), fmt="none", ecolor=colors[name], capsize=3)
+            ax.errorbar(sub[x], sub[y], yerr=sub[sd].fillna(0), fmt="none", ecolor=colors[name]["color"], capsize=3)
 
 
-def _legend(ax, **kw) -> None:
-    """Inside the axes when short, outside on the right when it would cover the data."""
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))  # repeats of one series share one entry
-    labels = sorted(unique, key=lambda t: t == FAILED_LEGEND)  # the red x's entry last
-    handles = [unique[t] for t in labels]
-    if len(labels) > 4:
-        kw.update(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
-    ax.legend(handles, labels, fontsize=8, **kw)
+COINCIDE_NOTE = "= X: same values as series X, drawn on top of it"
+
+
+def _legend(fig: Figure, loc: str = "outside lower center", on: dict | None = None, **kw) -> None:
+    """One legend for the whole figure, outside the axes (constrained layout makes room for it, so the
+    axes keep their size): entries of every axes, each once, the red x's entry last. `on`
+    ({series: series it lies on}) adds "= X" to a coinciding series' entry and a note to the title."""
+    unique = {}
+    for ax in fig.axes:
+        for h, t in zip(*ax.get_legend_handles_labels()):
+            unique.setdefault(t, h)  # repeats of one series share one entry
+    labels = sorted(unique, key=lambda t: t == FAILED_LEGEND or t.endswith("(not finished)"))
+    if not labels:
+        return
+    texts = [f"{t}  = {on[t]}" if on and t in on else t for t in labels]
+    if on:
+        kw["title"] = (kw.get("title", "") + "\n" if kw.get("title") else "") + COINCIDE_NOTE
+    if loc.endswith("center"):  # below: as many columns as the figure's width holds, the figure taller by its rows
+        width_pt = fig.get_figwidth() * 72
+        kw.setdefault("ncols", max(1, min(len(texts), int(width_pt // (5.2 * max(map(len, texts)) + 40)))))
+        rows = -(-len(texts) // kw["ncols"]) + (kw.get("title") or "").count("\n") + bool(kw.get("title"))
+        fig.set_figheight(fig.get_figheight() + rows * 8 * 1.5 / 72 + 0.15)
+    fig.legend(
+        [unique[t] for t in labels], texts, loc=loc, fontsize=8, title_fontsize=8, frameon=False, alignment="left", **kw
+    )
 
 
 FAILED_LEGEND = "not finished (see report)"
@@ -180,7 +227,7 @@ def epoch_time(data: pd.DataFrame | Study, out=None, name: str = "epoch_time") -
         ax.set_ylim(bottom=0)
         ax.set_ylabel("epoch time (s), steady")
         ax.set_title(f"{wl}: epoch time")
-        _legend(ax)
+    _legend(fig)
     fig.bench_data = data
     fig.bench_failed = _concat(failed)
     return save(fig, out, name)
@@ -208,14 +255,13 @@ def speedup(data: pd.DataFrame | Study, out=None, baseline: str | None = "best",
                     mine,
                     [d / b0 for d in mine] if col == "speedup" else [1.0] * len(mine),
                     color="grey",
-                    linestyle="--",
+                    linestyle=(0, (1, 1)),
                     linewidth=1,
                     label="ideal",
                 )
             _lines(ax, sub, "devices", col, "label", colors)
             _log2_devices(ax, devs)
             ax.set_ylim(bottom=0)
-            _legend(ax)
         failed.append(bad)
         row[0].set_ylabel("speedup")
         row[1].set_ylabel("scaling efficiency")
@@ -228,6 +274,7 @@ def speedup(data: pd.DataFrame | Study, out=None, baseline: str | None = "best",
                 f"{wl}: speedup vs {base}\n({sub['baseline_epoch_time_s'].iloc[0]:.3g} s/epoch)", fontsize=10
             )
             row[1].set_title(f"{wl}: efficiency vs {base}", fontsize=10)
+    _legend(fig)
     fig.bench_data = data
     fig.bench_failed = _concat(failed)
     return save(fig, out, name)
@@ -250,14 +297,17 @@ def val_metric(data: pd.DataFrame | Study, out=None, x: str = "epoch", name: str
     workloads = sorted(d["workload"].unique())
     fig, axes = _grid(1, len(workloads))
     colors = _palette(d["series"])
-    failed = []
+    failed, on = [], {}
     for ax, wl in zip(axes[0], workloads):
         sub = d[d["workload"] == wl]
         # one line per run, repeats share a colour: a series' runs are one Line2D broken by NaN between runs
         # (drawn the same as a line each, at a fraction of the artists a study of thousands of runs needs)
+        curves = {}
         for series, runs_of in sub.sort_values(["run_id", "epoch"]).groupby("series", sort=True):
             xs, ys = _broken(runs_of, x), _broken(runs_of, "val_metric")
-            ax.plot(xs, ys, marker="o", color=colors[series], label=series)
+            _plot(ax, xs, ys, colors[series], series)
+            curves[series] = (xs, ys)
+        on.update(_coinciding(curves))
         failed.append(_list_failed(ax, study, wl))  # x here is not the device count: a legend entry each
         metric = sub["val_metric_name"].iloc[0]
         if metric == "val_perplexity":
@@ -267,7 +317,8 @@ def val_metric(data: pd.DataFrame | Study, out=None, x: str = "epoch", name: str
         if x == "epoch":
             ax.xaxis.set_major_locator(FixedLocator(sorted(sub["epoch"].unique())))
         ax.set_title(f"{wl}: {metric.replace('val_', 'validation ')} vs {'epoch' if x == 'epoch' else 'time'}")
-        _legend(ax, title="series x devices", title_fontsize=8)
+    _legend(fig, on=on, title="series x devices")
+    fig.bench_coincide = on
     fig.bench_data = d[
         ["workload", "label", "devices", "run_id", "epoch", "wall_time_s", "val_metric", "val_metric_name"]
     ]
@@ -319,6 +370,7 @@ def memory(data: pd.DataFrame | Study, out=None, name: str = "memory", max_cols:
     for ax_row, row in zip(axes, rows):
         for ax in ax_row[len(row) :]:
             ax.set_axis_off()
+        ax_row[0].set_ylabel(textwrap.fill(ylabel, 40), fontsize=8)  # once per row, not beside every panel
         for ax, (wl, lab) in zip(ax_row, row):
             if wl in first_of:
                 ax.sharey(first_of[wl])
@@ -328,10 +380,8 @@ def memory(data: pd.DataFrame | Study, out=None, name: str = "memory", max_cols:
             devs = sorted({*sub["devices"].astype(int), *bad["devices"].astype(int)})
             pos = {d: i for i, d in enumerate(devs)}
             offload = _join(sub["offload"])
-            ax.set_title(
-                f"{wl}: {lab}" + (f"\n[{offload} held on CPU: not in the bars]" if offload else ""),
-                fontsize=9 if offload else 10,
-            )
+            title = textwrap.fill(f"{wl}: {lab}", 30)  # long series names wrap instead of running into the next panel
+            ax.set_title(title + (f"\n[{offload} held on CPU: not in the bars]" if offload else ""), fontsize=9)
             xs = [pos[int(d)] for d in sub["devices"]]
             bottom = np.zeros(len(sub))
             for col, text in parts:  # without recorded states the whole peak is "rest"
@@ -369,14 +419,15 @@ def memory(data: pd.DataFrame | Study, out=None, name: str = "memory", max_cols:
             ax.set_xlim(-0.6, len(devs) - 0.4)
             ax.margins(y=0.1)
             ax.set_xlabel("devices")
-            ax.set_ylabel(ylabel, fontsize=8)
     handles = {}
     for ax in axes.flat:
         for h, t in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(t, h)
     order = [t for _, t in parts] + ["measured peak", FAILED_LEGEND]  # the stack's parts bottom up, then marks
     texts = sorted(handles, key=lambda t: order.index(t) if t in order else len(order))
-    fig.legend([handles[t] for t in texts], texts, loc="outside right upper", fontsize=8)
+    fig.legend(
+        [handles[t] for t in texts], texts, loc="outside lower center", ncols=len(texts), fontsize=8, frameon=False
+    )
     fig.bench_data = data
     fig.bench_failed = _concat(failed)
     return save(fig, out, name)
@@ -392,7 +443,7 @@ def breakdown(data: pd.DataFrame | Study, out=None, name: str = "breakdown") -> 
     workloads = sorted(data["workload"].unique())
     bad_all = study.not_finished
     n = max(len(data[data["workload"] == w]) for w in workloads) + (len(bad_all) if len(bad_all) else 0)
-    fig, axes = _grid(1, len(workloads), w=min(max(4.0, 0.9 * n + 2), 30), h=3.8)
+    fig, axes = _grid(1, len(workloads), w=min(max(4.0, 0.9 * n + 2), 30), h=4.8)
     colors = dict(zip(phases, sns.color_palette("deep", len(phases))))
     failed = []
     for ax, wl in zip(axes[0], workloads):
@@ -419,7 +470,7 @@ def breakdown(data: pd.DataFrame | Study, out=None, name: str = "breakdown") -> 
         ax.tick_params(axis="x", labelrotation=30)
         for t in ax.get_xticklabels():
             t.set_horizontalalignment("right")
-        _legend(ax)
+    _legend(fig, loc="outside right upper")
     fig.bench_data = data
     fig.bench_failed = _concat(failed)
     return save(fig, out, name)

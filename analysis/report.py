@@ -1,6 +1,6 @@
 """A report without Jupyter: every figure (PNG + SVG), the tidy tables as CSV, and report.md.
 
-python -m ptbench.analysis report RESULTS_DIR --out DIR [--baseline best|per-series|LABEL]
+python -m ptbench.analysis report RESULTS_DIR [--out DIR (default RESULTS_DIR/report)] [--baseline best|per-series|LABEL]
 """
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ def _fmt(v) -> str:
 
 
 def markdown_table(df: pd.DataFrame) -> str:
+    """A GitHub/pipe Markdown table (DataFrame.to_markdown, tabulate), each cell formatted by `_fmt`."""
     if df.empty:
         return "_none_\n"
-    head = "| " + " | ".join(map(str, df.columns)) + " |"
-    rule = "| " + " | ".join("---" for _ in df.columns) + " |"
-    body = ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in df.itertuples(index=False)]
-    return "\n".join([head, rule, *body]) + "\n"
+    cells = df.astype(object).map(_fmt)
+    cells.columns = [_fmt(c) for c in df.columns]
+    return cells.to_markdown(index=False, tablefmt="pipe", disable_numparse=True, stralign="left") + "\n"
 
 
 def _baseline_lines(sp: pd.DataFrame, baseline: str | None) -> list[str]:
@@ -195,8 +195,10 @@ def _versus(values: dict, runner_up: str, noise: float = 0.0) -> str:
 
 def interval_lines(ok_runs: pd.DataFrame, out: Path | None = None) -> list[str]:
     """With repeated points (`python -m ptbench.sweep run --repeats N`): per point, the means over repeats of
-    epoch time, throughput and median step time with 95 % intervals (*_lo / *_hi; intervals.csv)."""
-    if ok_runs.empty or ok_runs.groupby(["workload", "label", "devices"])["run_id"].count().max() < 2:
+    epoch time, throughput and median step time with 95 % intervals (*_lo / *_hi; intervals.csv). Records with
+    per-step times (`step_times_s`) give every point its median step time's bootstrap interval, one run or more."""
+    steps = "step_times_s" in ok_runs and ok_runs["step_times_s"].map(lambda x: isinstance(x, list)).any()
+    if ok_runs.empty or (not steps and ok_runs.groupby(["workload", "label", "devices"])["run_id"].count().max() < 2):
         return []
     t = point_stats(ok_runs, ("workload", "label", "devices"))
     if out is not None:
@@ -206,7 +208,7 @@ def interval_lines(ok_runs: pd.DataFrame, out: Path | None = None) -> list[str]:
             c
             for c in t.columns
             if c in ("workload", "label", "devices", "repeats")
-            or c.startswith(("epoch_time_used", "samples_per_s", "step_time_p50"))
+            or c.startswith(("epoch_time_used", "samples_per_s", "step_time_median"))
         ]
     ]
     return [
@@ -214,9 +216,36 @@ def interval_lines(ok_runs: pd.DataFrame, out: Path | None = None) -> list[str]:
         "### Intervals over repeats",
         "",
         "Mean over a point's repeats with a 95 % Student-t interval (`_lo`, `_hi`; one repeat: none); "
-        "comparisons below use these runs (ptbench.analysis.stats).",
+        "`step_time_median` is the median of all the point's timed steps (every repeat) with a 95 % percentile "
+        "bootstrap interval; comparisons below use these runs (ptbench.analysis.stats).",
         "",
         markdown_table(shown),
+        "",
+    ]
+
+
+def estimate_lines(ok_epochs: pd.DataFrame) -> list[str]:
+    """Epochs whose time is an ESTIMATE (trainer.timing_sample: measured until the step-time interval was narrow
+    enough), each with its interval and the steps measured."""
+    if "epoch_time_estimate_s" not in ok_epochs or ok_epochs["epoch_time_estimate_s"].isna().all():
+        return []
+    e = ok_epochs[ok_epochs["epoch_time_estimate_s"].notna()]
+    rows = [
+        f"- `{r.label}` x{int(r.devices)} epoch {int(r.epoch)}: **estimate** {r.epoch_time_estimate_s:.3g} s "
+        f"[{r.epoch_time_estimate_lo_s:.3g}, {r.epoch_time_estimate_hi_s:.3g}] from {int(r.steps)} of "
+        f"{int(r.epoch_time_estimate_steps_in_epoch)} steps ({r.run_id})"
+        for r in e.itertuples()
+    ]
+    return [
+        "",
+        "### Estimated epoch times (sampled timing)",
+        "",
+        f"{len(e)} epoch(s) were measured only until the 95 % interval of the mean step time was narrow enough "
+        "(`trainer.timing_sample`): their epoch times are estimates, not measurements; the tables use the "
+        "measured part (time per sample).",
+        "",
+        *rows[:20],
+        *([f"- ... and {len(rows) - 20} more"] if len(rows) > 20 else []),
         "",
     ]
 
@@ -501,19 +530,134 @@ def comm_lines(data: pd.DataFrame | Study, reports: list[dict], out: Path | None
     ]
 
 
+def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
+    """The "Why" section (issue 30): from the records of runs profiled with trainer.profile, the communication
+    ledger (formula vs measured bytes, with the framework differences that correct the formula), exposed
+    communication, the pipeline bubble beside (p-1)/(m+p-1), and the slowest rank of each epoch; with
+    `python -m ptbench.comm` reports, each kind's formula bytes at the measured bus bandwidth."""
+    import json
+
+    from ptbench.analysis.tables import comm_time
+
+    if df.empty or "run_dir" not in df:
+        return []
+    ledger, bubble, strag, diffs = [], [], [], {}
+    for run_dir, rows in df.groupby("run_dir", sort=True):
+        path = Path(run_dir) / "summary.json"
+        try:
+            s = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        label = str(rows["label"].iloc[0]) if "label" in rows else str(s.get("adapter"))
+        name = f"{label} ({s.get('run_id', Path(run_dir).name)})"
+        prof = s.get("profile") or {}
+        ranks = prof.get("ranks") or []
+        if prof.get("ledger") and ranks:
+            exposed = sum(r["exposed_comm_s"] for r in ranks) / len(ranks)
+            step = sum(r["step_time_s"] for r in ranks) / len(ranks)
+            formula = prof.get("formula") or {}
+            for r in prof["ledger"]:
+                if not r["measured_bytes"] and not r["formula_bytes"]:
+                    continue
+                same = [c for c in formula.get("collectives", []) if c["op"] == r["kind"]]
+                at_bw = comm_time(same, formula.get("backend"), reports or [])[0] if same else None
+                ledger.append(
+                    {
+                        "run": name,
+                        "collective": r["kind"],
+                        "formula MB": None if r["formula_bytes"] is None else r["formula_bytes"] / 1e6,
+                        "measured MB": r["measured_bytes"] / 1e6,
+                        "measured/formula": r["ratio"],
+                        "time ms": 1e3 * r["time_s"],
+                        "ms at measured busbw": None if at_bw is None else 1e3 * at_bw,
+                        "exposed ms (all kinds)": 1e3 * exposed,
+                        "exposed share of step": exposed / step if step else None,
+                    }
+                )
+            for d in (prof.get("formula") or {}).get("differences", []):
+                diffs.setdefault(d, []).append(name)
+        b = prof.get("bubble")
+        if b:
+            bubble.append(
+                {
+                    "run": name,
+                    "stages": b["stages"],
+                    "m": b["microbatches"],
+                    "theory": b["theory"],
+                    "wall": b["mean"],
+                    "replayed": b.get("replayed_mean"),
+                    "replayed/theory": b.get("replayed_ratio"),
+                }
+            )
+        events = Path(run_dir) / "events.jsonl"
+        try:
+            evs = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
+        except (OSError, ValueError):
+            evs = []
+        for e in evs:
+            if e.get("slowest_rank") is None or e.get("rank_comm_wait_s") is None:
+                continue
+            strag.append(
+                {
+                    "run": name,
+                    "epoch": e.get("epoch"),
+                    "slowest rank": e["slowest_rank"],
+                    "step time per rank (ms)": " ".join(f"{1e3 * v:.1f}" for v in e.get("rank_step_time_mean_s") or []),
+                    "collective wait per rank (ms/step)": " ".join(f"{1e3 * v:.1f}" for v in e["rank_comm_wait_s"]),
+                }
+            )
+    if not (ledger or bubble or strag):
+        return []
+    lines = [
+        "## Why (measured from traces, `trainer.profile`)",
+        "",
+        "Runs profiled with `trainer.profile=START:COUNT` (bench/runner/profiling.py) carry Chrome/Perfetto traces "
+        "(`traces/` in the record) and what they measure. Bytes are per optimizer step in nccl-tests' bus volume, "
+        "the busiest rank's; exposed communication is communication time not overlapped by compute on that rank.",
+        "",
+    ]
+    if ledger:
+        lines += ["### Communication ledger: formula vs measured", "", markdown_table(pd.DataFrame(ledger)), ""]
+        if diffs:
+            lines += ["Where the frameworks differ from the papers' formulas (the formula column is corrected):", ""]
+            lines += [f"- {d} ({len(runs)} run(s))" for d, runs in diffs.items()] + [""]
+    if bubble:
+        lines += [
+            "### Pipeline bubble per step: measured beside (p-1)/(m+p-1)",
+            "",
+            markdown_table(pd.DataFrame(bubble)),
+            "",
+            "wall: idle share of the schedule's span as it ran (transfers, the loss and ranks sharing CPU cores "
+            "included); replayed: the measured work items re-timed with the schedule's dependencies, one device "
+            "per stage.",
+            "",
+        ]
+    if strag:
+        lines += [
+            "### Stragglers: who the others wait for",
+            "",
+            markdown_table(pd.DataFrame(strag)),
+            "",
+            "The slowest rank has the most step time outside collective waits: a straggler makes the others wait "
+            "for it inside their collectives.",
+            "",
+        ]
+    return lines
+
+
 def write_report(
     results_dir: str | Path, out: str | Path, baseline: str | None = "best", include_contended: bool = False
 ) -> Path:
     """Figures into out/figures, tables into out/*.csv, and out/report.md; returns report.md's path."""
     results_dir, out = Path(results_dir), Path(out)
     baseline = baseline or "best"
+    df = load(results_dir)  # a missing results folder: said before any output folder is made
     if out.exists() and not out.is_dir():
         raise AnalysisError(f"--out {out} is a file, not a folder: name a folder (it is made if missing)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise AnalysisError(f"--out {out}: cannot make the folder ({e.strerror or e})") from None
-    df = load(results_dir)
     lines = [
         f"# Benchmark report: {results_dir}",
         "",
@@ -527,10 +671,10 @@ def write_report(
         path = out / "report.md"
         path.write_text("\n".join(lines))
         return path
-    df.to_csv(out / "epochs.csv", index=False)
+    df.drop(columns=["step_times_s"], errors="ignore").to_csv(out / "epochs.csv", index=False)  # lists: not CSV
     study = Study(df)  # every table below and every figure is computed once, from this
     per_run = study.runs
-    per_run.to_csv(out / "runs.csv", index=False)
+    per_run.drop(columns=["step_times_s"], errors="ignore").to_csv(out / "runs.csv", index=False)
 
     counts = per_run["status"].value_counts()
     lines += [
@@ -581,6 +725,7 @@ def write_report(
             ),
         ]
         lines += interval_lines(study.ok_runs, out)
+        lines += estimate_lines(study.ok_epochs)
         capped = study.ok_epochs.groupby("workload")["samples_per_epoch"].nunique()
         if (capped > 1).any():
             lines += [
@@ -593,6 +738,7 @@ def write_report(
         lines += [*_epoch_time_lines(per_run), "Epoch time excludes validation.", ""]
         lines += [*_memory_lines(study), ""]
         lines += comm_lines(study, load_comm(results_dir), out)
+        lines += why_lines(df, load_comm(results_dir))  # issue 30: ledger, bubble, stragglers from profiled runs
 
     bad = study.not_finished
     lines += [

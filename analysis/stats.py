@@ -1,6 +1,7 @@
 """Statistics behind every comparison (issue 29): intervals of a point's times and of ratios, and verdicts.
 
-Method, stated once (scipy is not a dependency; `scipy.stats.bootstrap` is used when it is installed):
+Method, stated once (scipy is not a dependency; `scipy.stats.bootstrap`, method percentile, is used when it is
+installed, else the same percentile bootstrap in numpy):
 - a point's median step time from its per-step times (`step_times_s` in a record, when the meter writes it):
   a percentile bootstrap of the median, 2000 resamples, numpy's default generator with seed 0 (fixed, so a
   report is reproducible);
@@ -66,11 +67,14 @@ def bootstrap_median(x, level: float = LEVEL, resamples: int = RESAMPLES, seed: 
     med = float(np.median(a))
     if len(a) < 3:
         return Interval(med, math.nan, math.nan, len(a), "too few samples")
+    if a.min() == a.max():  # every sample equal: so is every resample's median
+        return Interval(med, med, med, len(a), "all samples equal")
     try:
         from scipy import stats as sps
 
-        r = sps.bootstrap((a,), np.median, confidence_level=level, n_resamples=resamples, random_state=seed)
-        return Interval(med, float(r.confidence_interval.low), float(r.confidence_interval.high), len(a), "scipy BCa")
+        r = sps.bootstrap((a,), np.median, confidence_level=level, n_resamples=resamples, method="percentile", rng=seed)
+        low, high = float(r.confidence_interval.low), float(r.confidence_interval.high)
+        return Interval(med, low, high, len(a), "scipy percentile bootstrap")
     except ImportError:
         pass
     rng = np.random.default_rng(seed)
@@ -162,6 +166,7 @@ NOISE_FIELDS = {
     "metric": "what a and b hold: each run's median step time (events step_time_p50_s, median over epochs)",
     "a": "arm A's runs, in the interleaved order (s)",
     "b": "arm B's runs, repeat i of B ran right after repeat i of A (s)",
+    "contended_runs": "runs whose record warns of contention (other work on the machine during the run)",
 }
 
 
@@ -194,6 +199,8 @@ def _main(argv=None) -> int:
     args.file.write_text(json.dumps(rec, indent=1) + "\n")
     label = rec.get("kind", "A/A") + (f" (B: {' '.join(rec['b_overrides'])})" if rec.get("b_overrides") else "")
     floor = f"; noise floor ±{100 * res['noise_floor']:.1f} %" if res["noise_floor"] is not None else ""
+    if rec.get("contended_runs"):
+        floor += f" ({rec['contended_runs']} of {len(rec['a']) + len(rec['b'])} runs contended: the machine was busy)"
     print(
         f"noise {label}: B/A step time {res['ratio']:.4f} [{res['lo']:.4f}, {res['hi']:.4f}] "
         f"(95 %, {res['method']}, {res['n']} interleaved pairs): {res['verdict']}{floor}"

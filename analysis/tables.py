@@ -191,6 +191,11 @@ def runs(df: pd.DataFrame) -> pd.DataFrame:
     for col in ("peak_memory_max", "mem_plot_bytes"):
         if col in df:
             out[col] = pd.to_numeric(df[col], errors="coerce").groupby(df["run_dir"], sort=False).max()
+    if "step_times_s" in df:  # every used epoch's timed step times, joined (analysis/stats.py point_stats)
+        lists = df["step_times_s"].where(use, None)
+        out["step_times_s"] = lists.groupby(df["run_dir"], sort=False).agg(
+            lambda ls: [t for x in ls if isinstance(x, list) for t in x] or None
+        )
     out["epochs"] = g["epoch"].count()
     out["partial_epochs"] = (partial & measured).groupby(df["run_dir"], sort=False).sum().astype(int)
     if "partial" in out:

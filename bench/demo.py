@@ -10,6 +10,7 @@ RESULTS/demo/report/.
     python -m ptbench.demo                                  # the default sweep
     python -m ptbench.demo --points ddp:1,ddp:2,zero:2      # choose points (adapter:ranks)
     python -m ptbench.demo --adapters ddp,fsdp --ranks 1,2  # a grid
+    python -m ptbench.demo --repeats 3                      # every point 3 times, interleaved (default 2)
     python -m ptbench.demo -- trainer.epochs=3              # extra overrides for every point
 """
 
@@ -81,7 +82,9 @@ def _record_not_run(root: Path, adapter: str, ranks: int, status: str, error: st
     ).fail(status, error)
 
 
-def run_point(root: Path, adapter: str, ranks: int, extra: list[str], timeout: float) -> tuple[str, str]:
+def run_point(
+    root: Path, adapter: str, ranks: int, extra: list[str], timeout: float, repeat: int | None = None
+) -> tuple[str, str]:
     overrides = [f"adapter={adapter}"]
     try:
         cls = get_adapter_class(adapter)
@@ -94,6 +97,8 @@ def run_point(root: Path, adapter: str, ranks: int, extra: list[str], timeout: f
         return "skipped", msg
     # the adapter's layout first, then the demo's sizes (later overrides win in Hydra)
     overrides += [*cls.smoke_overrides(ranks), *COMMON, *extra]
+    if repeat is not None:  # outside the point id: the report's intervals and verdicts over a point's repeats
+        overrides.append(f"results.repeat={repeat}")
     run = run_bench(
         overrides, root=root, experiment=EXPERIMENT, timeout=timeout, run_name=(adapter, "gpt2_tiny", ranks)
     )
@@ -119,21 +124,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default="results", help="results root (records go to RESULTS/demo)")
     p.add_argument("--timeout", type=float, default=240, help="seconds per point before it is ended")
     p.add_argument("--keep", action="store_true", help="keep the previous demo's records (they join the report)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="run every point N times, interleaved (ABCABC): the report's 95 %% intervals and verdicts (default 2)",
+    )
     args = p.parse_args(argv)
 
     root = Path(args.results)
     folder = root / EXPERIMENT
     if folder.exists() and not args.keep:
-        shutil.rmtree(folder)
+        # only the previous demo's runs (folders holding a record file); anything else a user saved under
+        # RESULTS/demo/ (a figure, notes) stays, and the report is written over (issue 31)
+        for d in folder.iterdir():
+            if d.is_dir() and any((d / f).is_file() for f in ("summary.json", "env.json", "config.yaml")):
+                shutil.rmtree(d)
     points = parse_points(args)
-    print(f"demo: {len(points)} points into {folder}/ (each a `python -m ptbench` run)", flush=True)
+    repeats = max(1, args.repeats)
+    print(
+        f"demo: {len(points)} points x {repeats} repeat(s), interleaved, into {folder}/ (each a `python -m ptbench` run)",
+        flush=True,
+    )
     t0 = time.perf_counter()
     results = []
-    for adapter, ranks in points:
-        t = time.perf_counter()
-        status, detail = run_point(root, adapter, ranks, extra, args.timeout)
-        results.append(status)
-        print(f"  {adapter:<16} x{ranks}  {status:<8} {detail}  ({time.perf_counter() - t:.0f}s)", flush=True)
+    skipped: set[tuple[str, int]] = set()  # not ok (not installed, refused, failed): said once, not repeated
+    for r in range(repeats):
+        for adapter, ranks in points:
+            if (adapter, ranks) in skipped:
+                continue
+            t = time.perf_counter()
+            status, detail = run_point(root, adapter, ranks, extra, args.timeout, r if repeats > 1 else None)
+            results.append(status)
+            if status != "ok":
+                skipped.add((adapter, ranks))
+            tag = f" #{r}" if repeats > 1 else ""
+            print(
+                f"  {adapter:<16} x{ranks}{tag:<3} {status:<8} {detail}  ({time.perf_counter() - t:.0f}s)", flush=True
+            )
 
     # the report reads the records only: analysis runs as its own command
     report = subprocess.run(
@@ -141,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ok = results.count("ok")
     print(
-        f"demo: {ok}/{len(points)} points ok, {results.count('skipped')} skipped "
+        f"demo: {ok}/{len(results)} runs ok, {results.count('skipped')} skipped "
         f"(framework not installed) in {time.perf_counter() - t0:.0f}s"
     )
     return 0 if ok and report.returncode == 0 else 1

@@ -393,10 +393,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(timing_table(results, n, variants))
         return 0
-    shapes = param_numels(overrides)
     if args.records:
         results = load_records(Path(args.records))
-    else:
+        if not results:  # a folder this command did not write: say so, not empty tables
+            print(
+                f"error: --records {args.records}: no memory_study records there (run folders "
+                "STAMP-VARIANT-wN with a summary.json); run `python -m ptbench.memory_study` first and pass "
+                "its folder, e.g. --records results/memory_study",
+                file=sys.stderr,
+            )
+            return 2
+    shapes = param_numels(overrides)
+    if not args.records:
         for n in args.ranks:
             for v in args.variants:
                 results[(v, n)] = run_point(

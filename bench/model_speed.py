@@ -3,6 +3,7 @@ when transformers is installed) of one size, stepped in interleaved blocks insid
 
     python -m ptbench.model_speed                       # 4 layers x 256 wide, 8 heads, T=128, batch 8, fp32
     python -m ptbench.model_speed --blocks 7 --n-layer 2
+    python -m ptbench.model_speed --profile            # torch.profiler: each model's top ops by self CPU time
 
 Each step is a full train step: forward, loss, backward, AdamW step (zero_grad(set_to_none) first).
 What is kept equal, so that the ratio compares models and not set-ups:
@@ -297,6 +298,39 @@ def _compare(builders, dims, x, y, blocks, steps_per_block, warmup, verbose, siz
     }
 
 
+def profile_models(
+    n_layer=4, n_embd=256, n_head=8, seq_len=128, vocab=50432, batch=8, steps=3, warmup=2, rows=12
+) -> str:
+    """torch.profiler over `steps` train steps of the harness GPT-2 and of Megatron's GPT (after `warmup`),
+    each model's top `rows` ops by self CPU time: where the residual between the two goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    dims = (n_layer, n_embd, n_head, seq_len, vocab)
+    out = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed", category=UserWarning)
+        warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+        with _megatron_world():
+            for name, build in builders_for(False).items():
+                torch.manual_seed(0)
+                model, loss_fn = build(*dims)
+                step = _stepper(model, loss_fn, x, y)
+                step(warmup)
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    step(steps)
+                total = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3 / steps
+                out.append(f"== {name}: {total:.1f} ms self CPU per step (sum over ops), {steps} steps profiled")
+                out.append(
+                    prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40)
+                )
+    return "\n".join(out)
+
+
 def report(result: dict) -> str:
     s = result["sizes"]
     vocab = f"vocab {s['vocab']}" + (" (GPT-2's 50257 padded to a multiple of 128)" if s["vocab"] == 50432 else "")
@@ -335,7 +369,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="train steps per block")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-hf", action="store_true", help="leave out Hugging Face's GPT2LMHeadModel")
+    p.add_argument("--profile", action="store_true", help="instead: torch.profiler's top ops (self CPU) per model")
     a = p.parse_args(argv)
+    if a.profile:
+        print(profile_models(a.n_layer, a.n_embd, a.n_head, a.seq_len, a.vocab, a.batch, a.steps, a.warmup), flush=True)
+        return 0
     result = compare_models(
         a.n_layer,
         a.n_embd,

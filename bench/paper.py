@@ -1,10 +1,13 @@
 """The paper's protocol as one command: three sweeps, the second chosen from the first.
 
     python -m ptbench.paper plan --workloads gpt2_small --adapters ddp,zero,megatron,gpipe,pipeline \\
-        --gpus 1,2,4,8,16,32,64 --gpus-per-node 4 --out paper/ [--submit | --dry-run] [-- overrides]
-    python -m ptbench.paper stateff paper/ [--submit | --run] [--gpus-per-node 4]   # phase 2, from phase 1's records
-    python -m ptbench.paper run paper/        # all three phases here, one after another (CPU scale)
-    python -m ptbench.paper wait paper/       # until every job of the plan (phase 2's arrays too) has left the queue
+        --gpus 1,2,4,8,16,32,64 --gpus-per-node 4 [--out results/paper] [--submit | --dry-run] [-- overrides]
+    python -m ptbench.paper stateff results/paper [--submit | --run] [--gpus-per-node 4]   # phase 2, from phase 1's records
+    python -m ptbench.paper run results/paper   # all three phases here, one after another (CPU scale)
+    python -m ptbench.paper wait results/paper  # until every job of the plan (phase 2's arrays too) has left the queue,
+                                                # a line when what it waits for changes and every minute
+
+--out defaults to RESULTS/paper ($RESULTS, else results/); --dry-run prints the sbatch lines and writes nothing.
 
 As in "How to Train Your Neural Network" (Lin et al.):
 1. epoch time at every GPU count per framework (`epoch.txt`: the preset's settings, 2 epochs so the
@@ -31,7 +34,7 @@ import time
 from pathlib import Path
 
 from ptbench.runner.points import read_points, write_points
-from ptbench.runner.slurm import REPO, submit_arrays
+from ptbench.runner.slurm import REPO, submit_arrays, with_repeats
 
 PRESET = {
     "gpt2_small": "paper_language",
@@ -98,12 +101,15 @@ def results_root() -> Path:
     return Path(os.environ.get("RESULTS") or REPO / "results")
 
 
-def write_plan(out: Path, phases: dict, args_line: str, stateff_epochs: int = 0) -> None:
+def write_plan(out: Path, phases: dict, args_line: str, stateff_epochs: int = 0, repeats: int = 1) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in ("epoch", "memory"):
         write_points(out / f"{name}.txt", phases[name], f"python -m ptbench.paper {args_line} (phase {name})")
     (out / "plan.json").write_text(
-        json.dumps({"command": args_line, "skipped": phases["skipped"], "stateff_epochs": stateff_epochs}, indent=2)
+        json.dumps(
+            {"command": args_line, "skipped": phases["skipped"], "stateff_epochs": stateff_epochs, "repeats": repeats},
+            indent=2,
+        )
         + "\n"
     )
 
@@ -117,12 +123,13 @@ def add_jobs(out: Path, ids: list[str]) -> None:
 def wait(out: Path, timeout: float, poll: float = 2.0) -> int:
     """Until no job of OUT/jobs.txt is queued or running (the file is read again at every poll, so the
     arrays phase 2 submits while it runs are waited for too); 1 on timeout."""
-    deadline = time.time() + timeout
+    start = time.time()
+    deadline, said, said_at = start + timeout, None, 0.0
     while True:
         ids = (out / "jobs.txt").read_text().split() if (out / "jobs.txt").exists() else []
         rows = (
             subprocess.run(
-                ["squeue", "-h", "-o", "%i %r", "-j", ",".join(ids)], capture_output=True, text=True
+                ["squeue", "-h", "-o", "%i %T %r", "-j", ",".join(ids)], capture_output=True, text=True
             ).stdout.splitlines()
             if ids
             else []
@@ -138,6 +145,16 @@ def wait(out: Path, timeout: float, poll: float = 2.0) -> int:
         if time.time() > deadline:
             print(f"wait: still queued after {timeout:.0f} s: {' '.join(queued)}", file=sys.stderr)
             return 1
+        # what it waits for, when that changes and at least every 60 s (slow can be told from hung)
+        now_rows = sorted(rows)
+        if now_rows != said or time.time() - said_at >= 60:
+            states = ", ".join(f"{r.split()[0]} ({' '.join(r.split()[1:]) or '?'})" for r in now_rows)
+            print(
+                f"wait: {len(queued)} of the plan's {len(ids)} job(s) queued or running after "
+                f"{time.time() - start:.0f} s (state, reason): {states}",
+                flush=True,
+            )
+            said, said_at = now_rows, time.time()
         time.sleep(poll)
 
 
@@ -146,7 +163,8 @@ def choose_stateff(out: Path, results: Path) -> list[list[str]]:
     records (steady epoch time where there is one), run for the preset's full training."""
     epoch_points = read_points(out / "epoch.txt")
     plan_file = out / "plan.json"
-    stateff_epochs = json.loads(plan_file.read_text()).get("stateff_epochs", 0) if plan_file.exists() else 0
+    planned = json.loads(plan_file.read_text()) if plan_file.exists() else {}
+    stateff_epochs, repeats = planned.get("stateff_epochs", 0), planned.get("repeats", 1)
     best: dict[tuple[str, str], tuple[float, list[str]]] = {}
     for summary_path in results.rglob("summary.json"):
         s = json.loads(summary_path.read_text())
@@ -161,9 +179,10 @@ def choose_stateff(out: Path, results: Path) -> list[list[str]]:
             best[key] = (t, point)
     chosen = []
     for (w, _), (_, point) in sorted(best.items()):
-        kept = [o for o in point if not o.startswith(("trainer.epochs=", "results.experiment="))]
+        kept = [o for o in point if not o.startswith(("trainer.epochs=", "results.experiment=", "results.repeat="))]
         epochs = [f"trainer.epochs={stateff_epochs}"] if stateff_epochs else []  # else the preset's
         chosen.append([*kept, *epochs, f"results.experiment=paper-stateff-{w}"])
+    chosen = with_repeats(chosen, repeats, vary_seed=True)  # --repeats: curves with bands (seed + repeat)
     write_points(out / "stateff.txt", chosen, "phase stateff: each adapter at its fastest GPU count of phase epoch")
     return chosen
 
@@ -186,15 +205,22 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--adapters", required=True)
     pl.add_argument("--gpus", required=True, help="GPU counts, e.g. 1,2,4,8")
     pl.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: CPU ranks, one node)")
-    pl.add_argument("--out", type=Path, default=Path("paper"))
+    pl.add_argument("--out", type=Path, default=None, help="where the sweep files go (default: RESULTS/paper)")
     pl.add_argument("--submit", action="store_true")
-    pl.add_argument("--dry-run", action="store_true", help="print the sbatch lines only")
+    pl.add_argument("--dry-run", action="store_true", help="print the sbatch lines only; writes nothing")
     pl.add_argument("--sbatch", action="append", default=[], metavar="ARG")
     pl.add_argument(
         "--stateff-epochs",
         type=int,
         default=0,
         help="epochs of phase 2's full training (0: the preset's, e.g. 100 for GPT-2)",
+    )
+    pl.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each epoch-time point N times, interleaved (one array task each), and phase 2 N times with "
+        "trainer.seed + R (bands on the curves)",
     )
     st = sub.add_parser("stateff", help="phase 2: choose from phase 1's records, then run or submit")
     st.add_argument("out", type=Path)
@@ -213,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         args.results = results_root()
     if args.cmd == "wait":
         return wait(args.out, args.timeout)
+    if args.cmd == "plan" and args.out is None:
+        args.out = results_root() / "paper"  # never a folder of the checkout outside results/
 
     if args.cmd == "plan":
         phases = plan(
@@ -222,15 +250,25 @@ def main(argv: list[str] | None = None) -> int:
             args.gpus_per_node,
             extra,
         )
-        write_plan(args.out, phases, shlex.join(argv + (["--", *extra] if extra else [])), args.stateff_epochs)
+        phases["epoch"] = with_repeats(phases["epoch"], args.repeats)
+        if not args.dry_run:
+            line = shlex.join(argv + (["--", *extra] if extra else []))
+            write_plan(args.out, phases, line, args.stateff_epochs, args.repeats)
         print(
             f"plan: {len(phases['epoch'])} epoch-time points, {len(phases['memory'])} memory points -> {args.out}/; "
-            f"{len(phases['skipped'])} skipped (plan.json)"
+            f"{len(phases['skipped'])} skipped (plan.json)" + ("; dry run: nothing written" if args.dry_run else "")
         )
+        if args.dry_run:
+            print("".join(f"skipped: {why}\n" for why in phases["skipped"]), end="")
         if not (args.submit or args.dry_run):
             return 0
         code, ids = submit_arrays(
-            args.out / "epoch.txt", [], gpus_per_node=args.gpus_per_node, sbatch=args.sbatch, dry_run=args.dry_run
+            args.out / "epoch.txt",
+            [],
+            gpus_per_node=args.gpus_per_node,
+            sbatch=args.sbatch,
+            dry_run=args.dry_run,
+            points=phases["epoch"] if args.dry_run else None,
         )
         if not args.dry_run:
             (args.out / "jobs.txt").write_text("")
@@ -253,7 +291,12 @@ def main(argv: list[str] | None = None) -> int:
             code = proc.returncode
             add_jobs(args.out, [proc.stdout.strip().split(";")[0]] if code == 0 else [])
         code2, ids3 = submit_arrays(
-            args.out / "memory.txt", [], gpus_per_node=args.gpus_per_node, sbatch=args.sbatch, dry_run=args.dry_run
+            args.out / "memory.txt",
+            [],
+            gpus_per_node=args.gpus_per_node,
+            sbatch=args.sbatch,
+            dry_run=args.dry_run,
+            points=phases["memory"] if args.dry_run else None,
         )
         if not args.dry_run:
             add_jobs(args.out, ids3)

@@ -5,6 +5,7 @@
     python -m ptbench.sweep run sweep.txt --repeats 3 [--vary-seed]  # each point 3 times, interleaved ABCABCABC
     python -m ptbench.sweep noise --repeats 5 [--b trainer.inject_fault=slow@0.15] -- overrides  # A/A noise floor
     python -m ptbench.sweep submit sweep.txt [--resume] [--gpus-per-node 8] [--sbatch=--partition=gpu]  # job arrays
+    python -m ptbench.sweep submit sweep.txt --repeats 3 [--vary-seed]  # one array task per repeat, interleaved
     python -m ptbench.sweep point sweep.txt 3 [--resume] [-- overrides]  # "RANKS GPUS_PER_RANK overrides" or "skip"
     python -m ptbench.sweep point sweep.txt 3 --oom-retry [-- overrides]  # its OOM retry's overrides, or "skip"
 
@@ -42,7 +43,7 @@ from ptbench.runner.points import (
     skip_if_done,
     write_points,
 )
-from ptbench.runner.slurm import script_path, submit_arrays, submit_comm
+from ptbench.runner.slurm import script_path, submit_arrays, submit_comm, with_repeats
 
 
 # --- command line ----------------------------------------------------------------------------------
@@ -153,6 +154,7 @@ def _noise(args) -> int:
     a = list(args.extra)
     b = [*a, *args.b]
     times: dict[str, list[float]] = {"A": [], "B": []}
+    contended = 0  # runs whose record warns of contention (bench/runner/contention.py): the floor then is the load's
     for r in range(args.repeats):
         for arm, overrides in (("A", a), ("B", b)):
             point = [*overrides, f"results.repeat={r}"]
@@ -164,11 +166,14 @@ def _noise(args) -> int:
                 print(f"error: {arm} repeat {r} ended {run.status}: {run.error_line}", file=sys.stderr)
                 return 1
             times[arm].append(t)
-            print(f"  step time {t * 1e3:.2f} ms ({run.run_dir})", flush=True)
+            busy = any(str(w).startswith("contention:") for w in (run.summary or {}).get("warnings") or [])
+            contended += busy
+            print(f"  step time {t * 1e3:.2f} ms ({run.run_dir}){' contended' if busy else ''}", flush=True)
     folder = results_folder(compose_point(a).results) / "noise"
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"noise-{time.strftime('%Y%m%d-%H%M%S')}.json"
     record = {"kind": "A/B" if args.b else "A/A", "overrides": a, "b_overrides": args.b, "metric": "step_time_p50_s"}
+    record["contended_runs"] = contended
     out.write_text(json.dumps({**record, "a": times["A"], "b": times["B"]}, indent=1) + "\n")
     # the statistics are the analysis package's (drivers do not import it): it adds them to the file and prints
     return subprocess.run([sys.executable, "-m", "ptbench.analysis", "noise", str(out)]).returncode
@@ -202,14 +207,23 @@ def _submit(args) -> int:
     if not args.dry_run and not shutil.which("sbatch"):
         print("error: sbatch not found: run this on a Slurm login node (or add --dry-run)", file=sys.stderr)
         return 2
+    file, points = args.file, None
+    if args.repeats > 1:  # one line (array task) per repeat, interleaved, in a sweep file beside the given one
+        points = with_repeats(read_points(args.file), args.repeats, args.vary_seed, extra=args.extra)
+        file = args.file.with_name(f"{args.file.stem}.repeats{args.repeats}{args.file.suffix or '.txt'}")
+        if not args.dry_run:
+            write_points(file, points, f"{args.file} x {args.repeats} repeats, interleaved (ptbench.sweep submit)")
+            points = None
+        print(f"submit: {len(points or read_points(file))} array tasks ({args.repeats} repeats) from {file}")
     code, _ = submit_arrays(
-        args.file,
+        file,
         args.extra,
         gpus_per_node=args.gpus_per_node,
         sbatch=args.sbatch,
         resume=args.resume,
         script=Path(args.script),
         dry_run=args.dry_run,
+        points=points,
     )
     if not args.no_comm:
         code = (
@@ -271,6 +285,13 @@ def main(argv=None) -> int:
         help="an sbatch option for every array, e.g. --sbatch=--partition=gpu (repeatable)",
     )
     s.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
+    s.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="each point N times, one array task per repeat, interleaved (ABCABC), in FILE.repeatsN.txt beside FILE",
+    )
+    s.add_argument("--vary-seed", action="store_true", help="with --repeats: trainer.seed + R per repeat")
     s.add_argument(
         "--no-comm",
         action="store_true",

@@ -4,7 +4,8 @@
 #   bash slurm/local_cluster.sh stop | status
 #   bash slurm/local_cluster.sh start --nodes 2        # N nodes, one slurmd per network namespace (below)
 #   bash slurm/local_cluster.sh stop --nodes 2 | status --nodes 2
-# Env: SLURM_LOCAL_CPUS (4, per node), SLURM_LOCAL_MEM (MB, 8000, per node), SLURM_LOCAL_TIMEOUT (s, 90),
+# Env: SLURM_LOCAL_CPUS (per node; default the machine's cores, nproc: more lets jobs share cores),
+#      SLURM_LOCAL_MEM (MB, 8000, per node), SLURM_LOCAL_TIMEOUT (s, 90),
 #      SLURM_LOCAL_STATE (PID/log dir, /var/run/trainbench-slurm), SLURM_LOCAL_PARTITION (debug),
 #      SLURM_LOCAL_MULTI (everything of the --nodes N>1 cluster, /var/run/trainbench-slurm-multi),
 #      SLURM_LOCAL_CRED_EXPIRE (s, 10: Slurm's cred_expire, which also holds a requeued job back; Slurm's default 120).
@@ -16,7 +17,7 @@
 # (which may run at the same time) are untouched. Use it with `export SLURM_CONF=$SLURM_LOCAL_MULTI/etc/slurm.conf`.
 set -uo pipefail
 
-CPUS=${SLURM_LOCAL_CPUS:-4}
+CPUS=${SLURM_LOCAL_CPUS:-$(nproc)}   # the cores there are: a job's timings never share them with another job
 MEM=${SLURM_LOCAL_MEM:-8000}
 TIMEOUT=${SLURM_LOCAL_TIMEOUT:-90}
 STATE=${SLURM_LOCAL_STATE:-/var/run/trainbench-slurm}
@@ -95,8 +96,8 @@ ProctrackType=proctrack/cgroup
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
-# config_overrides: trust CPUs= below even if the box has fewer cores (no drain), so that
-# e.g. 2 jobs of 2 tasks fit at once on a 2-core machine.
+# config_overrides: trust CPUs= below as given (no drain when SLURM_LOCAL_CPUS says more than the box has;
+# the default is its nproc, so that jobs never share cores and their timings compare).
 SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=5
@@ -440,6 +441,12 @@ if ((nodes > 1)); then
   exit
 fi
 set -- "$cmd" "${args[@]}"
+
+# A SLURM_CONF left exported from the --nodes recipe sends every Slurm command of the one-node cluster to
+# the other one (start then failed after 31 s with "slurmdbd did not come up"): refuse at once, with the fix.
+if [[ -n ${SLURM_CONF:-} && $SLURM_CONF != /etc/slurm/slurm.conf ]]; then
+  die "SLURM_CONF=$SLURM_CONF is exported (the --nodes cluster's), but the one-node cluster uses /etc/slurm/slurm.conf: run 'unset SLURM_CONF' and try again"
+fi
 
 case ${1:-} in
   start) shift; start "$@" ;;

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,7 @@ NOTEBOOKS = sorted((REPO / "analysis").glob("*.ipynb"))
 def tree(tmp_path_factory):
     root = tmp_path_factory.mktemp("records")
     demo = subprocess.run(
-        [sys.executable, "-m", "ptbench.demo", "--points", "ddp:1,ddp:2,nosuch:1", "--results", str(root)],
+        [sys.executable, "-m", "ptbench.demo", "--points=ddp:1,ddp:2,nosuch:1", "--repeats=1", "--results", str(root)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -105,6 +106,12 @@ def test_loader_keeps_ok_failed_and_missing_runs(tree, df):
     missing = per_run.loc["missing-run"]
     assert missing["status"] == "missing" and missing["adapter"] == "ddp" and missing["epochs"] == 0
     assert len(ok(df)) == 4
+
+
+def _legend_texts(fig) -> list[str]:
+    """The entries of a figure's one legend (figure-level, outside the axes)."""
+    assert len(fig.legends) == 1 and not [ax for ax in fig.axes if ax.get_legend()]
+    return [t.get_text() for t in fig.legends[0].get_texts()]
 
 
 def _png_ok(path):
@@ -221,7 +228,7 @@ def test_breakdown_stacks_the_phases_of_a_step(df, tmp_path):
             assert data.loc[d, f"{p}_ms"] == pytest.approx(r.loc[d, f"{p}_time_mean_s"] * 1e3)
         assert data.loc[d, "forward_ms"] > 0 and data.loc[d, "backward_ms"] > 0
     ax = fig.axes[0]
-    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    legend = _legend_texts(fig)
     assert legend[:4] == ["data", "forward", "backward", "optimizer"]
     heights = {}
     for bar in ax.patches:
@@ -243,10 +250,11 @@ def test_report_cli_writes_figures_and_tables(tree, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"report: {tmp_path / 'report.md'}"
-    text = (tmp_path / "report.md").read_text()
+    text = _squash((tmp_path / "report.md").read_text())
     assert f"Speedup baseline for gpt2_tiny: **{DDP} on 1 device**" in text
     assert "Warning" not in text  # one series, one global batch per device count
-    rows = [ln for ln in text.splitlines() if ln.startswith(f"| gpt2_tiny | {DDP} |")]
+    summary_section = text.split("## Summary (finished runs)")[1].split("\n#")[0]
+    rows = [ln for ln in summary_section.splitlines() if ln.startswith(f"| gpt2_tiny | {DDP} |")]
     assert [ln.split(" | ")[2] for ln in rows] == ["1", "2"]
     assert rows[0].rstrip(" |").endswith("| 1 | 1")  # speedup and efficiency of the baseline
     assert "fewer than one global batch" in text and "unknown adapter 'nosuch'" in text and "| missing |" in text
@@ -292,6 +300,26 @@ def test_report_cli_on_a_missing_folder_says_so(tmp_path):
         proc.stderr.strip()
         == f"error: results folder {tmp_path / 'nope'} does not exist; run `python -m ptbench ...` or `make demo` first"
     )
+
+
+def test_report_cli_without_out_writes_into_the_results_folder(tmp_path):
+    """`report DIR` alone: DIR/report; a missing DIR says so and makes no folder."""
+    root = tmp_path / "r"
+    write_run(root, "one", epochs=_two_epochs(1.0, 10, 8, 1, peak=100 * MIB))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ptbench.analysis", "report", str(root)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"report: {root / 'report' / 'report.md'}"
+    assert "| one |" in _squash((root / "report" / "report.md").read_text())
+    proc = subprocess.run(
+        [sys.executable, "-m", "ptbench.analysis", "report", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and f"results folder {tmp_path / 'nope'} does not exist" in proc.stderr
+    assert not (tmp_path / "nope").exists()
 
 
 def test_notebook_kernel_is_this_venv():
@@ -503,6 +531,11 @@ def test_mixed_global_batches_at_one_device_count_are_warned(tmp_path):
     assert summary.loc[("tensor_parallel gb=8/replica", 4), "global_batch"] == "8; 16"
 
 
+def _squash(text: str) -> str:
+    """Markdown tables (DataFrame.to_markdown) pad cells to the column width: one space each, to compare rows."""
+    return re.sub(r" {2,}", " ", text)
+
+
 def write_report_(root, out, baseline="best"):
     from ptbench.analysis.report import write_report
 
@@ -579,21 +612,48 @@ def test_points_that_did_not_finish_are_marked_on_every_figure(tmp_path):
     assert ticks == [f"ddp gb=8/replica x{d}" for d in (1, 2, 4, 8)]
     xs, texts = _x_marks(ax)
     assert sorted(xs) == [2, 3] and sorted(texts) == ["oom", "timeout"]
-    assert [t.get_text() for t in ax.get_legend().get_texts()][-1] == "not finished (see report)"
+    assert _legend_texts(fig)[-1] == "not finished (see report)"
 
     for x in ("epoch", "wall_time_s"):
         fig = plots.val_metric(df, x=x)
-        legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        legend = _legend_texts(fig)
         assert (
             "ddp gb=8/replica x4: oom (not finished)" in legend
             and "ddp gb=8/replica x8: timeout (not finished)" in legend
         )
 
-    report = write_report_(root, tmp_path / "out").read_text()
+    report = _squash(write_report_(root, tmp_path / "out").read_text())
     section = report.split("## Runs that did not finish")[1].split("## Figures")[0]
     assert "| oom4 | ddp gb=8/replica | wl | 4 | oom | CUDA out of memory |" in section
     assert "| to8 | ddp gb=8/replica | wl | 8 | timeout |" in section
     assert "| sk16 | horovod gb=? | wl | 16 | skipped | horovod is not installed |" in section
+
+
+def test_series_that_coincide_are_told_apart_and_the_legend_leaves_the_axes_whole(tmp_path):
+    """ddp and fsdp on one validation curve (the same maths): different markers and dashes, fsdp's legend
+    entry says it lies on ddp; zero (another curve) says nothing. With 7 series the legend sits outside the
+    axes, below them, and the axes keep (nearly) the whole width of the figure."""
+    root = tmp_path / "r"
+    for name, adapter, shift in (("a", "ddp", 0.0), ("b", "fsdp", 0.0), ("c", "zero", 0.3)):
+        epochs = [_epoch(e, 1.0, 10, 8, 1, val_perplexity=float(np.exp(2.0 - 0.1 * e + shift))) for e in (0, 1)]
+        write_run(root, name, adapter=adapter, epochs=epochs)
+    for i in range(4):  # more series, each a curve of its own: a long legend
+        epochs = _two_epochs(1.0 + i, 10, 16 + i, 1, val_perplexity=3.0 + i)
+        write_run(root, f"t{i}", adapter="ddp", batch_size=16 + i, epochs=epochs)
+    fig = plots.val_metric(load(root), x="epoch")
+    fig.draw_without_rendering()
+    ddp, fsdp, zero = "ddp gb=8/replica x1", "fsdp gb=8/replica x1", "zero gb=8/replica x1"
+    assert fig.bench_coincide == {fsdp: ddp}
+    legend = _legend_texts(fig)
+    assert f"{fsdp}  = {ddp}" in legend and zero in legend and ddp in legend
+    assert "same values as series X" in fig.legends[0].get_title().get_text()
+    lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+    styles = {(lines[s].get_marker(), lines[s].get_linestyle()) for s in (ddp, fsdp, zero)}
+    assert len(styles) == 3  # each drawn its own way
+    ax_box, fig_box = fig.axes[0].get_window_extent(), fig.bbox
+    legend_box = fig.legends[0].get_window_extent()
+    assert ax_box.width > 0.7 * fig_box.width
+    assert legend_box.y1 <= ax_box.y0  # below the axes, not over them
 
 
 def test_preempted_runs_keep_their_status_and_are_not_counted_ok(tmp_path):
@@ -616,7 +676,7 @@ def test_preempted_runs_keep_their_status_and_are_not_counted_ok(tmp_path):
     assert list(table["devices"]) == [1]  # the preempted point is not on the curve
     fig = plots.epoch_time(df)
     assert list(fig.bench_failed["status"]) == ["preempted"] and _x_marks(fig.axes[0]) == ([2.0], ["preempted"])
-    report = write_report_(root, tmp_path / "out").read_text()
+    report = _squash(write_report_(root, tmp_path / "out").read_text())
     assert "1 ok, 1 preempted (2 runs)" in report
     assert "| pre2 | ddp gb=8/replica | wl | 2 | preempted |" in report.split("## Runs that did not finish")[1]
 
@@ -675,7 +735,7 @@ def test_speedup_baseline_best_and_per_series(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    text = (tmp_path / "o" / "report.md").read_text()
+    text = _squash((tmp_path / "o" / "report.md").read_text())
     assert "Speedup baseline for wl: **each series' own point at its fewest devices** (--baseline per-series)" in text
     row = next(ln for ln in text.splitlines() if ln.startswith(f"| wl | {B} | 4 |"))
     assert row.rstrip(" |").endswith("| 1.6 | 0.8")

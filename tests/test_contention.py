@@ -1,5 +1,7 @@
-"""Contention detected before launch (issue 29, bench/runner/checks.py contention_warnings): more ranks x
-threads than the CPUs of the process's affinity, and another run of this harness going on this host."""
+"""Contention (issue 29): before launch (bench/runner/checks.py contention_warnings): more ranks x threads than
+the CPUs of the process's affinity, another run of this harness going on this host, a Slurm allocation that
+oversubscribes its cores; during the run (bench/runner/contention.py): other processes' CPU, steal, other
+processes on our GPUs."""
 
 import json
 import os
@@ -9,7 +11,8 @@ import sys
 
 import psutil
 
-from ptbench.runner.checks import affinity_cpus, contention_warnings
+from ptbench.runner.checks import affinity_cpus, contention_warnings, slurm_warnings
+from ptbench.runner.contention import Sampler, busy_limit, other_gpu_processes, sampled_warnings, visible_gpu_indices
 from ptbench.runner.points import compose_point
 
 
@@ -53,5 +56,133 @@ def test_the_warning_reaches_the_record_and_a_quiet_run_has_none(tmp_path, smoke
     line = f"contention: {2 * cpus} rank(s) x 1 thread(s) on {cpus} CPU(s)"
     assert f"warning: {line}" in proc.stderr, proc.stderr
     assert any(w.startswith(line) for w in summary(only_run(tmp_path / "over"))["warnings"])
-    if cpus >= 2:
-        assert not [w for w in summary(smoke_run)["warnings"] if w.startswith("contention:")]
+    if cpus >= 2:  # no rank x thread warning; what the sampler saw is recorded (others' load: see below)
+        quiet = summary(smoke_run)
+        assert not [w for w in quiet["warnings"] if w.startswith("contention: 2 rank(s)")]
+        sampled = quiet["contention_sampled"]
+        assert sampled["samples"] >= 1 and sampled["cpus"] == cpus and sampled["own_busy_cpus_mean"] > 0
+        # the decision on that run's own figures: a warning exactly when others passed the stated threshold
+        fired = [w for w in quiet["warnings"] if w.startswith("contention: during the run")]
+        assert bool(fired) == (sampled["other_busy_cpus_mean"] >= busy_limit(cpus, 2))
+
+
+# --- during the run (bench/runner/contention.py) ----------------------------------------------------------
+QUIET = {"interval_s": 1.0, "samples": 9, "span_s": 9.0, "cpus": 2, "other_busy_cpus_mean": 0.06,
+         "other_busy_cpus_max": 0.2, "steal_share": 0.0, "own_busy_cpus_mean": 1.9, "loadavg_1m_max": 2.1,
+         "gpu_other_pids": None, "gpu_error": None}  # fmt: skip
+
+
+def test_thresholds_quiet_busy_steal():
+    assert sampled_warnings(QUIET, ranks=2) == []  # a quiet run: none
+    assert sampled_warnings({**QUIET, "samples": 0}, ranks=2) == []  # nothing measured: nothing said
+    busy = sampled_warnings({**QUIET, "other_busy_cpus_mean": 0.9, "other_busy_cpus_max": 1.4}, ranks=2)
+    assert len(busy) == 1 and busy[0].startswith("contention: during the run other processes kept 0.90 CPU(s)")
+    assert "(threshold 0.50)" in busy[0]
+    # a large machine: a quarter of the CPUs our ranks leave free (64 - 8 = 56 -> 14)
+    assert busy_limit(64, 8) == 14.0 and busy_limit(2, 2) == busy_limit(2, 1) == 0.5
+    assert sampled_warnings({**QUIET, "cpus": 64, "other_busy_cpus_mean": 10.0, "other_busy_cpus_max": 12.0}, 8) == []
+    stolen = sampled_warnings({**QUIET, "steal_share": 0.12}, ranks=2)
+    assert len(stolen) == 1 and "stole 12.0 %" in stolen[0]
+
+
+def _detached_burner(seconds: float) -> int:
+    """A CPU-bound python that is NOT a descendant of this process (its shell parent exits): someone else's work."""
+    out = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c 'import time; t = time.time() + {seconds}\nwhile time.time() < t: pass' "
+         "> /dev/null 2>&1 & echo $!"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int(out.stdout.strip())
+
+
+def test_sampler_sees_other_work_and_not_its_own():
+    """Two detached CPU burners (another user's work) are counted as others; a burner that is our child is ours.
+    Bounds only load cannot break: others' CPU can only grow with the machine's load."""
+    import time
+
+    pids = [_detached_burner(4.0) for _ in range(max(2, affinity_cpus()))]
+    try:
+        s = Sampler(interval_s=0.5).start()
+        time.sleep(3.0)
+        fig = s.stop()
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    assert fig["samples"] >= 3 and fig["cpus"] == affinity_cpus()
+    assert fig["other_busy_cpus_mean"] >= 0.5, fig  # the burners alone keep the CPUs near full
+    w = sampled_warnings(fig, ranks=1)
+    assert len(w) == 1 and w[0].startswith("contention: during the run other processes kept")
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; t = time.time() + 3\nwhile time.time() < t: pass"])
+    try:
+        s = Sampler(interval_s=0.5).start()
+        child.wait()
+        fig = s.stop()
+    finally:
+        child.kill()
+        child.wait()
+    assert fig["own_busy_cpus_mean"] > 0.1, fig  # the child's CPU is ours (reaped or live)
+
+
+def test_two_runs_started_together_both_warn(tmp_path):
+    """Two 1-rank runs started at the same moment: each record says contention (the other run's ranks busy
+    beside it, seen by the sampler, or the other run's `running` record seen before launch)."""
+    from tests.helpers import SMOKE, kill_group, start
+
+    procs = [
+        start([sys.executable, "-m", "ptbench", *SMOKE, "launcher.nprocs=1", "trainer.max_steps=8",
+               f"results.root={tmp_path / name}"])
+        for name in ("a", "b")
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    for p, (_out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert "warning: contention:" in err, err[-3000:]
+    for name in ("a", "b"):
+        from tests.helpers import only_run, summary
+
+        assert any(w.startswith("contention:") for w in summary(only_run(tmp_path / name))["warnings"])
+
+
+def test_gpu_decision_with_real_pids():
+    """The NVML decision on CPU: real pid lists (this process, a child of ours, a process of someone else)."""
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    other = _detached_burner(0.0)  # ended at once: only its pid number is used
+    try:
+        own = {os.getpid(), ours.pid}
+        running = {0: [os.getpid(), ours.pid, other], 1: [ours.pid]}
+        assert other_gpu_processes(running, own) == {0: [other]}
+        assert other_gpu_processes({0: [os.getpid()]}, own) == {}
+        # another pid namespace (a container): no pid is ours, so count beyond our ranks per device
+        assert other_gpu_processes({0: [424242, 424243], 1: [424244]}, own, {0: 1, 1: 1}) == {0: [-1]}
+        w = sampled_warnings({**QUIET, "gpu_other_pids": {"0": [other]}}, ranks=2)
+        assert len(w) == 1 and w[0].startswith("contention: 1 other process(es) on GPU 0") and str(other) in w[0]
+    finally:
+        ours.kill()
+        ours.wait()
+    assert visible_gpu_indices(2, {"CUDA_VISIBLE_DEVICES": "3,1"}) == [3, 1]
+    assert visible_gpu_indices(2, {}) == [0, 1]
+    assert visible_gpu_indices(1, {"CUDA_VISIBLE_DEVICES": "GPU-abc,GPU-def"}) == ["GPU-abc"]
+
+
+def test_slurm_allocation_that_oversubscribes_its_cores():
+    job = {"SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "1", "SLURM_NTASKS_PER_NODE": "2"}
+    assert slurm_warnings(2, 1, {}, host_cpus=2) == []  # not in a Slurm job
+    assert slurm_warnings(2, 1, {**job, "SLURM_CPUS_ON_NODE": "2"}, host_cpus=2, advertised=2) == []
+    over = slurm_warnings(4, 1, {**job, "SLURM_CPUS_ON_NODE": "2"}, host_cpus=2, advertised=2)
+    assert len(over) == 1 and "4 rank(s) x 1 thread(s) on this node above the 2 CPU(s)" in over[0]
+    # no SLURM_CPUS_ON_NODE: tasks per node x cpus-per-task ("2(x3)": 2 per node)
+    env = {"SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "1", "SLURM_TASKS_PER_NODE": "2(x3)"}
+    assert "above the 2 CPU(s)" in slurm_warnings(2, 2, env, host_cpus=8, advertised=8)[0]
+    big = slurm_warnings(2, 1, {**job, "SLURM_CPUS_ON_NODE": "4"}, host_cpus=2)
+    assert len(big) == 1 and "gave this job 4 CPU(s) on a node that has 2" in big[0]
+    # the local Slurm of old: the node claims 4 CPUs on a 2-core box, each job gets 2, two jobs share the cores
+    adv = slurm_warnings(2, 1, {**job, "SLURM_CPUS_ON_NODE": "2"}, host_cpus=2, advertised=4)
+    assert len(adv) == 1 and "advertises 4 CPU(s) (CPUTot) but has 2" in adv[0]

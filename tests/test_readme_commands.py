@@ -64,6 +64,9 @@ def test_local_multirun_gives_one_ok_record_per_point(tmp_path):
     )  # zero ran first
     folders = {d.parent for d in recs}
     assert len(folders) == 1 and next(iter(folders)).name.startswith("multirun-"), folders
+    # the sweep folder holds the records and Hydra's multirun.yaml, no empty per-job 0/ 1/ (issue 31)
+    left = sorted(p.name for p in next(iter(folders)).iterdir() if p not in recs)
+    assert left == ["multirun.yaml"], left
     assert len({s["point"] for s in recs.values()}) == 2  # two points, two ids
     assert (REPO / "multirun").exists() == had_multirun, "a multirun wrote into the checkout"
 
@@ -82,6 +85,20 @@ def test_help_lists_the_config_groups():
         ("trainer", "default"),
     ]:
         assert re.search(rf"^{group}: .*\b{option}\b", groups, re.M), (group, option, groups)
+    # only what a user chooses (issue 31): no adapter schemas, no preset-x-adapter exceptions
+    assert "_schema" not in groups and "paper_adapter" not in groups and "experiment_adapter" not in groups, groups
+    assert re.search(r"^adapter: ddp, fsdp, gpipe, horovod, megatron, pipeline, tensor_parallel, zero, zero1, zero2, zero3$", groups, re.M), groups  # fmt: skip
+
+
+def test_preset_exceptions_for_one_adapter_still_compose():
+    """conf/hydra/experiment_adapter/<experiment>_<adapter>.yaml (out of --help) is still applied: the paper's
+    ZeRO runs use Adam, other adapters keep the preset's LAMB; smoke's pipeline splits its batch of 4 in 4."""
+    zero = typed(compose(["experiment=paper_language", "adapter=zero2"]))
+    assert (zero.optimizer.name, zero.optimizer.lr, zero.optimizer.weight_decay) == ("adam", 1e-3, 0.01)
+    assert "Table III" in zero.extra["paper_exception"]
+    assert typed(compose(["experiment=paper_language", "adapter=ddp"])).optimizer.name == "lamb"
+    assert typed(compose(["experiment=smoke", "adapter=pipeline"])).adapter.microbatches == 4
+    assert typed(compose(["adapter=pipeline"])).adapter.microbatches == 0  # outside the preset: the adapter's default
 
 
 def test_cfg_job_prints_the_resolved_config():

@@ -88,3 +88,15 @@ def test_channels_last_model_and_record(tmp_path):
     plain = build_workload(typed(compose(["workload=resnet50_tiny"])).workload, cfg.data)
     assert plain.describe()["channels_last"] is torch.cuda.is_available()
     assert "workload.channels_last=true is for convolutional" in _refused(["workload.channels_last=true"], tmp_path)
+
+
+def test_model_speed_profile_lists_both_models_top_ops():
+    """`python -m ptbench.model_speed --profile`: torch.profiler's top ops by self CPU time of the harness GPT-2
+    and Megatron's GPT (tiny sizes here; the comparison itself is a benchmark, quoted, not asserted)."""
+    pytest.importorskip("megatron.core")
+    from ptbench.model_speed import profile_models
+
+    text = profile_models(n_layer=1, n_embd=64, n_head=2, seq_len=16, vocab=512, batch=2, steps=1, warmup=1, rows=5)
+    harness, megatron = text.split("== megatron_gpt:")
+    assert harness.startswith("== harness_gpt2:") and "ms self CPU per step" in megatron
+    assert "aten::mm" in harness and "aten::mm" in megatron and "Self CPU" in megatron

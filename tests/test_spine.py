@@ -144,6 +144,7 @@ def test_record_folder_and_summary(tmp_path):
         "trainer.epochs=2",
         "launcher.nprocs=2",
         "results.experiment=recordtest",
+        "results.mllog=true",
         results=tmp_path,
     )
     check_ok(proc)

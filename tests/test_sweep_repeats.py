@@ -46,3 +46,47 @@ def test_repeats_interleave_keep_the_point_and_resume_counts_them(tmp_path):
     assert again.stdout.count("already ok") == 4  # repeats 0 and 1 of both points kept
     assert len(_records(res)) == 6  # only repeat 2 of each ran
     assert sorted(r for _, r, _, _ in _records(res)) == [0, 0, 1, 1, 2, 2]
+
+
+def test_submit_and_the_paper_plan_give_each_repeat_its_own_task(tmp_path):
+    """`sweep submit --repeats N` and `ptbench.paper plan --repeats N`: one line (array task) per repeat, interleaved
+    ABAB, each with its results.repeat; the statistical-efficiency repeats vary the seed under one point id."""
+    import json
+
+    from ptbench.runner.points import point_id, read_points
+    from ptbench.runner.slurm import with_repeats
+
+    (tmp_path / "sweep.txt").write_text("launcher.nprocs=1\nlauncher.nprocs=2\n")
+    out = run(
+        [sys.executable, "-m", "ptbench.sweep", "submit", str(tmp_path / "sweep.txt"), "--repeats", "2", "--dry-run",
+         "--no-comm", "--", "experiment=smoke"],
+        timeout=300,
+    )  # fmt: skip
+    check_ok(out)
+    assert "submit: 4 array tasks (2 repeats)" in out.stdout
+    arrays = [line for line in out.stdout.splitlines() if "--array=" in line]
+    assert "--array=0,2 " in arrays[0] and "--ntasks-per-node=1" in arrays[0], out.stdout  # rank 1: tasks 0, 2
+    assert "--array=1,3 " in arrays[1] and "--ntasks-per-node=2" in arrays[1], out.stdout
+    assert all(f"{tmp_path / 'sweep.repeats2.txt'} " in a for a in arrays)
+    assert not (tmp_path / "sweep.repeats2.txt").exists()  # a dry run writes nothing
+
+    points = [["experiment=smoke", "launcher.nprocs=1"], ["experiment=smoke", "launcher.nprocs=2"]]
+    rep = with_repeats(points, 2)
+    assert [p[-1] for p in rep] == ["results.repeat=0"] * 2 + ["results.repeat=1"] * 2
+    assert [p[1] for p in rep] == ["launcher.nprocs=1", "launcher.nprocs=2"] * 2
+    seeded = with_repeats(points[:1], 3, vary_seed=True)
+    assert [o for o in seeded[2] if o.startswith("trainer.seed=")] == ["trainer.seed=1236"]  # the default 1234 + 2
+    pins = {o.split("=", 1)[1] for p in seeded[1:] for o in p if o.startswith("results.point=")}
+    assert pins == {point_id(seeded[0])}  # every repeat recorded under repeat 0's point id
+
+    plan = tmp_path / "plan"
+    out = run(
+        [sys.executable, "-m", "ptbench.paper", "plan", "--workloads", "gpt2_small", "--adapters", "ddp", "--gpus",
+         "1,2", "--repeats", "2", "--out", str(plan)],
+        timeout=300,
+    )  # fmt: skip
+    check_ok(out)
+    epoch = read_points(plan / "epoch.txt")
+    assert len(epoch) == 4 and [p[-1] for p in epoch] == ["results.repeat=0"] * 2 + ["results.repeat=1"] * 2
+    assert json.loads((plan / "plan.json").read_text())["repeats"] == 2
+    assert len(read_points(plan / "memory.txt")) == 2  # memory points: once

@@ -293,6 +293,7 @@ def test_wikitext_valid_tokens_decode_and_cache_reuse(data_root, tokenizer_dir, 
 
 def test_wikitext_workload_datasets(data_root, tokenizer_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("BENCH_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     root = tmp_path / "wt"
     root.mkdir()
     os.symlink(data_root / "wikitext-2" / "valid.txt", root / "valid.txt")
@@ -302,7 +303,8 @@ def test_wikitext_workload_datasets(data_root, tokenizer_dir, tmp_path, monkeypa
     )
     w.check_data()
     train, val = w.datasets()
-    cache = root / ".bench_cache"  # the default cache location
+    cache = tmp_path / "xdg" / "trainbench"  # the default cache location: the user's, not the data folder
+    assert not (root / ".bench_cache").exists()
     assert len(list(cache.glob("*.u16"))) == 2
     T = w.tokens_per_sample()
     assert len(val) == 258_659 // (T + 1) and 0 < len(train) < len(val) // 10

@@ -101,3 +101,20 @@ class Workload(ABC):
 
     def tokens_per_sample(self) -> int:
         return 0
+
+    # --- the FLOP cross-check (ptbench.core.flops.count_train_flops) -------------------------------------
+    def example_batch(self, n: int, device="meta") -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, target) of `n` samples shaped as the data loader gives them (values meaningless on meta)."""
+        raise NotImplementedError(f"{type(self).__name__} gives no example batch")
+
+    def counted_flops(self, n: int = 2) -> dict:
+        """Training FLOPs per sample as torch counts them (FlopCounterMode over one forward + backward of
+        `n` samples on the meta device: nothing allocated, nothing computed): {forward, backward, total}
+        per sample and `by_op` (per batch of n)."""
+        from ptbench.core.flops import count_train_flops
+
+        with torch.device("meta"):
+            model = self.build_model()
+        x, y = self.example_batch(n, "meta")
+        out = count_train_flops(model, x, y, self.loss)
+        return {**{k: out[k] / n for k in ("forward", "backward", "total")}, "by_op": out["by_op"]}

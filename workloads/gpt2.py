@@ -224,37 +224,35 @@ def _token_losses(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Ten
 
 class _CrossEntropy(torch.autograd.Function):
     """mean_i(logsumexp(z_i) - z_i[t_i]) of [N, V] logits z, computed in fp32 whatever z's dtype;
-    gradient (softmax(z_i) - onehot(t_i)) * grad / N in z's dtype, written chunk by chunk."""
+    gradient (softmax(z_i) - onehot(t_i)) * grad / N in fp32 (autograd casts it to z's dtype).
+
+    One pass of exp over the logits: the forward writes softmax(z) chunk by chunk into the one [N, V]
+    fp32 tensor the step needs (it is saved instead of the logits, which are then free), and the backward
+    scales it in place into the gradient. First-order only (double backward raises)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        losses, lse = _token_losses(logits, target)
-        ctx.save_for_backward(logits, target, lse)
-        return losses.mean()
+        n, v = logits.shape
+        probs = torch.empty((n, v), dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for s, e in _chunks(n, v):
+            p = probs[s:e]
+            m = logits[s:e].amax(-1, keepdim=True).float()
+            torch.sub(logits[s:e], m, out=p).exp_()
+            total = p.sum(-1, keepdim=True)
+            p.div_(total)
+            torch.add(m.squeeze(1), total.squeeze(1).log(), out=lse[s:e])
+        ctx.save_for_backward(probs, target)
+        return (lse - logits.gather(1, target[:, None]).squeeze(1).float()).mean()
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        logits, target, lse = ctx.saved_tensors
-        n, v = logits.shape
-        scale = grad.float() / n
-        if torch.is_grad_enabled():  # backward(create_graph=True): the same gradient, differentiably
-            p = torch.softmax(logits.float(), -1)
-            p = p - torch.zeros_like(p).scatter_(1, target[:, None], 1.0)
-            return (p * scale).to(logits.dtype), None
-        # softmax * scale = exp(z - lse + log(scale)): one pass fewer when scale > 0 (loss.backward())
-        fold = bool(scale > 0)
-        shift = lse - scale.log() if fold else lse
-        out = torch.empty_like(logits)
-        rows = torch.arange(n, device=logits.device)
-        for s, e in _chunks(n, v):
-            g = out[s:e] if out.dtype == torch.float32 else torch.empty((e - s, v), device=out.device)
-            torch.sub(logits[s:e], shift[s:e, None], out=g).exp_()
-            if not fold:
-                g.mul_(scale)
-            g[rows[: e - s], target[s:e]] -= scale
-            if g is not out[s:e]:
-                out[s:e].copy_(g)
-        return out, None
+        probs, target = ctx.saved_tensors
+        scale = grad.float() / probs.shape[0]
+        probs.mul_(scale)
+        probs[torch.arange(probs.shape[0], device=probs.device), target] -= scale
+        return probs, None
 
 
 def _fused_loss_applies(output: torch.Tensor, target: torch.Tensor) -> bool:
@@ -323,6 +321,10 @@ class GPT2Workload(Workload):
 
     def tokens_per_sample(self) -> int:
         return self.gpt.seq_len
+
+    def example_batch(self, n: int, device="meta") -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.zeros((n, self.gpt.seq_len), dtype=torch.int64, device=device)
+        return ids, ids.clone()
 
     # --- loss and metrics: Workload's definitions, computed without [N, vocab] temporaries ---
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -139,20 +139,20 @@ def vision_sequential(model: nn.Module) -> nn.Sequential:
     return nn.Sequential(OrderedDict(layers))
 
 
-def count_forward_flops(model: nn.Module, image_size: int) -> int:
-    """2 x multiply-adds of every Conv2d and Linear for one image (BN, ReLU, pooling, biases ignored).
+def layer_flops(model: nn.Module, image_size: int) -> list[int]:
+    """2 x multiply-adds of every Conv2d and Linear for one image, in call order (BN, ReLU, pooling,
+    biases ignored).
 
     Shapes come from one forward pass of a meta tensor with hooks: no real compute, no profiler.
     """
-    total = 0
+    flops: list[int] = []
 
     def hook(m, inp, out):
-        nonlocal total
         if isinstance(m, nn.Conv2d):
             macs_per_out = (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
         else:
             macs_per_out = m.in_features
-        total += 2 * out.numel() * macs_per_out
+        flops.append(2 * out.numel() * macs_per_out)
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     was_training = model.training
@@ -164,7 +164,12 @@ def count_forward_flops(model: nn.Module, image_size: int) -> int:
         model.train(was_training)
         for h in handles:
             h.remove()
-    return total
+    return flops
+
+
+def count_forward_flops(model: nn.Module, image_size: int) -> int:
+    """Forward FLOPs of one image: the sum of `layer_flops`."""
+    return sum(layer_flops(model, image_size))
 
 
 class VisionWorkload(Workload):
@@ -173,6 +178,7 @@ class VisionWorkload(Workload):
     def __init__(self, cfg: WorkloadConfig, data: DataConfig):
         super().__init__(cfg, data)
         self._flops: float | None = None
+        self._first_layer_flops = 0.0
         self.channels_last = use_channels_last(cfg.channels_last, "cuda" if torch.cuda.is_available() else "cpu")
         self._data_facts: dict = {}
 
@@ -212,8 +218,21 @@ class VisionWorkload(Workload):
             c = self.cfg
             with torch.device("meta"):
                 model = build_vision_model(c.arch, c.num_classes, c.image_size, c.width_div)
-            self._flops = float(count_forward_flops(model, c.image_size))
+            per_layer = layer_flops(model, c.image_size)
+            self._flops, self._first_layer_flops = float(sum(per_layer)), float(per_layer[0])
         return self._flops
+
+    def train_flops_per_sample(self) -> float:
+        """3 x forward less the first convolution's input gradient, which autograd never computes (the
+        image needs no gradient): backward = 2 x forward for every other layer (its input and weight
+        gradients). What torch's FlopCounterMode counts too (ptbench.core.flops.count_train_flops)."""
+        forward = self.forward_flops_per_sample()
+        return 3.0 * forward - self._first_layer_flops
+
+    def example_batch(self, n: int, device="meta") -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        x = torch.empty((n, 3, c.image_size, c.image_size), device=device)
+        return x, torch.zeros(n, dtype=torch.int64, device=device)
 
     # --- data --------------------------------------------------------------------------------
     def check_data(self) -> None:

@@ -384,3 +384,131 @@ def record_fields(vol: dict, backend: str | None = None) -> dict:
         collectives=[dict(it) for it in vol["collectives"]],
         notes=list(vol.get("notes", [])),
     )
+
+
+# --- what the frameworks really move (measured: python -m ptbench.ledger) ------------------------------
+def corrected(fields: dict, cost, workload, root_params: int | None = None) -> dict:
+    """`record_fields(...)` with the papers' formulas corrected where the framework moves other bytes, each
+    difference stated with the framework setting that causes it (`differences`, one line each). `cost`: the
+    adapter's CostInputs (which corrections apply); `workload`: the workload config; `root_params`: the
+    parameters of the root unit (not resharded after forward). Measured against the
+    traces by `python -m ptbench.ledger` (2 ranks, CPU, DeepSpeed 0.19.8, megatron-core)."""
+    items = [dict(c) for c in fields.get("collectives", [])]
+    diffs: list[str] = []
+    if cost.grad_bucket_all_reduce:
+        for it in items:
+            if it["name"] == "dp_grad_reduce_scatter":
+                n = it["group_size"]
+                it.update(
+                    op="all_reduce",
+                    name="dp_grad_all_reduce",
+                    bytes=it["message_bytes"] * ring_factor("all_reduce", n),
+                    formula="2(N-1)/N * Psi * B",
+                )
+                diffs.append(
+                    f"DeepSpeed ({cost.sharding}): zero_optimization.use_multi_rank_bucket_allreduce (default true) "
+                    "all-reduces the gradient buckets instead of reduce-scattering them: 2(N-1)/N instead of "
+                    "(N-1)/N x Psi x B, 1.5x the paper's total"
+                )
+    if fields.get("params_per_rank", 0) * fields.get("dp", 1) < cost.live_params_limit:
+        if any(it["name"] == "dp_param_all_gather_bwd" for it in items):
+            items = [it for it in items if it["name"] != "dp_param_all_gather_bwd"]
+            diffs.append(
+                "DeepSpeed ZeRO-3: stage3_max_live_parameters and stage3_max_reuse_distance (defaults 1e9) exceed "
+                "the model's parameters, so parameters gathered in forward stay gathered for backward: no backward "
+                "re-gather (the formula's 3 (N-1)/N x Psi x B is 1.5x too high)"
+            )
+    if cost.vocab_parallel_loss:
+        tp_item = next((it for it in items if it["name"] == "tp_activation_all_reduce"), None)
+        if tp_item is not None and not cost.sequence_parallel:
+            n = tp_item["group_size"]
+            act = tp_item["message_bytes"]
+            layers_rank = math.ceil(workload.n_layer / max(1, fields.get("pp", 1)))
+            m = tp_item["calls"] / (4 * layers_rank)
+            bs = act / (workload.n_embd * tp_item["bytes_per_elem"])  # b x s
+            calls_act = 2 * m
+            calls_ce = 3 * m
+            # the first stage holds the embedding, the last the output layer and the loss; with p = 1 one rank both
+            items.append(
+                _item(
+                    "tp_embedding_output_all_reduce",
+                    "all_reduce",
+                    "tp",
+                    n,
+                    act,
+                    calls_act,
+                    calls_act * ring_factor("all_reduce", n) * act,
+                    "2 * m * 2(t-1)/t * b*s*h * B",
+                    "forward,backward",
+                    tp_item["bytes_per_elem"],
+                )
+            )
+            items.append(
+                _item(
+                    "tp_cross_entropy_all_reduce",
+                    "all_reduce",
+                    "tp",
+                    n,
+                    bs * 4,
+                    calls_ce,
+                    calls_ce * ring_factor("all_reduce", n) * bs * 4,
+                    "3 * m * 2(t-1)/t * b*s * 4",
+                    "forward",
+                    4,
+                )
+            )
+            diffs.append(
+                "Megatron TP: the vocab-parallel embedding all-reduces its output (forward) and the column-parallel "
+                "output layer all-reduces its input gradient (backward), 2 more b*s*h all-reduces per micro-batch; "
+                "the vocab-parallel cross-entropy (parallel_output) all-reduces 3 fp32 b*s tensors (max logit, target "
+                "logit, sum of exp) per micro-batch"
+            )
+    if cost.root_unit_gathered and root_params and cost.reshard_after_forward:
+        for it in items:
+            if it["name"] == "dp_param_all_gather_bwd":
+                n, b = it["group_size"], it["bytes_per_elem"]
+                share = root_params / (fields["params_per_rank"] or 1)
+                it["message_bytes"] -= root_params * b
+                it["bytes"] = it["message_bytes"] * ring_factor("all_gather", n)
+                it["formula"] = "(N-1)/N * (Psi - Psi_root) * B"
+                diffs.append(
+                    f"FSDP2: the root unit (embedding, final norm, head: {root_params} parameters, {100 * share:.1f} % "
+                    "of Psi) is wrapped with reshard_after_forward=False (as torchtitan), so backward re-gathers "
+                    "only the blocks"
+                )
+    pp = fields.get("pp", 1)
+    if pp > 1 and cost.tied_embedding_stages and workload.kind == "language":
+        t = fields.get("tp", 1)
+        vocab = cost.padded_vocab or workload.vocab_size
+        elems = vocab * workload.n_embd / t
+        b = 4  # fp32 gradients (autocast keeps fp32 weights)
+        items.append(
+            _item(
+                "pp_tied_embedding_grad_all_reduce",
+                "all_reduce",
+                "embedding",
+                2,
+                elems * b,
+                1,
+                elems * b * ring_factor("all_reduce", 2),
+                "2(2-1)/2 * V*h/t * 4",
+                "backward",
+                b,
+            )
+        )
+        diffs.append(
+            "tied embedding across pipeline stages: the first stage's token embedding and the last stage's output "
+            "layer are one weight; after backward their gradients are all-reduced between the two stages "
+            "(megatron-core's embedding group with share_embeddings_and_output_weights; adapters/_pipeline.py TiedPair)"
+        )
+    by_op: dict = {}
+    for it in items:
+        by_op[it["op"]] = by_op.get(it["op"], 0.0) + it["bytes"]
+    return {
+        **fields,
+        "collectives": items,
+        "by_op": by_op,
+        "total_bytes": float(sum(by_op.values())),
+        "differences": diffs,
+        "uncorrected_total_bytes": fields.get("total_bytes"),
+    }

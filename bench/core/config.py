@@ -67,7 +67,7 @@ class DataConfig:
     source: str = "synthetic"  # synthetic | imagefolder | wikitext
     root: str | None = None  # imagefolder: folder with train/ and val/; wikitext: folder with train.txt/valid.txt
     tokenizer_dir: str | None = None  # GPT-2 BPE files (vocab.json + merges.txt)
-    cache_dir: str | None = None  # token-id memmap cache; default <root>/.bench_cache
+    cache_dir: str | None = None  # token-id memmap cache; default $XDG_CACHE_HOME/trainbench (~/.cache/trainbench)
     train_samples: int = 2048  # synthetic only
     val_samples: int = 512  # synthetic only
     # DataLoader workers per rank; None = from the CPUs per rank (SLURM_CPUS_PER_TASK, else the CPUs
@@ -120,7 +120,9 @@ class TrainerConfig:
     grad_accum: int = 1
     untimed_steps: int = 2  # excluded from step statistics (stated in the record)
     eval_every_epoch: bool = True
-    max_eval_batches: int = 0  # 0 = the whole validation set
+    # validation batches per rank per epoch; None = trainer.max_steps when that is set (a 20 s run no longer
+    # validates for 40 s: issue 31), else all; 0 = the whole validation set (the epoch event's val_samples)
+    max_eval_batches: int | None = None
     grad_clip: float = 0.0  # 0 = off; always passed explicitly to frameworks that clip by default
     precision: str = "fp32"  # fp32 | bf16 | fp16 (GPU only)
     # torch.compile of the model (adapters that declare support: ddp, fsdp, zero); compilation runs in the
@@ -142,10 +144,23 @@ class TrainerConfig:
     # diagnostic that serialises host and device and slows frameworks that overlap host work (recorded)
     sync_timing: bool = False
     progress: bool | None = None  # tqdm bars; None = only when stdout is a terminal (not in batch logs)
+    # without a bar (a batch log): one progress line at step 1 and every this many steps or validation
+    # batches (torchtitan's log_freq); 0 = none
+    log_every: int = 10
     log_step_losses: bool = True
+    # sampled timing (issue 29, bench/runner/sampling.py): end each epoch once the 95 % interval of the mean step
+    # time is within +-this % of it (or after timing_sample_cap timed steps, 0 = no cap); the epoch's time is then
+    # recorded as an estimate (epoch_time_estimate). 0 = full epochs (the default)
+    timing_sample: float = 0.0
+    timing_sample_cap: int = 0
     # Fault injection for resilience tests: "KIND@RANK:STEP", KIND = raise | oom | hang | exit; or
-    # "slow@FRACTION": every step FRACTION longer on every rank (the noise-floor check, bench/runner/faults.py)
+    # "slow@FRACTION": every step FRACTION longer on every rank (the noise-floor check, bench/runner/faults.py);
+    # "straggler@RANK:FRACTION": every step FRACTION longer on rank RANK only (the straggler check)
     inject_fault: str | None = None
+    # "START:COUNT": torch.profiler over COUNT optimizer steps from global step START (0-based): a Chrome/Perfetto
+    # trace per rank in RUN_DIR/traces/ (+ merged.json), the communication ledger, exposed communication,
+    # pipeline bubble and per-rank collective waits in the record (bench/runner/profiling.py); None = off
+    profile: str | None = None
     # A deterministic stop for tests of preemption and resume: "RANK:STEP" = that rank is asked to stop
     # right after global step STEP, as by SIGUSR1 (the ranks agree at the next stop check)
     inject_stop: str | None = None
@@ -179,7 +194,7 @@ class ResultsConfig:
     # parent folder of the run's record; None = <root>/<experiment> (a Hydra multirun uses its sweep folder)
     dir: str | None = None
     # standard sinks written from the finished record (bench/core/sinks.py), never required:
-    mllog: bool = True  # MLPerf-logging `:::MLLOG` lines in RUN_DIR/mllog.txt
+    mllog: bool = False  # MLPerf-logging `:::MLLOG` lines in RUN_DIR/mllog.txt (needs the `mllog` extra)
     tensorboard: bool = False  # TensorBoard scalars in RUN_DIR/tensorboard/ (needs the tensorboard package)
     wandb: bool = False  # a W&B run (extra `wandb`; offline in RUN_DIR/wandb unless WANDB_API_KEY is set)
     mlflow: bool = False  # an MLflow run at MLFLOW_TRACKING_URI (extra `mlflow`)

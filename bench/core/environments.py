@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
-import subprocess
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -112,21 +110,16 @@ def in_srun_step(env: Mapping[str, str] = os.environ) -> int:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """A Slurm hostlist ('gpu[001-004,010],rack[1-2]-n[01-02]') as host names, in Slurm's order:
-    `scontrol show hostnames` where Slurm's tools are installed, else submitit's parser."""
-    if shutil.which("scontrol"):
-        try:
-            out = subprocess.run(
-                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=20
-            )
-            hosts = out.stdout.split()
-            if out.returncode == 0 and hosts:
-                return hosts
-        except (OSError, subprocess.SubprocessError):
-            pass
-    from submitit.slurm.slurm import _parse_node_list
+    """A Slurm hostlist ('gpu[001-004,010],rack[1-2]-n[01-02]') as host names, in Slurm's order, by
+    python-hostlist (the parser of Slurm's hostlist syntax; no `scontrol` subprocess, which a container on
+    a Slurm node often lacks, and no private submitit function). submitit's public
+    `helpers.TorchDistributedEnvironment` does not serve here: it reads only os.environ (this takes the
+    environment as a mapping, tested against recorded ones), needs SUBMITIT_EXECUTOR (absent under plain
+    srun, slurm/run.sbatch), takes the job's node list rather than the step's, picks a random port per job
+    (not per step: two sweep points in one job would collide) and assumes equal tasks per node."""
+    import hostlist
 
-    return _parse_node_list(nodelist)
+    return hostlist.expand_hostlist(nodelist)
 
 
 def slurm_port(job_id: str, step_id: str | None = None) -> int:

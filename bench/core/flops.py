@@ -59,3 +59,56 @@ def mfu(flops_per_s: float | None, peak: float | None, devices: int) -> tuple[fl
     if value > 1:
         return None, f"computed MFU {value:.2f} > 1: the peak table or the workload's FLOP count is wrong here"
     return value, None
+
+
+# --- the cross-check: FLOPs counted by torch (torch.utils.flop_counter) beside the formula's --------------
+COUNT_CONVENTION = (
+    "torch.utils.flop_counter.FlopCounterMode over one forward + backward of the model on the meta device "
+    "(shapes only); 2 FLOPs per multiply-add of matmuls and convolutions; attention: on the meta device "
+    "scaled_dot_product_attention runs as its math form, two batched matmuls (QK^T, AV) forward and four "
+    "backward over the full T x T scores (the causal mask is not discounted, as in the formula); not counted: "
+    "biases, normalisation, activations, softmax, pooling, embeddings, the loss, the optimizer; a "
+    "convolution's input gradient only where autograd computes it (not the first layer's: the formula "
+    "leaves it out too)"
+)
+FLOPS_TOLERANCE = 0.05  # a disagreement beyond this becomes a warning in the run's summary
+
+
+def count_train_flops(model, inputs, target, loss) -> dict:
+    """{forward, backward, total, by_op} FLOPs of one training step of `model` (on the meta device, or any)
+    on `inputs` / `target` with `loss(output, target)`, counted by FlopCounterMode (see COUNT_CONVENTION).
+    The caller divides by the batch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    fwd_counter, bwd_counter = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    with torch.enable_grad():
+        with fwd_counter:
+            out = loss(model(inputs), target)
+        with bwd_counter:
+            out.backward()
+    by_op: dict[str, int] = {}
+    for c in (fwd_counter, bwd_counter):
+        for op, n in c.get_flop_counts().get("Global", {}).items():
+            by_op[str(op)] = by_op.get(str(op), 0) + int(n)
+    fwd, bwd = fwd_counter.get_total_flops(), bwd_counter.get_total_flops()
+    return {"forward": fwd, "backward": bwd, "total": fwd + bwd, "by_op": by_op}
+
+
+def flops_check(formula_per_sample: float, counted_per_sample: float, tolerance: float = FLOPS_TOLERANCE) -> dict:
+    """The summary's `flops_check`: both training FLOPs per sample, their ratio (counted / formula) and the
+    warning (None when they agree within `tolerance`)."""
+    ratio = counted_per_sample / formula_per_sample if formula_per_sample else None
+    warning = None
+    if ratio is None or abs(ratio - 1) > tolerance:
+        shown = "n/a" if ratio is None else f"{ratio:.3f}"
+        warning = (
+            f"FLOPs counted by torch (FlopCounterMode) are {shown} x the workload's formula (> {tolerance:.0%} apart): "
+            "the MFU rests on the formula; check the workload's forward_flops_per_sample"
+        )
+    return {
+        "formula_train_flops_per_sample": float(formula_per_sample),
+        "counted_train_flops_per_sample": float(counted_per_sample),
+        "ratio": ratio,
+        "convention": COUNT_CONVENTION,
+        "warning": warning,
+    }

@@ -67,13 +67,29 @@ Megatron) the first stage keeps min(p, m) micro-batches of ceil(L/p) layers (int
 each micro-batch's stage input (s b h) and recomputes one micro-batch's layers at a time
 (`recompute=always`: m inputs + 1 micro-batch; `except_last`: m inputs + 2; `never`: m).
 
+Activations, the harness GPT-2 (DDP, ZeRO, FSDP, torch pipelines: the model of workloads/gpt2.py without
+tensor parallelism): counted instead of [Korthikanti] (`gpt2_saved_elements`): one block's saved tensors
+(on the CPU at 4, 8 and 16 tokens, a quadratic in the tokens: exact at seq_len), the embeddings and the
+head on the meta device, per sample; plus the 4 s b V fp32 softmax the loss saves (its backward turns
+it into the logits' gradient in place). Against the counted saved tensors (`SavedTensorLedger`) of real runs
+on CPU this is within 1 %; the Korthikanti formula (kept for tensor parallelism and Megatron, whose
+local spec keeps the scores on a CPU: with dropout 0 only the softmax output, 2 a s / h) within 1 % too
+(`python -m ptbench.memory_ledger`).
+
+ZeRO-3 (DeepSpeed 0.19, `zero3_gathered`): tensors of at most stage3_param_persistence_threshold
+elements stay whole on every rank; from the second step every non-persistent parameter gathered in
+forward stays gathered until its backward while they all fit stage3_max_reuse_distance (default 1e9
+elements) or the prefetch bucket: at small scale the whole model is held gathered (transient = b x
+non-persistent elements; measured on DeepSpeed 0.19.8), beyond it the largest module plus the prefetch bucket.
+
 Activations, vision: no closed formula covers VGG and ResNet, so the estimate counts what autograd
 saves: one forward of the real model on the meta device (`activation_elements`, no memory, no FLOPs)
 under `torch.autograd.graph.saved_tensors_hooks`, each saved storage once (a view and its base, or a
 tensor two ops save, are one), parameters and buffers excluded, x bytes per element (4 fp32, 2
 bf16/fp16) x micro-batch. At 224 px: ResNet-50 21.5 M fp32 elements per sample (82 MiB), VGG-16
 18.3 M (70 MiB). (It replaced a count of every leaf module's output: 32.0 M and 28.7 M, which refused
-runs that fit.) Not counted: cuDNN workspaces and the gradients alive during backward.
+runs that fit.) Pipelines: each stage counted on its own (`stage_activation_elements`, the adapter's
+layer split), x micro-batches alive on that stage (1F1B: min(p - i, m) on stage i; GPipe: m). Not counted: cuDNN workspaces and the gradients alive during backward.
 
 Unmodelled (all add to the measured peak): the CUDA caching allocator's fragmentation and
 reserved-but-free blocks, the CUDA context (~0.3-0.5 GB per process, outside torch's allocator
@@ -83,6 +99,7 @@ loader's pinned batches, temporaries of the loss and of the optimizer step (fore
 
 from __future__ import annotations
 
+import copy
 import math
 
 from ptbench.core.layout import SHARDING
@@ -177,11 +194,51 @@ def _dp_shard(sharding: str, shapes, n: int, rank: int | None = None) -> dict:
     return best[1]
 
 
+def zero3_gathered(
+    numels: list[int],
+    n: int,
+    largest_unit: int = 0,
+    *,
+    param_persistence_threshold: int = 100_000,
+    max_live_parameters: int = 1_000_000_000,
+    max_reuse_distance: int = 1_000_000_000,
+    prefetch_bucket_size: int = 50_000_000,
+) -> dict:
+    """DeepSpeed 0.19 stage 3's parameters on one rank, in elements (its config names):
+    - stage3_param_persistence_threshold: a tensor of at most that many elements is never partitioned (whole
+      on every rank, `persistent`); the rest are split ceil(numel/n) per tensor (`partition` counts both);
+    - from the second step (once the module trace is recorded) a parameter gathered in forward is not
+      released when it is used again within stage3_max_reuse_distance elements of fetches, and the end of
+      forward prefetches the backward's first stage3_prefetch_bucket_size elements: when the non-persistent
+      parameters fit either, every one stays gathered from forward to backward (`gathered` = all of them
+      beside their partitions: "all parameters kept gathered at small scale", the issue's 4.3x at 64 GPUs).
+      Measured on DeepSpeed 0.19.8 (CPU, 2 ranks, gpt2_tiny: every parameter AVAILABLE after forward from
+      step 1, with either setting large; stage3_max_live_parameters = 1e5 did not cap it);
+    - otherwise (not validated) the largest module plus the prefetch bucket: min(largest + prefetch, all).
+    `max_live_parameters` is accepted for the record but does not enter the count (see above)."""
+    persistent = sum(k for k in numels if k <= param_persistence_threshold)
+    sharded = [k for k in numels if k > param_persistence_threshold]
+    rest = sum(sharded)
+    partition = persistent + sum(math.ceil(k / n) for k in sharded)
+    if rest <= max_reuse_distance or rest <= prefetch_bucket_size:
+        gathered = rest
+        why = (
+            f"all {rest:,} non-persistent elements stay gathered from forward to backward (<= stage3_max_reuse_distance"
+            f" {max_reuse_distance:,} or stage3_prefetch_bucket_size {prefetch_bucket_size:,})"
+        )
+    else:
+        gathered = min(rest, largest_unit + prefetch_bucket_size)
+        why = f"largest unit {largest_unit:,} + stage3_prefetch_bucket_size {prefetch_bucket_size:,} (not validated)"
+    return {"persistent": persistent, "partition": partition, "gathered": gathered, "why": why}
+
+
 def _gpt2_layer_activation_bytes(
-    s: int, b: int, h: int, a: int, tp: int, sequence_parallel: bool, attention_scores: bool
+    s: int, b: int, h: int, a: int, tp: int, sequence_parallel: bool, attention_scores: bool, attention_dropout=True
 ) -> float:
-    """[Korthikanti] Eq. 1-3, bytes per transformer layer with 2-byte activations."""
-    scores = 5 * a * s / h if attention_scores else 0.0
+    """[Korthikanti] Eq. 1-3, bytes per transformer layer with 2-byte activations. Without attention dropout
+    (p = 0: ATen returns the probabilities themselves, no mask, no copy) the scores keep only the softmax
+    output: 2 a s / h instead of 5 a s / h (measured against Megatron's local spec on CPU)."""
+    scores = (5 if attention_dropout else 2) * a * s / h if attention_scores else 0.0
     if tp == 1:
         return s * b * h * (34 + scores)
     if sequence_parallel:
@@ -213,8 +270,11 @@ def predict(
     recompute: str = "never",
     sequence_parallel: bool = False,
     attention_scores: bool = True,
+    attention_dropout: bool = True,
     image_size: int = 0,
     activation_elements_per_sample: float | None = None,
+    stage_activation_elements: list[float] | None = None,
+    layer_saved_elements: dict | None = None,
     shapes: list | None = None,
     rank: int | None = None,
     stage_params: list[int] | None = None,
@@ -224,6 +284,7 @@ def predict(
     half_states: bool | None = None,
     offload_optimizer: bool = False,
     offload_params: bool = False,
+    zero3_settings: dict | None = None,
     device: str = "cuda",
     label: str | None = None,
 ) -> dict:
@@ -238,10 +299,15 @@ def predict(
         half_states: parameters and gradients in 2 bytes under bf16/fp16 (default: DeepSpeed's stages).
     kind: language (GPT-2: layers, hidden, heads, seq_len, vocab, micro_batch) | vision
         (activation_elements_per_sample, from `activation_elements`; image_size is informational).
+    stage_activation_elements: vision pipelines, what each stage saves per sample (fp32 elements, from
+        `stage_activation_elements`); else each stage is taken to save 1/p of the model's.
+    layer_saved_elements: language, what the harness GPT-2 saves per sample ({"layer", "embed", "head"}, fp32
+        elements, from `gpt2_saved_elements`) used instead of [Korthikanti] where the run trains that model
+        without tensor parallelism (the counted implementation, not the paper's).
     micro_batch: samples per micro-batch on one replica; microbatches: per optimizer step (pipelines).
     schedule: the pipeline schedule (1f1b | interleaved_1f1b | gpipe); recompute: activation
         checkpointing of the stages (never | except_last | always, torchgpipe's). attention_scores:
-        False for fused attention (no s^2 term).
+        False for fused attention (no s^2 term); attention_dropout: False when dropout is 0 (2 a s / h).
     shapes: the parameter shapes (per-tensor partitioning for zero1-3 and fsdp, see module doc); rank:
         the rank whose partition is taken (None: the busiest).
     stage_params: parameters of each pipeline stage (else the GPT-2 split, or Ψ/p for vision).
@@ -251,6 +317,9 @@ def predict(
     fusion_buffer_bytes: a gradient fusion buffer of up to that size (Horovod's threshold).
     offload_optimizer / offload_params (ZeRO-Offload, zero1-3 / zero3): the optimizer state and fp32 master
         partition / the parameter partition live in host memory: not on the device (0 bytes here).
+    zero3_settings: DeepSpeed stage 3's own rules ({param_persistence_threshold, max_live_parameters,
+        max_reuse_distance, prefetch_bucket_size}, elements; see `zero3_gathered`); None: the plain partition
+        with the largest unit gathered.
     device: cuda | cpu (Megatron shards its optimizer only on CUDA). label: what the run is called (the
         adapter's name; only printed).
 
@@ -337,21 +406,66 @@ def predict(
     # --- activations per stage ----------------------------------------------------------------------
     def activations(stage_name: str) -> tuple[float, str]:
         if not micro_batch:
-            return 0.0, "not estimated (micro_batch=0)"
+            return 0.0, "not estimated (micro_batch=0)", 0.0
         b = micro_batch
         if kind == "vision":
             if activation_elements_per_sample is None:
                 notes.append("vision activations not estimated: give activation_elements_per_sample")
-                return 0.0, "not estimated"
+                return 0.0, "not estimated", 0.0
+            if pp > 1 and stage_activation_elements:
+                if len(stage_activation_elements) != pp:
+                    raise ValueError(
+                        f"stage_activation_elements has {len(stage_activation_elements)} entries for pp={pp}"
+                    )
+                # stage i keeps m micro-batches (GPipe schedule) or min(p - i, m) (1F1B): the most any stage saves
+                alive_i = [microbatches if schedule == "gpipe" else min(pp - i, microbatches) for i in range(pp)]
+                per_stage = [e * act_b * b * a for e, a in zip(stage_activation_elements, alive_i)]
+                top = max(range(pp), key=lambda i: per_stage[i])
+                total = per_stage[top]
+                return (
+                    total,
+                    (
+                        f"stage {top}: {stage_activation_elements[top]:,.0f} elem/sample (counted per stage) x {act_b} B "
+                        f"x b={b} x {alive_i[top]} micro-batch(es) alive ({schedule}); the most of any stage"
+                    ),
+                    total,
+                )
             per_mb = activation_elements_per_sample * act_b * b / pp  # a stage holds ~1/p of the layers
             f = f"{activation_elements_per_sample:,.0f} elem/sample x {act_b} B x b={b}" + (" / p" if pp > 1 else "")
             alive, how = _alive(stage_name)
             if pp > 1:
                 notes.append("vision pipeline activations assume each stage holds 1/p of the model's activations")
-            return per_mb * alive, f"{f} x {how}"
-        layer = _gpt2_layer_activation_bytes(seq_len, b, hidden, heads, tp, sequence_parallel, attention_scores)
-        layer *= act_b / 2
+            return per_mb * alive, f"{f} x {how}", per_mb * alive
         per_stage_layers = math.ceil(layers / pp)
+        if layer_saved_elements and tp == 1 and recompute == "never":
+            # the harness GPT-2, counted: per layer, the embedding (first stage) and the final LayerNorm + head
+            # input (last stage), each x bytes per element x b, x micro-batches alive; + the softmax the loss saves
+            e = layer_saved_elements
+            alive, how = _alive(stage_name)
+            first = stage_name in ("all", "first", "any")
+            last = stage_name in ("all", "last", "any")
+            per_mb = (per_stage_layers * e["layer"] + first * e["embed"] + last * e["head"]) * act_b * b
+            loss = 4 * seq_len * b * vocab if last else 0.0  # the fp32 softmax the loss keeps
+            last_alive = 1 if (pp > 1 and schedule != "gpipe") else alive
+            saved = alive * per_mb + last_alive * loss
+            # the loss's backward scales that softmax in place into the logits' gradient (workloads/gpt2.py
+            # _CrossEntropy); half precision casts it to the logits' dtype (one more s b V x 2 B)
+            total = saved + (last_alive * loss / 2 if act_b == 2 else 0.0)
+            return (
+                total,
+                (
+                    f"{how} x (ceil(L/p)={per_stage_layers} x {e['layer']:,.0f} per layer"
+                    + (f" + {e['embed']:,.0f} embedding" if first else "")
+                    + (f" + {e['head']:,.0f} head" if last else "")
+                    + f") elem/sample (counted, harness GPT-2) x {act_b} B x b={b}"
+                    + (" + 4 s b V fp32 softmax saved by the loss (its gradient in place)" if last else "")
+                ),
+                saved,
+            )
+        layer = _gpt2_layer_activation_bytes(
+            seq_len, b, hidden, heads, tp, sequence_parallel, attention_scores, attention_dropout
+        )
+        layer *= act_b / 2
         # the loss at the start of backward: cross_entropy's fp32 log-softmax (saved), its gradient and the
         # logits' gradient, 4 s b V bytes each (the forward's logits are freed once the loss has them)
         logits = 12 * seq_len * b * vocab / tp if stage_name in ("all", "last", "any") else 0.0
@@ -359,18 +473,27 @@ def predict(
         if recompute in ("always", "except_last") and microbatches > 1:
             full = 1 if recompute == "always" else 2
             inputs = microbatches * seq_len * b * hidden * act_b
-            total = inputs + full * per_stage_layers * layer + (logits if stage_name != "first" else 0.0)
-            return total, (
-                f"recompute={recompute}: m stage inputs (s b h) + {full} micro-batch(es) of "
-                f"ceil(L/p)={per_stage_layers} layers [Korthikanti]" + (" + 12 s b V loss" if logits else "")
+            loss = logits if stage_name != "first" else 0.0
+            total = inputs + full * per_stage_layers * layer + loss
+            return (
+                total,
+                (
+                    f"recompute={recompute}: m stage inputs (s b h) + {full} micro-batch(es) of "
+                    f"ceil(L/p)={per_stage_layers} layers [Korthikanti]" + (" + 12 s b V loss" if logits else "")
+                ),
+                total - loss * 2 / 3,
             )
         last_alive = 1 if (pp > 1 and schedule != "gpipe") else alive
         total = alive * per_stage_layers * layer + (last_alive * logits if logits else 0.0)
         sc = "" if attention_scores else " (no 5as/h: fused attention)"
         tpf = "" if tp == 1 else (" /t (sequence parallel)" if sequence_parallel else " with 10 + 24/t + 5as/(ht)")
-        return total, (
-            f"{how} x ceil(L/p)={per_stage_layers} layers x s b h (34 + 5as/h){sc}{tpf} x {act_b}/2 B"
-            + (" + 12 s b V / t loss (fp32 log-softmax, its gradient, the logits' gradient)" if logits else "")
+        return (
+            total,
+            (
+                f"{how} x ceil(L/p)={per_stage_layers} layers x s b h (34 + 5as/h){sc}{tpf} x {act_b}/2 B"
+                + (" + 12 s b V / t loss (fp32 log-softmax, its gradient, the logits' gradient)" if logits else "")
+            ),
+            total - (last_alive * logits * 2 / 3 if logits else 0.0),
         )
 
     def _alive(stage_name: str) -> tuple[int, str]:
@@ -433,7 +556,14 @@ def predict(
             if name == "zero1" and N > 1:
                 out["transient"] = b * P - out["grads"]
                 formula["transient"] = "full gradients during backward: b P - grads at the step"
-            if name in ("zero3", "fsdp") and largest_unit_params:
+            if name == "zero3" and zero3_settings and shapes and N > 1:
+                z = zero3_gathered([numel(x) for x in shapes], N, largest_unit_params, **zero3_settings)
+                gb = 2 if half else 4
+                out["params"] = b * z["partition"]
+                formula["params"] = f"{b} x ({z['persistent']:,} persistent elements whole + the rest / N per tensor)"
+                out["transient"] = gb * z["gathered"]
+                formula["transient"] = f"{gb} x {z['gathered']:,} gathered: {z['why']}"
+            elif name in ("zero3", "fsdp") and largest_unit_params:
                 gb = 2 if half else 4
                 out["transient"] = gb * largest_unit_params * (N - 1) / N if N > 1 else 0.0
                 formula["transient"] = f"{gb} x largest gathered unit ({largest_unit_params:,}) x (N-1)/N"
@@ -443,11 +573,13 @@ def predict(
         if offload_params and name == "zero3":
             out["params"] = 0.0
             formula["params"] = "0 (offload_params: in host memory; gathered units in transient)"
-        out["activations"], formula["activations"] = activations(stage_name)
+        out["activations"], formula["activations"], out["saved_activations"] = activations(stage_name)
         out["model_states"] = out["params"] + out["grads"] + out["optimizer"] + out["master"]
         out["total"] = out["model_states"] + out["transient"] + out["activations"]
         results.append((stage_name, P, out, formula))
+    saved_max = max(r[2]["saved_activations"] for r in results)  # the memory ledger compares the most any rank saves
     stage_name, P, out, formula = max(results, key=lambda r: r[2]["total"])
+    out = {**out, "saved_activations": saved_max}
     return dict(
         adapter=label or name,
         sharding=name,
@@ -476,6 +608,129 @@ def fits(predicted_total: float, device_bytes: float | None, headroom: float = 0
     return predicted_total <= headroom * device_bytes
 
 
+# --- counting what autograd saves (the memory ledger's "counted" side) -----------------------------------
+SAVED_RULE = (
+    "torch.autograd.graph.saved_tensors_hooks around one training step: every tensor autograd saves for "
+    "backward, each storage once (a view and its base, or one tensor saved by several ops, are one storage; "
+    "a tensor subclass such as DTensor counts its local tensors), parameters and views of parameters "
+    "and the model's buffers excluded; a storage counts from its first save until autograd frees the last saved reference (after "
+    "its backward); `peak` is the most bytes alive at once (1F1B pipelines: several micro-batches)"
+)
+
+
+def _plain_tensors(t):
+    """The plain tensors behind `t` (a wrapper subclass such as DTensor flattens to its inner tensors)."""
+    import torch
+
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = (getattr(t, n) for n in names)  # DTensor also names its device mesh
+    return [x for i in inner if isinstance(i, torch.Tensor) for x in _plain_tensors(i)]
+
+
+def _is_parameter(t) -> bool:
+    import torch
+
+    base = t._base if t._base is not None else t
+    return isinstance(base, torch.nn.Parameter)
+
+
+class SavedTensorLedger:
+    """Context manager counting the bytes autograd saves for backward, by `SAVED_RULE`. After the block:
+    `peak` (most bytes alive at once), `total` (bytes of distinct storages saved), `tensors` (saves).
+    Hooks are thread-local: work run on other threads (torchgpipe's workers) is not seen."""
+
+    def __init__(self, modules=()):
+        # the storages of these modules' buffers (BatchNorm's running statistics) are not counted; parameters
+        # are recognised when saved (nn.Parameter and its views: ZeRO-3 / FSDP swap their
+        # storages during the step). The storages are kept referenced so that their keys stay theirs.
+        self._buffers = [x.untyped_storage() for m in modules for t in m.buffers() for x in _plain_tensors(t)]
+        self.held = {st._cdata for st in self._buffers}
+        self.alive: dict[int, list] = {}  # storage key -> [nbytes, references]
+        self.current = self.peak = self.total = self.tensors = 0
+        self._hooks = None
+
+    def _pack(self, t):
+        if _is_parameter(t):
+            return t
+        keys = []
+        for x in _plain_tensors(t):
+            st = x.untyped_storage()
+            key = st._cdata
+            if key in self.held:
+                continue
+            entry = self.alive.get(key)
+            if entry is None:
+                entry = self.alive[key] = [st.nbytes(), 0]
+                self.current += entry[0]
+                self.total += entry[0]
+                self.peak = max(self.peak, self.current)
+            entry[1] += 1
+            keys.append(key)
+        self.tensors += 1
+        return _Held(t, keys, self)
+
+    def _release(self, keys):
+        for key in keys:
+            entry = self.alive.get(key)
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.current -= entry[0]
+                del self.alive[key]
+
+    def __enter__(self):
+        import torch
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        return False
+
+    def result(self) -> dict:
+        return {"peak_bytes": int(self.peak), "total_bytes": int(self.total), "tensors": int(self.tensors)}
+
+
+class _Held:
+    """What the graph keeps instead of the saved tensor: its release tells the ledger the storage is free."""
+
+    __slots__ = ("t", "keys", "ledger")
+
+    def __init__(self, t, keys, ledger):
+        self.t, self.keys, self.ledger = t, keys, ledger
+
+    def __del__(self):
+        self.ledger._release(self.keys)
+
+
+def _unpack(held):
+    return held.t if isinstance(held, _Held) else held
+
+
+def ledger_fields(predicted: dict | None, counted: list[dict | None]) -> dict | None:
+    """The summary's `memory_ledger`: the memory model's saved-activation bytes of the busiest rank beside
+    the most any rank counted (`SavedTensorLedger`'s peak in the last untimed step), and their ratio. None when
+    nothing was counted (no untimed step, resumed runs)."""
+    peaks = [c["peak_bytes"] if c else None for c in counted]
+    if not peaks or any(p is None for p in peaks):
+        return None
+    pred = (predicted or {}).get("saved_activations")
+    top = max(peaks)
+    return {
+        "predicted_saved_bytes": pred,
+        "counted_saved_bytes_per_rank": peaks,
+        "counted_saved_bytes": top,
+        "ratio": pred / top if pred is not None and top else None,
+        "rule": SAVED_RULE,
+        "model": "bench/core/memory_model.py",
+    }
+
+
 # --- from a model and a config (the runner's and `python -m ptbench --plan`'s entry points) --------------
 def activation_elements(model, sample_shape, dtype=None) -> float:
     """What autograd really saves for backward for ONE sample of `sample_shape` (without the batch
@@ -487,23 +742,102 @@ def activation_elements(model, sample_shape, dtype=None) -> float:
     meta device (build it under `torch.device("meta")`)."""
     import torch
 
-    held = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
-    saved: dict[int, int] = {}
-    alive = []  # the saved tensors stay referenced until the count is done: their storages' ids stay unique
-
-    def pack(t):
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key not in held and key not in saved:
-            saved[key] = storage.nbytes()
-        alive.append(t)
-        return t
-
     # two samples, halved: BatchNorm in training mode refuses one value per channel (a 1x1 map)
     x = torch.empty((2, *sample_shape), device="meta", dtype=dtype or torch.float32)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return sum(saved.values()) / 4 / 2
+    with torch.enable_grad(), SavedTensorLedger([model]) as ledger:
+        out = model(x)
+        saved = ledger.total
+        del out
+    return saved / 4 / 2
+
+
+def pipeline_layers(model) -> list:
+    """A vision model's layers in the order its pipeline form runs them (the same list as workloads/vision.py
+    `vision_sequential`, tests check it): top-level children in order, nn.Sequential children expanded, a
+    Flatten before the first Linear."""
+    from torch import nn
+
+    layers, flat = [], False
+    for child in model.children():
+        for m in child if isinstance(child, nn.Sequential) else [child]:
+            if isinstance(m, nn.Linear) and not flat:
+                layers.append(nn.Flatten(1))
+            flat = flat or isinstance(m, (nn.Linear, nn.Flatten))
+            layers.append(m)
+    return layers
+
+
+def even_split(layers: int, stages: int) -> list[int]:
+    """Layers per stage by count; the first `layers % stages` stages take one more (adapters/_pipeline.py's)."""
+    q, r = divmod(layers, stages)
+    return [q + (i < r) for i in range(stages)]
+
+
+def stage_activation_elements(model, sample_shape, balance: list[int]) -> list[float]:
+    """`activation_elements` of each pipeline stage (layers per stage: `balance`): each stage counted on its
+    own, its input a tensor that requires grad as a received activation does (its first op saves it)."""
+    import torch
+    from torch import nn
+
+    layers = pipeline_layers(model)
+    if sum(balance) != len(layers):
+        raise ValueError(f"balance {balance} does not cover the model's {len(layers)} layers")
+    x = torch.empty((2, *sample_shape), device="meta")
+    out, start = [], 0
+    for i, n in enumerate(balance):
+        stage = nn.Sequential(*layers[start : start + n])
+        start += n
+        x = x.detach().requires_grad_(i > 0)
+        with torch.enable_grad(), SavedTensorLedger([model]) as ledger:
+            y = stage(x)
+            out.append(ledger.total / 4 / 2)
+        x = y
+    return out
+
+
+def gpt2_saved_elements(model, seq_len: int, scores: bool = True) -> dict | None:
+    """What the harness GPT-2 (workloads/gpt2.py: wte, wpe, drop, blocks, ln_f, lm_head) saves per sample,
+    counted by `SavedTensorLedger` in fp32 elements (embeddings and head on the meta device, one block on the
+    CPU, see below): {layer (one block), embed (the
+    embeddings and their dropout), head (final LayerNorm and the tied head's input)}. None for another model.
+    scores=False leaves out the s x s terms the CPU keeps with attention dropout (CUDA's kernels fuse it)."""
+    import torch
+
+    if not all(hasattr(model, n) for n in ("wte", "wpe", "drop", "blocks", "ln_f", "lm_head")):
+        return None
+    b = 2
+    idx = torch.zeros((b, seq_len), dtype=torch.int64, device="meta")
+
+    def count(fn, *args) -> float:
+        with torch.enable_grad(), SavedTensorLedger([model]) as ledger:
+            fn(*args)
+            return ledger.total / 4 / b
+
+    h = model.wte.embedding_dim
+    x = torch.empty((b, seq_len, h), device="meta", requires_grad=True)
+    # one block on the CPU at a few token counts: on the meta device scaled_dot_product_attention runs its math
+    # form (which keeps the s x s scores); the CPU's flash kernel keeps the output and a log-sum-exp, as
+    # CUDA's fused kernels do (with dropout > 0 the CPU keeps s x s terms too). What a block saves is a
+    # quadratic in the tokens, so three small token counts give it exactly at seq_len.
+    block = copy.deepcopy(model.blocks[0]).to_empty(device="cpu")
+
+    def block_elements(tokens: int) -> float:
+        xs = torch.zeros((b, tokens, h), requires_grad=True)
+        with torch.enable_grad(), SavedTensorLedger([block]) as ledger:
+            block(xs)
+            return ledger.total / 4 / b
+
+    t1, t2, t3 = 4, 8, 16
+    y1, y2, y3 = (block_elements(t) for t in (t1, t2, t3))
+    c2 = ((y3 - y2) / (t3 - t2) - (y2 - y1) / (t2 - t1)) / (t3 - t1)
+    c1 = (y2 - y1) / (t2 - t1) - c2 * (t1 + t2)
+    c0 = y1 - c1 * t1 - c2 * t1 * t1
+    layer = c0 + c1 * seq_len + (c2 * seq_len * seq_len if scores else 0.0)
+    return {
+        "embed": count(lambda: model.drop(model.wte(idx) + model.wpe(torch.arange(seq_len, device="meta")))),
+        "layer": layer,
+        "head": count(lambda: model.lm_head(model.ln_f(x))),
+    }
 
 
 def model_facts(model) -> dict:
@@ -561,6 +895,14 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
         offload_optimizer=cost.offload_optimizer,
         offload_params=cost.offload_params,
     )
+    if cost.sharding == "zero3":  # DeepSpeed's stage-3 settings as the adapter passes them (the rest: its defaults)
+        a = cfg.adapter
+        kw["zero3_settings"] = {
+            "param_persistence_threshold": int(getattr(a, "param_persistence_threshold", 100_000)),
+            "prefetch_bucket_size": int(getattr(a, "allgather_bucket_size", 50_000_000)),
+            "max_live_parameters": int(getattr(a, "max_live_parameters", 1_000_000_000)),
+            "max_reuse_distance": int(getattr(a, "max_reuse_distance", 1_000_000_000)),
+        }
     if shapes and cost.sharding in ("zero1", "zero2", "zero3", "fsdp"):
         kw["shapes"] = facts["shapes"]
     if w.kind == "language":
@@ -573,12 +915,20 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
             seq_len=int(w.seq_len),
             vocab=vocab,
             attention_scores=cost.cpu_attention_scores and device != "cuda",
+            attention_dropout=float(w.dropout) > 0,
         )
+        if not cost.padded_vocab and not cost.cpu_attention_scores:  # the harness GPT-2 (Megatron builds its own)
+            kw["layer_saved_elements"] = gpt2_saved_elements(model, int(w.seq_len), scores=device != "cuda")
     else:
         kw.update(
             image_size=int(w.image_size),
             activation_elements_per_sample=activation_elements(model, (3, int(w.image_size), int(w.image_size))),
         )
+        if layout.pp > 1 and cost.schedule != "interleaved_1f1b":  # one stage per rank (or device)
+            sample = (3, int(w.image_size), int(w.image_size))
+            balance = getattr(cfg.adapter, "balance", None)
+            balance = list(balance) if balance else even_split(len(pipeline_layers(model)), layout.pp)
+            kw["stage_activation_elements"] = stage_activation_elements(model, sample, balance)
     out = predict(cost.sharding, label=cfg.adapter.name, **kw)
     out["inputs"] = {k: v for k, v in kw.items() if k != "shapes"}
     return out
@@ -635,7 +985,7 @@ def record_fields(prediction: dict) -> dict:
     """The prediction as a record field (JSON-ready, bytes as integers): what the runner stores in the
     summary as `predicted_memory`."""
     p = prediction
-    out = {k: int(round(p[k])) for k in (*PARTS, "model_states", "total")}
+    out = {k: int(round(p[k])) for k in (*PARTS, "saved_activations", "model_states", "total")}
     out.update(
         sharding=p["sharding"],
         busiest=p["busiest"],
@@ -644,6 +994,7 @@ def record_fields(prediction: dict) -> dict:
         tp=p["tp"],
         pp=p["pp"],
         notes=p["notes"],
+        formula=p["formula"],  # per part what was used (DeepSpeed stage 3: the settings it follows)
         model="bench/core/memory_model.py",
     )
     return out
@@ -678,6 +1029,7 @@ def table(prediction: dict) -> str:
     lines = [head, f"  {'part':<12} {'MiB':>12}  formula"]
     for k in PARTS:
         lines.append(f"  {k:<12} {p[k] / MIB:12.2f}  {p['formula'].get(k, '-')}")
+    lines.append(f"  {'(saved)':<12} {p['saved_activations'] / MIB:12.2f}  what autograd saves, the most of any stage")
     lines.append(f"  {'states':<12} {p['model_states'] / MIB:12.2f}  params + grads + optimizer + master")
     lines.append(f"  {'total':<12} {p['total'] / MIB:12.2f}")
     lines += [f"  note: {n}" for n in p["notes"]]

@@ -375,6 +375,7 @@ def environment(packages: tuple[str, ...] = ()) -> dict:
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        "system": system_info(),
         **provenance(),
         "slurm": {k: v for k, v in os.environ.items() if k.startswith("SLURM_") and k in SLURM_KEYS},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -405,12 +406,75 @@ def gpu_environment(torch) -> dict:
         "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
         "gpu_env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "CUDA_"))},
     }
+    out.update(nvml_gpus())
     out.update(nvidia_smi())
     return out
 
 
+def system_info() -> dict:
+    """The machine as torch's own environment report describes it (torch.utils.collect_env, the functions
+    behind `python -m torch.utils.collect_env`): OS, libc, compiler, CPU model (lscpu), CUDA runtime,
+    driver, GPU models, cuDNN. Its pip and conda listings are left out (0.6 s a run; `versions` holds the
+    packages that matter). {} where torch or a probe is unavailable."""
+    try:
+        from torch.utils import collect_env as ce
+    except ImportError:
+        return {}
+    probes = {
+        "os": lambda: ce.get_os(ce.run),
+        "libc": ce.get_libc_version,
+        "gcc": lambda: ce.get_gcc_version(ce.run),
+        "cpu_info": lambda: ce.get_cpu_info(ce.run),
+        "cuda_runtime": lambda: ce.get_running_cuda_version(ce.run),
+        "nvidia_driver": lambda: ce.get_nvidia_driver_version(ce.run),
+        "gpu_models": lambda: ce.get_gpu_info(ce.run),
+        "cudnn": lambda: ce.get_cudnn_version(ce.run),
+    }
+    out = {}
+    for key, probe in probes.items():
+        try:
+            out[key] = probe()
+        except Exception:  # noqa: BLE001 - a probe the machine lacks (no lscpu, no gcc) is not an error of the run
+            out[key] = None
+    return out
+
+
+def nvml_gpus() -> dict:
+    """Driver version and the GPUs (name, total memory, PCI bus id) from NVML through nvidia-ml-py, imported
+    here only; {} without the package, without the NVML library or a driver (a CPU machine), or on an NVML
+    error: a record is never refused for what it cannot describe."""
+    try:
+        import pynvml
+    except ImportError:
+        return {}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return {}
+
+    def text(v) -> str:
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            gpus.append(
+                {
+                    "name": text(pynvml.nvmlDeviceGetName(h)),
+                    "memory": f"{pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20} MiB",
+                    "bus_id": text(pynvml.nvmlDeviceGetPciInfo(h).busId),
+                }
+            )
+        return {"driver": text(pynvml.nvmlSystemGetDriverVersion()), "nvidia_smi_gpus": gpus}
+    except pynvml.NVMLError:
+        return {}
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def nvidia_smi(run=None) -> dict:
-    """Driver version and GPU list from `nvidia-smi --query-gpu`, and the `topo -m` matrix (text), when
+    """The `nvidia-smi topo -m` matrix (text, as a reader compares it; NVML has only per-pair levels), when
     nvidia-smi is on PATH. `run(args) -> stdout` is injectable (tests feed recorded output)."""
     import shutil
 
@@ -421,24 +485,11 @@ def nvidia_smi(run=None) -> dict:
         def run(args):
             return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30).stdout
 
-    out: dict = {}
     try:
-        rows = [
-            r.split(", ")
-            for r in run(["--query-gpu=driver_version,name,memory.total,pci.bus_id", "--format=csv,noheader"])
-            .strip()
-            .splitlines()
-            if r.strip()
-        ]
-        if rows:
-            out["driver"] = rows[0][0]
-            out["nvidia_smi_gpus"] = [{"name": r[1], "memory": r[2], "bus_id": r[3]} for r in rows if len(r) >= 4]
         topo = run(["topo", "-m"]).strip()
-        if topo:
-            out["topology"] = topo
-    except (OSError, subprocess.SubprocessError, IndexError):
-        pass
-    return out
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"topology": topo} if topo else {}
 
 
 SLURM_KEYS = (

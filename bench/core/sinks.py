@@ -24,9 +24,11 @@ MLLOG: one `:::MLLOG {json}` line per event with the fields of the mlperf-loggin
 metadata) and its `mllog.constants` keys: submission_*, global_batch_size, opt_name,
 opt_base_learning_rate, seed, run_start / run_stop (status success or aborted), epoch_start /
 epoch_stop and eval_start / eval_stop per epoch (metadata epoch_num), eval_accuracy (vision:
-top-1 accuracy; language: validation perplexity, said in the metadata). When mlperf-logging is
-installed its `mllog.MLLogger` writes the lines; otherwise they are written by hand in the same
-format. Times: the run's start (wall clock) plus each epoch event's `wall_time_s` (seconds since
+top-1 accuracy; language: validation perplexity, said in the metadata), cache_clear false (the harness
+clears no cache). The MLCommons `mlperf-logging` package (extra `mllog`) writes them with its
+`mllog.MLLogger` and its constants, always: results.mllog=true without it is refused before launch
+(`check_sinks`). submission_benchmark is MLPerf's benchmark name where the workload is one (resnet50*:
+`resnet`, so its compliance checker's rules apply), else the workload's name. Times: the run's start (wall clock) plus each epoch event's `wall_time_s` (seconds since
 the first epoch began, after its validation), `val_time_s` and `epoch_time_s`.
 """
 
@@ -43,44 +45,16 @@ from pathlib import Path
 
 MLLOG_FILE = "mllog.txt"
 TENSORBOARD_DIR = "tensorboard"
-_MLLOG_TEMPLATE = ":::MLLOG {}"
 
-# the mlperf-logging constants used (mllog.constants names and values), for the hand-written path
-_K = {
-    "SUBMISSION_BENCHMARK": "submission_benchmark",
-    "SUBMISSION_DIVISION": "submission_division",
-    "SUBMISSION_ORG": "submission_org",
-    "SUBMISSION_PLATFORM": "submission_platform",
-    "SUBMISSION_STATUS": "submission_status",
-    "INIT_START": "init_start",
-    "INIT_STOP": "init_stop",
-    "RUN_START": "run_start",
-    "RUN_STOP": "run_stop",
-    "EPOCH_START": "epoch_start",
-    "EPOCH_STOP": "epoch_stop",
-    "EVAL_START": "eval_start",
-    "EVAL_STOP": "eval_stop",
-    "EVAL_ACCURACY": "eval_accuracy",
-    "GLOBAL_BATCH_SIZE": "global_batch_size",
-    "GRADIENT_ACCUMULATION_STEPS": "gradient_accumulation_steps",
-    "OPT_NAME": "opt_name",
-    "OPT_BASE_LR": "opt_base_learning_rate",
-    "SEED": "seed",
-    "TRAIN_SAMPLES": "train_samples",
-    "EVAL_SAMPLES": "eval_samples",
-    "OPEN": "open",
-    "RESEARCH": "research",
-    "SUCCESS": "success",
-    "ABORTED": "aborted",
-}
+# workload name prefix -> the mlperf-logging constant naming its MLPerf benchmark
+MLPERF_BENCHMARKS = {"resnet50": "RESNET"}
 
 
 def _constants() -> dict:
-    try:
-        from mlperf_logging.mllog import constants as c
-    except ImportError:
-        return dict(_K)
-    return {k: getattr(c, k, v) for k, v in _K.items()}
+    """mlperf_logging.mllog.constants as a dict (name -> value)."""
+    from mlperf_logging.mllog import constants as c
+
+    return {k: getattr(c, k) for k in dir(c) if k.isupper()}
 
 
 def _get(cfg, dotted: str, default=None):
@@ -125,8 +99,9 @@ def mllog_entries(summary: dict, events: list[dict], config, start_time_s: float
 
     kind = _get(config, "workload.kind", "language")
     workload = summary.get("workload") or _get(config, "workload.name", "unknown")
+    benchmark = next((c[k] for p, k in MLPERF_BENCHMARKS.items() if str(workload).startswith(p)), workload)
     point = "POINT_IN_TIME"
-    add(point, c["SUBMISSION_BENCHMARK"], workload)
+    add(point, c["SUBMISSION_BENCHMARK"], benchmark, **({"workload": workload} if benchmark != workload else {}))
     add(point, c["SUBMISSION_ORG"], "trainbench")
     add(point, c["SUBMISSION_DIVISION"], c["OPEN"])
     add(point, c["SUBMISSION_STATUS"], c["RESEARCH"])
@@ -136,6 +111,7 @@ def mllog_entries(summary: dict, events: list[dict], config, start_time_s: float
         f"{summary.get('devices') or summary.get('world_size')}x "
         f"{summary.get('adapter') or _get(config, 'adapter.name', '?')}",
     )
+    add(point, c["CACHE_CLEAR"], False)  # no cache is dropped before a run
     add("INTERVAL_START", c["INIT_START"])
     first_epoch = events[0] if events else {}
     startup = summary.get("startup_s")
@@ -186,8 +162,10 @@ def mllog_entries(summary: dict, events: list[dict], config, start_time_s: float
 
 
 def write_mllog(run_dir, summary: dict, events: list[dict], config, start_time_s: float | None = None) -> Path:
-    """RUN_DIR/mllog.txt: the run as MLPerf-logging lines (see the module doc). Returns the path.
-    Uses mlperf_logging.mllog's MLLogger when the package is installed, else writes the same format."""
+    """RUN_DIR/mllog.txt: the run as MLPerf-logging lines, written by mlperf_logging.mllog's MLLogger (see the
+    module doc). Returns the path."""
+    from mlperf_logging.mllog import mllog
+
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     events = [e for e in events if e.get("type", "epoch") == "epoch"]
@@ -195,44 +173,20 @@ def write_mllog(run_dir, summary: dict, events: list[dict], config, start_time_s
     entries = mllog_entries(summary, events, config or {}, t0)
     path = run_dir / MLLOG_FILE
     tmp = run_dir / f".{MLLOG_FILE}.tmp"
+    logger = logging.getLogger(f"trainbench.mllog.{os.getpid()}.{id(entries)}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    handler = logging.FileHandler(tmp, mode="w")
+    handler.setLevel(logging.INFO)
+    logger.addHandler(handler)
     try:
-        from mlperf_logging.mllog import mllog
-    except ImportError:
-        mllog = None
-    if mllog is not None:
-        logger = logging.getLogger(f"trainbench.mllog.{os.getpid()}.{id(entries)}")
-        logger.propagate = False
-        logger.setLevel(logging.INFO)
-        handler = logging.FileHandler(tmp, mode="w")
-        handler.setLevel(logging.INFO)
-        logger.addHandler(handler)
-        try:
-            ml = mllog.MLLogger(logger=logger, default_namespace="")
-            emit = {"INTERVAL_START": ml.start, "INTERVAL_END": ml.end, "POINT_IN_TIME": ml.event}
-            for x in entries:
-                emit[x["event_type"]](key=x["key"], value=x["value"], metadata=x["metadata"], time_ms=x["time_ms"])
-        finally:
-            logger.removeHandler(handler)
-            handler.close()
-    else:
-        lines = []
+        ml = mllog.MLLogger(logger=logger, default_namespace="")
+        emit = {"INTERVAL_START": ml.start, "INTERVAL_END": ml.end, "POINT_IN_TIME": ml.event}
         for x in entries:
-            meta = {"source": "trainbench", **(x["metadata"] or {})}
-            lines.append(
-                _MLLOG_TEMPLATE.format(
-                    json.dumps(
-                        {
-                            "namespace": "",
-                            "time_ms": x["time_ms"],
-                            "event_type": x["event_type"],
-                            "key": x["key"],
-                            "value": x["value"],
-                            "metadata": meta,
-                        }
-                    )
-                )
-            )
-        tmp.write_text("\n".join(lines) + "\n")
+            emit[x["event_type"]](key=x["key"], value=x["value"], metadata=x["metadata"], time_ms=x["time_ms"])
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
     os.replace(tmp, path)
     return path
 
@@ -274,7 +228,7 @@ SUMMARY_SCALARS = (
     "startup_s",
     "total_time_s",
 )
-OPTIONAL_SINKS = {"wandb": "wandb", "mlflow": "mlflow"}  # results.<key> -> module to import
+OPTIONAL_SINKS = {"wandb": "wandb", "mlflow": "mlflow", "mllog": "mlperf_logging"}  # results.<key> -> module to import
 
 
 def _number(v) -> bool:
@@ -303,7 +257,7 @@ def sink_unavailable(name: str) -> str | None:
 
 
 def check_sinks(results) -> None:
-    """Before launch: every optional sink asked for (results.wandb / results.mlflow) is importable, else
+    """Before launch: every optional sink asked for (results.wandb / .mlflow / .mllog) is importable, else
     ConfigError with one line naming the fix."""
     from ptbench.core.errors import ConfigError
 

@@ -48,12 +48,15 @@ def check_config(cfg: BenchConfig) -> None:
         "trainer.untimed_steps",
         "trainer.max_steps",
         "trainer.max_eval_batches",
+        "trainer.log_every",
+        "trainer.timing_sample",
+        "trainer.timing_sample_cap",
         "trainer.dist_timeout_s",
         "trainer.hang_timeout_s",
         "launcher.threads_per_rank",
     ):
         group, name = key.split(".")
-        if getattr(getattr(cfg, group), name) < 0:
+        if (getattr(getattr(cfg, group), name) or 0) < 0:  # max_eval_batches None: the default cap
             raise ConfigError(f"{key}={getattr(getattr(cfg, group), name)} must be >= 0")
     check_workload(cfg.workload, cfg.data)
     if cfg.adapter.batch_policy not in BATCH_POLICIES:
@@ -67,10 +70,16 @@ def check_config(cfg: BenchConfig) -> None:
         raise ConfigError(f"trainer.memory_check={cfg.trainer.memory_check}: choose {', '.join(MEMORY_CHECKS)}")
     check_sinks(cfg.results)
     fault = cfg.trainer.inject_fault
-    if fault and not re.fullmatch(r"(raise|oom|hang|exit)@\d+:\d+|slow@(\d+\.?\d*|\.\d+)", fault):
+    frac = r"(\d+\.?\d*|\.\d+)"
+    if fault and not re.fullmatch(rf"(raise|oom|hang|exit)@\d+:\d+|slow@{frac}|straggler@\d+:{frac}", fault):
         raise ConfigError(
             f"trainer.inject_fault={fault}: use KIND@RANK:STEP with KIND raise, oom, hang or exit, or "
-            "slow@FRACTION (every step FRACTION longer, e.g. slow@0.15)"
+            "slow@FRACTION (every step FRACTION longer, e.g. slow@0.15), or straggler@RANK:FRACTION (that rank only)"
+        )
+    if cfg.trainer.profile is not None and not re.fullmatch(r"\d+:[1-9]\d*", str(cfg.trainer.profile)):
+        raise ConfigError(
+            f"trainer.profile={cfg.trainer.profile}: use START:COUNT (COUNT >= 1 optimizer steps from global step "
+            "START >= 0), e.g. trainer.profile=3:2"
         )
     if cfg.optimizer.name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer.name '{cfg.optimizer.name}': choose one of {', '.join(OPTIMIZERS)}")
@@ -237,6 +246,7 @@ def contention_warnings(cfg: BenchConfig, world_size: int, cpus: int | None = No
             f"contention: {world_size} rank(s) x {threads} thread(s) on {cpus} CPU(s) of this process's affinity: "
             "ranks share cores, times are not comparable; lower launcher.nprocs or launcher.threads_per_rank"
         )
+    out += slurm_warnings(world_size, threads)
     others = running_harness_runs(cfg.results.root, exclude_pids=(os.getppid(),))
     if others:
         out.append(
@@ -244,4 +254,65 @@ def contention_warnings(cfg: BenchConfig, world_size: int, cpus: int | None = No
             + (" ..." if len(others) > 3 else "")
             + "; run timing points one at a time"
         )
+    return out
+
+
+def _first_count(value: str | None) -> int | None:
+    """The first count of a Slurm per-node list ("2(x3),1" -> 2), None when unset or not a count."""
+    head = (value or "").split(",")[0].split("(")[0].strip()
+    return int(head) if head.isdigit() else None
+
+
+def _node_cpus_advertised(node: str | None) -> int | None:
+    """CPUTot of this node as Slurm advertises it (`scontrol show node`), None when it cannot be asked."""
+    import re
+    import shutil
+    import subprocess
+
+    if not node or not shutil.which("scontrol"):
+        return None
+    try:
+        text = subprocess.run(
+            ["scontrol", "show", "node", node], capture_output=True, text=True, timeout=5, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"CPUTot=(\d+)", text)
+    return int(m.group(1)) if m else None
+
+
+def slurm_warnings(
+    local_ranks: int, threads: int, env=None, host_cpus: int | None = None, advertised=None
+) -> list[str]:
+    """Inside a Slurm allocation (SLURM_JOB_ID set): an allocation that oversubscribes its cores, as
+    `contention:` warnings. Ranks on this node x threads above the CPUs Slurm gave the job here
+    (SLURM_CPUS_ON_NODE; tasks per node x cpus-per-task when that is unset); a job given more CPUs than the
+    node has; a node advertising more CPUs than it has (CPUTot of `scontrol show node`, `advertised`: its
+    value for tests), so that jobs beside ours share our cores."""
+    env = os.environ if env is None else env
+    if not env.get("SLURM_JOB_ID"):
+        return []
+    host_cpus = host_cpus or os.cpu_count() or 1
+    out = []
+    per_task = _first_count(env.get("SLURM_CPUS_PER_TASK")) or 1
+    tasks = _first_count(env.get("SLURM_NTASKS_PER_NODE")) or _first_count(env.get("SLURM_TASKS_PER_NODE"))
+    on_node = _first_count(env.get("SLURM_CPUS_ON_NODE")) or (tasks * per_task if tasks else None)
+    if on_node and local_ranks * threads > on_node:
+        out.append(
+            f"contention: {local_ranks} rank(s) x {threads} thread(s) on this node above the {on_node} CPU(s) "
+            f"Slurm gave the job here (SLURM_CPUS_ON_NODE): ranks share cores; ask for --cpus-per-task={threads} "
+            f"with {local_ranks} task(s) per node, or fewer ranks"
+        )
+    if on_node and on_node > host_cpus:
+        out.append(
+            f"contention: Slurm gave this job {on_node} CPU(s) on a node that has {host_cpus}: the node's "
+            "slurm.conf advertises more CPUs than it has (CPUs=), so jobs share cores; set CPUs= to the real count"
+        )
+    else:
+        total = advertised if advertised is not None else _node_cpus_advertised(env.get("SLURMD_NODENAME"))
+        if total and total > host_cpus:
+            out.append(
+                f"contention: this Slurm node advertises {total} CPU(s) (CPUTot) but has {host_cpus}: other jobs "
+                "placed beside this one share its cores; set CPUs= in slurm.conf to the real count"
+            )
     return out

@@ -143,7 +143,6 @@ def one_line(e: BaseException) -> str:
     if cause is e:
         if "Could not find" in head:  # an unknown group option: list the options, not the search path
             options = [ln.strip() for ln in str(e).splitlines() if ln.startswith("\t") and "=" not in ln]
-            options = [o for o in options if not o.endswith("_schema")]
             return f"{head}; choose one of: {', '.join(options)}" if options else head
         return head
     override = head.removeprefix("Error merging override ") if head.startswith("Error merging override ") else ""

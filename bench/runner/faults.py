@@ -1,6 +1,7 @@
 """Failures on purpose, for the tests of failure capture and of resume (trainer.inject_fault, inject_stop),
 and a known slowdown for the noise-floor check (trainer.inject_fault=slow@FRACTION: every rank's every step
-takes FRACTION longer; issue 29).
+takes FRACTION longer; issue 29), and a straggler (trainer.inject_fault=straggler@RANK:FRACTION: that rank's
+every step takes FRACTION longer, the others wait for it in their collectives; issue 30).
 
 Checked before launch (bench/runner/checks.py, bench/core/checkpoint.py); here only their effect.
 """
@@ -25,6 +26,13 @@ class Faults:
         self.stop_at = tuple(int(v) for v in str(trainer.inject_stop).split(":")) if trainer.inject_stop else None
         kind, _, arg = (self.fault or "").partition("@")
         self.slow = float(arg) if kind == "slow" else None
+        # "straggler@RANK:FRACTION": `slow` on that rank only, as a sleep: a straggler on its own device leaves
+        # its peers' compute alone (a spin would take a core from the other ranks of a small CPU box)
+        self.sleep = kind == "straggler"
+        if self.sleep:
+            who, _, frac = arg.partition(":")
+            self.fault = None
+            self.slow = float(frac) if int(who) == rank else None
         self._last = None  # perf_counter at the previous step's before_step
         self._slept = 0.0  # what that step slept
 
@@ -44,6 +52,8 @@ class Faults:
         now = time.perf_counter()
         pause = self.slow * max(0.0, now - self._last - self._slept) if self._last is not None else 0.0
         end = now + pause
+        if self.sleep:
+            time.sleep(pause)
         while time.perf_counter() < end:  # busy, as more compute would be: a sleep would let the loader's
             pass  # workers take the core meanwhile, and the step would come out less than `slow` slower
         self._last, self._slept = now, pause

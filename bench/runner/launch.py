@@ -27,7 +27,7 @@ from ptbench.core.errors import ConfigError
 from ptbench.core.records import RunWriter, mark_killed, point_folders
 from ptbench.core.sinks import write_sinks
 from ptbench.core.stopping import STOP_SIGNALS
-from ptbench.runner.checks import check_devices, contention_warnings, start_method
+from ptbench.runner.checks import check_devices, contention_warnings, slurm_warnings, start_method
 from ptbench.runner.compose import in_multirun, typed
 from ptbench.runner.plan import RunPlan, make_plan, run_dir_of
 from ptbench.runner.rank import packages, run_rank
@@ -65,6 +65,11 @@ def launch(cfg: DictConfig) -> int:
         plan, _ = plan_run(
             cfg, environment.name, ctx.world_size, memory=False, backend=ctx.backend if ctx.rank == 0 else None
         )
+        if ctx.rank == 0:  # the rank that writes the summary: a Slurm allocation that oversubscribes its cores
+            threads = cfg.launcher.threads_per_rank or int(os.environ.get("SLURM_CPUS_PER_TASK") or 1)
+            plan = dataclasses.replace(plan, warnings=tuple(slurm_warnings(ctx.local_world_size, threads)))
+            for w in plan.warnings:
+                print(f"warning: {w}", file=sys.stderr, flush=True)
         return run_rank(cfg, plan, ctx, run_dir=None)
 
     plan, _ = plan_run(cfg, "local")
@@ -81,11 +86,13 @@ def launch(cfg: DictConfig) -> int:
     writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
     port = cfg.launcher.master_port or free_port()
     print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {plan.world_size} rank(s)", flush=True)
+    sampler = _start_sampler(plan)  # contention during the run (bench/runner/contention.py)
     try:
         if command:
             code = run_with_launcher(command, cfg.launcher.master_addr, port, writer)
         else:
             code = spawn_local(OmegaConf.to_container(cfg, resolve=True), plan, port, writer, plan.start_method)
+        _record_sampled(writer, sampler.stop(), plan.world_size, cfg.launcher.threads_per_rank or 1)
         write_sinks(
             writer.dir,
             mllog=cfg.results.mllog,
@@ -97,6 +104,36 @@ def launch(cfg: DictConfig) -> int:
         writer.fail("interrupted", "interrupted (SIGINT) before the ranks trained", stop_signal="SIGINT")
         code = _exit_code(writer)  # an outcome already written is kept (the first word wins)
     return code
+
+
+def _start_sampler(plan: RunPlan):
+    """The contention sampler of a local launch, started before the ranks; on CUDA it also watches our GPUs."""
+    import torch
+
+    from ptbench.runner.contention import Sampler, visible_gpu_indices
+
+    gpus = None
+    if torch.cuda.is_available():  # NVML only then (nvidia-ml-py, imported lazily by the sampler)
+        gpus = visible_gpu_indices(plan.world_size * max(1, plan.devices_per_process))
+    return Sampler(gpus=gpus).start()
+
+
+def _record_sampled(writer: RunWriter, figures: dict, ranks: int, threads: int) -> None:
+    """The sampled figures into the summary (`contention_sampled`), and a `contention:` warning each when the
+    machine was busy with other work during the run (stderr too)."""
+    from ptbench.runner.contention import sampled_warnings
+
+    summary = writer.record.summary()
+    if not isinstance(summary, dict) or summary.get("status") in (None, "running"):
+        return
+    found = sampled_warnings(figures, ranks, threads)
+    # on stderr only after a finished run: a failed run's last line stays the one naming its failure (the record
+    # keeps the warning either way)
+    for w in found if summary.get("status") == "ok" else ():
+        print(f"warning: {w}", file=sys.stderr, flush=True)
+    summary["contention_sampled"] = figures
+    summary["warnings"] = [*(summary.get("warnings") or []), *found]
+    writer.record.write_summary(summary)
 
 
 def _check_port(port: int) -> None:

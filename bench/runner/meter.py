@@ -35,7 +35,8 @@ CONVENTIONS = {
     "warmup": "first trainer.untimed_steps steps of the run excluded from step stats and throughput",
     "epoch_time": "wall time of the epoch's training steps incl. warm-up; validation excluded",
     "step_time": "per step, the slowest rank; phases are means over ranks",
-    "flops": "analytic, 2 FLOPs per multiply-add, training = 3 x forward",
+    "flops": "analytic, 2 FLOPs per multiply-add, training = 3 x forward (vision: less the first convolution's "
+    "input gradient); flops_check: the same counted by torch's FlopCounterMode",
     "memory": "CUDA: max allocated/reserved; CPU: VmHWM; both reset each epoch",
     "startup": "startup_s = launch of the command to the end of the first step",
     "compile": "trainer.compile: compilation runs in the warm-up steps (out of step stats, inside the first "
@@ -62,6 +63,8 @@ class Meter:
         self.local_batch = plan.local_batch
         self.workers = 0  # set by the trainer once its loaders exist
         self.samples_dropped = 0
+        self.saved_activations: dict | None = None  # the trainer's count of the last untimed step (memory ledger)
+        self.profiler = None  # the trainer's StepProfiler (trainer.profile): collective waits per rank
 
     # --- one epoch -------------------------------------------------------------------------------
     def epoch_event(
@@ -96,7 +99,9 @@ class Meter:
                 "host": socket.gethostname(),
                 "memory": mem,
                 "state_bytes": state,
+                "saved_activations": self.saved_activations,
                 "epoch_time_s": epoch_time,
+                "comm_wait_s": self.profiler.wait_in(first_step, first_step + steps) if self.profiler else None,
             },
         )
 
@@ -138,6 +143,8 @@ class Meter:
             "step_time_p50_s": step_stats["p50"],
             "step_time_p95_s": step_stats["p95"],
             "step_time_cv": step_stats["cv"],
+            # the timed steps' times (slowest rank per step), rounded to the us: the step-time interval (issue 29)
+            "step_times_s": [round(float(v), 6) for v in step_times],
             **{f"{c}_time_mean_s": v for c, v in phase_means.items()},
             "data_share": phase_means["data"] / step_stats["mean"] if step_stats["mean"] else None,
             "samples_per_s": samples_per_s,
@@ -156,6 +163,7 @@ class Meter:
             "peak_memory_max": max(mem_values) if mem_values else None,
             "peak_memory_min": min(mem_values) if mem_values else None,
             "ranks": per_rank,
+            **_stragglers(timed, per_rank),
             **val_metrics,
             "checkpoint_time_s": checkpoint_time,
         }
@@ -241,6 +249,7 @@ class Meter:
         whole = [e["epoch_time_s"] for e in epochs if not e["partial"]]
         steady = [e["epoch_time_s"] for e in epochs[1:] if not e["partial"]]  # epoch 0 holds the warm-up
         leaked = sum(e["compile"]["timed_step_frames"] for e in epochs if e.get("compile"))
+        flops_check = self._flops_check()
         summary = {
             "status": status,
             "checkpoint": checkpoint,
@@ -267,7 +276,9 @@ class Meter:
             "epoch_time_steady_s": float(np.mean(steady)) if steady else None,
             "timing": timing,
             "tf32": self.cfg.trainer.tf32,
-            "warnings": self._warnings(epochs, timed, leaked),
+            "warnings": self._warnings(epochs, timed, leaked) + [w for w in [flops_check.get("warning")] if w],
+            "flops_check": flops_check,
+            "memory_ledger": self._memory_ledger(last),
             "state_bytes_per_rank": [r["state_bytes"] for r in last.get("ranks", [])],
             "hosts": [r["host"] for r in last.get("ranks", [])],  # one per rank, in rank order
             **{k: last.get(k) for k in LAST_EPOCH},
@@ -280,6 +291,26 @@ class Meter:
                 f"(now {self.cfg.optimizer.lr:g}) or set trainer.grad_clip"
             )
         return schema.check(summary, schema.SUMMARY, "summary.json", deep=True)
+
+    def _memory_ledger(self, last: dict) -> dict | None:
+        """Predicted (memory model, busiest rank) vs counted (last untimed step, each rank) saved-activation bytes."""
+        from ptbench.core.memory_model import ledger_fields
+
+        if self.plan.layout.devices_per_process > 1:  # gpipe: partitions run on threads the hooks do not see
+            return {"error": "not counted: one process drives several devices on worker threads (hooks are per thread)"}
+        counted = [r.get("saved_activations") for r in last.get("ranks", [])]
+        return ledger_fields(self.plan.predicted_memory, counted)
+
+    def _flops_check(self) -> dict:
+        """The MFU cross-check: the plan's analytic training FLOPs per sample beside FlopCounterMode's count
+        (ptbench.core.flops.flops_check; a meta-device pass, nothing computed). Never fatal."""
+        from ptbench.core.flops import flops_check
+
+        try:
+            counted = self.workload.counted_flops()["total"]
+        except Exception as e:  # noqa: BLE001 - a model the counter cannot run must not fail the run
+            return {"error": f"{type(e).__name__}: {e}"}
+        return flops_check(self.plan.train_flops_per_sample, counted)
 
     def _warnings(self, epochs: list[dict], timed: list[dict], leaked: int) -> list[str]:
         warnings = list(self.plan.warnings)  # found before launch (contention)
@@ -321,6 +352,27 @@ def launch_time() -> float:
     import psutil
 
     return float(os.environ.get("BENCH_LAUNCH_T0") or psutil.Process().create_time())
+
+
+def _stragglers(timed: np.ndarray, per_rank: list[dict]) -> dict:
+    """Per-rank mean step time (each rank's own clock), the waits in collectives the profiled steps measured
+    (trainer.profile), and the slowest rank: the one with the most step time outside collective waits
+    (a straggler makes the others wait for it), else the longest own step time."""
+    waits = [r.pop("comm_wait_s", None) for r in per_rank]  # not a rank-row field: moved to the event
+    if not timed.shape[1]:
+        return {}
+    own = [float(v) for v in timed[:, :, -1].mean(axis=1)]
+    if all(w is not None for w in waits):
+        busy = [o - w for o, w in zip(own, waits)]
+        by = "step time less collective wait (profiled steps)"
+    else:
+        busy, waits, by = own, None, "own step time (no profiled steps: trainer.profile)"
+    return {
+        "rank_step_time_mean_s": own,
+        "rank_comm_wait_s": waits,
+        "slowest_rank": int(np.argmax(busy)),
+        "slowest_rank_by": by,
+    }
 
 
 def _stats(x: np.ndarray) -> dict:

@@ -43,7 +43,7 @@ _NOT_PART_OF_POINT = {
     "launcher": ("name", "master_addr", "master_port"),
     "data": ("root", "tokenizer_dir", "cache_dir"),
     # how a run is resumed or stopped for tests is not what it measures
-    "trainer": ("progress", "resume", "checkpoint_every", "checkpoint_keep", "inject_stop"),
+    "trainer": ("progress", "log_every", "resume", "checkpoint_every", "checkpoint_keep", "inject_stop"),
 }
 
 # a short ptbench.comm: sizes 1K x 4^k up to its default maximum, fewer calls per size (~20 s for 2 CPU ranks)
@@ -56,12 +56,21 @@ def _key(override: str) -> str:
 
 # --- sweep files and grids -------------------------------------------------------------------------
 def expand_grid(overrides: list[str]) -> list[list[str]]:
-    """Cartesian product of sweep overrides, exactly as Hydra's basic sweeper forms its jobs."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    """Cartesian product of sweep overrides, as Hydra's basic sweeper forms its jobs (a key given twice: the
+    last value wins; `a,b`, `range(..)`, quoting by Hydra's own parser), through Hydra's public override API
+    (`Override.sweep_string_iterator`), not its private BasicSweeper."""
+    import itertools
+
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    return BasicSweeper.split_arguments(parsed, None)[0]
+    choices: dict[str, list[str]] = {}
+    for o in OverridesParser.create().parse_overrides(overrides):
+        key = o.get_key_element()
+        if o.is_sweep_override() and not o.is_discrete_sweep():
+            raise ConfigError(f"{key}: a {o.value_type.name} sweep has no list of points; write the values a,b,c")
+        values = o.sweep_string_iterator() if o.is_sweep_override() else [o.get_value_element_as_str()]
+        choices[key] = [f"{key}={v}" for v in values]  # a repeated key: its first position, its last value
+    return [list(p) for p in itertools.product(*choices.values())]
 
 
 def _sweep_lines(path: Path) -> list[tuple[int, str]]:

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ptbench.core.errors import ConfigError
-from ptbench.runner.points import COMM_ARGS, comm_measured, comm_targets, layout, read_points
+from ptbench.runner.points import COMM_ARGS, comm_measured, comm_targets, layout, read_points, repeat_overrides
 
 _HERE = Path(__file__).resolve().parents[2]
 # A source checkout (slurm/ beside bench/): jobs run from it; an installed copy (pip install ptbench) has
@@ -46,6 +46,15 @@ def slurm_shape(ranks: int, devices: int, gpus_per_node: int | None) -> tuple[in
     return nodes, ranks // nodes, ranks // nodes * devices
 
 
+def with_repeats(points: list[list[str]], repeats: int, vary_seed: bool = False, extra=()) -> list[list[str]]:
+    """Each point `repeats` times, interleaved (ABCABC: a drift of the machine spreads over all points), every
+    line its repeat's overrides (`results.repeat=R`, outside the point id; `vary_seed`: trainer.seed + R): one
+    array task per repeat. repeats <= 1: the points as they are."""
+    if repeats <= 1:
+        return [list(p) for p in points]
+    return [repeat_overrides(p, r, vary_seed, extra=extra) for r in range(repeats) for p in points]
+
+
 def submit_arrays(
     file: Path,
     extra: list[str],
@@ -56,12 +65,14 @@ def submit_arrays(
     script: Path | None = None,
     dry_run: bool = False,
     out=None,
+    points: list[list[str]] | None = None,
 ) -> tuple[int, list[str]]:
     """sbatch slurm/array.sbatch once per allocation shape (Slurm gives every task of an array the same
     resources); returns (exit code, job ids). `sbatch` options such as --dependency=afterok:ID go to
-    every array. Dry run: the commands are printed and the ids are placeholders."""
+    every array. Dry run: the commands are printed and the ids are placeholders (`points`: the file's points
+    when it is not written, as in `ptbench.paper plan --dry-run`)."""
     out = out or sys.stdout
-    points = read_points(file)
+    points = read_points(file) if points is None else points
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, point in enumerate(points):
         groups[layout([*point, *extra])].append(i)

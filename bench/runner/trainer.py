@@ -15,6 +15,7 @@ The loop's companions, along torchtitan's component lines:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -28,14 +29,18 @@ from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext
 from ptbench.core.errors import ConfigError
 from ptbench.core.loaders import data_workers, eval_loader, train_loader
+from ptbench.core.memory_model import SavedTensorLedger
 from ptbench.core.records import RunRecord
 from ptbench.core.schedule import Schedule
 from ptbench.core.stopping import StopFlag, Watchdog
 from ptbench.core.timing import PhaseTimer
+from ptbench.runner.console import progress
 from ptbench.runner.faults import Faults
 from ptbench.runner.meter import CONVENTIONS, Meter, launch_time
 from ptbench.runner.plan import RunPlan
+from ptbench.runner.profiling import StepProfiler
 from ptbench.runner.resume import Checkpointer, TrainState
+from ptbench.runner.sampling import SampledTiming
 from ptbench.workloads.base import Workload
 
 __all__ = ["CONVENTIONS", "Trainer"]
@@ -74,6 +79,9 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, plan, ctx, adapter, self.state, run_dir, self.watchdog, resume_info)
         self.resume_from = Path(resume_from) if resume_from is not None else None
         self.faults = Faults(cfg.trainer, ctx.rank)
+        self.sampling = SampledTiming.of(cfg, ctx.device)  # trainer.timing_sample (None: full epochs)
+        # trainer.profile: traces of a window of steps, the communication ledger, bubble, waits (profiling.py)
+        self.profiler = self.meter.profiler = StepProfiler.of(cfg, plan, ctx, run_dir, adapter)
         refusal = adapter.checkpoint_refusal(cfg)
         if cfg.trainer.resume == "auto" and refusal and ctx.rank == 0:
             print(
@@ -130,7 +138,8 @@ class Trainer:
                 )
             if self.stop_requested or diverged is not None:  # every rank has the same event: all stop
                 break
-        return self.meter.summary(
+        profile = self.profiler.finish()  # a collective when trainer.profile is set
+        summary = self.meter.summary(
             epochs,
             status="diverged"
             if diverged is not None
@@ -146,6 +155,9 @@ class Trainer:
             resumed_from=self.state.resumed_from,
             timing=self.timer.settings,
         )
+        if profile is not None:
+            summary["profile"] = profile
+        return summary
 
     def _loaders(self):
         t = self.cfg.trainer
@@ -161,7 +173,10 @@ class Trainer:
                 f"{self.plan.global_batch}; lower trainer.batch_size or add data"
             )
         self.meter.samples_dropped = len(sampler.dataset) - sampler.steps * self.plan.global_batch
-        val = eval_loader(val_set, dp_size, dp_rank, batch, workers, t.max_eval_batches)
+        # trainer.max_eval_batches: None (the default) = as many batches as trainer.max_steps when that caps
+        # the epoch (a short run validates briefly; val_samples in the epoch event says how many), else all
+        cap = t.max_eval_batches if t.max_eval_batches is not None else max(t.max_steps, 0)
+        val = eval_loader(val_set, dp_size, dp_rank, batch, workers, cap)
         return train, sampler, val
 
     # --- one epoch -------------------------------------------------------------------------------
@@ -182,6 +197,8 @@ class Trainer:
             if bar is not None:
                 bar.update(done)
         c0 = compile_stats() if self.cfg.trainer.compile else None
+        if self.sampling is not None:
+            self.sampling.start_epoch()
         self.state.epoch_t0 = time.perf_counter()
         self.train_steps(it, steps - done, bar)
         for d in self.adapter.devices():  # every device this process drives (GPipe: several)
@@ -198,10 +215,10 @@ class Trainer:
         state_bytes = self.adapter.state_bytes()
 
         tv = time.perf_counter()
-        val_metrics = {} if self.stop_requested else self._validate(val)  # preempted: save the grace time
+        val_metrics = {} if self.stop_requested else self._validate(val, epoch)  # preempted: save the grace time
         val_time = time.perf_counter() - tv
 
-        return self.meter.epoch_event(
+        event = self.meter.epoch_event(
             epoch,
             losses=losses,
             rows=self.state.epoch_rows(),
@@ -220,6 +237,7 @@ class Trainer:
             else None,
             resumed_at=prior["global_step"] if prior else None,
         )
+        return event if self.sampling is None else self.sampling.annotate(event, self.full_epoch_steps)
 
     def train_steps(self, it, steps: int, bar=None) -> list[torch.Tensor]:
         """The hot loop: `steps` optimizer steps from iterator `it`, each timed by phase."""
@@ -238,7 +256,14 @@ class Trainer:
             self.faults.before_step(state.global_step)
             if schedule is not None:
                 state.lrs.append(schedule.lr())
-            loss = self.adapter.train_step(micro, self.timer)
+            # the memory ledger: what autograd saves in the last untimed step (the first holds one-off work such as
+            # a pipeline's shape inference), counted per rank
+            count = state.global_step == t.untimed_steps - 1 and self.meter.saved_activations is None
+            with SavedTensorLedger(self.adapter.modules()) if count else contextlib.nullcontext() as ledger:
+                with self.profiler.step(state.global_step):  # trainer.profile's window (profiling.py)
+                    loss = self.adapter.train_step(micro, self.timer)
+            if count:
+                self.meter.saved_activations = ledger.result()
             if schedule is not None:
                 schedule.step()
             self.timer.end_step()
@@ -257,6 +282,9 @@ class Trainer:
             self.faults.after_step(state.global_step, self.stop)
             if self.checkpointer.due(state.global_step):
                 self.checkpointer.save("every")
+            sampled = self.sampling is not None
+            if sampled and self.sampling.enough(state.epoch_rows, state.epoch_first_step, state.global_step):
+                break  # trainer.timing_sample: measured enough; the epoch's time is an estimate
             if state.global_step % t.stop_check_every == 0 and self.stop.agreed():
                 self.stop_requested = True
                 if self.checkpointer.enabled:
@@ -265,9 +293,11 @@ class Trainer:
         return losses
 
     @torch.no_grad()
-    def _validate(self, val) -> dict:
+    def _validate(self, val, epoch: int = 0) -> dict:
         if not self.cfg.trainer.eval_every_epoch:
             return {}
+        t = self.cfg.trainer
+        bar = progress(len(val), f"epoch {epoch} validation", self.ctx.rank, t.progress, t.log_every, "batch")
         self.adapter.eval()
         device = self.ctx.device
         sums = torch.zeros(3, dtype=torch.float64, device=device)
@@ -276,14 +306,14 @@ class Trainer:
             if self.adapter.reports_metrics:
                 sums += s.to(device)
             self.watchdog.beat()
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
         dist.all_reduce(sums)
         self.adapter.train()
         return self.workload.metrics(sums.cpu())
 
     def _progress(self, steps: int, epoch: int):
-        show = self.cfg.trainer.progress
-        if self.ctx.rank != 0 or not (sys.stdout.isatty() if show is None else show):
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=steps, desc=f"epoch {epoch}", unit="step", leave=False, dynamic_ncols=True)
+        t = self.cfg.trainer  # bench/runner/console.py: a tqdm bar on a terminal, else a line every log_every steps
+        return progress(steps, f"epoch {epoch}", self.ctx.rank, t.progress, t.log_every)

@@ -15,20 +15,50 @@ nodes by `gpus_per_node`. Every task runs the Hydra job (`python -m ptbench`'s t
 sees SUBMITIT_EXECUTOR=slurm and becomes the rank SLURM_PROCID of the point (bench/runner/launch.py).
 """
 
+import contextlib
 import dataclasses
 import logging
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, filter_overrides
 
-from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def reporting_wait(what: str, folder: Path, total: int, every: float = 30.0):
+    """While a launcher waits for its points: one line when it starts and one every `every` s, with the points
+    whose result submitit has written under `folder` (issue 31: slow can be told from hung)."""
+    folder = Path(str(folder).split("%j")[0])  # submitit's folder up to the job id
+    stop, t0 = threading.Event(), time.monotonic()
+
+    def report() -> None:
+        while not stop.wait(every):
+            done = len(list(folder.glob("**/*_result.pkl")))
+            print(
+                f"{what}: {done} of {total} point(s) finished after {time.monotonic() - t0:.0f} s; "
+                f"waiting (job logs in {folder})",
+                flush=True,
+            )
+
+    print(f"{what}: waiting for {total} point(s) (job logs in {folder})", flush=True)
+    thread = threading.Thread(target=report, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 class BenchSlurmLauncher(SlurmLauncher):
@@ -78,4 +108,46 @@ class BenchSlurmLauncher(SlurmLauncher):
             )
             submitted += zip(nums, jobs)
         # Rank 0's return is the point's result (every task returns one).
-        return [job.results()[0] for _, job in sorted(submitted, key=lambda item: item[0])]
+        with reporting_wait("bench_slurm", Path(str(self.params["submitit_folder"])), len(submitted)):
+            return [job.results()[0] for _, job in sorted(submitted, key=lambda item: item[0])]
+
+
+class BenchLocalLauncher(LocalLauncher):
+    """`hydra/launcher=submitit_local` (conf/hydra/launcher/submitit_local.yaml): the stock submitit local
+    launcher, but at most `array_parallelism` points at a time, 1 by default: timing points that run side by
+    side share the cores and their times do not compare (issue 29: steps 1.7-2.7x slower on 2 cores). Raise it
+    (hydra.launcher.array_parallelism=N) for runs whose times you do not compare; their records then carry
+    `contention:` warnings (bench/runner/contention.py)."""
+
+    def __init__(self, **params: Any) -> None:
+        parallel = params.pop("array_parallelism", 1)
+        super().__init__(**params)
+        if not isinstance(parallel, int) or parallel < 1:
+            raise ValueError(f"hydra.launcher.array_parallelism={parallel} must be an integer >= 1")
+        self.parallel = parallel
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        out: list[JobReturn] = []
+        with reporting_wait("submitit_local", Path(str(self.params["submitit_folder"])), len(job_overrides)):
+            for start in range(0, len(job_overrides), self.parallel):  # each batch ends before the next starts
+                batch = job_overrides[start : start + self.parallel]
+                out += super().launch(batch, initial_job_idx + start)
+        return out
+
+
+@dataclasses.dataclass
+class BenchLocalQueueConf(LocalQueueConf):
+    """The stock `submitit_local` schema plus `array_parallelism` (points at a time, 1 by default)."""
+
+    _target_: str = "hydra_plugins.ptbench_launcher.BenchLocalLauncher"
+    array_parallelism: int = 1
+    # no `%j` folder level: submitit names every file by its job id, and for local jobs it would also leave an
+    # empty folder literally named `%j` (issue 31)
+    submitit_folder: str = "${hydra.sweep.dir}/.submitit"
+
+
+# takes the place of the stock plugin's `hydra/launcher=submitit_local` (registered when its config module was
+# imported above): the same fields, plus array_parallelism, run by BenchLocalLauncher
+ConfigStore.instance().store(
+    group="hydra/launcher", name="submitit_local", node=BenchLocalQueueConf, provider="ptbench_launcher"
+)

@@ -1,0 +1,420 @@
+"""What a profiler trace says about communication, overlap and the pipeline bubble: pure functions on
+Chrome-trace dicts (torch.profiler's `export_chrome_trace`), no torch at import.
+
+The runner (bench/runner/profiling.py) profiles a window of steps and marks, in the trace:
+- each profiled step: a user annotation `ptbench.step#G` (G = the global step) around `adapter.train_step`;
+- each collective called through torch.distributed's Python functions: `ptbench.comm:OP:N:DESC` (N = the
+  process group's size, DESC its description), around the dispatcher op `c10d::...` it issues;
+- each pipeline stage's work on one micro-batch: `ptbench.stage:fwd` / `ptbench.stage:bwd`.
+
+Bytes come from the `c10d::*` dispatcher ops (every collective goes through one, the C++ callers such as
+DDP's reducer included) and their recorded input shapes and dtypes; they are turned into nccl-tests' bus
+volume with bench/core/comm_volume.py's ring factors, so measured and formula bytes compare 1:1. A
+collective issued from C++ (DDP's reducer) carries no `ptbench.comm` label: its group is taken as the
+data-parallel group (`default_group`).
+
+Time: on CPU (gloo) a collective runs on gloo's own threads (`gloo:*` events, matched to their c10d op in
+order by size); on CUDA its NCCL kernel. Compute is the union of `aten::*` operator intervals on CPU
+(GPU kernels other than NCCL's on CUDA); exposed communication is communication time not covered by
+compute on that rank (Python overhead between operators counts as not compute: a slight overestimate).
+"""
+
+from __future__ import annotations
+
+from ptbench.core.comm_volume import ring_factor
+
+STEP = "ptbench.step#"
+COMM = "ptbench.comm:"
+STAGE = "ptbench.stage:"
+
+# dispatcher op -> (kind, which argument holds the full (unsharded) buffer)
+C10D = {
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "all_reduce": ("all_reduce", 0),
+    "all_reduce_": ("all_reduce", 0),
+    "broadcast_": ("broadcast", 0),
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_": ("all_gather", 0),
+    "allgather_coalesced_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "all_gather_into_tensor": ("all_gather", "out"),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "send": ("send_recv", 0),
+    "recv_": ("recv", 0),
+    "recv_any_source_": ("recv", 0),
+    "alltoall_": ("all_to_all", 1),
+    "alltoall_base_": ("all_to_all", 1),
+    "barrier": ("barrier", None),
+    "monitored_barrier_": ("barrier", None),
+}
+# gloo's own execution events: the kind it really ran (gloo reduce-scatters by an all-reduce of the buffer)
+DTYPE_BYTES = {
+    "float": 4,
+    "double": 8,
+    "c10::BFloat16": 2,
+    "c10::Half": 2,
+    "long int": 8,
+    "int": 4,
+    "short int": 2,
+    "signed char": 1,
+    "unsigned char": 1,
+    "bool": 1,
+    "c10::Float8_e4m3fn": 1,
+    "c10::Float8_e5m2": 1,
+}
+
+
+def c10d_op(name: str) -> tuple[str, object] | None:
+    for prefix in ("c10d::", "_c10d_functional::", "c10d_functional::"):
+        if name.startswith(prefix):
+            return C10D.get(name[len(prefix) :])
+    return None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape or []:
+        n *= int(d)
+    return n
+
+
+def _elems(dims) -> int:
+    """Elements of one recorded argument: a tensor's shape, or a list of shapes (TensorList)."""
+    if not dims:
+        return 0
+    if isinstance(dims[0], list):
+        return sum(_elems(d) if d and isinstance(d[0], list) else _numel(d) for d in dims)
+    return _numel(dims)
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of union(a) not covered by union(b)."""
+    a, b = union(a), union(b)
+    covered, j = 0.0, 0
+    for s, e in a:
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            covered += min(e, b[k][1]) - max(s, b[k][0])
+            k += 1
+    return length(a) - covered
+
+
+def clip(intervals, lo: float, hi: float):
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
+def analyse(trace: dict, default_group: int) -> dict:
+    """One rank's trace -> its communication ledger, exposed time, work intervals (pipelines).
+
+    Returns {steps: [G...], step_windows: {G: [t0, t1]} (us, trace clock), collectives: [{kind, op,
+    group_size, message_bytes, bus_bytes, time_s, step}], by_kind: {kind: {calls, message_bytes,
+    bus_bytes, time_s}} per step, comm_time_s, exposed_s, compute_s (per step, means over the profiled
+    steps), stage_work: {G: [[t0, t1], ...]}, notes}."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    windows = {}
+    for e in events:
+        name = e.get("name", "")
+        if name.startswith(STEP):
+            windows[int(name[len(STEP) :])] = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+    notes: list[str] = []
+
+    def step_of(ts: float):
+        for g, (a, b) in windows.items():
+            if a <= ts <= b:
+                return g
+        return None
+
+    labels = [e for e in events if e.get("name", "").startswith(COMM)]
+    # an unlabelled collective (issued from C++): the data-parallel size, unless the trace's process groups
+    # larger than one all have one size (then that one)
+    sizes = {g.get("pg_size") for g in trace.get("distributedInfo", {}).get("pg_config", []) if g.get("pg_size", 1) > 1}
+    if len(sizes) == 1:
+        default_group = sizes.pop()
+    ops = []
+    for e in events:
+        spec = c10d_op(e.get("name", ""))
+        if spec is None or e.get("cat") not in (None, "cpu_op"):
+            continue
+        g = step_of(float(e["ts"]))
+        if g is None:
+            continue
+        ops.append((e, spec, g))
+    # keep the outermost c10d op (a coalesced op may issue another inside it, on the same thread)
+    outer = []
+    for e, spec, g in ops:
+        t0, t1 = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        inside = any(
+            o is not e
+            and o.get("tid") == e.get("tid")
+            and float(o["ts"]) <= t0
+            and t1 <= float(o["ts"]) + float(o["dur"])
+            and (float(o["ts"]), -float(o["dur"])) != (t0, -float(e["dur"]))
+            for o, _, _ in ops
+        )
+        if not inside:
+            outer.append((e, spec, g))
+    outer.sort(key=lambda x: float(x[0]["ts"]))
+
+    # execution of the collective: gloo's worker events (CPU), NCCL kernels (CUDA)
+    gloo = sorted((e for e in events if e.get("name", "").startswith("gloo:")), key=lambda e: float(e["ts"]))
+    nccl = sorted(
+        (e for e in events if e.get("cat") == "kernel" and "nccl" in e.get("name", "").lower()),
+        key=lambda e: float(e["ts"]),
+    )
+    used: set[int] = set()
+    rows, comm_iv = [], []
+    unknown_dtype = 0
+    for e, (kind, arg), g in outer:
+        args = e.get("args", {})
+        dims, types = args.get("Input Dims") or [], args.get("Input type") or []
+        label = next(
+            (
+                lab
+                for lab in labels
+                if lab.get("tid") == e.get("tid")
+                and float(lab["ts"]) <= float(e["ts"])
+                and float(e["ts"]) + float(e["dur"]) <= float(lab["ts"]) + float(lab["dur"]) + 1e-3
+            ),
+            None,
+        )
+        parts = label["name"][len(COMM) :].split(":") if label else []
+        n = int(parts[1]) if label else default_group
+        group = parts[2] if len(parts) > 2 else None
+        idx = 0 if arg == "out" else arg
+        elems = _elems(dims[idx]) if isinstance(idx, int) and idx < len(dims) else 0
+        typ = types[idx] if isinstance(idx, int) and idx < len(types) else ""
+        # execution event: the first unused one of the same size that starts after the op was issued
+        exe = None
+        for pool in (gloo, nccl):
+            for x in pool:
+                if id(x) in used or float(x["ts"]) + 1.0 < float(e["ts"]):
+                    continue
+                xd = (x.get("args", {}).get("Input Dims") or [[]])[0]
+                if pool is nccl or _numel(xd) == elems or kind in ("all_gather",) and _numel(xd) * n == elems:
+                    exe = x
+                    used.add(id(x))
+                    break
+            if exe is not None:
+                break
+        if typ not in DTYPE_BYTES and exe is not None:
+            typ = (exe.get("args", {}).get("Input type") or [""])[0]
+        size = DTYPE_BYTES.get(typ)
+        if size is None:
+            size = 4
+            unknown_dtype += 1
+        message = elems * size
+        if kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            bus = message * ring_factor(kind, n) if n > 1 else 0.0
+        elif kind in ("send_recv", "broadcast"):
+            bus = float(message)
+        else:  # recv (counted at the sender), barrier, all_to_all
+            bus = 0.0
+        t0, t1 = (
+            (float(exe["ts"]), float(exe["ts"]) + float(exe["dur"]))
+            if exe
+            else (
+                float(e["ts"]),
+                float(e["ts"]) + float(e["dur"]),
+            )
+        )
+        comm_iv.append((t0, t1))
+        rows.append(
+            dict(
+                kind=kind,
+                op=e["name"],
+                group_size=n,
+                group=group,
+                message_bytes=message,
+                bus_bytes=bus,
+                time_s=(t1 - t0) * 1e-6,
+                step=g,
+                labelled=label is not None,
+                executed_as=exe["name"] if exe else None,
+            )
+        )
+    if unknown_dtype:
+        notes.append(f"{unknown_dtype} collective(s) with no recorded dtype counted as 4-byte elements")
+    if any(not r["labelled"] and r["kind"] in ("all_reduce", "all_gather", "reduce_scatter") for r in rows):
+        notes.append(
+            f"collectives issued from C++ (DDP's reducer) or through a cached function reference carry no group "
+            f"label: group size taken as {default_group} (the one size of the trace's process groups > 1, else "
+            "the data-parallel size)"
+        )
+
+    # compute: aten operators on CPU threads (gloo's threads excluded), non-NCCL kernels on the GPU
+    gloo_tids = {e.get("tid") for e in gloo}
+    if any(e.get("cat") == "kernel" for e in events):
+        comp = [
+            (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            for e in events
+            if e.get("cat") == "kernel" and "nccl" not in e.get("name", "").lower()
+        ]
+    else:
+        comp = [
+            (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            for e in events
+            if e.get("cat") == "cpu_op" and e.get("name", "").startswith("aten::") and e.get("tid") not in gloo_tids
+        ]
+    marks = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"][len(STAGE) :])
+        for e in events
+        if e.get("name", "").startswith(STAGE)
+    )
+    stage_work = {g: union(clip([(t0, t1) for t0, t1, _ in marks], a, b)) for g, (a, b) in windows.items()}
+    stage_items = {g: [[tag, t0, t1] for t0, t1, tag in marks if a <= t0 < b] for g, (a, b) in windows.items()}
+    k = max(1, len(windows))
+    by_kind: dict = {}
+    for r in rows:
+        d = by_kind.setdefault(r["kind"], dict(calls=0, message_bytes=0.0, bus_bytes=0.0, time_s=0.0))
+        d["calls"] += 1
+        d["message_bytes"] += r["message_bytes"]
+        d["bus_bytes"] += r["bus_bytes"]
+        d["time_s"] += r["time_s"]
+    for d in by_kind.values():
+        for key in ("calls", "message_bytes", "bus_bytes", "time_s"):
+            d[key] = d[key] / k
+    exposed = comm = compute = 0.0
+    for a, b in windows.values():
+        civ = clip(comm_iv, a, b)
+        exposed += minus(civ, clip(comp, a, b))
+        comm += length(union(civ))
+        compute += length(union(clip(comp, a, b)))
+    return dict(
+        steps=sorted(windows),
+        step_windows={g: list(w) for g, w in sorted(windows.items())},
+        step_time_s=sum(b - a for a, b in windows.values()) * 1e-6 / k,
+        collectives=rows,
+        by_kind=by_kind,
+        comm_time_s=comm * 1e-6 / k,
+        exposed_s=exposed * 1e-6 / k,
+        compute_s=compute * 1e-6 / k,
+        stage_work={g: [list(w) for w in iv] for g, iv in stage_work.items()},
+        stage_items=stage_items,
+        notes=notes,
+    )
+
+
+def bubble(per_rank: list[dict], microbatches: int) -> dict | None:
+    """Pipeline bubble per stage from every rank's `analyse` (rank r = stage r; one replica): per profiled
+    step, the schedule's span is the first stage work start to the last work end over all stages; a stage's
+    bubble is the part of that span it does no work (its sends, receives and waits included). Theory:
+    (p-1)/(m+p-1) for GPipe and 1F1B with equal stages."""
+    p = len(per_rank)
+    steps = sorted(set.intersection(*(set(r["stage_work"]) for r in per_rank))) if per_rank else []
+    steps = [g for g in steps if all(per_rank[s]["stage_work"].get(g) for s in range(p))]
+    if p < 2 or not steps:
+        return None
+    fractions = [[] for _ in range(p)]
+    for g in steps:
+        work = [per_rank[s]["stage_work"][g] for s in range(p)]
+        lo = min(w[0][0] for w in work)
+        hi = max(w[-1][1] for w in work)
+        span = hi - lo
+        for s in range(p):
+            fractions[s].append(1.0 - length([tuple(x) for x in work[s]]) / span if span > 0 else 0.0)
+    per_stage = [sum(f) / len(f) for f in fractions]
+    theory = (p - 1) / (microbatches + p - 1)
+    mean = sum(per_stage) / p
+    # each stage's items of one direction do the same work: their fastest instance over the profiled steps is
+    # the one least slowed by other ranks sharing the cores; the replay times every item at that
+    fastest: dict = {}
+    for s in range(p):
+        for g in steps:
+            for tag, t0, t1 in per_rank[s].get("stage_items", {}).get(g, []):
+                fastest[(s, tag)] = min(fastest.get((s, tag), float("inf")), t1 - t0)
+    replays = [replay([per_rank[s].get("stage_items", {}).get(g, []) for s in range(p)], fastest) for g in steps]
+    replays = [r for r in replays if r is not None]
+    rp = [sum(r[s] for r in replays) / len(replays) for s in range(p)] if replays else None
+    rmean = sum(rp) / p if rp else None
+    return dict(
+        stages=p,
+        microbatches=microbatches,
+        steps=len(steps),
+        per_stage=per_stage,
+        mean=mean,
+        theory=theory,
+        ratio=mean / theory if theory else None,
+        replayed_per_stage=rp,
+        replayed_mean=rmean,
+        replayed_ratio=rmean / theory if rmean is not None and theory else None,
+        definition="wall: per step, 1 - a stage's work time / the schedule's span (first work start to last work "
+        "end over all stages), work = forward/backward of one micro-batch (ptbench.stage:* marks); it includes "
+        "p2p transfers, the loss, and any time the stages could not run at once (ranks sharing CPU cores). "
+        "replayed: the same with the measured work items (each at its stage's fastest instance of that direction "
+        "over the profiled steps) replayed in each stage's traced order with the pipeline's dependencies (forward i after the previous stage's forward i, backward i after the "
+        "next stage's backward i), one device per stage and free transfers",
+    )
+
+
+def replay(items: list[list], fastest: dict | None = None) -> list[float] | None:
+    """Per stage, the bubble of the measured work items (each stage's [tag, t0, t1] in traced order: k-th
+    fwd = micro-batch k, k-th bwd = micro-batch k) run as soon as their dependencies allow, one device per
+    stage: 1 - work / the replayed span. `fastest`: {(stage, tag): duration} to use instead of each item's own."""
+    p = len(items)
+    dur = [[(tag, (fastest or {}).get((s, tag), t1 - t0)) for tag, t0, t1 in st] for s, st in enumerate(items)]
+    if p < 2 or any(not d for d in dur):
+        return None
+    done: dict = {}  # (stage, tag, micro-batch) -> finish time
+    pos = [0] * p
+    free = [0.0] * p
+    counts = [{"fwd": 0, "bwd": 0} for _ in range(p)]
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(dur[s]):
+                tag, d = dur[s][pos[s]]
+                i = counts[s][tag]
+                if tag == "fwd":
+                    dep = (s - 1, "fwd", i) if s > 0 else None
+                else:
+                    dep = (s + 1, "bwd", i) if s < p - 1 else (s, "fwd", i)
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[s], done[dep] if dep is not None else 0.0)
+                free[s] = done[(s, tag, i)] = start + d
+                counts[s][tag] += 1
+                pos[s] += 1
+                progressed = True
+    if any(pos[s] < len(dur[s]) for s in range(p)):
+        return None  # an order the model does not know (interleaved stages)
+    span = max(free)
+    return [1.0 - sum(d for _, d in dur[s]) / span for s in range(p)]
+
+
+def merge(traces: dict[int, dict]) -> dict:
+    """Chrome traces of several ranks -> one trace: each rank a process row (pid = rank, named `rank R`);
+    timestamps kept (ranks on one host share the clock)."""
+    out = []
+    for rank, trace in sorted(traces.items()):
+        out.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        for e in trace.get("traceEvents", []):
+            if e.get("ph") in ("s", "f") or (
+                e.get("ph") == "M" and e.get("name") in ("process_name", "process_sort_index", "process_labels")
+            ):
+                continue  # flow arrows' ids are per process; the process rows are renamed above
+            e = dict(e)
+            e["pid"] = rank
+            out.append(e)
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"ranks": sorted(traces)}}

@@ -1,0 +1,187 @@
+"""`python -m ptbench.ledger`: the communication ledger and the pipeline bubble, measured from traces.
+
+Runs, at 2 ranks on CPU (tiny GPT-2, a few steps, `trainer.profile` over the last steps): ddp, zero
+stages 1-3, fsdp, megatron TP=2, a 2-stage torch pipeline and megatron PP=2, and prints per collective
+kind the bytes by the corrected formula (bench/core/comm_volume.py `corrected`) beside the bytes measured from the traces'
+c10d operators (goal: within 2 %), the measured time and the exposed (non-overlapped) communication.
+Then the pipeline bubble of torch's GPipe and 1F1B schedules at 2 and 4 stages and m = 4, 8 micro-batches
+beside the theory (p-1)/(m+p-1) (goal: within 20 %).
+
+    python -m ptbench.ledger                 # both tables
+    python -m ptbench.ledger --only bytes    # the ledger only (--only bubble: the bubble only)
+    python -m ptbench.ledger --json out.json # also write every row
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from ptbench.run_point import run_bench
+
+BASE = [
+    "workload=gpt2_tiny",
+    "workload.vocab_size=1024",
+    "workload.seq_len=32",
+    "data.train_samples=512",
+    "data.val_samples=32",
+    "trainer.max_eval_batches=1",
+    "trainer.eval_every_epoch=false",
+    "trainer.progress=false",
+    "trainer.epochs=1",
+    "results.mllog=false",
+]
+LEDGER_RUNS = {
+    "ddp": ["adapter=ddp"],
+    "zero1": ["adapter=zero", "adapter.stage=1"],
+    "zero2": ["adapter=zero", "adapter.stage=2"],
+    "zero3": ["adapter=zero", "adapter.stage=3"],
+    "fsdp": ["adapter=fsdp"],
+    "megatron_tp2": ["adapter=megatron", "adapter.tensor_parallel=2"],
+    # the pipeline's trainer.batch_size is its global batch: 8 = its default 4 x 2 micro-batches of 1
+    "pipeline_pp2": ["adapter=pipeline", "adapter.schedule=1f1b", "trainer.batch_size=8"],
+    "megatron_pp2": ["adapter=megatron", "adapter.pipeline_parallel=2", "trainer.batch_size=8"],
+}
+
+
+def ledger_runs(root: Path, names=None, timeout: float = 600) -> list[dict]:
+    rows = []
+    for name, over in LEDGER_RUNS.items():
+        if names and name not in names:
+            continue
+        run = run_bench(
+            [*BASE, "launcher.nprocs=2", "trainer.batch_size=4", "trainer.max_steps=5", "trainer.profile=3:2", *over],
+            root=root,
+            experiment="ledger",
+            timeout=timeout,
+            run_name=(name, "gpt2_tiny", 2),
+        )
+        prof = run.summary.get("profile") or {}
+        if not run.ok or not prof.get("ledger"):
+            rows.append(dict(run=name, error=run.summary.get("error") or run.stderr.strip()[-300:] or run.status))
+            continue
+        ranks = prof["ranks"]
+        rows.append(
+            dict(
+                run=name,
+                ledger=prof["ledger"],
+                differences=(prof.get("formula") or {}).get("differences", []),
+                exposed_s=sum(r["exposed_comm_s"] for r in ranks) / len(ranks),
+                comm_s=sum(r["comm_time_s"] for r in ranks) / len(ranks),
+                step_s=sum(r["step_time_s"] for r in ranks) / len(ranks),
+                record=str(run.run_dir),
+            )
+        )
+    return rows
+
+
+def bubble_runs(root: Path, timeout: float = 600) -> list[dict]:
+    rows = []
+    for p in (2, 4):
+        for schedule in ("gpipe", "1f1b"):
+            for m in (4, 8):
+                run = run_bench(
+                    [
+                        *BASE,
+                        # equal stages, as the theory assumes: 10 sequential layers (embedding, 8 blocks, head),
+                        # a small vocabulary so that the head costs about nothing, the embedding and the head with
+                        # the end stages' blocks
+                        "workload.n_layer=8",
+                        "workload.vocab_size=256",
+                        "adapter.balance=[3,2,2,3]" if p == 4 else "adapter.balance=[5,5]",
+                        "adapter=pipeline",
+                        f"adapter.schedule={schedule}",
+                        f"adapter.microbatches={m}",
+                        f"launcher.nprocs={p}",
+                        f"trainer.batch_size={2 * m}",
+                        "trainer.max_steps=5",
+                        "trainer.profile=2:3",
+                    ],
+                    root=root,
+                    experiment="bubble",
+                    timeout=timeout,
+                    run_name=(f"pipeline-{schedule}-m{m}", "gpt2_tiny", p),
+                )
+                b = (run.summary.get("profile") or {}).get("bubble")
+                if not run.ok or not b:
+                    rows.append(
+                        dict(stages=p, schedule=schedule, m=m, error=run.summary.get("error") or run.stderr[-300:])
+                    )
+                    continue
+                rows.append(dict(b, schedule=schedule, m=m, record=str(run.run_dir)))
+    return rows
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 1e6:9.3f}"
+
+
+def print_ledger(rows: list[dict]) -> None:
+    print("communication ledger per optimizer step, 2 ranks, CPU gloo (bytes: nccl-tests bus volume, busiest rank)")
+    print(
+        f"{'run':14} {'collective':15} {'formula MB':>10} {'measured MB':>11} {'ratio':>6} {'calls':>5} "
+        f"{'time ms':>8} {'exposed ms':>10}"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['run']:14} error: {r['error']}")
+            continue
+        for i, row in enumerate(r["ledger"]):
+            ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "-"
+            exposed = f"{1e3 * r['exposed_s']:10.2f}" if i == 0 else ""
+            print(
+                f"{r['run'] if i == 0 else '':14} {row['kind']:15} {_mb(row['formula_bytes']):>10} "
+                f"{_mb(row['measured_bytes']):>11} {ratio:>6} {row['calls']:5.0f} {1e3 * row['time_s']:8.2f} {exposed}"
+            )
+        for d in r["differences"]:
+            print(f"{'':14} corrected: {d}")
+
+
+def print_bubble(rows: list[dict]) -> None:
+    print("pipeline bubble (torch.distributed.pipelining, CPU): idle share of the schedule's span per stage")
+    print("  wall: as it ran (p2p, loss and CPU sharing included); replayed: the measured work items re-timed")
+    print("  with the schedule's dependencies, one device per stage (ptbench.core.trace_ledger.bubble)")
+    print(
+        f"{'stages':>6} {'schedule':8} {'m':>3} {'theory':>7} {'wall':>7} {'ratio':>6} {'replayed':>8} {'ratio':>6}"
+        "  replayed per stage"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['stages']:6} {r['schedule']:8} {r['m']:3} error: {r['error']}")
+            continue
+        rp = r.get("replayed_per_stage") or []
+        rm, rr = r.get("replayed_mean"), r.get("replayed_ratio")
+        print(
+            f"{r['stages']:6} {r['schedule']:8} {r['m']:3} {r['theory']:7.3f} {r['mean']:7.3f} {r['ratio']:6.2f} "
+            f"{'-' if rm is None else f'{rm:.3f}':>8} {'-' if rr is None else f'{rr:.2f}':>6}  "
+            + " ".join(f"{v:.3f}" for v in rp)
+        )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ptbench.ledger", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", choices=("bytes", "bubble"), help="run one of the two tables")
+    ap.add_argument("--runs", nargs="*", choices=list(LEDGER_RUNS), help="ledger runs to do (default: all)")
+    ap.add_argument("--root", type=Path, help="results root (default: a temporary folder)")
+    ap.add_argument("--json", type=Path, help="write every row to this file")
+    args = ap.parse_args(argv)
+    root = args.root or Path(tempfile.mkdtemp(prefix="ptbench-ledger-"))
+    out: dict = {}
+    if args.only in (None, "bytes"):
+        out["ledger"] = ledger_runs(root, args.runs)
+        print_ledger(out["ledger"])
+    if args.only in (None, "bubble"):
+        out["bubble"] = bubble_runs(root)
+        print_bubble(out["bubble"])
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    print(f"records under {root}")
+    bad = [r for rows in out.values() for r in rows if "error" in r]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The memory ledger: predicted vs counted saved-activation bytes per adapter x workload.
+
+    python -m ptbench.memory_ledger                                  # every adapter x tiny workload, 2 ranks
+    python -m ptbench.memory_ledger --adapters ddp zero3 --workloads gpt2_tiny
+    python -m ptbench.memory_ledger --tolerance 0.10                 # exit 1 when a point is further off
+
+Runs `python -m ptbench` once per point (2 ranks on this machine, a few steps, fp32): the runner counts
+what autograd saves in the last untimed step on every rank (the second here) (bench/core/memory_model.py,
+`SavedTensorLedger`: saved-tensor hooks, each storage once, parameters and buffers excluded, the most
+bytes alive at once) and records it beside the memory model's prediction for the busiest rank in the
+summary's `memory_ledger`. The table prints both and their ratio. gpipe drives its partitions from one
+process on worker threads, which thread-local saved-tensor hooks do not see: it is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from ptbench.run_point import run_bench
+
+ADAPTERS = {
+    "ddp": ["adapter=ddp"],
+    "zero1": ["adapter=zero", "adapter.stage=1"],
+    "zero2": ["adapter=zero", "adapter.stage=2"],
+    "zero3": ["adapter=zero", "adapter.stage=3"],
+    "fsdp": ["adapter=fsdp"],
+    "tensor_parallel": ["adapter=tensor_parallel", "adapter.tensor_parallel=2"],
+    "megatron": ["adapter=megatron", "adapter.tensor_parallel=2"],
+    "pipeline": ["adapter=pipeline", "adapter.microbatches=4"],
+    "gpipe": ["adapter=gpipe", "adapter.pipeline_parallel=2", "adapter.microbatches=4", "launcher.nprocs=1"],
+}
+LANGUAGE_ONLY = ("tensor_parallel", "megatron")
+WORKLOADS = ("gpt2_tiny", "resnet50_tiny", "vgg16_tiny")
+# small enough for 2 ranks on 2 cores; vocabulary 1024 so that the transformer layers, not the head, dominate
+COMMON = [
+    "experiment=smoke",
+    "trainer.max_steps=3",
+    "trainer.untimed_steps=2",
+    "trainer.batch_size=8",
+]
+EXTRA = {"gpt2_tiny": ["workload.vocab_size=1024"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--adapters", nargs="+", default=list(ADAPTERS), choices=list(ADAPTERS))
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--tolerance", type=float, default=0.10, help="largest |predicted/counted - 1| accepted")
+    p.add_argument("--root", type=Path, default=None, help="where the records go (default: a temporary folder)")
+    p.add_argument("--timeout", type=float, default=600)
+    args = p.parse_args(argv)
+    root = args.root or Path(tempfile.mkdtemp(prefix="memory_ledger_"))
+    rows, bad = [], 0
+    print(f"{'adapter':<16} {'workload':<14} {'predicted KiB':>14} {'counted KiB (per rank)':>28} {'ratio':>7}")
+    for w in args.workloads:
+        for a in args.adapters:
+            if a in LANGUAGE_ONLY and not w.startswith("gpt2"):
+                continue
+            run = run_bench(
+                [*COMMON, f"workload={w}", *EXTRA.get(w, []), *ADAPTERS[a]]
+                + ([] if any(o.startswith("launcher.nprocs=") for o in ADAPTERS[a]) else ["launcher.nprocs=2"]),
+                root=root,
+                experiment="memory_ledger",
+                timeout=args.timeout,
+                run_name=(a, w, 2),
+            )
+            led = run.summary.get("memory_ledger") if run.status == "ok" else None
+            if led and led.get("error"):  # gpipe: stated, not a failure
+                print(f"{a:<16} {w:<14} {'-':>14} {'-':>28} {'-':>7}  {led['error']}")
+                continue
+            if not led or led.get("ratio") is None:
+                errors = [ln for ln in run.stderr.splitlines() if "error" in ln.lower()]
+                why = run.summary.get("error") or (errors[-1] if errors else run.status)
+                print(f"{a:<16} {w:<14} {'-':>14} {'-':>28} {'-':>7}  not counted: {why[:120]}")
+                bad += 1
+                continue
+            ratio = led["ratio"]
+            per_rank = " / ".join(f"{b / 1024:,.0f}" for b in led["counted_saved_bytes_per_rank"])
+            flag = "" if abs(ratio - 1) <= args.tolerance else f"  off by more than {args.tolerance:.0%}"
+            bad += bool(flag)
+            print(f"{a:<16} {w:<14} {led['predicted_saved_bytes'] / 1024:>14,.0f} {per_rank:>28} {ratio:>7.3f}{flag}")
+            rows.append((a, w, ratio))
+            sys.stdout.flush()
+    print(f"records: {root}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

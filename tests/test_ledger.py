@@ -1,0 +1,114 @@
+"""The communication ledger: bytes measured from real traces (2 ranks, gloo) equal the corrected formulas
+(bench/core/comm_volume.py `corrected`), each correction stated; the trace arithmetic and the bubble rule."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ptbench.core import trace_ledger as tl
+from ptbench.core.comm_volume import corrected, record_fields, volume
+from tests.helpers import GPT2_REFERENCE, bench, check_ok, only_run, summary
+
+RUN = [o for o in GPT2_REFERENCE if not o.startswith("trainer.max_steps")] + [
+    "trainer.max_steps=5",
+    "trainer.eval_every_epoch=false",
+    "launcher.nprocs=2",
+    "trainer.profile=3:2",
+]
+
+CASES = {
+    "zero1": (["adapter=zero", "adapter.stage=1"], "use_multi_rank_bucket_allreduce"),
+    "zero3": (["adapter=zero", "adapter.stage=3"], "stage3_max_reuse_distance"),
+    "fsdp": (["adapter=fsdp"], "reshard_after_forward=False"),
+    "megatron_tp2": (["adapter=megatron", "adapter.tensor_parallel=2"], "vocab-parallel cross-entropy"),
+    "pipeline_pp2": (["adapter=pipeline", "adapter.schedule=gpipe", "trainer.batch_size=8"], "TiedPair"),
+    "megatron_pp2": (["adapter=megatron", "adapter.pipeline_parallel=2", "trainer.batch_size=8"], "embedding group"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_measured_bytes_within_2_percent_of_the_corrected_formula(tmp_path, case):
+    overrides, cause = CASES[case]
+    proc = bench(*RUN, *overrides, results=tmp_path)
+    check_ok(proc)
+    prof = summary(only_run(tmp_path))["profile"]
+    rows = {r["kind"]: r for r in prof["ledger"]}
+    for kind, formula in prof["formula"]["by_op"].items():
+        assert rows[kind]["measured_bytes"] == pytest.approx(formula, rel=0.02), (kind, rows[kind])
+    for row in rows.values():  # nothing sizeable measured that the formula lacks
+        if row["formula_bytes"] is None:
+            assert row["measured_bytes"] < 0.001 * prof["formula"]["total_bytes"], row
+    assert any(cause in d for d in prof["formula"]["differences"]), prof["formula"]["differences"]
+    if case in ("pipeline_pp2", "megatron_pp2"):
+        b = prof["bubble"]
+        assert b["stages"] == 2 and b["microbatches"] == 8 and b["theory"] == pytest.approx(1 / 9)
+        assert len(b["per_stage"]) == 2 and all(0 <= v < 1 for v in b["per_stage"]), b
+
+
+def _cost(*overrides: str):
+    """The adapter's own cost inputs (what `corrected` reads) for a composed config."""
+    from ptbench.adapters import get_adapter_class
+    from ptbench.runner.compose import compose, typed
+
+    cfg = typed(compose(["workload=gpt2_tiny", *overrides]))
+    return get_adapter_class(cfg.adapter.name).cost_inputs(cfg)
+
+
+WL = SimpleNamespace(kind="language", n_layer=2, n_embd=128, vocab_size=1024)
+
+
+def test_corrections_change_what_the_frameworks_change():
+    psi = 1_000_000
+    z1 = record_fields(volume("zero1", params=psi, world_size=4))
+    c = corrected(z1, _cost("adapter=zero", "adapter.stage=1"), WL)
+    assert c["total_bytes"] == pytest.approx(1.5 * z1["total_bytes"])
+    assert c["uncorrected_total_bytes"] == z1["total_bytes"] and len(c["differences"]) == 1
+    z3 = record_fields(volume("zero3", params=psi, world_size=4))
+    c = corrected(z3, _cost("adapter=zero", "adapter.stage=3"), WL)
+    assert c["total_bytes"] == pytest.approx(z3["total_bytes"] / 1.5)
+    ddp = record_fields(volume("none", params=psi, world_size=4))
+    assert corrected(ddp, _cost("adapter=ddp"), WL)["total_bytes"] == ddp["total_bytes"]
+    assert corrected(ddp, _cost("adapter=ddp"), WL)["differences"] == []
+    fs = record_fields(volume("fsdp", params=psi, world_size=4))
+    c = corrected(fs, _cost("adapter=fsdp", "adapter.reshard_after_forward=true"), WL, root_params=psi // 4)
+    g = 3 / 4 * psi * 4
+    assert c["total_bytes"] == pytest.approx(3 * g - g / 4)
+    tp = record_fields(volume("none", params=psi, world_size=2, tp=2, layers=2, hidden=128, seq_len=32, micro_batch=4))
+    c = corrected(tp, _cost("adapter=megatron", "adapter.sequence_parallel=false"), WL)
+    act = 4 * 32 * 128 * 4
+    assert c["total_bytes"] - tp["total_bytes"] == pytest.approx(2 * act + 3 * 4 * 32 * 4)
+
+
+def test_interval_arithmetic():
+    assert tl.union([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)]
+    assert tl.length([(0, 3), (5, 6)]) == 4
+    assert tl.minus([(0, 10)], [(2, 4), (3, 5), (8, 12)]) == pytest.approx(10 - 3 - 2)
+    assert tl.minus([(0, 1)], []) == 1 and tl.minus([], [(0, 1)]) == 0
+    assert tl.clip([(0, 5), (6, 9)], 2, 7) == [(2, 5), (6, 7)]
+
+
+def test_bubble_of_an_ideal_gpipe_schedule_is_the_theory():
+    """p stages, m micro-batches of unit forward and backward work, laid out as GPipe does."""
+    for p, m in ((2, 4), (4, 8)):
+        per_rank = []
+        for s in range(p):
+            fwd = [[s + i, s + i + 1] for i in range(m)]
+            b0 = m + p - 1 + (p - 1 - s)  # backward starts at the last stage
+            bwd = [[b0 + i, b0 + i + 1] for i in range(m)]
+            per_rank.append({"stage_work": {7: fwd + bwd}})
+        b = tl.bubble(per_rank, m)
+        assert b["theory"] == pytest.approx((p - 1) / (m + p - 1))
+        assert b["mean"] == pytest.approx(b["theory"]) and b["ratio"] == pytest.approx(1.0)
+
+
+def test_replay_of_measured_items_in_gpipe_order():
+    """Equal unit items in GPipe order replay to the theory; a slow stage raises the others' bubble."""
+    p, m = 3, 4
+    items = [[["fwd", 0, 1]] * m + [["bwd", 0, 1]] * m for _ in range(p)]
+    got = tl.replay(items)
+    assert got == pytest.approx([(p - 1) / (m + p - 1)] * p)
+    items[1] = [["fwd", 0, 2]] * m + [["bwd", 0, 2]] * m
+    slow = tl.replay(items)
+    assert slow[1] < got[1] and slow[0] > got[0] and slow[2] > got[2]

@@ -1,0 +1,52 @@
+"""Optional sampled timing (issue 29, bench/runner/sampling.py): trainer.timing_sample=PCT ends an epoch once the
+95 % interval of the mean step time is within +-PCT %, or at trainer.timing_sample_cap timed steps, and records
+the epoch's time as an estimate with its interval and the steps measured. Real runs; full epochs by default."""
+
+import math
+
+import pytest
+
+from ptbench.runner.sampling import CHECK_EVERY, MIN_STEPS, mean_interval
+from tests.helpers import SMOKE, bench, check_ok, events, only_run
+
+# 2 ranks x batch 4 over 400 samples: 50 steps an epoch
+LONG = [*SMOKE, "trainer.max_steps=0", "data.train_samples=400", "trainer.eval_every_epoch=false"]
+
+
+def test_mean_interval_known_answer():
+    m, h = mean_interval([1.0, 2.0, 3.0, 2.0] * 3)  # n 12, sd 0.7385: t(11) ~ 1.96 + 2.4 / 11
+    assert m == 2.0 and h == pytest.approx((1.96 + 2.4 / 11) * 0.73855 / math.sqrt(12), rel=1e-4)
+    assert mean_interval([5.0])[1] == math.inf
+
+
+def test_cap_ends_the_epoch_on_every_rank_with_an_estimate(tmp_path):
+    proc = bench(*LONG, "launcher.nprocs=2", "trainer.timing_sample=0.001", "trainer.timing_sample_cap=12",
+                 results=tmp_path)  # fmt: skip
+    check_ok(proc)
+    (e,) = events(only_run(tmp_path))
+    est = e["epoch_time_estimate"]
+    assert e["partial"] and est["estimate"] is True and est["stopped_by"] == "cap"
+    first_check = next(n for n in range(MIN_STEPS, 50, CHECK_EVERY) if n >= 12)  # 15 timed steps
+    assert est["timed_steps_measured"] == e["timed_steps"] == first_check == len(e["step_times_s"])
+    assert est["steps_measured"] == e["steps"] == first_check + 1 and est["steps_in_epoch"] == 50
+    assert est["half_width_pct"] > 0.001 and est["target_pct"] == 0.001
+    assert e["epoch_time_s"] < est["lo_s"] <= est["value_s"] <= est["hi_s"]
+
+
+def test_a_loose_target_stops_early_and_full_epochs_stay_the_default(tmp_path):
+    proc = bench(*LONG, "launcher.nprocs=1", "data.train_samples=200", "trainer.timing_sample=200",
+                 results=tmp_path / "s")  # fmt: skip
+    check_ok(proc)
+    (e,) = events(only_run(tmp_path / "s"))
+    est = e["epoch_time_estimate"]  # +-200 %: met at the first check
+    assert est["stopped_by"] == "interval" and est["half_width_pct"] <= 200 and est["timed_steps_measured"] == MIN_STEPS
+    full = bench(*LONG, "launcher.nprocs=1", "data.train_samples=80", results=tmp_path / "f")
+    check_ok(full)
+    (e,) = events(only_run(tmp_path / "f"))
+    assert "epoch_time_estimate" not in e and not e["partial"] and e["steps"] == 20
+    # the report labels it an estimate, with its interval
+    from ptbench.analysis.report import write_report
+
+    text = write_report(tmp_path / "s", tmp_path / "out").read_text()
+    assert "### Estimated epoch times (sampled timing)" in text and "**estimate**" in text
+    assert f"from {MIN_STEPS + 1} of 50 steps" in text  # 200 samples, batch 4
