@@ -14,8 +14,8 @@ devices, stage, tp, pp, schedule, microbatches, batch_policy, global_batch, ...;
 `layout` where the record has one, else the adapter's config keys), outcome (status,
 error, failed_rank), every scalar of the epoch event (epoch_time_s, *_time_mean_s, samples_per_s,
 val_loss, partial, ...), the summary's `epoch_time_steady_s`, plus derived: `val_metric`/`val_metric_name`
-(accuracy for vision, perplexity for language), `samples_per_epoch`, and memory of the busiest rank
-(see `_memory_fields`).
+(accuracy for vision, perplexity for language), `samples_per_epoch`, memory of the busiest rank
+(see `_memory_fields`), and, for runs profiled with trainer.profile, the profiled step's parts (`_profile_fields`).
 
 Series labels (`label`) come from each run's own record only: its adapter, the settings that make it
 a different series (ZeRO stage, schedule, offload, precision, optimizer, ...) and its global-batch
@@ -306,6 +306,35 @@ def _memory_fields(event: dict, offload_optimizer=None, offload_params=None) -> 
 
 
 # --- communication volume and the measured network ----------------------------------------------------
+PROFILE_PARTS = ("compute", "exposed_comm", "bubble", "other")  # a profiled step's parts, bottom up
+PROFILE_COLS = ("profile_step_s", *(f"profile_{p}_s" for p in PROFILE_PARTS))
+
+
+def _profile_fields(prof) -> dict:
+    """The record's `profile` (trainer.profile, bench/runner/profiling.py): its profiled step split into
+    parts that add up to it, per rank from the per-rank figures, then the mean over ranks (seconds per
+    profiled step). Per rank r: `compute` = its compute_s (operators running, union); `bubble` (pipeline
+    runs, rank r = stage r) = the stage's measured bubble share (profile.bubble.per_stage, idle share of the
+    schedule's span) x its step time, at most step - compute; `exposed_comm` = its exposed_comm_s (collectives
+    running with no operator beside them) less the bubble (a stage waits for the others inside its p2p
+    receives: that wait is the bubble, counted once), within what is left; `other` = the rest (Python between
+    operators, the loss and optimizer outside the operators). None where not profiled."""
+    ranks = prof.get("ranks") if isinstance(prof, dict) else None
+    if not ranks or not all(isinstance(r, dict) and r.get("step_time_s") is not None for r in ranks):
+        return dict.fromkeys(PROFILE_COLS)
+    per_stage = (prof.get("bubble") or {}).get("per_stage") or []
+    sums = dict.fromkeys(PROFILE_COLS, 0.0)
+    for i, r in enumerate(ranks):
+        step = float(r["step_time_s"])
+        compute = min(float(r.get("compute_s") or 0.0), step)
+        share = per_stage[i] if len(per_stage) == len(ranks) and per_stage[i] is not None else 0.0
+        bubble = min(max(share, 0.0) * step, step - compute)
+        exposed = min(max(float(r.get("exposed_comm_s") or 0.0) - bubble, 0.0), step - compute - bubble)
+        for key, v in zip(PROFILE_COLS, (step, compute, exposed, bubble, step - compute - bubble - exposed)):
+            sums[key] += v
+    return {k: v / len(ranks) for k, v in sums.items()}
+
+
 def _comm_fields(cv) -> dict:
     """The record's `comm_volume` (bench/core/comm_volume.py, bytes per optimizer step per rank) as
     columns; `comm_collectives` keeps the per-collective list as JSON for `comm_table`."""
@@ -463,6 +492,7 @@ def load_run(run_dir: str | Path) -> list[dict]:
 
     base = {col: cfg.get(key) for key, col in CONFIG_FIELDS.items()}
     base.update(_comm_fields(summary.get("comm_volume")))
+    base.update(_profile_fields(summary.get("profile")))
     for col in ("adapter", "workload", "experiment", "point"):
         base[col] = summary.get(col) or base[col]
     # the run's layout as its adapter laid it out (summary "layout"); older records: the config's keys

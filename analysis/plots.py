@@ -435,19 +435,28 @@ def memory(data: pd.DataFrame | Study, out=None, name: str = "memory", max_cols:
 
 # --- Fig 7: time breakdown ---------------------------------------------------------------------------
 def breakdown(data: pd.DataFrame | Study, out=None, name: str = "breakdown") -> Figure:
-    """Stacked bars: data / forward / backward / optimizer (and other) time per step, per point;
-    points that did not finish get a place of their own with a red x and their status."""
+    """Stacked bars per point. A point with runs profiled with trainer.profile is split by what the traces
+    measured: compute / exposed communication / pipeline bubble / other, adding up to the profiled step
+    (ptbench.analysis.tables PROFILE_PART_TEXT; hatched, so the two kinds of bar stay apart in grey);
+    any other point keeps its phases: data / forward / backward / optimizer (and other). Points that
+    did not finish get a place of their own with a red x and their status."""
     study = Study.of(data)
     data = study.breakdown
     phases = data.attrs["phases"] + ["other"]
+    parts = data.attrs.get("parts") or []
     workloads = sorted(data["workload"].unique())
     bad_all = study.not_finished
     n = max(len(data[data["workload"] == w]) for w in workloads) + (len(bad_all) if len(bad_all) else 0)
     fig, axes = _grid(1, len(workloads), w=min(max(4.0, 0.9 * n + 2), 30), h=4.8)
-    colors = dict(zip(phases, sns.color_palette("deep", len(phases))))
+    palette = sns.color_palette("deep", len(phases) + len(parts))
+    colors = dict(zip(phases, palette))
+    series = [(f"{p}_ms", p, colors[p], None) for p in phases]  # (column, legend label, colour, hatch)
+    part_colors = dict(zip(parts, palette[len(phases) :]))
+    series += [(f"profiled_{p}_ms", PART_LABELS[p], part_colors[p], "//") for p in parts]
     failed = []
     for ax, wl in zip(axes[0], workloads):
         sub = data[data["workload"] == wl].sort_values(["label", "devices"])
+        split = sub["split"].to_numpy(dtype=bool)
         bad = _failed_points(study, wl) if len(bad_all) else pd.DataFrame(columns=["label", "devices"])
         points = sorted(
             {*zip(sub["label"], sub["devices"].astype(int)), *zip(bad["label"], bad["devices"].astype(int))}
@@ -455,25 +464,40 @@ def breakdown(data: pd.DataFrame | Study, out=None, name: str = "breakdown") -> 
         pos = {p: i for i, p in enumerate(points)}
         xs = [pos[(lab, int(d))] for lab, d in zip(sub["label"], sub["devices"])]
         bottom = np.zeros(len(sub))
-        for p in phases:
-            vals = sub[f"{p}_ms"].fillna(0).to_numpy()
+        for col, label, color, hatch in series:
+            vals = sub[col].fillna(0).to_numpy() if col in sub else np.zeros(len(sub))
+            vals = np.where(split, vals, 0.0) if hatch else np.where(split, 0.0, vals)
             if not vals.any():
                 continue
-            ax.bar(xs, vals, bottom=bottom, color=colors[p], label=p, width=0.6)
+            kw = dict(hatch=hatch, edgecolor="white", linewidth=0) if hatch else {}
+            ax.bar(xs, vals, bottom=bottom, color=color, label=label, width=0.6, **kw)
             bottom = bottom + vals
         if len(bad):
             failed.append(_mark_failed(ax, study, wl, x_of=lambda lab, d, pos=pos: pos[(lab, d)]))
-        ax.set_xticks(range(len(points)), [f"{lab} x{d}" for lab, d in points])
+        names = {(lab, int(d)): s for lab, d, s in zip(sub["label"], sub["devices"], split)}
+        ax.set_xticks(
+            range(len(points)), [f"{lab} x{d}" + ("\n(profiled)" if names.get((lab, d)) else "") for lab, d in points]
+        )
         ax.set_xlim(-0.6, len(points) - 0.4)
         ax.set_ylabel("time per step (ms)")
-        ax.set_title(f"{wl}: time per step by phase")
+        ax.set_title(
+            f"{wl}: time per step by phase" + ("; profiled: compute, exposed comm, bubble" if split.any() else "")
+        )
         ax.tick_params(axis="x", labelrotation=30)
         for t in ax.get_xticklabels():
             t.set_horizontalalignment("right")
-    _legend(fig, loc="outside right upper")
+    _legend(fig)
     fig.bench_data = data
     fig.bench_failed = _concat(failed)
     return save(fig, out, name)
+
+
+PART_LABELS = {
+    "compute": "profiled: compute",
+    "exposed_comm": "profiled: exposed communication",
+    "bubble": "profiled: pipeline bubble",
+    "other": "profiled: other",
+}
 
 
 FIGURES = ("epoch_time", "speedup", "val_metric_vs_epoch", "val_metric_vs_time", "memory", "breakdown")

@@ -17,7 +17,14 @@ from ptbench.analysis import plots
 from ptbench.analysis.claims import claims_lines
 from ptbench.analysis.load import AnalysisError, load, load_comm
 from ptbench.analysis.stats import point_stats, verdict
-from ptbench.analysis.tables import EPOCH_TIME_SOURCES, Study, comm_table, summary_table, time_to_target
+from ptbench.analysis.tables import (
+    EPOCH_TIME_SOURCES,
+    PROFILE_PART_TEXT,
+    Study,
+    comm_table,
+    summary_table,
+    time_to_target,
+)
 
 FIGURES = {
     "epoch_time": "Epoch time vs devices (paper Fig. 5/6)",
@@ -530,6 +537,29 @@ def comm_lines(data: pd.DataFrame | Study, reports: list[dict], out: Path | None
     ]
 
 
+def breakdown_caption(study: Study) -> list[str]:
+    """How the breakdown figure's bars are made: phases, and for profiled points the measured split."""
+    try:
+        data = study.breakdown
+    except AnalysisError:
+        return []
+    lines = [
+        "Bars of points not profiled: mean time per step in each timed phase (means over ranks), `other` the rest "
+        "of the slowest rank's step."
+    ]
+    if data.attrs.get("parts"):
+        lines += [
+            "",
+            "Hatched bars, points profiled with `trainer.profile` (`(profiled)` under the bar): the profiled step "
+            "(adapter.train_step inside the profiler window, its overhead included) split by what the traces "
+            "measured, per rank from the record's `profile.ranks` (and `profile.bubble.per_stage`), then the mean "
+            "over ranks and over the point's profiled runs; the parts add up to the profiled step:",
+            "",
+            *[f"- {PROFILE_PART_TEXT[p]}" for p in data.attrs["parts"]],
+        ]
+    return [*lines, ""]
+
+
 def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
     """The "Why" section (issue 30): from the records of runs profiled with trainer.profile, the communication
     ledger (formula vs measured bytes, with the framework differences that correct the formula), exposed
@@ -542,6 +572,7 @@ def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
     if df.empty or "run_dir" not in df:
         return []
     ledger, bubble, strag, diffs = [], [], [], {}
+    flops, memory, conventions = {}, {}, {}  # per point (the first run's check; MFU: mean over its runs)
     for run_dir, rows in df.groupby("run_dir", sort=True):
         path = Path(run_dir) / "summary.json"
         try:
@@ -550,6 +581,10 @@ def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
             continue
         label = str(rows["label"].iloc[0]) if "label" in rows else str(s.get("adapter"))
         name = f"{label} ({s.get('run_id', Path(run_dir).name)})"
+        if s.get("status") == "ok":
+            point = _point_name(rows, label)
+            _mfu_row(flops, conventions, point, s.get("flops_check"), rows)
+            _memory_row(memory, point, s.get("memory_ledger"))
         prof = s.get("profile") or {}
         ranks = prof.get("ranks") or []
         if prof.get("ledger") and ranks:
@@ -606,16 +641,22 @@ def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
                     "collective wait per rank (ms/step)": " ".join(f"{1e3 * v:.1f}" for v in e["rank_comm_wait_s"]),
                 }
             )
-    if not (ledger or bubble or strag):
+    if not (ledger or bubble or strag or flops or memory):
         return []
+    traced = bool(ledger or bubble or strag)
     lines = [
-        "## Why (measured from traces, `trainer.profile`)",
-        "",
-        "Runs profiled with `trainer.profile=START:COUNT` (bench/runner/profiling.py) carry Chrome/Perfetto traces "
-        "(`traces/` in the record) and what they measure. Bytes are per optimizer step in nccl-tests' bus volume, "
-        "the busiest rank's; exposed communication is communication time not overlapped by compute on that rank.",
+        "## Why (measured from traces, `trainer.profile`)" if traced else "## Why (counted FLOPs and saved bytes)",
         "",
     ]
+    if traced:
+        lines += [
+            "Runs profiled with `trainer.profile=START:COUNT` (bench/runner/profiling.py) carry Chrome/Perfetto "
+            "traces (`traces/` in the record) and what they measure. Bytes are per optimizer step in nccl-tests' bus "
+            "volume, the busiest rank's; exposed communication is communication time not overlapped by compute on "
+            "that rank. The breakdown figure splits these runs' profiled step into compute, exposed communication, "
+            "pipeline bubble and other (see its caption under Figures).",
+            "",
+        ]
     if ledger:
         lines += ["### Communication ledger: formula vs measured", "", markdown_table(pd.DataFrame(ledger)), ""]
         if diffs:
@@ -642,7 +683,80 @@ def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
             "for it inside their collectives.",
             "",
         ]
+    if flops:
+        lines += [
+            "### MFU both ways: the formula's FLOPs and the counted FLOPs (`flops_check`)",
+            "",
+            markdown_table(pd.DataFrame(flops.values()).drop(columns="_mfu")),
+            "",
+            "MFU (formula) is the runs' mean MFU, from the workload's analytic training FLOPs per sample; MFU "
+            "(counted) is the same with torch's FlopCounterMode count (MFU x counted/formula); `-`: no MFU (the "
+            "device's peak FLOP/s is not known, e.g. on CPU). A ratio more than 5 % from 1 is a warning. What the "
+            "counter counts:",
+            "",
+        ]
+        lines += [f"- {c} ({len(points)} point(s))" for c, points in conventions.items()] + [""]
+    if memory:
+        lines += [
+            "### Memory ledger: predicted vs counted saved-activation bytes (`memory_ledger`)",
+            "",
+            markdown_table(pd.DataFrame(memory.values())),
+            "",
+            "Predicted: the memory model's saved activations of the busiest rank (bench/core/memory_model.py); "
+            "counted: saved-tensor hooks around one training step, the peak bytes alive, the most any rank "
+            "counted (each rank's in the last column).",
+            "",
+        ]
     return lines
+
+
+def _point_name(rows: pd.DataFrame, label: str) -> str:
+    devices = rows["devices"].iloc[0] if "devices" in rows else None
+    workload = rows["workload"].iloc[0] if "workload" in rows else None
+    d = "" if devices is None or pd.isna(devices) else f" x{int(devices)}"
+    return f"{workload}: {label}{d}" if workload else f"{label}{d}"
+
+
+def _mfu_row(out: dict, conventions: dict, point: str, check, rows: pd.DataFrame) -> None:
+    """The point's row of the MFU table, from a run's `flops_check`; its MFU joins the point's mean."""
+    if not isinstance(check, dict):
+        return
+    mfu = pd.to_numeric(rows["mfu"], errors="coerce").mean() if "mfu" in rows else float("nan")
+    row = out.get(point)
+    if row is None:
+        ratio = check.get("ratio")
+        row = out[point] = {
+            "point": point,
+            "formula FLOP/sample": check.get("formula_train_flops_per_sample"),
+            "counted FLOP/sample": check.get("counted_train_flops_per_sample"),
+            "counted/formula": ratio,
+            "MFU (formula)": None,
+            "MFU (counted)": None,
+            "warning": check.get("warning") or check.get("error") or "",
+            "_mfu": [],
+        }
+        if check.get("convention"):
+            conventions.setdefault(check["convention"], []).append(point)
+    if not math.isnan(mfu):
+        row["_mfu"].append(mfu)
+        m = sum(row["_mfu"]) / len(row["_mfu"])
+        row["MFU (formula)"] = m
+        row["MFU (counted)"] = m * row["counted/formula"] if row["counted/formula"] is not None else None
+
+
+def _memory_row(out: dict, point: str, led) -> None:
+    """The point's row of the memory-ledger table, from a run's `memory_ledger` (its first run's)."""
+    if not isinstance(led, dict) or point in out:
+        return
+    per_rank = led.get("counted_saved_bytes_per_rank") or []
+    out[point] = {
+        "point": point,
+        "predicted saved MB": None if led.get("predicted_saved_bytes") is None else led["predicted_saved_bytes"] / 1e6,
+        "counted saved MB": None if led.get("counted_saved_bytes") is None else led["counted_saved_bytes"] / 1e6,
+        "predicted/counted": led.get("ratio"),
+        "note": led.get("error") or "",
+        "counted MB per rank": " ".join(f"{b / 1e6:.3g}" for b in per_rank if b is not None),
+    }
 
 
 def write_report(
@@ -762,6 +876,7 @@ def write_report(
     for key, title in FIGURES.items():
         if skipped.get(key) is None:
             lines += [f"### {title}", "", f"![{title}](figures/{key}.png)", "", f"[SVG](figures/{key}.svg)", ""]
+            lines += breakdown_caption(study) if key == "breakdown" else []
         else:
             lines += [f"### {title}", "", f"_not drawn: {skipped.get(key)}_", ""]
     lines += which_adapter_lines(study, baseline, include_contended, noise=noise_floor(results_dir))

@@ -16,7 +16,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from ptbench.analysis.load import AnalysisError, _missing
+from ptbench.analysis.load import PROFILE_COLS, PROFILE_PARTS, AnalysisError, _missing
 from ptbench.analysis.stats import t975
 
 PHASES = ("data", "forward", "forward_backward", "backward", "optimizer")  # stacking order, bottom up
@@ -395,8 +395,24 @@ def _memory_table(study: Study) -> pd.DataFrame:
 # --- Fig 7: time breakdown ---------------------------------------------------------------------------
 def breakdown_table(data: pd.DataFrame | Study) -> pd.DataFrame:
     """Per point: mean time per step in each phase (means over ranks), and the rest of the slowest
-    rank's step time ("other": waiting on other ranks, unattributed work), in milliseconds."""
+    rank's step time ("other": waiting on other ranks, unattributed work), in milliseconds.
+
+    Points with runs profiled with trainer.profile (`split` True) are also split by what their traces
+    measured, per profiled step (means over ranks and over the point's profiled runs; each part's rule in
+    `PROFILE_PART_TEXT`, per rank in ptbench.analysis.load `_profile_fields`): `profiled_compute_ms`,
+    `profiled_exposed_comm_ms`, `profiled_bubble_ms`, `profiled_other_ms`, which add up to `profiled_step_ms`
+    (a profiled step: the profiler's overhead included, so it may exceed `step_ms`)."""
     return Study.of(data).breakdown
+
+
+PROFILE_PART_TEXT = {
+    "compute": "compute: operators running on the rank (union of aten operator intervals on CPU, kernels on CUDA)",
+    "exposed_comm": "exposed communication: collective time not covered by compute on the rank, less the part "
+    "inside the pipeline bubble",
+    "bubble": "bubble (pipelines): the stage's measured idle share of the schedule's span x its step time "
+    "(waiting for the other stages, its p2p receives included)",
+    "other": "other: the rest of the profiled step (Python between operators, work outside the operators)",
+}
 
 
 def _breakdown_table(study: Study) -> pd.DataFrame:
@@ -409,7 +425,24 @@ def _breakdown_table(study: Study) -> pd.DataFrame:
     data["step_ms"] = data["step_time_mean_s"] * 1e3
     data["other_ms"] = (data["step_ms"] - data[[f"{p}_ms" for p in phases]].fillna(0).sum(axis=1)).clip(lower=0)
     data["point"] = data["label"] + " x" + data["devices"].astype(str)
-    data.attrs["phases"] = phases
+    data["split"] = False
+    parts = []
+    prof = [c for c in PROFILE_COLS if c in r]
+    if len(prof) == len(PROFILE_COLS) and r["profile_step_s"].notna().any():
+        keys = ["workload", "label", "devices"]
+        num = r[prof].apply(pd.to_numeric, errors="coerce")
+        got = pd.concat([r[keys], num], axis=1)
+        # the point's profiled runs only (a run without a profile is left out of these means, not counted as 0)
+        g = got[got["profile_step_s"].notna()].groupby(keys, as_index=False)[prof].mean()
+        data = data.merge(g, on=keys, how="left")
+        data["split"] = data["profile_step_s"].notna()
+        data["profiled_step_ms"] = data["profile_step_s"] * 1e3
+        for p in PROFILE_PARTS:
+            data[f"profiled_{p}_ms"] = data[f"profile_{p}_s"] * 1e3
+        data = data.drop(columns=prof)
+        parts = list(PROFILE_PARTS)
+    data.attrs["phases"] = phases  # set last: a merge does not keep them
+    data.attrs["parts"] = parts
     return data
 
 

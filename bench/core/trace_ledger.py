@@ -262,7 +262,8 @@ def analyse(trace: dict, default_group: int) -> dict:
         )
 
     # compute: aten operators on CPU threads (gloo's threads excluded), non-NCCL kernels on the GPU
-    gloo_tids = {e.get("tid") for e in gloo}
+    # (gloo's send/recv run on the calling thread, the step's own: that one stays in)
+    gloo_tids = {e.get("tid") for e in gloo} - {e.get("tid") for e in events if e.get("name", "").startswith(STEP)}
     if any(e.get("cat") == "kernel" for e in events):
         comp = [
             (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
