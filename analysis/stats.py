@@ -132,7 +132,8 @@ def verdict(name_a: str, times_a, name_b: str, times_b, paired: bool | None = No
     x, y = 100 * (r.value - 1), 100 * r.half_width
     detail = f"{name_a} / {name_b} speed {r.value:.3f} [{r.lo:.3f}, {r.hi:.3f}], n={r.n}"
     if r.lo <= 1 <= r.hi or (1 - noise <= r.lo and r.hi <= 1 + noise):
-        return f"{NOT_DISTINGUISHABLE} ({detail}; noise floor ±{100 * noise:.1f} %)"
+        floor = f"noise floor ±{100 * noise:.1f} %" if noise else "no A/A noise floor measured: ptbench.sweep noise"
+        return f"{NOT_DISTINGUISHABLE} ({detail}; {floor})"
     faster, slower, x = (name_a, name_b, x) if x > 0 else (name_b, name_a, 100 * (1 / r.value - 1))
     return f"{faster} is {x:.1f} % ± {y:.1f} % faster than {slower} ({detail})"
 
