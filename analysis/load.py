@@ -332,7 +332,11 @@ def _profile_fields(prof) -> dict:
         exposed = min(max(float(r.get("exposed_comm_s") or 0.0) - bubble, 0.0), step - compute - bubble)
         for key, v in zip(PROFILE_COLS, (step, compute, exposed, bubble, step - compute - bubble - exposed)):
             sums[key] += v
-    return {k: v / len(ranks) for k, v in sums.items()}
+    n = len(ranks)
+    return {
+        "profile_step_s": sums["profile_step_s"] / n,
+        **{f"profile_{p}_s": sums[f"profile_{p}_s"] / n for p in PROFILE_PARTS},
+    }
 
 
 def _comm_fields(cv) -> dict:
