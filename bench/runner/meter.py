@@ -249,7 +249,8 @@ class Meter:
         whole = [e["epoch_time_s"] for e in epochs if not e["partial"]]
         steady = [e["epoch_time_s"] for e in epochs[1:] if not e["partial"]]  # epoch 0 holds the warm-up
         leaked = sum(e["compile"]["timed_step_frames"] for e in epochs if e.get("compile"))
-        flops_check = self._flops_check()
+        # rank 0 alone writes the summary: the others skip the count (a whole-model pass on the meta device)
+        flops_check = self._flops_check() if self.ctx.rank == 0 else {}
         summary = {
             "status": status,
             "checkpoint": checkpoint,
