@@ -302,3 +302,17 @@ def test_reserve_lets_the_final_status_in_on_a_full_disk(small_fs):
     s = summary(writer.dir)
     assert s["status"] == "failed" and "No space left" in s["error"]
     assert not (writer.dir / ".space-reserve").exists()
+
+
+def test_a_final_status_already_written_keeps_its_word_and_loses_the_reserve(tmp_path):
+    """Rank 0 wrote `interrupted` and was ended (a second Ctrl-C) before it released the reserve: the launcher's
+    own `fail` keeps rank 0's outcome and still removes the reserve (seen once in CI as a leftover file)."""
+    ident = {"point": "p", "adapter": "ddp", "workload": "w", "world_size": 2}
+    rank0 = RunWriter(tmp_path / "run-1", ident)
+    rank0.start("a: 1\n")
+    rank0.record.write_summary({**rank0.identity, "status": "interrupted", "error": "interrupted (Ctrl-C, SIGINT)"})
+    assert (rank0.dir / ".space-reserve").exists()
+    RunWriter(tmp_path / "run-1", ident).fail("interrupted", "interrupted twice (SIGINT)", stop_signal="SIGINT")
+    s = summary(rank0.dir)
+    assert s["status"] == "interrupted" and s["error"] == "interrupted (Ctrl-C, SIGINT)", s
+    assert not (rank0.dir / ".space-reserve").exists()

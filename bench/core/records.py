@@ -267,6 +267,8 @@ class RunWriter:
         """A failed outcome; the first word wins: an outcome already written (by rank 0) is kept."""
         current = self.record.summary() or {}
         if current.get("status") not in (None, "running"):
+            # final already (rank 0 wrote it, then was ended before it released the reserve: a second Ctrl-C)
+            self.record.release()
             return
         current.pop("owner", None)  # a running record's writer: this one, now final
         self.record.write_summary(
