@@ -16,6 +16,7 @@ head weight: the head gets its own copy whose gradient is summed with the embedd
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,7 @@ from ptbench.adapters.base import Adapter, Batch, load_rank0_state, save_rank0_s
 from ptbench.core.config import BenchConfig
 from ptbench.core.errors import ConfigError
 from ptbench.core.layout import CostInputs, Layout
+from ptbench.core.memory_model import SavedTensorLedger
 from ptbench.core.optim import build_optimizer, optimizer_step
 from ptbench.core.precision import AutocastModule, grad_scaler
 from ptbench.core.timing import PhaseTimer
@@ -144,6 +146,7 @@ class GPipeAdapter(Adapter):
             # does not reach: each partition enters it itself (also when checkpointing recomputes it)
             for j, part in enumerate(self.model.partitions):
                 self.model.partitions[j] = AutocastModule(part, precision, self._devices[j])
+        count_partitions(self.model)  # the memory ledger counts each partition on its worker thread
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optimizer)
         self.scaler = grad_scaler(precision, self.device)
         copies = P.tied_copies(self.ties)
@@ -173,7 +176,8 @@ class GPipeAdapter(Adapter):
         for x, y in micro_batches:  # trainer.grad_accum mini-batches, each pipelined in `chunks` micro-batches
             with timer.phase("forward"):
                 out = self.model(x.to(self._devices[0]))
-                loss = self.workload.loss(out, y.to(out.device)) / n
+                with _counting(len(self.balance) - 1):  # the loss sits on the last partition's device
+                    loss = self.workload.loss(out, y.to(out.device)) / n
                 self._sync()
             with timer.phase("backward"):
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -242,7 +246,7 @@ class _LayerState:
     """The GPipe module's state keyed by layer name, without the partition index: independent of the balance."""
 
     def __init__(self, model):
-        self.parts = [getattr(p, "module", p) for p in model.partitions]  # AutocastModule wraps a partition
+        self.parts = [_unwrapped(p) for p in model.partitions]
 
     def state_dict(self) -> dict:
         out = {}
@@ -259,6 +263,39 @@ class _LayerState:
             )
         for part in self.parts:
             part.load_state_dict({k: state[k] for k in part.state_dict()})
+
+
+class _Counted(nn.Module):
+    """A partition that, in the memory ledger's counted step, counts for itself what autograd saves in its
+    forward, which torchgpipe runs on a worker thread where the step's saved-tensor hooks (per thread) do not
+    reach, and in its recomputation in backward; the input it received counts for it when torchgpipe's
+    Recompute node keeps it from the main thread (SavedTensorLedger.partition). Outside that step: a call."""
+
+    def __init__(self, module: nn.Module, index: int):
+        super().__init__()
+        self.module, self.index = module, index
+
+    def forward(self, x):
+        with _counting(self.index, x):
+            return self.module(x)
+
+
+def count_partitions(model) -> None:
+    """Wrap each partition of a torchgpipe GPipe in _Counted, in place (what `setup` does)."""
+    for j, part in enumerate(model.partitions):
+        model.partitions[j] = _Counted(part, j)
+
+
+def _counting(index: int, inputs=()):
+    ledger = SavedTensorLedger.active()
+    return ledger.partition(index, inputs) if ledger is not None else contextlib.nullcontext()
+
+
+def _unwrapped(part: nn.Module) -> nn.Module:
+    """The partition's layers without _Counted / AutocastModule around them."""
+    while isinstance(part, (_Counted, AutocastModule)):
+        part = part.module
+    return part
 
 
 class _OptimizerView:

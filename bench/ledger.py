@@ -1,9 +1,10 @@
 """`python -m ptbench.ledger`: the communication ledger and the pipeline bubble, measured from traces.
 
 Runs, at 2 ranks on CPU (tiny GPT-2, a few steps, `trainer.profile` over the last steps): ddp, zero
-stages 1-3, fsdp, megatron TP=2, a 2-stage torch pipeline and megatron PP=2, and prints per collective
-kind the bytes by the corrected formula (bench/core/comm_volume.py `corrected`) beside the bytes measured from the traces'
-c10d operators (goal: within 2 %), the measured time and the exposed (non-overlapped) communication.
+stages 1-3, fsdp, megatron TP=2 (without and with adapter.sequence_parallel), a 2-stage torch pipeline and
+megatron PP=2, and prints per collective kind the bytes by the corrected formula (bench/core/comm_volume.py
+`corrected`) beside the bytes measured from the traces' c10d operators (goal: within 2 %), the measured time
+and the exposed (non-overlapped) communication.
 Then the pipeline bubble of torch's GPipe and 1F1B schedules at 2 and 4 stages and m = 4, 8 micro-batches
 beside the theory (p-1)/(m+p-1) (goal: within 20 %).
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +43,7 @@ LEDGER_RUNS = {
     "zero3": ["adapter=zero", "adapter.stage=3"],
     "fsdp": ["adapter=fsdp"],
     "megatron_tp2": ["adapter=megatron", "adapter.tensor_parallel=2"],
+    "megatron-sp": ["adapter=megatron", "adapter.tensor_parallel=2", "adapter.sequence_parallel=true"],
     # the pipeline's trainer.batch_size is its global batch: 8 = its default 4 x 2 micro-batches of 1
     "pipeline_pp2": ["adapter=pipeline", "adapter.schedule=1f1b", "trainer.batch_size=8"],
     "megatron_pp2": ["adapter=megatron", "adapter.pipeline_parallel=2", "trainer.batch_size=8"],
@@ -88,15 +91,19 @@ def bubble_runs(root: Path, timeout: float = 600) -> list[dict]:
                         *BASE,
                         # equal stages, as the theory assumes: 10 sequential layers (embedding, 8 blocks, head),
                         # a small vocabulary so that the head costs about nothing, the embedding and the head with
-                        # the end stages' blocks
+                        # the end stages' blocks. Items heavy enough (512 wide, 64 tokens, 4 sequences per
+                        # micro-batch: ~0.1-0.2 s each on one CPU core) that the schedule's Python (~1-3 ms per
+                        # item) and the p2p copies are small beside them, as they are beside a GPU's kernels
                         "workload.n_layer=8",
                         "workload.vocab_size=256",
+                        "workload.n_embd=512",
+                        "workload.seq_len=64",
                         "adapter.balance=[3,2,2,3]" if p == 4 else "adapter.balance=[5,5]",
                         "adapter=pipeline",
                         f"adapter.schedule={schedule}",
                         f"adapter.microbatches={m}",
                         f"launcher.nprocs={p}",
-                        f"trainer.batch_size={2 * m}",
+                        f"trainer.batch_size={4 * m}",
                         "trainer.max_steps=5",
                         "trainer.profile=2:3",
                     ],
@@ -148,6 +155,7 @@ def print_bubble(rows: list[dict]) -> None:
         f"{'stages':>6} {'schedule':8} {'m':>3} {'theory':>7} {'wall':>7} {'ratio':>6} {'replayed':>8} {'ratio':>6}"
         "  replayed per stage"
     )
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     for r in rows:
         if "error" in r:
             print(f"{r['stages']:6} {r['schedule']:8} {r['m']:3} error: {r['error']}")
@@ -158,6 +166,13 @@ def print_bubble(rows: list[dict]) -> None:
             f"{r['stages']:6} {r['schedule']:8} {r['m']:3} {r['theory']:7.3f} {r['mean']:7.3f} {r['ratio']:6.2f} "
             f"{'-' if rm is None else f'{rm:.3f}':>8} {'-' if rr is None else f'{rr:.2f}':>6}  "
             + " ".join(f"{v:.3f}" for v in rp)
+            + ("  (wall: more stages than CPUs)" if r["stages"] > cpus else "")
+        )
+    if any("error" not in r and r["stages"] > cpus for r in rows):
+        print(
+            f"  wall with more stages than CPUs ({cpus} here): the stages take turns on the cores, which stretches "
+            "their work and their idle time alike; the theory assumes a device per stage, which only the replayed "
+            "figure (an estimate) models"
         )
 
 

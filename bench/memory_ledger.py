@@ -8,8 +8,13 @@ Runs `python -m ptbench` once per point (2 ranks on this machine, a few steps, f
 what autograd saves in the last untimed step on every rank (the second here) (bench/core/memory_model.py,
 `SavedTensorLedger`: saved-tensor hooks, each storage once, parameters and buffers excluded, the most
 bytes alive at once) and records it beside the memory model's prediction for the busiest rank in the
-summary's `memory_ledger`. The table prints both and their ratio. gpipe drives its partitions from one
-process on worker threads, which thread-local saved-tensor hooks do not see: it is not counted.
+summary's `memory_ledger`. The table prints both and their ratio. gpipe (torchgpipe, one process driving 2
+partitions, 4 micro-batches, its default checkpointing except_last) is counted per partition, as each is
+one device on a cluster: the partition modules count their forward (on torchgpipe's worker threads, which
+the step's thread-local hooks do not reach) and their recomputation in backward for themselves
+(`SavedTensorLedger.partition`, adapters/gpipe.py), the loss for the last; the table lists the partitions
+where it lists ranks. It runs with the even split by layer count (`adapter.balance`), the one the plan
+predicts for (torchgpipe's balance_by_time splits by time measured in the run).
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ COMMON = [
     "trainer.batch_size=8",
 ]
 EXTRA = {"gpt2_tiny": ["workload.vocab_size=1024"]}
+# gpipe: the even split by layer count (the memory model's); torchgpipe's default balance_by_time splits by time
+# measured in the run, which the plan cannot know
+GPIPE_BALANCE = {"gpt2_tiny": "[2,2]", "resnet50_tiny": "[12,11]", "vgg16_tiny": "[20,20]"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         for a in args.adapters:
             if a in LANGUAGE_ONLY and not w.startswith("gpt2"):
                 continue
+            balance = [f"adapter.balance={GPIPE_BALANCE[w]}"] if a == "gpipe" else []
             run = run_bench(
-                [*COMMON, f"workload={w}", *EXTRA.get(w, []), *ADAPTERS[a]]
+                [*COMMON, f"workload={w}", *EXTRA.get(w, []), *ADAPTERS[a], *balance]
                 + ([] if any(o.startswith("launcher.nprocs=") for o in ADAPTERS[a]) else ["launcher.nprocs=2"]),
                 root=root,
                 experiment="memory_ledger",
@@ -68,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_name=(a, w, 2),
             )
             led = run.summary.get("memory_ledger") if run.status == "ok" else None
-            if led and led.get("error"):  # gpipe: stated, not a failure
+            if led and led.get("error"):  # stated, not a failure
                 print(f"{a:<16} {w:<14} {'-':>14} {'-':>28} {'-':>7}  {led['error']}")
                 continue
             if not led or led.get("ratio") is None:

@@ -23,6 +23,10 @@ CASES = {
     "zero3": (["adapter=zero", "adapter.stage=3"], "stage3_max_reuse_distance"),
     "fsdp": (["adapter=fsdp"], "reshard_after_forward=False"),
     "megatron_tp2": (["adapter=megatron", "adapter.tensor_parallel=2"], "vocab-parallel cross-entropy"),
+    "megatron-sp": (
+        ["adapter=megatron", "adapter.tensor_parallel=2", "adapter.sequence_parallel=true"],
+        "adapter.sequence_parallel=true",
+    ),
     "pipeline_pp2": (["adapter=pipeline", "adapter.schedule=gpipe", "trainer.batch_size=8"], "TiedPair"),
     "megatron_pp2": (["adapter=megatron", "adapter.pipeline_parallel=2", "trainer.batch_size=8"], "embedding group"),
 }
@@ -79,6 +83,35 @@ def test_corrections_change_what_the_frameworks_change():
     c = corrected(tp, _cost("adapter=megatron", "adapter.sequence_parallel=false"), WL)
     act = 4 * 32 * 128 * 4
     assert c["total_bytes"] - tp["total_bytes"] == pytest.approx(2 * act + 3 * 4 * 32 * 4)
+
+
+def test_sequence_parallel_formula_and_megatron_corrections():
+    """[SP] (Korthikanti et al. 2022, 4.2.2): each layer's 4 all-reduces become 4 all-gathers + 4 reduce-scatters,
+    the same bytes; megatron-core adds the backward re-gathers, the embedding / output layer / loss collectives
+    and the all-reduce of the sequence-parallel LayerNorm and bias gradients. t=2, L=2, h=128, s=32, b=4, m=1."""
+    kw = dict(params=1_000_000, world_size=2, tp=2, layers=2, hidden=128, seq_len=32, micro_batch=4)
+    act = 4 * 32 * 128 * 4  # b*s*h*B
+    plain = volume("none", **kw)
+    sp = volume("none", sequence_parallel=True, **kw)
+    assert set(sp["bytes"]) == {"tp_activation_all_gather", "tp_activation_reduce_scatter"}
+    assert sp["bytes"]["tp_activation_all_gather"] == sp["bytes"]["tp_activation_reduce_scatter"] == 8 * act / 2
+    assert sp["total"] == pytest.approx(plain["total"])
+    # stage sends carry the sequence shard
+    pp = volume("none", sequence_parallel=True, **{**kw, "world_size": 4, "pp": 2})
+    assert pp["bytes"]["pp_activation_send"] == act / 2
+    with pytest.raises(ValueError, match="sequence_parallel needs tp > 1"):
+        volume("none", sequence_parallel=True, **{**kw, "tp": 1})
+
+    c = corrected(
+        record_fields(sp), _cost("adapter=megatron", "adapter.tensor_parallel=2", "adapter.sequence_parallel=true"), WL
+    )
+    # all-gathers: [SP] 4 a layer, megatron's 2 backward re-gathers a layer, 3 of the embedding and output layer
+    assert c["by_op"]["all_gather"] == pytest.approx((8 + 4 + 3) * act / 2)
+    # reduce-scatters: [SP] 4 a layer, the output layer's input gradient
+    assert c["by_op"]["reduce_scatter"] == pytest.approx((8 + 1) * act / 2)
+    norms = 2 * (2 * 2 * 128 + 2 * 128) + 2 * 128  # 2 layers x (2 LayerNorms + 2 row-parallel biases) + final norm
+    assert c["by_op"]["all_reduce"] == pytest.approx(act + 3 * 4 * 32 * 4 + norms * 4)
+    assert len(c["differences"]) == 3 and all("adapter.sequence_parallel=true" in d for d in c["differences"])
 
 
 def test_interval_arithmetic():

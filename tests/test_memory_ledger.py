@@ -74,17 +74,22 @@ def test_zero3_keeps_everything_gathered_at_small_scale_and_not_beyond():
     assert p["params"] == 4 * small["partition"] and p["transient"] == 4 * 5_000_000
 
 
+GPIPE = ["adapter=gpipe", "adapter.pipeline_parallel=2", "adapter.microbatches=4", "launcher.nprocs=1"]
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["workload=gpt2_tiny", "workload.vocab_size=1024", "adapter=ddp"],
-        ["workload=resnet50_tiny", "adapter=pipeline", "adapter.microbatches=4"],
+        ["workload=gpt2_tiny", "workload.vocab_size=1024", "adapter=ddp", "launcher.nprocs=2"],
+        ["workload=resnet50_tiny", "adapter=pipeline", "adapter.microbatches=4", "launcher.nprocs=2"],
+        # torchgpipe, checkpointing except_last (its default): 2 partitions counted on their worker thread
+        ["workload=gpt2_tiny", "workload.vocab_size=1024", *GPIPE, "adapter.balance=[2,2]"],
+        ["workload=resnet50_tiny", *GPIPE, "adapter.balance=[12,11]"],
     ],
 )
 def test_run_records_predicted_within_10_percent_of_counted(tmp_path, overrides):
     proc = bench(
         "experiment=smoke",
-        "launcher.nprocs=2",
         "trainer.max_steps=3",
         "trainer.untimed_steps=2",
         "trainer.batch_size=8",
@@ -96,6 +101,51 @@ def test_run_records_predicted_within_10_percent_of_counted(tmp_path, overrides)
     led = summary(only_run(tmp_path))["memory_ledger"]
     assert len(led["counted_saved_bytes_per_rank"]) == 2 and min(led["counted_saved_bytes_per_rank"]) > 0
     assert led["ratio"] == pytest.approx(1.0, abs=0.10), led
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "first", "expected"),
+    [
+        # b = 2 rows per micro-batch, m = 4, fp32. Partition 0 saves each micro-batch's input x (64 B) and ReLU
+        # output (128 B); partition 1's Linear saves its input, that ReLU output: a storage partition 0 saves too,
+        # counted for each (on a cluster each device keeps its own copy).
+        ("never", "linear", [4 * (64 + 128), 4 * 128]),
+        # checkpointed: each micro-batch's partition input kept (torchgpipe's Checkpoint and Recompute nodes) and
+        # one micro-batch recomputed at a time in backward; except_last's last micro-batch, kept whole, is freed
+        # before the first recomputation, so both modes peak at m inputs + one ReLU output on partition 0
+        ("except_last", "linear", [4 * 64 + 128, 4 * 128]),
+        ("always", "linear", [4 * 64 + 128, 4 * 128]),
+        # integer input (token ids, an Embedding first: indices 16 B, its output 64 B): the ids cannot carry
+        # torchgpipe's micro-batch ordering into backward, and two micro-batches are recomputed at once
+        ("never", "embedding", [4 * (16 + 64 + 128), 4 * 128]),
+        ("always", "embedding", [2 * 16 + 2 * (16 + 64 + 128), 4 * 128]),
+    ],
+)
+def test_gpipe_partitions_count_what_their_worker_threads_save(checkpoint, first, expected):
+    """A real torchgpipe GPipe on CPU (2 partitions, 4 micro-batches): its worker thread runs the partitions,
+    where the ledger's hooks on this thread do not reach; the adapter's wrapping counts each partition."""
+    pytest.importorskip("torchgpipe")
+    from torchgpipe import GPipe
+
+    from ptbench.adapters.gpipe import count_partitions
+
+    def step(wrap: bool) -> SavedTensorLedger:
+        torch.manual_seed(0)
+        layers = [nn.Embedding(10, 8)] if first == "embedding" else []
+        model = nn.Sequential(*layers, nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        gpipe = GPipe(model, balance=[len(model) - 1, 1], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint)
+        if wrap:
+            count_partitions(gpipe)
+        x = torch.randint(0, 10, (8,)) if first == "embedding" else torch.randn(8, 8)
+        with SavedTensorLedger([gpipe]) as led:
+            gpipe(x).sum().backward()
+        return led
+
+    led = step(wrap=True)
+    assert led.result()["per_partition"] == expected
+    assert led.current == 0 and all(alive == 0 for alive, _ in led.parts.values())  # all freed by backward
+    if checkpoint == "never":  # without the partitions' counting the step's hooks see nothing of the forward
+        assert step(wrap=False).result() == {"peak_bytes": 0, "total_bytes": 0, "tensors": 0}
 
 
 def test_harness_loss_saves_one_softmax_and_matches_cross_entropy():

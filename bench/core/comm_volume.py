@@ -31,6 +31,12 @@ Sources:
   Training on GPU Clusters Using Megatron-LM", SC 2021, Section 3.2 for the pipeline p2p message
   (b x s x h per micro-batch between consecutive stages, forward activation and backward gradient)
   and the t x p x d decomposition.
+- [SP] Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022,
+  Section 4.2.2 / Figure 5: with sequence parallelism each layer's all-reduce g becomes a reduce-scatter
+  (after the row-parallel linear) and its f an all-gather (before the column-parallel linear), and the
+  reverse in backward: per layer 2 all-gathers + 2 reduce-scatters forward and 2 + 2 backward on b x s x h,
+  the same bytes as the 4 all-reduces (an all-reduce is a reduce-scatter plus an all-gather). Stage-to-stage
+  sends carry the sequence shard, b x s/t x h (megatron-core pipeline_parallel/schedules.py:1965).
 - [nccl-tests] doc/PERFORMANCE.md for the ring factors above.
 
 Not modelled (the numbers are lower bounds of the traffic): embedding / vocab-parallel
@@ -111,7 +117,7 @@ def _phase(name: str, grad_sync_phase: str, step_phase: str | None) -> str:
         return "optimizer"  # ZeRO-1/2 gather the updated parameters in engine.step
     if name == "dp_param_all_gather_fwd":
         return "forward"
-    if name in ("tp_activation_all_reduce",):
+    if name in ("tp_activation_all_reduce", "tp_activation_all_gather", "tp_activation_reduce_scatter"):
         return "forward,backward"
     if name == "pp_activation_send":
         return "forward"
@@ -137,6 +143,7 @@ def volume(
     activation_bytes_per_elem: int | None = None,
     grad_sync_phase: str = "backward",
     step_phase: str | None = None,
+    sequence_parallel: bool = False,
     label: str | None = None,
 ) -> dict:
     """Per-rank communication bytes of one optimizer step.
@@ -159,6 +166,8 @@ def volume(
                   activation_bytes_per_elem: the b x s x h activation (bf16 under autocast). Both
                   default to bytes_per_elem.
     grad_sync_phase, step_phase: the timed phases the collectives run in (see `_phase`).
+    sequence_parallel: tp > 1 with the sequence split over the tensor-parallel ranks ([SP]): each layer's
+                  activation all-reduces become all-gathers + reduce-scatters, stage sends b x s/t x h.
     label: what the run is called (the adapter's name; only recorded).
 
     Returns {adapter (the label), sharding, world_size, dp, tp, pp, bytes_per_elem, params_per_rank,
@@ -193,6 +202,8 @@ def volume(
         raise ValueError("tp > 1 or pp > 1 needs hidden, seq_len and micro_batch (the b x s x h activation)")
     if tp > 1 and not layers:
         raise ValueError("tp > 1 needs layers (4 all-reduces per transformer layer)")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks)")
 
     B = bytes_per_elem
     Bg = bytes_per_elem if grad_bytes_per_elem is None else grad_bytes_per_elem
@@ -247,28 +258,48 @@ def volume(
     if tp > 1:
         layers_rank = math.ceil(layers / pp)  # layers on the busiest pipeline stage
         calls = 4 * layers_rank * microbatches
-        # [Megatron] Sec. 3, Fig. 4: 2 all-reduces forward + 2 backward per layer on b*s*h,
-        # each 2(t-1)/t * b*s*h*B per rank ([nccl-tests] ring all-reduce factor)
-        add(
-            "tp_activation_all_reduce",
-            "all_reduce",
-            "tp",
-            tp,
-            act,
-            calls,
-            calls * ring_factor("all_reduce", tp) * act,
-            "4 * ceil(L/p) * m * 2(t-1)/t * b*s*h * B",
-            Ba,
-        )
+        if sequence_parallel:
+            # [SP] Sec. 4.2.2: per layer 2 all-gathers (before the column-parallel linears) + 2 reduce-scatters
+            # (after the row-parallel linears) forward, the conjugates backward: 4 + 4 on the full b*s*h,
+            # each (t-1)/t * b*s*h*B per rank
+            for op in ("all_gather", "reduce_scatter"):
+                add(
+                    f"tp_activation_{op}",
+                    op,
+                    "tp",
+                    tp,
+                    act,
+                    calls,
+                    calls * ring_factor(op, tp) * act,
+                    "4 * ceil(L/p) * m * (t-1)/t * b*s*h * B",
+                    Ba,
+                )
+        else:
+            # [Megatron] Sec. 3, Fig. 4: 2 all-reduces forward + 2 backward per layer on b*s*h,
+            # each 2(t-1)/t * b*s*h*B per rank ([nccl-tests] ring all-reduce factor)
+            add(
+                "tp_activation_all_reduce",
+                "all_reduce",
+                "tp",
+                tp,
+                act,
+                calls,
+                calls * ring_factor("all_reduce", tp) * act,
+                "4 * ceil(L/p) * m * 2(t-1)/t * b*s*h * B",
+                Ba,
+            )
 
     # --- pipeline: per micro-batch, point to point between consecutive stages -------------------
     if pp > 1:
         # [Megatron] (Narayanan et al. 2021, Sec. 3.2): per micro-batch a stage sends its output
         # activation (b*s*h) forward and the input gradient (b*s*h) backward. Reported for the
         # busiest stage: an inner stage sends both (p > 2); with p = 2 each stage sends one of them.
-        add("pp_activation_send", "send_recv", "pp", pp, act, microbatches, microbatches * act, "m * b*s*h * B", Ba)
+        # [SP]: with sequence parallelism each tensor-parallel rank sends its sequence shard, b*s/t*h.
+        send = act / tp if sequence_parallel else act
+        f = "m * b*s/t*h * B" if sequence_parallel else "m * b*s*h * B"
+        add("pp_activation_send", "send_recv", "pp", pp, send, microbatches, microbatches * send, f, Ba)
         if pp > 2:
-            add("pp_gradient_send", "send_recv", "pp", pp, act, microbatches, microbatches * act, "m * b*s*h * B", Ba)
+            add("pp_gradient_send", "send_recv", "pp", pp, send, microbatches, microbatches * send, f, Ba)
 
     per = {it["name"]: it["bytes"] for it in items}
     return dict(
@@ -323,6 +354,7 @@ def volume_run(cfg, plan, build_model) -> dict:
         reshard_after_forward=cost.reshard_after_forward,
         grad_sync_phase=cost.grad_sync_phase,
         step_phase=cost.step_phase,
+        sequence_parallel=bool(cost.sequence_parallel and layout.tp > 1),
         label=cfg.adapter.name,
     )
     vision = cfg.workload.kind != "language"
@@ -387,6 +419,86 @@ def record_fields(vol: dict, backend: str | None = None) -> dict:
 
 
 # --- what the frameworks really move (measured: python -m ptbench.ledger) ------------------------------
+# megatron-core 0.16.1 source, paths under megatron/core/ (the installed version; what the SP lines cite)
+_MCORE_SP = "megatron-core, adapter.sequence_parallel=true"
+
+
+def _megatron_sequence_parallel(sp_item: dict, fields: dict, workload, diffs: list[str]) -> list[dict]:
+    """Megatron-core's sequence-parallel traffic beside [SP]'s per-layer all-gathers and reduce-scatters
+    (`sp_item`: the formula's tp_activation_all_gather): the backward re-gather of the column-parallel
+    linears' input, the embedding / output layer / loss collectives, and the all-reduce of the gradients
+    of the parameters marked `sequence_parallel`. Appends one line per difference to `diffs`."""
+    n, act, b = sp_item["group_size"], sp_item["message_bytes"], sp_item["bytes_per_elem"]
+    h = workload.n_embd
+    layers_rank = math.ceil(workload.n_layer / max(1, fields.get("pp", 1)))
+    m = sp_item["calls"] / (4 * layers_rank)
+    bs = act / (h * b)  # b x s
+    ar, g = ring_factor("all_reduce", n), ring_factor("all_gather", n)
+
+    def item(name, op, message, calls, factor, formula, phase, elem):
+        return _item(name, op, "tp", n, message, calls, calls * factor * message, formula, phase, elem)
+
+    regather = 2 * layers_rank * m
+    # the first stage holds the embedding, the last the output layer, the loss and the final norm; with p = 1
+    # one rank all of them
+    sp_param_elems = layers_rank * 6 * h + 2 * h
+    out = [
+        item(
+            "tp_backward_input_all_gather",
+            "all_gather",
+            act,
+            regather,
+            g,
+            "2 * ceil(L/p) * m * (t-1)/t * b*s*h * B",
+            "backward",
+            b,
+        ),
+        item("tp_embedding_output_all_reduce", "all_reduce", act, m, ar, "m * 2(t-1)/t * b*s*h * B", "forward", b),
+        item(
+            "tp_embedding_output_layer_all_gather",
+            "all_gather",
+            act,
+            3 * m,
+            g,
+            "3 * m * (t-1)/t * b*s*h * B",
+            "forward,backward",
+            b,
+        ),
+        item("tp_output_layer_reduce_scatter", "reduce_scatter", act, m, g, "m * (t-1)/t * b*s*h * B", "backward", b),
+        item(
+            "tp_cross_entropy_all_reduce", "all_reduce", bs * 4, 3 * m, ar, "3 * m * 2(t-1)/t * b*s * 4", "forward", 4
+        ),
+        item(
+            "tp_sequence_parallel_grad_all_reduce",
+            "all_reduce",
+            sp_param_elems * 4,
+            1,
+            ar,
+            "2(t-1)/t * (6h * ceil(L/p) + 2h) * 4",
+            "backward",
+            4,
+        ),
+    ]
+    diffs += [
+        f"{_MCORE_SP}: the column-parallel linears (QKV, fc1) all-gather their sequence-shard input again in "
+        "backward for the weight gradient instead of keeping the gathered input (tensor_parallel/layers.py:522): "
+        "2 more b*s*h all-gathers per layer and micro-batch, 6 instead of the paper's 4",
+        f"{_MCORE_SP}: the vocab-parallel embedding still all-reduces its output (learned positions turn "
+        "reduce_scatter_embeddings off, models/common/embeddings/language_model_embedding.py:48) and scatters it "
+        "to the sequence shards (no bytes forward, an all-gather of its gradient backward, "
+        "tensor_parallel/mappings.py:293); the column-parallel output layer all-gathers the final norm's output "
+        "forward and again backward and reduce-scatters its input gradient (tensor_parallel/layers.py:483, 522, "
+        "555); per micro-batch 1 b*s*h all-reduce, 3 all-gathers, 1 reduce-scatter, and the vocab-parallel "
+        "cross-entropy's 3 fp32 b*s all-reduces",
+        f"{_MCORE_SP}: finalize_model_grads all-reduces over the TP group, once per step in one flattened fp32 "
+        "tensor, the gradients of the parameters marked sequence_parallel: the LayerNorms (2 per layer, the "
+        "final one) and the row-parallel linears' biases, added after the reduce-scatter "
+        "(tensor_parallel/layers.py:1228; distributed/finalize_model_grads.py:354, 376): "
+        f"(6h * ceil(L/p) + 2h) = {sp_param_elems} elements",
+    ]
+    return out
+
+
 def corrected(fields: dict, cost, workload, root_params: int | None = None) -> dict:
     """`record_fields(...)` with the papers' formulas corrected where the framework moves other bytes, each
     difference stated with the framework setting that causes it (`differences`, one line each). `cost`: the
@@ -463,6 +575,9 @@ def corrected(fields: dict, cost, workload, root_params: int | None = None) -> d
                 "the vocab-parallel cross-entropy (parallel_output) all-reduces 3 fp32 b*s tensors (max logit, target "
                 "logit, sum of exp) per micro-batch"
             )
+        sp_item = next((it for it in items if it["name"] == "tp_activation_all_gather"), None)
+        if sp_item is not None and cost.sequence_parallel:
+            items += _megatron_sequence_parallel(sp_item, fields, workload, diffs)
     if cost.root_unit_gathered and root_params and cost.reshard_after_forward:
         for it in items:
             if it["name"] == "dp_param_all_gather_bwd":

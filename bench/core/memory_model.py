@@ -65,7 +65,15 @@ accumulation frees each micro-batch before the next); 1F1B (torch pipelining 1f1
 Megatron) the first stage keeps min(p, m) micro-batches of ceil(L/p) layers (interleaving adds
 (p-1)/(p v) more: not modelled); the GPipe schedule keeps all m; torchgpipe with checkpointing keeps
 each micro-batch's stage input (s b h) and recomputes one micro-batch's layers at a time
-(`recompute=always`: m inputs + 1 micro-batch; `except_last`: m inputs + 2; `never`: m).
+(`recompute=always`: m inputs + 1 micro-batch; `except_last`: m inputs + 2; `never`: m). The harness
+GPT-2 and vision pipelines under torchgpipe use the counted stage instead, and what autograd really keeps
+(counted per partition, `python -m ptbench.memory_ledger`): `always` and `except_last` both peak at m stage
+inputs + 1 micro-batch's stage without its input (the last micro-batch, whole under except_last, is freed
+before the first recomputation); on the first stage of GPT-2, whose input is integer token ids that cannot
+carry torchgpipe's micro-batch ordering into backward, 2 micro-batches are recomputed at once; the loss's
+softmax (GPT-2's last stage, the whole mini-batch) is freed before any recomputation, so there the peak is
+the larger of the forward's end (inputs + the loss, + the last micro-batch under except_last) and inputs +
+1 recomputed micro-batch.
 
 Activations, the harness GPT-2 (DDP, ZeRO, FSDP, torch pipelines: the model of workloads/gpt2.py without
 tensor parallelism): counted instead of [Korthikanti] (`gpt2_saved_elements`): one block's saved tensors
@@ -274,6 +282,7 @@ def predict(
     image_size: int = 0,
     activation_elements_per_sample: float | None = None,
     stage_activation_elements: list[float] | None = None,
+    stage_input_elements: list[float] | None = None,
     layer_saved_elements: dict | None = None,
     shapes: list | None = None,
     rank: int | None = None,
@@ -301,6 +310,8 @@ def predict(
         (activation_elements_per_sample, from `activation_elements`; image_size is informational).
     stage_activation_elements: vision pipelines, what each stage saves per sample (fp32 elements, from
         `stage_activation_elements`); else each stage is taken to save 1/p of the model's.
+        stage_input_elements: with them, each stage's input per sample (`stage_input_elements`), what
+        torchgpipe's checkpointing (schedule gpipe, recompute always | except_last) keeps of a micro-batch.
     layer_saved_elements: language, what the harness GPT-2 saves per sample ({"layer", "embed", "head"}, fp32
         elements, from `gpt2_saved_elements`) used instead of [Korthikanti] where the run trains that model
         without tensor parallelism (the counted implementation, not the paper's).
@@ -315,8 +326,11 @@ def predict(
         `gpt2_replicated_under_tp`, when the dimensions are given; 0 for vision).
     largest_unit_params: the largest group of parameters zero3 / fsdp gather at once.
     fusion_buffer_bytes: a gradient fusion buffer of up to that size (Horovod's threshold).
-    offload_optimizer / offload_params (ZeRO-Offload, zero1-3 / zero3): the optimizer state and fp32 master
-        partition / the parameter partition live in host memory: not on the device (0 bytes here).
+    offload_optimizer / offload_params (ZeRO-Offload, zero1-3 / zero3): the optimizer state, fp32 master and
+        gradient partitions / the parameter partition live in host memory: not on the device (0 bytes here;
+        DeepSpeed 0.19 puts the gradient partition on `self.device` = cpu: stage_1_and_2.py:278, :2161-2177
+        (stage 1-2 copy each gradient into the fp32 CPU partition, no device grads_in_partition);
+        stage3.py:333, :790-792 (grad_partitions_flat_buffer)).
     zero3_settings: DeepSpeed stage 3's own rules ({param_persistence_threshold, max_live_parameters,
         max_reuse_distance, prefetch_bucket_size}, elements; see `zero3_gathered`); None: the plain partition
         with the largest unit gathered.
@@ -420,13 +434,20 @@ def predict(
                 # stage i keeps m micro-batches (GPipe schedule) or min(p - i, m) (1F1B): the most any stage saves
                 alive_i = [microbatches if schedule == "gpipe" else min(pp - i, microbatches) for i in range(pp)]
                 per_stage = [e * act_b * b * a for e, a in zip(stage_activation_elements, alive_i)]
+                checkpointed = schedule == "gpipe" and recompute != "never" and microbatches > 1
+                ins = stage_input_elements if checkpointed else None
+                if ins:  # torchgpipe checkpointing: m stage inputs + one micro-batch's stage at once (see module doc)
+                    per_stage = [(microbatches * i + e - i) * act_b * b for e, i in zip(stage_activation_elements, ins)]
                 top = max(range(pp), key=lambda i: per_stage[i])
                 total = per_stage[top]
+                alive_top = f"{alive_i[top]} micro-batch(es) alive ({schedule})"
+                if ins:
+                    alive_top = f"(1 micro-batch + {microbatches - 1} x {ins[top]:,.0f} stage input) ({recompute})"
                 return (
                     total,
                     (
                         f"stage {top}: {stage_activation_elements[top]:,.0f} elem/sample (counted per stage) x {act_b} B "
-                        f"x b={b} x {alive_i[top]} micro-batch(es) alive ({schedule}); the most of any stage"
+                        f"x b={b} x {alive_top}; the most of any stage"
                     ),
                     total,
                 )
@@ -437,7 +458,7 @@ def predict(
                 notes.append("vision pipeline activations assume each stage holds 1/p of the model's activations")
             return per_mb * alive, f"{f} x {how}", per_mb * alive
         per_stage_layers = math.ceil(layers / pp)
-        if layer_saved_elements and tp == 1 and recompute == "never":
+        if layer_saved_elements and tp == 1 and (recompute == "never" or schedule == "gpipe"):
             # the harness GPT-2, counted: per layer, the embedding (first stage) and the final LayerNorm + head
             # input (last stage), each x bytes per element x b, x micro-batches alive; + the softmax the loss saves
             e = layer_saved_elements
@@ -448,6 +469,12 @@ def predict(
             loss = 4 * seq_len * b * vocab if last else 0.0  # the fp32 softmax the loss keeps
             last_alive = 1 if (pp > 1 and schedule != "gpipe") else alive
             saved = alive * per_mb + last_alive * loss
+            if recompute != "never" and microbatches > 1:  # torchgpipe checkpointing (see module doc)
+                inp = (8 * seq_len if first else act_b * seq_len * hidden) * b  # the stage input: int64 token ids
+                r, whole = (2 if first else 1), (recompute == "except_last")
+                # forward's end (the last micro-batch whole under except_last, the loss) or the recomputation
+                saved = microbatches * inp + max(whole * (per_mb - inp) + last_alive * loss, r * (per_mb - inp))
+                how = f"recompute={recompute}: m={microbatches} stage inputs + {r} micro-batch(es) at once"
             # the loss's backward scales that softmax in place into the logits' gradient (workloads/gpt2.py
             # _CrossEntropy); half precision casts it to the logits' dtype (one more s b V x 2 B)
             total = saved + (last_alive * loss / 2 if act_b == 2 else 0.0)
@@ -568,8 +595,10 @@ def predict(
                 out["transient"] = gb * largest_unit_params * (N - 1) / N if N > 1 else 0.0
                 formula["transient"] = f"{gb} x largest gathered unit ({largest_unit_params:,}) x (N-1)/N"
         if offload_optimizer and name in ("zero1", "zero2", "zero3"):
-            out["optimizer"] = out["master"] = 0.0
-            formula["optimizer"] = formula["master"] = "0 (offload_optimizer: in host memory)"
+            if name == "zero1" and N > 1:
+                out["transient"] += out["grads"]  # backward still holds every full gradient on the device
+            out["optimizer"] = out["master"] = out["grads"] = 0.0
+            formula["optimizer"] = formula["master"] = formula["grads"] = "0 (offload_optimizer: in host memory)"
         if offload_params and name == "zero3":
             out["params"] = 0.0
             formula["params"] = "0 (offload_params: in host memory; gathered units in transient)"
@@ -614,7 +643,9 @@ SAVED_RULE = (
     "backward, each storage once (a view and its base, or one tensor saved by several ops, are one storage; "
     "a tensor subclass such as DTensor counts its local tensors), parameters and views of parameters "
     "and the model's buffers excluded; a storage counts from its first save until autograd frees the last saved reference (after "
-    "its backward); `peak` is the most bytes alive at once (1F1B pipelines: several micro-batches)"
+    "its backward); `peak` is the most bytes alive at once (1F1B pipelines: several micro-batches); gpipe: per "
+    "partition (one device each; its forward on torchgpipe's worker thread, its recomputation, the loss on the "
+    "last), a storage two partitions save counted for each"
 )
 
 
@@ -639,61 +670,132 @@ def _is_parameter(t) -> bool:
 class SavedTensorLedger:
     """Context manager counting the bytes autograd saves for backward, by `SAVED_RULE`. After the block:
     `peak` (most bytes alive at once), `total` (bytes of distinct storages saved), `tensors` (saves).
-    Hooks are thread-local: work run on other threads (torchgpipe's workers) is not seen."""
+    Hooks are thread-local: the block's own thread is counted. A pipeline that runs its partitions on worker
+    threads (torchgpipe) runs each partition's forward inside `partition(j)`, which counts that thread's saves
+    for partition j as well: `parts` then holds each partition's own peak (each partition is one device,
+    so a storage two partitions save counts for each), and `active()` is how the partition finds the ledger."""
 
     def __init__(self, modules=()):
+        import threading
+
         # the storages of these modules' buffers (BatchNorm's running statistics) are not counted; parameters
         # are recognised when saved (nn.Parameter and its views: ZeRO-3 / FSDP swap their
         # storages during the step). The storages are kept referenced so that their keys stay theirs.
         self._buffers = [x.untyped_storage() for m in modules for t in m.buffers() for x in _plain_tensors(t)]
         self.held = {st._cdata for st in self._buffers}
-        self.alive: dict[int, list] = {}  # storage key -> [nbytes, references]
+        self.alive: dict = {}  # storage key (partition j: (j, key)) -> [nbytes, references]
         self.current = self.peak = self.total = self.tensors = 0
+        self.parts: dict[int, list[int]] = {}  # partition -> [bytes alive, peak]
+        self._owner: dict[int, int] = {}  # storage key -> the partition it was the input of (see `partition`)
+        self._claimed: list = []  # those storages, kept referenced so that their keys stay theirs
+        self._local = threading.local()  # .part: the partition this thread counts for (None: none)
+        self._lock = threading.RLock()  # worker threads save, and the graph releases, concurrently
         self._hooks = None
+
+    @staticmethod
+    def active():
+        """The innermost ledger entered (on any thread), None outside one: what a worker thread counts into."""
+        return _ACTIVE[-1] if _ACTIVE else None
+
+    def partition(self, index: int, inputs=()):
+        """Count this thread's saves inside the block for pipeline partition `index` (and in the ledger's
+        totals): saved-tensor hooks on this thread for the block. `inputs`: the partition's inputs; a save
+        of their storage outside any partition (torchgpipe's Recompute node keeps a checkpointed partition's
+        input from the main thread) counts for this partition."""
+        import contextlib
+
+        import torch
+
+        @contextlib.contextmanager
+        def block():
+            with self._lock:
+                self.parts.setdefault(index, [0, 0])
+                for t in inputs if isinstance(inputs, (tuple, list)) else (inputs,):
+                    if isinstance(t, torch.Tensor):
+                        for x in _plain_tensors(t):
+                            st = x.untyped_storage()
+                            if st._cdata not in self._owner:  # the first partition to receive it
+                                self._owner[st._cdata] = index
+                                self._claimed.append(st)
+            before = getattr(self._local, "part", None)
+            self._local.part = index
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                    yield self
+            finally:
+                self._local.part = before
+
+        return block()
+
+    def _count(self, key, nbytes: int, part) -> tuple:
+        """One more reference to storage `key` (for partition `part` when not None); new storages add bytes."""
+        entry = self.alive.get(key)
+        if entry is None:
+            entry = self.alive[key] = [nbytes, 0]
+            if part is None:
+                self.current += nbytes
+                self.total += nbytes
+                self.peak = max(self.peak, self.current)
+            else:
+                p = self.parts.setdefault(part, [0, 0])
+                p[0] += nbytes
+                p[1] = max(p[1], p[0])
+        entry[1] += 1
+        return key
 
     def _pack(self, t):
         if _is_parameter(t):
             return t
         keys = []
-        for x in _plain_tensors(t):
-            st = x.untyped_storage()
-            key = st._cdata
-            if key in self.held:
-                continue
-            entry = self.alive.get(key)
-            if entry is None:
-                entry = self.alive[key] = [st.nbytes(), 0]
-                self.current += entry[0]
-                self.total += entry[0]
-                self.peak = max(self.peak, self.current)
-            entry[1] += 1
-            keys.append(key)
-        self.tensors += 1
+        with self._lock:
+            part = getattr(self._local, "part", None)
+            for x in _plain_tensors(t):
+                st = x.untyped_storage()
+                key = st._cdata
+                if key in self.held:
+                    continue
+                keys.append(self._count(key, st.nbytes(), None))
+                owner = part if part is not None else self._owner.get(key)
+                if owner is not None:
+                    keys.append(self._count((owner, key), st.nbytes(), owner))
+            self.tensors += 1
         return _Held(t, keys, self)
 
     def _release(self, keys):
-        for key in keys:
-            entry = self.alive.get(key)
-            if entry is None:
-                continue
-            entry[1] -= 1
-            if entry[1] == 0:
-                self.current -= entry[0]
-                del self.alive[key]
+        with self._lock:
+            for key in keys:
+                entry = self.alive.get(key)
+                if entry is None:
+                    continue
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self.alive[key]
+                    if isinstance(key, tuple):
+                        self.parts[key[0]][0] -= entry[0]
+                    else:
+                        self.current -= entry[0]
 
     def __enter__(self):
         import torch
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc):
+        _ACTIVE.remove(self)
         self._hooks.__exit__(*exc)
         return False
 
     def result(self) -> dict:
-        return {"peak_bytes": int(self.peak), "total_bytes": int(self.total), "tensors": int(self.tensors)}
+        out = {"peak_bytes": int(self.peak), "total_bytes": int(self.total), "tensors": int(self.tensors)}
+        if self.parts:
+            out["per_partition"] = [int(self.parts.get(j, [0, 0])[1]) for j in range(max(self.parts) + 1)]
+        return out
+
+
+_ACTIVE: list[SavedTensorLedger] = []  # ledgers entered, innermost last (`SavedTensorLedger.active`)
 
 
 class _Held:
@@ -715,8 +817,9 @@ def _unpack(held):
 def ledger_fields(predicted: dict | None, counted: list[dict | None]) -> dict | None:
     """The summary's `memory_ledger`: the memory model's saved-activation bytes of the busiest rank beside
     the most any rank counted (`SavedTensorLedger`'s peak in the last untimed step), and their ratio. None when
-    nothing was counted (no untimed step, resumed runs)."""
-    peaks = [c["peak_bytes"] if c else None for c in counted]
+    nothing was counted (no untimed step, resumed runs). A rank that drives several devices (gpipe) counted
+    each partition on its own (`per_partition`): its partitions stand in for ranks."""
+    peaks = [p for c in counted for p in ((c.get("per_partition") or [c["peak_bytes"]]) if c else [None])]
     if not peaks or any(p is None for p in peaks):
         return None
     pred = (predicted or {}).get("saved_activations")
@@ -771,6 +874,23 @@ def even_split(layers: int, stages: int) -> list[int]:
     """Layers per stage by count; the first `layers % stages` stages take one more (adapters/_pipeline.py's)."""
     q, r = divmod(layers, stages)
     return [q + (i < r) for i in range(stages)]
+
+
+def stage_input_elements(model, sample_shape, balance: list[int]) -> list[float]:
+    """Per sample, the elements of each pipeline stage's input (layers per stage: `balance`; meta device):
+    what torchgpipe's checkpointing keeps of each micro-batch."""
+    import torch
+    from torch import nn
+
+    layers = pipeline_layers(model)
+    x = torch.empty((2, *sample_shape), device="meta")
+    out, start = [], 0
+    for n in balance:
+        out.append(x.numel() / 2)
+        with torch.no_grad():
+            x = nn.Sequential(*layers[start : start + n])(x)
+        start += n
+    return out
 
 
 def stage_activation_elements(model, sample_shape, balance: list[int]) -> list[float]:
@@ -929,6 +1049,8 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
             balance = getattr(cfg.adapter, "balance", None)
             balance = list(balance) if balance else even_split(len(pipeline_layers(model)), layout.pp)
             kw["stage_activation_elements"] = stage_activation_elements(model, sample, balance)
+            if cost.schedule == "gpipe" and cost.recompute != "never":  # torchgpipe checkpointing keeps the inputs
+                kw["stage_input_elements"] = stage_input_elements(model, sample, balance)
     out = predict(cost.sharding, label=cfg.adapter.name, **kw)
     out["inputs"] = {k: v for k, v in kw.items() if k != "shapes"}
     return out

@@ -107,6 +107,7 @@ RANK = (
         F("peak_bytes", "bytes", "most saved bytes alive at once"),
         F("total_bytes", "bytes", "distinct storages saved over the step"),
         F("tensors", "count", "saves"),
+        F("per_partition", "bytes", "gpipe: each partition's (device's) own peak, in partition order", kind="list"),
     ),
 )
 COMPILE_EVENT = (
@@ -358,8 +359,13 @@ SUMMARY = (
         "",
         "predicted vs counted saved-activation bytes (ptbench.core.memory_model.ledger_fields); null: not counted",
         F("predicted_saved_bytes", "bytes", "the memory model's saved activations of the busiest rank"),
-        F("counted_saved_bytes_per_rank", "bytes", "saved-tensor hooks, last untimed step, peak", kind="list"),
-        F("counted_saved_bytes", "bytes", "the most any rank counted"),
+        F(
+            "counted_saved_bytes_per_rank",
+            "bytes",
+            "saved-tensor hooks, last untimed step, peak (gpipe: per partition)",
+            kind="list",
+        ),
+        F("counted_saved_bytes", "bytes", "the most any rank (gpipe: partition) counted"),
         F("ratio", "", "predicted / counted"),
         F("rule", "", "what is counted (storages once, parameters and buffers excluded)"),
         F("model", "", "the file of the memory model"),

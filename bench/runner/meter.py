@@ -297,8 +297,7 @@ class Meter:
         """Predicted (memory model, busiest rank) vs counted (last untimed step, each rank) saved-activation bytes."""
         from ptbench.core.memory_model import ledger_fields
 
-        if self.plan.layout.devices_per_process > 1:  # gpipe: partitions run on threads the hooks do not see
-            return {"error": "not counted: one process drives several devices on worker threads (hooks are per thread)"}
+        # gpipe (one process, several devices): the rank's count holds each partition's (adapters/gpipe.py)
         counted = [r.get("saved_activations") for r in last.get("ranks", [])]
         return ledger_fields(self.plan.predicted_memory, counted)
 

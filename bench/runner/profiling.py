@@ -176,11 +176,14 @@ class StepProfiler:
             setattr(owner, name, fn)
         self._patched.clear()
 
-    @contextlib.contextmanager
     def step(self, global_step: int):
-        if self.window is None:
-            yield
-            return
+        """The context of one train step: nothing at all outside the window (no generator per step)."""
+        if self.window is None or not (self.prof is not None or global_step == self.window[0]):
+            return contextlib.nullcontext()
+        return self._step(global_step)
+
+    @contextlib.contextmanager
+    def _step(self, global_step: int):
         start, count = self.window
         if global_step == start and self.prof is None and self.result is None:
             from torch.profiler import ProfilerActivity, profile
