@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     root = args.root or Path(tempfile.mkdtemp(prefix="memory_ledger_"))
     rows, bad = [], 0
-    print(f"{'adapter':<16} {'workload':<14} {'predicted KiB':>14} {'counted KiB (per rank)':>28} {'ratio':>7}")
+    print(
+        f"{'adapter':<16} {'workload':<14} {'predicted KiB':>14} {'counted KiB per rank (gpipe: partition)':>38} {'ratio':>7}"
+    )
     for w in args.workloads:
         for a in args.adapters:
             if a in LANGUAGE_ONLY and not w.startswith("gpt2"):
@@ -78,19 +80,19 @@ def main(argv: list[str] | None = None) -> int:
             )
             led = run.summary.get("memory_ledger") if run.status == "ok" else None
             if led and led.get("error"):  # stated, not a failure
-                print(f"{a:<16} {w:<14} {'-':>14} {'-':>28} {'-':>7}  {led['error']}")
+                print(f"{a:<16} {w:<14} {'-':>14} {'-':>38} {'-':>7}  {led['error']}")
                 continue
             if not led or led.get("ratio") is None:
                 errors = [ln for ln in run.stderr.splitlines() if "error" in ln.lower()]
                 why = run.summary.get("error") or (errors[-1] if errors else run.status)
-                print(f"{a:<16} {w:<14} {'-':>14} {'-':>28} {'-':>7}  not counted: {why[:120]}")
+                print(f"{a:<16} {w:<14} {'-':>14} {'-':>38} {'-':>7}  not counted: {why[:120]}")
                 bad += 1
                 continue
             ratio = led["ratio"]
             per_rank = " / ".join(f"{b / 1024:,.0f}" for b in led["counted_saved_bytes_per_rank"])
             flag = "" if abs(ratio - 1) <= args.tolerance else f"  off by more than {args.tolerance:.0%}"
             bad += bool(flag)
-            print(f"{a:<16} {w:<14} {led['predicted_saved_bytes'] / 1024:>14,.0f} {per_rank:>28} {ratio:>7.3f}{flag}")
+            print(f"{a:<16} {w:<14} {led['predicted_saved_bytes'] / 1024:>14,.0f} {per_rank:>38} {ratio:>7.3f}{flag}")
             rows.append((a, w, ratio))
             sys.stdout.flush()
     print(f"records: {root}")

@@ -37,8 +37,8 @@ orientation only: it also holds allocator slack and the lazily allocated gradien
 estimate_zero3_model_states_mem_needs, the model's total and largest-layer parameters from stage3.
 model_to_params): per workload x stage (2, 3; with the offload variants) x GPU count, model-state bytes per
 GPU by `predict` (bf16, Adam: DeepSpeed's estimators assume 2-byte parameters and gradients with an fp32
-master and two fp32 moments, 12 bytes) and by DeepSpeed, their ratio, and the difference split into stated
-reasons, each naming the DeepSpeed rule (`DS_REASONS`); what the reasons do not explain is printed. DeepSpeed
+master and two fp32 moments, 12 bytes; at the step: + predict's step_transient, the fp32 gradient partition)
+and by DeepSpeed, their ratio, and the difference split into stated reasons, each naming the DeepSpeed rule (`DS_REASONS`); what the reasons do not explain is printed. DeepSpeed
 has no stage-1 estimator. --measure adds the state bytes the runner reads from the engine's tensors on
 this machine (bf16 runs of zero2 / zero3 at each GPU count) beside both predictions.
 """
@@ -336,7 +336,8 @@ def predicted_table(results: dict, overrides: list[str], ranks_list, variants) -
         "formula: Ψ/N sharding; model: the per-tensor partition rule (zero1-3, fsdp; the same as formula "
         "for the rest); err = (predicted - measured) / measured. pred act: activation estimate (GPT-2: "
         "Korthikanti et al. 2022 per layer + fp32 logits); pred Δ: predicted total minus parameters (gradients, "
-        "optimizer state, master, transient buffers, activations: what training adds once the model "
+        "optimizer state, master, and the larger of transient buffers + activations and the optimizer step's "
+        "fp32 gradient partition: what training adds once the model "
         "exists); ΔRSS meas: CPU peak RSS minus RSS before the first step, busiest rank (it also holds "
         "allocator slack, the loss's and optimizer's temporaries and autograd buffers the model leaves out; "
         "on a GPU compare with peak_allocated instead)."
@@ -356,24 +357,26 @@ DS_ROWS = (
 # why DeepSpeed 0.19's estimate differs from `predict` (bf16, Adam); DS = .venv/.../deepspeed/runtime/zero/
 DS_REASONS = {
     "A": (
-        "+4Ψ/N: DeepSpeed counts the fp32 gradient partition that step() makes from the bf16 one, alive through "
-        "the Adam step (DS stage_1_and_2.py:3118-3126, freed :3141; stage3.py:2686-2693, freed :2735): its "
-        "18 B/param = 2 grads_16bit + 4 grads_32bit + 4 params_32bit + 8 moments (comment at "
-        "stage_1_and_2.py:4029-4031). Ours counts the states held when the step begins (what the runner "
-        "measures), so the step's own peak is ours + 4Ψ/N; predict leaves that copy out of its total as well"
+        "+4Ψ/N, now in ours (predict's step_transient, column ours@step = model_states + step_transient): the fp32 "
+        "gradient partition that step() makes from the bf16 one, alive through the Adam step (DS "
+        "stage_1_and_2.py:3113-3126, freed :3141; stage3.py:2686-2693, freed :2735; with offload_optimizer the "
+        "persistent host buffer): DeepSpeed's 18 B/param = 2 grads_16bit + 4 grads_32bit + 4 params_32bit + 8 "
+        "moments (comment at stage_1_and_2.py:4029-4031). model_states (column ours) are the states held when "
+        "the step begins (what the runner measures); predict's total = model_states + max(transient + "
+        "activations, step_transient)"
     ),
     "B": (
         "+4 B x largest layer: `largest_layer_memory = 4 * largest_layer_params` (stage3.py:4027), the module "
         "with the most parameters of its own by model_to_params (GPT-2: the tied token embedding / LM head), "
         "DeepSpeed's allowance for one gathered layer. Ours keeps gathered parameters out of the model states, "
-        "in `transient` (column ours+gath: 2 B x largest unit x (N-1)/N; with DeepSpeed 0.19's reuse rules "
+        "in `transient` (column ours+gath: model_states + 2 B x largest unit x (N-1)/N; with DeepSpeed 0.19's reuse rules "
         "every non-persistent parameter stays gathered at small scale, see memory_model.zero3_gathered)"
     ),
     "C": (
         "-2Ψ/N: stage 3's 18 B/param (stage3.py:4046) hold one 2-byte partition fewer than stage3.py allocates "
         "at the step: bf16 parameter partition 2 + bf16 gradient partition 2 (grad_partitions_flat_buffer, "
-        "stage3.py:790-792) + fp32 master 4 + moments 8 + the step's fp32 gradient 4 = 20 (ours: 16, without "
-        "the step's copy: A)"
+        "stage3.py:790-792) + fp32 master 4 + moments 8 + the step's fp32 gradient 4 = 20 (ours@step: 16 + the "
+        "step's copy, A)"
     ),
 }
 DS_NOTES = (
@@ -464,10 +467,9 @@ def ours_ds_settings(stage: int, psi: int, largest: int, n: int, offload_opt: bo
 
 
 def ds_reasons(stage: int, psi: int, largest: int, n: int, offload_opt: bool) -> list[tuple[str, float]]:
-    """The stated differences DeepSpeed minus ours, (reason key of DS_REASONS, bytes)."""
+    """The stated differences DeepSpeed minus ours at the step (model_states + step_transient), (reason key of
+    DS_REASONS, bytes). A (the step's fp32 gradient partition) is in ours: predict's step_transient."""
     out = []
-    if not offload_opt:
-        out.append(("A", 4 * psi / n))
     if stage == 3:
         out.append(("B", 4.0 * largest))
         if not offload_opt:
@@ -483,17 +485,19 @@ def ds_rows(workload: str, psi: int, largest: int, gpus: list[int], gpn: int = 8
             o = ours_ds_settings(stage, psi, largest, n, off_opt, off_par)
             ds = ds_estimate(stage, psi, largest, n, off_opt, off_par, gpn)
             reasons = ds_reasons(stage, psi, largest, n, off_opt)
+            at_step = o["model_states"] + o["step_transient"]  # A: the step's fp32 gradient partition
             rows.append(
                 {
                     "workload": workload,
                     "variant": label,
                     "n": n,
                     "ours": o["model_states"],
+                    "ours_step": at_step,
                     "ours_gathered": o["model_states"] + o["transient"] if stage == 3 else None,
                     "ds": ds,
-                    "ratio": ds / o["model_states"] if o["model_states"] else None,
+                    "ratio": ds / at_step if at_step else None,
                     "reasons": reasons,
-                    "unexplained": ds - o["model_states"] - sum(b for _, b in reasons),
+                    "unexplained": ds - at_step - sum(b for _, b in reasons),
                 }
             )
     return rows
@@ -503,8 +507,8 @@ def ds_table(rows: list[dict], params: dict) -> str:
     head = (
         "model-state bytes per GPU (MiB): ours (bench/core/memory_model.py predict, bf16 + Adam) vs DeepSpeed "
         "0.19's estimators\n"
-        f"{'workload':<12} {'variant':<17} {'N':>4} {'ours':>10} {'ours+gath':>10} {'DeepSpeed':>10} "
-        f"{'DS/ours':>8} | {'reasons (MiB, DS - ours)':<34} {'unexplained B':>13}"
+        f"{'workload':<12} {'variant':<17} {'N':>4} {'ours':>10} {'ours@step':>10} {'ours+gath':>10} "
+        f"{'DeepSpeed':>10} {'DS/@step':>8} | {'reasons (MiB, DS - ours@step)':<34} {'unexplained B':>13}"
     )
     lines = [head, "-" * len(head.splitlines()[-1])]
     for w, (psi, largest) in params.items():
@@ -517,14 +521,16 @@ def ds_table(rows: list[dict], params: dict) -> str:
         ratio = "       -" if r["ratio"] is None else f"{r['ratio']:8.3f}"
         gath = "-" if r["ours_gathered"] is None else f"{r['ours_gathered'] / MIB:.1f}"
         lines.append(
-            f"{r['workload']:<12} {r['variant']:<17} {r['n']:>4} {r['ours'] / MIB:10.1f} {gath:>10} "
+            f"{r['workload']:<12} {r['variant']:<17} {r['n']:>4} {r['ours'] / MIB:10.1f} "
+            f"{r['ours_step'] / MIB:10.1f} {gath:>10} "
             f"{r['ds'] / MIB:10.1f} {ratio} | {why:<34} {left:13.0f}{flag}"
         )
     lines.append("")
     if ratios:
-        lines.append(f"DS/ours over these rows: {min(ratios):.3f} - {max(ratios):.3f} (ours 0: '-')")
+        lines.append(f"DS/ours@step over these rows: {min(ratios):.3f} - {max(ratios):.3f} (ours@step 0: '-')")
     lines.append(
-        "unexplained: DeepSpeed - ours - the reasons, in bytes (its int() rounding: <= 1); ours+gath: ours + "
+        "ours: predict's model_states (held when the step begins); ours@step: + its step_transient (reason A); "
+        "unexplained: DeepSpeed - ours@step - the reasons, in bytes (its int() rounding: <= 1); ours+gath: ours + "
         "predict's transient gathered unit (stage 3)"
     )
     lines += [f"  {k}: {v}" for k, v in DS_REASONS.items()]
@@ -572,8 +578,9 @@ def ds_measured_table(workloads, gpus, run_overrides: dict, results: dict, param
     lines.append(
         "ours tensor: the per-tensor partition rule (the zero3 run sets stage3_param_persistence_threshold=0: "
         "every tensor sharded). DeepSpeed's estimate is for the run's precision (bf16): no scaling. Expected: "
-        "measured = ours tensor, and DeepSpeed - measured = its reasons above (A; + B + C at stage 3) minus what "
-        "the per-tensor rule adds to Ψ/N (stage 2: a tensor straddling the partition edge keeps its whole gradient)"
+        "measured = ours tensor, and DeepSpeed - measured = the step's fp32 gradient (A, ours' step_transient: not "
+        "yet made when the states are read) + B + C at stage 3, minus what the per-tensor rule adds to Ψ/N "
+        "(stage 2: a tensor straddling the partition edge keeps its whole gradient)"
     )
     return "\n".join(lines)
 

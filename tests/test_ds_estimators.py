@@ -21,21 +21,24 @@ def test_table_numbers_match_hand_computed_bytes():
     z2 = _row(rows, "zero2")
     assert z2["ours"] == 2 * PSI + 14 * PSI / N == 5_500_000
     assert z2["ds"] == 2 * PSI + 18 * PSI // N == 6_500_000
-    assert z2["ratio"] == pytest.approx(6.5 / 5.5)
-    assert z2["reasons"] == [("A", 4 * PSI / N)] and z2["unexplained"] == 0
+    # at the step ours adds the fp32 gradient partition (predict's step_transient: DeepSpeed's reason A)
+    assert z2["ours_step"] == z2["ours"] + 4 * PSI / N == z2["ds"]
+    assert z2["ratio"] == 1.0 and z2["reasons"] == [] and z2["unexplained"] == 0
     # 64 GPUs = 8 nodes of 8: the GPU estimate depends on the total only
     assert _row(rows, "zero2", 64)["ds"] == 2 * PSI + int(18 * PSI / 64) == 2_281_250
     # offloaded optimizer: both keep only the 2-byte parameters on the GPU (the gradient partition on the host)
     off = _row(rows, "zero2 off-opt")
-    assert off["ours"] == off["ds"] == 2 * PSI and off["reasons"] == []
+    assert off["ours"] == off["ours_step"] == off["ds"] == 2 * PSI and off["reasons"] == []
     # stage 3: ours 16Ψ/N; DeepSpeed 4 x largest layer + 18Ψ/N = 4e5 + 4.5e6
     z3 = _row(rows, "zero3")
     assert z3["ours"] == 16 * PSI / N == 4_000_000
     assert z3["ds"] == 4 * LARGEST + 18 * PSI // N == 4_900_000
-    assert dict(z3["reasons"]) == {"A": 1_000_000, "B": 400_000, "C": -500_000} and z3["unexplained"] == 0
+    assert z3["ours_step"] == 20 * PSI / N  # + the step's fp32 gradient partition (A)
+    assert dict(z3["reasons"]) == {"B": 400_000, "C": -500_000} and z3["unexplained"] == 0
     assert z3["ours_gathered"] == 4_000_000 + 2 * LARGEST * (N - 1) / N  # predict's transient gathered unit
     z3o = _row(rows, "zero3 off-opt")
     assert (z3o["ours"], z3o["ds"]) == (2 * PSI / N, 4 * LARGEST + 2 * PSI // N) == (500_000, 900_000)
+    assert z3o["ours_step"] == z3o["ours"]  # offload_optimizer: the fp32 gradient partition is on the host
     z3p = _row(rows, "zero3 off-opt+par")
     assert (z3p["ours"], z3p["ds"], z3p["ratio"]) == (0, 4 * LARGEST, None)
     assert all(abs(r["unexplained"]) <= 1 for r in rows)
@@ -61,9 +64,9 @@ def test_command_prints_the_comparison(capsys):
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("gpt2_tiny ")]
     assert len(rows) == len(ms.DS_ROWS) * 2
-    # zero2 at 2 GPUs: Ψ = 6,837,888 -> ours (2Ψ + 7Ψ) = 58.7 MiB, DeepSpeed (2Ψ + 9Ψ) = 71.7 MiB
+    # zero2 at 2 GPUs: Ψ = 6,837,888 -> ours (2Ψ + 7Ψ) = 58.7 MiB, at the step + 2Ψ (4Ψ/N) = DeepSpeed (2Ψ + 9Ψ)
     z2 = next(r for r in rows if r.split()[1:3] == ["zero2", "2"]).split()
-    assert z2[3:7] == ["58.7", "-", "71.7", "1.222"]
+    assert z2[3:8] == ["58.7", "71.7", "-", "71.7", "1.000"]
     assert "UNEXPLAINED" not in out and "DeepSpeed has no stage-1 estimator" in out
 
 

@@ -81,6 +81,34 @@ def test_fp32_master_copy_optimizers_and_sharded_adapters():
     assert gp["dp"] == 1 and gp["params_per_rank"] == psi / 2
 
 
+def test_deepspeed_step_holds_an_fp32_gradient_partition_after_backward():
+    """DeepSpeed 1-3's step() makes an fp32 copy of the rank's gradient partition (4Ψ/N) that lives through
+    the Adam step, after backward freed the activations: total = states + max(transient + activations, step)."""
+    psi, n = 1_000_000, 4
+    kw = dict(precision="bf16", optimizer="adam", kind="vision")
+    states = 2 * psi + 2 * psi / n + 12 * psi / n  # bf16 params + bf16 gradient partition + master and moments
+    # step-dominated: activations 2 B x 100,000 elements (0.2 MB) < the step's 4Ψ/N (1 MB)
+    small = _states("zero2", psi, n, activation_elements_per_sample=100_000, micro_batch=1, **kw)
+    assert small["model_states"] == states and small["step_transient"] == 4 * psi / n
+    assert small["activations"] == 2 * 100_000 and small["transient"] == 0
+    assert small["total"] == states + 4 * psi / n  # not states + activations + step
+    # activation-dominated: 2 B x 1,000,000 elements (2 MB) > 1 MB: the step's copy hides under backward's peak
+    big = _states("zero2", psi, n, activation_elements_per_sample=1_000_000, micro_batch=1, **kw)
+    assert big["step_transient"] == 4 * psi / n and big["total"] == states + 2 * psi
+    # the step's copy is counted in neither PARTS nor model_states, and it reaches the record
+    assert mm.record_fields(small)["step_transient"] == psi and "step_transient" not in mm.PARTS
+    # offload_optimizer: the fp32 gradient partition is the persistent host buffer (nothing on the device)
+    off = _states("zero2", psi, n, activation_elements_per_sample=100_000, micro_batch=1, offload_optimizer=True, **kw)
+    assert off["step_transient"] == 0 and off["total"] == off["model_states"] + off["activations"]
+    # fp32 training (the flatten's copy is already fp32), stage 1 and 3 alike; non-DeepSpeed states: none
+    assert _states("zero2", psi, n)["step_transient"] == 4 * psi / n
+    assert _states("zero1", psi, n, precision="bf16")["step_transient"] == 4 * psi / n
+    assert _states("zero3", psi, n, precision="bf16")["step_transient"] == 4 * psi / n
+    assert _states("zero3", 8 * 10**9, 2, precision="bf16")["step_transient"] == 4 * mm.ZERO3_SUB_GROUP_SIZE
+    for sharding in ("none", "fsdp", "zero0", "distributed_optimizer"):
+        assert _states(sharding, psi, n, precision="bf16")["step_transient"] == 0
+
+
 def test_per_tensor_partition_keeps_straddling_gradients_whole():
     # one big tensor (90 %) and a small one: at N = 2 the big tensor straddles the middle of the flat
     # buffer, so both ranks keep its whole gradient (bench/memory_study.py's expected_state)
@@ -209,7 +237,10 @@ def test_predict_run_from_a_config_counts_the_model():
     assert pred["inputs"]["micro_batch"] == 4 and pred["inputs"]["attention_scores"] is False
     # gpt2_tiny's token embedding (94 % of Ψ) straddles the two partitions: both ranks keep its gradient
     assert pred["grads"] > 4 * psi / 2
-    assert pred["total"] == pytest.approx(pred["model_states"] + pred["transient"] + pred["activations"])
+    assert pred["step_transient"] == 4 * math.ceil(psi / 2)  # the fp32 gradient partition at the step
+    assert pred["total"] == pytest.approx(
+        pred["model_states"] + max(pred["transient"] + pred["activations"], pred["step_transient"])
+    )
 
 
 def test_plan_flag_prints_the_prediction_and_starts_no_rank(tmp_path):
@@ -526,7 +557,7 @@ def test_plan_memory_is_one_call_for_the_runner():
         rec["total"] == rec["model_states"] + rec["transient"] + rec["activations"]
         or abs(rec["total"] - rec["model_states"] - rec["transient"] - rec["activations"]) <= 2
     )
-    assert rec["fits"] is True and rec["sharding"] == "none"
+    assert rec["fits"] is True and rec["sharding"] == "none" and rec["step_transient"] == 0
     big = typed(compose(["adapter=ddp", "launcher.nprocs=1", "workload=gpt2_medium", "trainer.batch_size=4096"]))
     with pytest.raises(ConfigError, match="predicted memory per rank"):
         mm.plan_memory(

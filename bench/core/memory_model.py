@@ -12,15 +12,17 @@ Model states ([ZeRO] Rajbhandari et al., SC 2020, Sec. 3.1 and 5, Fig. 1), Ψ = 
 of the rank's model-parallel shard P, N = data-parallel size, K = optimizer state bytes per element,
 by the state sharding an adapter states (its `cost_inputs().sharding`):
 
-    sharding (fp32)                    params   grads        optimizer   master   transient
+    sharding (fp32)                    params   grads        optimizer   master   transient                     step
     none (ddp, horovod, tensor_parallel, pipeline, gpipe), zero0, distributed_optimizer on a CPU
-                                       4P       4P           K P         -        fusion buffer (horovod)
+                                       4P       4P           K P         -        fusion buffer (horovod)       -
     distributed_optimizer on CUDA (megatron with adam/adamw)
-                                       4P       4P           K P/N       -
-    zero1 (DeepSpeed 0.19)             4P       4P/N (*)     K P/N       4P/N     full gradients in backward
-    zero2                              4P       4P/N (*)     K P/N       4P/N
-    zero3                              4P/N     4P/N         K P/N       4P/N     the largest gathered module
-    fsdp (FSDP2)                       4P/N     4P/N         K P/N       -        the largest gathered module
+                                       4P       4P           K P/N       -                                      -
+    zero1 (DeepSpeed 0.19)             4P       4P/N (*)     K P/N       4P/N     full gradients in backward    4P/N
+    zero2                              4P       4P/N (*)     K P/N       4P/N                                   4P/N
+    zero3                              4P/N     4P/N         K P/N       4P/N     the largest gathered module   4P/N
+    fsdp (FSDP2)                       4P/N     4P/N         K P/N       -        the largest gathered module   -
+
+    total = params + grads + optimizer + master + max(transient + activations, step)
 
 K: adam / adamw / lamb 8 (two moments), sgd with momentum / lars 4 (one buffer; sgd without momentum 0).
 "master": DeepSpeed stages >= 1 keep an fp32 copy of their partition even when the model is fp32
@@ -36,6 +38,19 @@ KΨ/N at the peak. With `shapes` (the model's parameter shapes in `parameters()`
 partition follows the framework's rule per tensor instead of Ψ/N: DeepSpeed 1-2 cut one flat buffer
 into N equal pieces and keep whole gradients of every tensor touching a rank's piece; DeepSpeed 3
 splits each tensor into ceil(numel/N); FSDP2 splits each tensor along dim 0 (torch.chunk).
+"step" (`step_transient`): DeepSpeed 1-3's step() flattens the rank's gradient partition and converts it to
+fp32 (`flat.to(fp32)`) as the .grad of the fp32 master, alive through the optimizer step and freed after it
+(DS 0.19.8 stage_1_and_2.py:3113-3142; stage3.py:2686-2693, freed :2735, one sub-group of at most
+sub_group_size = 1e9 elements at a time): 4 P/N, under fp32 too (there the flatten's copy; a partition
+lying inside one tensor is a view, not modelled) and counted by DeepSpeed's own estimators as "4
+grads_32bit". Backward's activations, full gradients (zero1) and gathered parameters (zero3) are freed
+by then, so the step's peak is the model states + step, not a sum. With offload_optimizer the fp32
+gradient partition is the persistent host buffer (0 on the device). Measured on CPU with torch.profiler's
+memory timeline around step() (bf16 and fp32, stages 1-3, N = 1, one parameter group): the 4 B/param copy;
+under bf16 the 2-byte flat copy also lives for the conversion itself (+2 P/N), and torch Adam's own
+temporaries come on top (single-tensor: sqrt + div, +8 P/N; foreach: +4 P/N): neither is modelled. The
+harness's two weight-decay groups are stepped one after the other: 4 P/N is their sum, the larger group is
+the true peak (GPT-2: every tensor of two or more dimensions, > 99.9 %).
 
 Model-parallel shard P: tensor parallel divides the sharded weights by t and keeps `replicated`
 parameters whole on every TP rank (GPT-2: position embedding, LayerNorms, the row-parallel biases:
@@ -116,6 +131,7 @@ REPLICATED = ("none", "distributed_optimizer", "zero0")  # shardings whose param
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lars": 4, "sgd": 4}
 PRECISIONS = ("fp32", "bf16", "fp16")
 PARTS = ("params", "grads", "optimizer", "master", "transient", "activations")
+ZERO3_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed 0.19's zero_optimization.sub_group_size default (elements)
 GIB = 2**30
 MIB = 2**20
 
@@ -339,10 +355,12 @@ def predict(
 
     Returns {adapter (the label), sharding, world_size, dp, tp, pp, precision, optimizer_name, kind, busiest,
     params_per_rank (elements of the model-parallel shard), and the bytes of each of PARTS (params,
-    grads, optimizer, master, transient, activations), model_states, total}; every byte field
-    is a float (N rarely divides Ψ); `model_states` = params + grads + optimizer + master;
-    `total` = model_states + transient + activations; `busiest` names the stage taken (pipelines);
-    `formula` says per part what was used; `notes` what is uncertain."""
+    grads, optimizer, master, transient, activations), step_transient, model_states, total}; every byte field
+    is a float (N rarely divides Ψ); `model_states` = params + grads + optimizer + master; `transient`: what
+    forward / backward hold beside the activations; `step_transient`: what the optimizer step alone holds
+    (DeepSpeed 1-3: the fp32 gradient partition), after backward freed the activations and those buffers;
+    `total` = model_states + max(transient + activations, step_transient); `busiest` names the stage taken
+    (pipelines); `formula` says per part what was used; `notes` what is uncertain."""
     name = sharding.strip().lower()
     if name not in SHARDING:
         raise ValueError(f"unknown sharding {sharding!r}; known: {', '.join(SHARDING)}")
@@ -602,9 +620,28 @@ def predict(
         if offload_params and name == "zero3":
             out["params"] = 0.0
             formula["params"] = "0 (offload_params: in host memory; gathered units in transient)"
+        out["step_transient"] = 0.0
+        if name in ("zero1", "zero2", "zero3"):
+            if offload_optimizer:
+                formula["step_transient"] = "0 (offload_optimizer: the fp32 gradient partition is in host memory)"
+            else:  # step(): the fp32 gradient partition the master's Adam step reads, made from the gradients
+                elems = part if name != "zero3" else min(part, ZERO3_SUB_GROUP_SIZE)
+                out["step_transient"] = 4 * elems
+                formula["step_transient"] = (
+                    "4 P/N fp32 gradient partition alive through the optimizer step (DS 0.19.8 "
+                    + (
+                        "stage_1_and_2.py:3113-3118 flatten + .to(fp32), :3126 .grad, freed :3141-3142"
+                        if name != "zero3"
+                        else "stage3.py:2686-2693 flatten + .to(fp32) per sub-group, freed :2735; "
+                        f"at most sub_group_size {ZERO3_SUB_GROUP_SIZE:,} elements"
+                    )
+                    + "; under fp32 the flatten's copy)"
+                )
         out["activations"], formula["activations"], out["saved_activations"] = activations(stage_name)
         out["model_states"] = out["params"] + out["grads"] + out["optimizer"] + out["master"]
-        out["total"] = out["model_states"] + out["transient"] + out["activations"]
+        # the step runs after backward has freed the activations (and the gathered / full gradients): the peak is
+        # the larger of backward's and the step's, on top of the model states
+        out["total"] = out["model_states"] + max(out["transient"] + out["activations"], out["step_transient"])
         results.append((stage_name, P, out, formula))
     saved_max = max(r[2]["saved_activations"] for r in results)  # the memory ledger compares the most any rank saves
     stage_name, P, out, formula = max(results, key=lambda r: r[2]["total"])
@@ -1076,8 +1113,9 @@ def device_bytes(processes_on_host: int = 1) -> tuple[float | None, str]:
 def _exceeds(prediction: dict, device: float, what: str, headroom: float) -> str:
     return (
         f"predicted memory per rank {prediction['total'] / GIB:.2f} GiB ({prediction['adapter']}: states "
-        f"{prediction['model_states'] / GIB:.2f}, transient {prediction['transient'] / GIB:.2f}, activations "
-        f"{prediction['activations'] / GIB:.2f}) exceeds {headroom:.0%} of the {what} ({device / GIB:.2f} GiB)"
+        f"{prediction['model_states'] / GIB:.2f} + the larger of transient {prediction['transient'] / GIB:.2f} + "
+        f"activations {prediction['activations'] / GIB:.2f} and the optimizer step's "
+        f"{prediction['step_transient'] / GIB:.2f}) exceeds {headroom:.0%} of the {what} ({device / GIB:.2f} GiB)"
     )
 
 
@@ -1107,7 +1145,7 @@ def record_fields(prediction: dict) -> dict:
     """The prediction as a record field (JSON-ready, bytes as integers): what the runner stores in the
     summary as `predicted_memory`."""
     p = prediction
-    out = {k: int(round(p[k])) for k in (*PARTS, "saved_activations", "model_states", "total")}
+    out = {k: int(round(p[k])) for k in (*PARTS, "step_transient", "saved_activations", "model_states", "total")}
     out.update(
         sharding=p["sharding"],
         busiest=p["busiest"],
@@ -1152,7 +1190,8 @@ def table(prediction: dict) -> str:
     for k in PARTS:
         lines.append(f"  {k:<12} {p[k] / MIB:12.2f}  {p['formula'].get(k, '-')}")
     lines.append(f"  {'(saved)':<12} {p['saved_activations'] / MIB:12.2f}  what autograd saves, the most of any stage")
+    lines.append(f"  {'step':<12} {p['step_transient'] / MIB:12.2f}  {p['formula'].get('step_transient', '-')}")
     lines.append(f"  {'states':<12} {p['model_states'] / MIB:12.2f}  params + grads + optimizer + master")
-    lines.append(f"  {'total':<12} {p['total'] / MIB:12.2f}")
+    lines.append(f"  {'total':<12} {p['total'] / MIB:12.2f}  states + max(transient + activations, step)")
     lines += [f"  note: {n}" for n in p["notes"]]
     return "\n".join(lines)

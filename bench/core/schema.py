@@ -405,6 +405,12 @@ SUMMARY = (
         F("master", "bytes", ""),
         F("model_states", "bytes", ""),
         F("transient", "bytes", ""),
+        F(
+            "step_transient",
+            "bytes",
+            "held only during the optimizer step (DeepSpeed 1-3: the fp32 gradient partition); "
+            "total = model_states + max(transient + activations, step_transient)",
+        ),
         F("activations", "bytes", ""),
         F("saved_activations", "bytes", "the part of activations autograd saves (the memory ledger's prediction)"),
         F("formula", "", "per part, the formula used (framework settings named)"),
