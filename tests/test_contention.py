@@ -186,3 +186,64 @@ def test_slurm_allocation_that_oversubscribes_its_cores():
     # the local Slurm of old: the node claims 4 CPUs on a 2-core box, each job gets 2, two jobs share the cores
     adv = slurm_warnings(2, 1, {**job, "SLURM_CPUS_ON_NODE": "2"}, host_cpus=2, advertised=4)
     assert len(adv) == 1 and "advertises 4 CPU(s) (CPUTot) but has 2" in adv[0]
+
+
+def test_sampler_root_makes_that_tree_the_runs_own():
+    """`root`: the tree counted as the run's own is that process's (a detached burner here), not this one's."""
+    import time
+
+    pid = _detached_burner(4.0)
+    try:
+        s = Sampler(interval_s=0.5, root=psutil.Process(pid), scope="rank0_node").start()
+        time.sleep(2.5)
+        fig = s.stop()
+    finally:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    assert fig["scope"] == "rank0_node" and fig["samples"] >= 2
+    assert fig["own_busy_cpus_mean"] > 0.1, fig  # the burner's CPU is the root's tree's, so ours
+
+
+def _torchrun_smoke(results, burners: int):
+    """The SMOKE run under torchrun (2 ranks, as test_launch starts it) beside `burners` detached CPU burners."""
+    from tests.helpers import SMOKE, check_ok, only_run, run, summary
+
+    pids = [_detached_burner(240.0) for _ in range(burners)]
+    try:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "ptbench", "launcher=torchrun", *SMOKE, f"results.root={results}"]  # fmt: skip
+        proc = run(cmd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    check_ok(proc)
+    s = summary(only_run(results))
+    assert s["status"] == "ok" and s["launcher"] == "torchrun"
+    return proc, s
+
+
+def test_torchrun_run_beside_other_work_records_contention(tmp_path):
+    """Under torchrun (no launcher of ours) global rank 0 samples its node: burners beside the run are others'
+    work, recorded in `contention_sampled` (scope rank0_node) and as a `contention:` warning (stderr too)."""
+    proc, s = _torchrun_smoke(tmp_path, burners=max(2, affinity_cpus()))
+    fig = s["contention_sampled"]
+    assert fig["scope"] == "rank0_node" and fig["samples"] >= 1 and fig["cpus"] == affinity_cpus(), fig
+    assert fig["own_busy_cpus_mean"] > 0, fig
+    assert fig["other_busy_cpus_mean"] >= busy_limit(fig["cpus"], 2), fig  # the burners alone keep the CPUs near full
+    assert any(w.startswith("contention: during the run other processes kept") for w in s["warnings"]), s["warnings"]
+    assert "warning: contention: during the run" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_torchrun_run_without_burners_decides_on_its_own_figures(tmp_path):
+    """Without burners: sampled too; others' load on a shared box is not ours to assert (the suite runs beside
+    itself), so, as for the local smoke run, a warning exactly when its own figures passed the threshold."""
+    _proc, s = _torchrun_smoke(tmp_path, burners=0)
+    fig = s["contention_sampled"]
+    assert fig["scope"] == "rank0_node" and fig["samples"] >= 1 and fig["own_busy_cpus_mean"] > 0, fig
+    fired = [w for w in s["warnings"] if w.startswith("contention: during the run")]
+    assert bool(fired) == (fig["other_busy_cpus_mean"] >= busy_limit(fig["cpus"], 2)), (fig, s["warnings"])

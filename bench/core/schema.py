@@ -340,16 +340,17 @@ SUMMARY = (
     F(
         "contention_sampled",
         "",
-        "local launcher: the machine sampled every interval_s during the run (bench/runner/contention.py); "
-        "`contention:` warnings from it",
+        "the machine sampled every interval_s during the run (bench/runner/contention.py): by the local launcher, "
+        "or under torchrun/srun by global rank 0 for its node only; `contention:` warnings from it",
+        F("scope", "", "what was sampled: machine (local launch) or rank0_node (torchrun/srun: rank 0's node)"),
         F("interval_s", "s", "sampling interval"),
         F("samples", "count", "intervals measured"),
         F("span_s", "s", "time the intervals cover"),
-        F("cpus", "count", "CPUs of the launcher's affinity (the CPUs sampled)"),
+        F("cpus", "count", "CPUs of the sampling process's affinity (the CPUs sampled)"),
         F("other_busy_cpus_mean", "CPUs", "mean CPUs kept busy by processes not of this run"),
         F("other_busy_cpus_max", "CPUs", "the highest interval's value of other_busy_cpus_mean"),
         F("steal_share", "fraction", "steal time / (span x cpus): CPU time the hypervisor gave elsewhere"),
-        F("own_busy_cpus_mean", "CPUs", "mean CPUs this run's processes used (launcher, ranks, their children)"),
+        F("own_busy_cpus_mean", "CPUs", "mean CPUs this run's processes used (launcher/torchrun agent/slurmstepd, ranks, children)"),
         F("loadavg_1m_max", "", "highest 1-minute load average seen (this run included)"),
         F("gpu_other_pids", "", "CUDA: {device: pids} of other processes on our GPUs (NVML; -1: pid unknown)"),
         F("gpu_error", "", "why the GPUs could not be watched (NVML missing or failing)"),

@@ -7,6 +7,9 @@ One daemon thread samples every `INTERVAL_S` (1 s) while the ranks run:
   (a hypervisor giving our vCPUs to another guest);
 - the 1-minute load average (/proc/loadavg; ours included, recorded for the reader only);
 - on CUDA (nvidia-ml-py, imported lazily), the processes NVML sees on our GPUs that are not ours.
+Under torchrun / srun (no launcher process of ours) global rank 0 samples its own node, its "own" tree being
+its parent's (torchrun's agent, or the step's slurmstepd): the node's ranks are siblings under it
+(`external_sampler` / `record_external`); other nodes are not sampled.
 
 Verdict (`sampled_warnings`), one `contention:` line each, so the report keeps such runs out of verdicts:
 - other processes kept on average >= max(OTHER_BUSY_MIN_CPUS, OTHER_BUSY_FREE_SHARE x the CPUs our ranks
@@ -19,6 +22,7 @@ A quiet run (no other work: others' mean well under half a CPU, no steal, our GP
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -113,13 +117,29 @@ class Sampler:
     """Samples the machine while a run goes on (`start` before the ranks, `stop` after): `stop` returns the
     figures (the summary's `contention_sampled`)."""
 
-    def __init__(self, interval_s: float = INTERVAL_S, gpus: list | None = None, ranks_per_gpu: int = 1):
+    def __init__(
+        self,
+        interval_s: float = INTERVAL_S,
+        gpus: list | None = None,
+        ranks_per_gpu: int = 1,
+        root=None,
+        scope: str = "machine",
+    ):
+        """`root` (a psutil.Process; default this process): the tree whose CPU is the run's own. `scope`: what
+        the figures cover ("machine": a local launch; "rank0_node": rank 0's node of a torchrun/srun run)."""
         import psutil
 
         self.interval_s = interval_s
-        self.me = psutil.Process()
+        self.me = root if root is not None else psutil.Process()
+        self.scope = scope
         try:
             self.cpus = sorted(os.sched_getaffinity(0))
+            if root is not None:  # srun --cpu-bind gives each rank its own cores: the CPUs of the whole tree
+                try:
+                    for p in root.children(recursive=True):
+                        self.cpus = sorted(set(self.cpus) | set(p.cpu_affinity()))
+                except psutil.Error:
+                    pass
         except (AttributeError, OSError):
             self.cpus = list(range(psutil.cpu_count() or 1))
         self.gpus = gpus or []
@@ -189,6 +209,7 @@ class Sampler:
         span = self._span
         others_mean = sum(dt * v for dt, v in self._others) / span if span else None
         return {
+            "scope": self.scope,
             "interval_s": self.interval_s,
             "samples": n,
             "span_s": round(span, 3),
@@ -201,6 +222,41 @@ class Sampler:
             "gpu_other_pids": {k: sorted(v) for k, v in self._gpu_others.items()} if self.gpus else None,
             "gpu_error": self._gpu_error,
         }
+
+
+def external_sampler(ctx, devices_per_process: int = 1) -> Sampler | None:
+    """Global rank 0's sampler of its node under torchrun / srun (started before training), else None. Never
+    raises: a sampler that cannot start leaves the run unsampled."""
+    if ctx.rank != 0 or ctx.launcher not in ("torchrun", "slurm"):
+        return None
+    try:
+        import psutil
+        import torch
+
+        gpus = None
+        if torch.cuda.is_available():
+            gpus = visible_gpu_indices(ctx.local_world_size * max(1, devices_per_process))
+        return Sampler(gpus=gpus, root=psutil.Process().parent(), scope="rank0_node").start()
+    except Exception as e:  # noqa: BLE001 - a sampler must never fail a run
+        print(f"warning: contention sampler not started ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return None
+
+
+def record_external(sampler: Sampler | None, summary: dict, ranks: int, threads: int) -> None:
+    """Stops `sampler` and puts its figures (`contention_sampled`) and `contention:` warnings into rank 0's
+    `summary` before it is written (stderr too, after an ok run). Never raises."""
+    if sampler is None:
+        return
+    try:
+        figures = sampler.stop()
+        found = sampled_warnings(figures, ranks, threads)
+    except Exception as e:  # noqa: BLE001 - a sampler must never fail a run
+        print(f"warning: contention sampler failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return
+    for w in found if summary.get("status") == "ok" else ():
+        print(f"warning: {w}", file=sys.stderr, flush=True)
+    summary["contention_sampled"] = figures
+    summary["warnings"] = [*(summary.get("warnings") or []), *found]
 
 
 def busy_limit(cpus: int, needed: int) -> float:

@@ -63,6 +63,7 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
     import torch.distributed as dist
 
     from ptbench.core.stopping import StopFlag, Watchdog, requeue_slurm_job, slurm_job_requeueable
+    from ptbench.runner.contention import external_sampler, record_external
 
     stop = StopFlag()
     stop.install()
@@ -74,6 +75,7 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
     try:
         run_dir, resume_from, resume_info = _agree_on_run_dir(cfg, plan, ctx, run_dir)
         writer = RunWriter(run_dir, plan.identity())
+        sampler = external_sampler(ctx, plan.devices_per_process)  # torchrun / srun: rank 0 samples its node
 
         def on_hang(idle: float) -> None:
             waiting, where = _main_thread_at()
@@ -145,6 +147,7 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
                 frameworks_imported=frameworks_imported(),
                 cpu_threads_per_rank=threads,
             )
+            record_external(sampler, summary, ctx.local_world_size, threads)  # its node's contention, if sampled
             writer.finish(summary)
             if ctx.launcher != "local":  # no launcher process of ours: this rank writes the sinks
                 write_sinks(
