@@ -350,7 +350,11 @@ SUMMARY = (
         F("other_busy_cpus_mean", "CPUs", "mean CPUs kept busy by processes not of this run"),
         F("other_busy_cpus_max", "CPUs", "the highest interval's value of other_busy_cpus_mean"),
         F("steal_share", "fraction", "steal time / (span x cpus): CPU time the hypervisor gave elsewhere"),
-        F("own_busy_cpus_mean", "CPUs", "mean CPUs this run's processes used (launcher/torchrun agent/slurmstepd, ranks, children)"),
+        F(
+            "own_busy_cpus_mean",
+            "CPUs",
+            "mean CPUs this run's processes used (launcher/torchrun agent/slurmstepd, ranks, children)",
+        ),
         F("loadavg_1m_max", "", "highest 1-minute load average seen (this run included)"),
         F("gpu_other_pids", "", "CUDA: {device: pids} of other processes on our GPUs (NVML; -1: pid unknown)"),
         F("gpu_error", "", "why the GPUs could not be watched (NVML missing or failing)"),
