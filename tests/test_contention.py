@@ -3,6 +3,7 @@ the CPUs of the process's affinity, another run of this harness going on this ho
 oversubscribes its cores; during the run (bench/runner/contention.py): other processes' CPU, steal, other
 processes on our GPUs."""
 
+import contextlib
 import json
 import os
 import socket
@@ -95,22 +96,29 @@ def _detached_burner(seconds: float) -> int:
     return int(out.stdout.strip())
 
 
-def test_sampler_sees_other_work_and_not_its_own():
-    """Two detached CPU burners (another user's work) are counted as others; a burner that is our child is ours.
-    Bounds only load cannot break: others' CPU can only grow with the machine's load."""
-    import time
-
-    pids = [_detached_burner(4.0) for _ in range(max(2, affinity_cpus()))]
+@contextlib.contextmanager
+def _burners(n: int, seconds: float):
+    """`n` detached CPU burners (`_detached_burner`) for the block; their pids; killed when it ends."""
+    pids = [_detached_burner(seconds) for _ in range(n)]
     try:
-        s = Sampler(interval_s=0.5).start()
-        time.sleep(3.0)
-        fig = s.stop()
+        yield pids
     finally:
         for pid in pids:
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
                 pass
+
+
+def test_sampler_sees_other_work_and_not_its_own():
+    """Two detached CPU burners (another user's work) are counted as others; a burner that is our child is ours.
+    Bounds only load cannot break: others' CPU can only grow with the machine's load."""
+    import time
+
+    with _burners(max(2, affinity_cpus()), 4.0):
+        s = Sampler(interval_s=0.5).start()
+        time.sleep(3.0)
+        fig = s.stop()
     assert fig["samples"] >= 3 and fig["cpus"] == affinity_cpus()
     assert fig["other_busy_cpus_mean"] >= 0.5, fig  # the burners alone keep the CPUs near full
     w = sampled_warnings(fig, ranks=1)
@@ -192,16 +200,10 @@ def test_sampler_root_makes_that_tree_the_runs_own():
     """`root`: the tree counted as the run's own is that process's (a detached burner here), not this one's."""
     import time
 
-    pid = _detached_burner(4.0)
-    try:
+    with _burners(1, 4.0) as (pid,):
         s = Sampler(interval_s=0.5, root=psutil.Process(pid), scope="rank0_node").start()
         time.sleep(2.5)
         fig = s.stop()
-    finally:
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
     assert fig["scope"] == "rank0_node" and fig["samples"] >= 2
     assert fig["own_busy_cpus_mean"] > 0.1, fig  # the burner's CPU is the root's tree's, so ours
 
@@ -210,17 +212,10 @@ def _torchrun_smoke(results, burners: int):
     """The SMOKE run under torchrun (2 ranks, as test_launch starts it) beside `burners` detached CPU burners."""
     from tests.helpers import SMOKE, check_ok, only_run, run, summary
 
-    pids = [_detached_burner(240.0) for _ in range(burners)]
-    try:
+    with _burners(burners, 240.0):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "ptbench", "launcher=torchrun", *SMOKE, f"results.root={results}"]  # fmt: skip
         proc = run(cmd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    finally:
-        for pid in pids:
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
     check_ok(proc)
     s = summary(only_run(results))
     assert s["status"] == "ok" and s["launcher"] == "torchrun"

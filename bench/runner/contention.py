@@ -224,6 +224,27 @@ class Sampler:
         }
 
 
+def node_sampler(ranks: int, devices_per_process: int = 1, root=None, scope: str = "machine") -> Sampler:
+    """A started Sampler for `ranks` ranks on this node; on CUDA it also watches their GPUs (NVML)."""
+    import torch
+
+    gpus = None
+    if torch.cuda.is_available():  # NVML only then (nvidia-ml-py, imported lazily by the sampler)
+        gpus = visible_gpu_indices(ranks * max(1, devices_per_process))
+    return Sampler(gpus=gpus, root=root, scope=scope).start()
+
+
+def add_sampled(summary: dict, figures: dict, ranks: int, threads: int) -> None:
+    """A finished run's sampled figures into its `summary` (`contention_sampled`) and a `contention:` warning each
+    when other work kept the machine busy (stderr too, only after an ok run: a failed run's last line stays the
+    one naming its failure; the record keeps the warning either way)."""
+    found = sampled_warnings(figures, ranks, threads)
+    for w in found if summary.get("status") == "ok" else ():
+        print(f"warning: {w}", file=sys.stderr, flush=True)
+    summary["contention_sampled"] = figures
+    summary["warnings"] = [*(summary.get("warnings") or []), *found]
+
+
 def external_sampler(ctx, devices_per_process: int = 1) -> Sampler | None:
     """Global rank 0's sampler of its node under torchrun / srun (started before training), else None. Never
     raises: a sampler that cannot start leaves the run unsampled."""
@@ -231,32 +252,22 @@ def external_sampler(ctx, devices_per_process: int = 1) -> Sampler | None:
         return None
     try:
         import psutil
-        import torch
 
-        gpus = None
-        if torch.cuda.is_available():
-            gpus = visible_gpu_indices(ctx.local_world_size * max(1, devices_per_process))
-        return Sampler(gpus=gpus, root=psutil.Process().parent(), scope="rank0_node").start()
+        return node_sampler(ctx.local_world_size, devices_per_process, psutil.Process().parent(), "rank0_node")
     except Exception as e:  # noqa: BLE001 - a sampler must never fail a run
         print(f"warning: contention sampler not started ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return None
 
 
 def record_external(sampler: Sampler | None, summary: dict, ranks: int, threads: int) -> None:
-    """Stops `sampler` and puts its figures (`contention_sampled`) and `contention:` warnings into rank 0's
-    `summary` before it is written (stderr too, after an ok run). Never raises."""
+    """Stops `sampler` and adds its figures to rank 0's `summary` before it is written (`add_sampled`). Never
+    raises."""
     if sampler is None:
         return
     try:
-        figures = sampler.stop()
-        found = sampled_warnings(figures, ranks, threads)
+        add_sampled(summary, sampler.stop(), ranks, threads)
     except Exception as e:  # noqa: BLE001 - a sampler must never fail a run
         print(f"warning: contention sampler failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-        return
-    for w in found if summary.get("status") == "ok" else ():
-        print(f"warning: {w}", file=sys.stderr, flush=True)
-    summary["contention_sampled"] = figures
-    summary["warnings"] = [*(summary.get("warnings") or []), *found]
 
 
 def busy_limit(cpus: int, needed: int) -> float:

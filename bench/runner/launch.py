@@ -108,31 +108,19 @@ def launch(cfg: DictConfig) -> int:
 
 def _start_sampler(plan: RunPlan):
     """The contention sampler of a local launch, started before the ranks; on CUDA it also watches our GPUs."""
-    import torch
+    from ptbench.runner.contention import node_sampler
 
-    from ptbench.runner.contention import Sampler, visible_gpu_indices
-
-    gpus = None
-    if torch.cuda.is_available():  # NVML only then (nvidia-ml-py, imported lazily by the sampler)
-        gpus = visible_gpu_indices(plan.world_size * max(1, plan.devices_per_process))
-    return Sampler(gpus=gpus).start()
+    return node_sampler(plan.world_size, plan.devices_per_process)
 
 
 def _record_sampled(writer: RunWriter, figures: dict, ranks: int, threads: int) -> None:
-    """The sampled figures into the summary (`contention_sampled`), and a `contention:` warning each when the
-    machine was busy with other work during the run (stderr too)."""
-    from ptbench.runner.contention import sampled_warnings
+    """The sampled figures into the finished summary (`contention.add_sampled`)."""
+    from ptbench.runner.contention import add_sampled
 
     summary = writer.record.summary()
     if not isinstance(summary, dict) or summary.get("status") in (None, "running"):
         return
-    found = sampled_warnings(figures, ranks, threads)
-    # on stderr only after a finished run: a failed run's last line stays the one naming its failure (the record
-    # keeps the warning either way)
-    for w in found if summary.get("status") == "ok" else ():
-        print(f"warning: {w}", file=sys.stderr, flush=True)
-    summary["contention_sampled"] = figures
-    summary["warnings"] = [*(summary.get("warnings") or []), *found]
+    add_sampled(summary, figures, ranks, threads)
     writer.record.write_summary(summary)
 
 
