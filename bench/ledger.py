@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -155,7 +154,9 @@ def print_bubble(rows: list[dict]) -> None:
         f"{'stages':>6} {'schedule':8} {'m':>3} {'theory':>7} {'wall':>7} {'ratio':>6} {'replayed':>8} {'ratio':>6}"
         "  replayed per stage"
     )
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from ptbench.runner.checks import affinity_cpus
+
+    cpus = affinity_cpus()
     for r in rows:
         if "error" in r:
             print(f"{r['stages']:6} {r['schedule']:8} {r['m']:3} error: {r['error']}")

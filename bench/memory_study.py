@@ -101,14 +101,23 @@ def paper_formula(variant: str, psi: int, n: int) -> dict[str, float]:
     return {"total": p["model_states"] - p["master"] + p["transient"], "master": p["master"]}
 
 
-def param_numels(overrides: list[str]) -> list[tuple[int, ...]]:
-    """Shapes of the workload's unique parameters, in `model.parameters()` order (DeepSpeed's flat order)."""
+def workload_model(overrides: list[str], device: str = "meta"):
+    """The workload's model of `overrides` (their workload / data keys), built on `device` (meta: shapes, no
+    memory)."""
+    import torch
+
     from ptbench.runner.compose import compose
     from ptbench.workloads import build_workload
 
     cfg = compose([o for o in overrides if o.split("=")[0].split(".")[0] in ("workload", "data")])
-    model = build_workload(cfg.workload, cfg.data).build_model()
-    return [tuple(p.shape) for p in model.parameters()]  # parameters() yields a tied tensor once
+    workload = build_workload(cfg.workload, cfg.data)
+    with torch.device(device):
+        return workload.build_model()
+
+
+def param_numels(overrides: list[str]) -> list[tuple[int, ...]]:
+    """Shapes of the workload's unique parameters, in `model.parameters()` order (DeepSpeed's flat order)."""
+    return [tuple(p.shape) for p in workload_model(overrides).parameters()]  # parameters() yields a tied tensor once
 
 
 def expected_state(
@@ -406,12 +415,9 @@ def _ds():
 def ds_model_params(overrides: list[str]) -> tuple[int, int]:
     """(total parameters, largest layer's parameters) of the workload's model by DeepSpeed's own counter
     (stage3.model_to_params: tied tensors once; a layer is a module's parameters without its children's)."""
-    from ptbench.runner.compose import compose
-    from ptbench.workloads import build_workload
-
     _, stage3 = _ds()
-    cfg = compose(overrides)
-    return stage3.model_to_params(build_workload(cfg.workload, cfg.data).build_model())
+    # built for real: model_to_params tells tied tensors apart by data_ptr(), which is 0 for every meta tensor
+    return stage3.model_to_params(workload_model(overrides, "cpu"))
 
 
 def ds_nodes(n: int, gpus_per_node: int) -> tuple[int, int]:
