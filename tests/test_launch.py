@@ -10,10 +10,21 @@ import pytest
 
 from ptbench.core.environments import SlurmEnvironment, TorchrunEnvironment, expand_nodelist, slurm_port
 from ptbench.core.errors import ConfigError
-from ptbench.runner.checks import start_method
+from ptbench.runner.checks import rank_cpus, start_method
 from ptbench.runner.compose import compose, typed
 from ptbench.runner.plan import make_plan
-from tests.helpers import SMOKE, assert_losses_close, bench, check_ok, only_run, run, step_losses, summary
+from tests.helpers import (
+    SMOKE,
+    assert_losses_close,
+    bench,
+    check_ok,
+    kill_group,
+    only_run,
+    run,
+    start,
+    step_losses,
+    summary,
+)
 
 SMALL = ["experiment=smoke", "trainer.max_steps=3"]
 
@@ -111,6 +122,51 @@ def test_start_method_auto_forks_only_without_cuda():
         start_method("fork", cuda=True)
 
 
+def test_rank_cpus_split_the_launchers_cpus_in_local_rank_order():
+    assert rank_cpus("none", 2, cpus={0, 1}) is None
+    assert rank_cpus("cores", 2, cpus={0, 1}) == ((0,), (1,))
+    assert rank_cpus("cores", 2, cpus={7, 3, 5}) == ((3,), (5,))  # sorted; the remainder (7) unused
+    assert rank_cpus("cores", 3, cpus=range(16)) == (tuple(range(5)), tuple(range(5, 10)), tuple(range(10, 15)))
+    assert rank_cpus("cores", 4, cpus={0, 1}) == ((0,), (1,), (0,), (1,))  # more ranks than CPUs: round-robin
+
+
+def test_cpu_bind_cores_binds_each_spawned_rank(tmp_path):
+    """launcher.cpu_bind=cores: while the run goes, each rank process (a forked child of the launcher, same
+    command line) runs on its own CPUs, the ones the record's plan.rank_cpus names."""
+    import time
+
+    import psutil
+
+    proc = start([sys.executable, "-m", "ptbench", *SMOKE, "launcher.cpu_bind=cores", f"results.root={tmp_path}"])
+    seen: dict[int, tuple[int, ...]] = {}
+    try:
+        launcher = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                for child in launcher.children():
+                    if child.pid not in seen and child.cmdline() == launcher.cmdline():
+                        seen[child.pid] = tuple(sorted(child.cpu_affinity()))
+            except psutil.Error:
+                pass  # a child that ended between the listing and the question
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, err[-2000:]
+    planned = [tuple(c) for c in summary(only_run(tmp_path))["plan"]["rank_cpus"]]
+    assert planned == list(rank_cpus("cores", 2)) and len(planned) == 2
+    assert sorted(seen.values()) == sorted(planned), (seen, planned)
+
+
+def test_cpu_bind_is_refused_for_ranks_another_launcher_started(tmp_path):
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    proc = bench(*SMALL, "launcher=torchrun", "launcher.cpu_bind=cores", results=tmp_path / "r", timeout=120, env=env)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "launcher.cpu_bind=cores binds the ranks launcher=local spawns, but torchrun started these" in lines[0]
+    assert "srun --cpu-bind=cores" in lines[0] and not (tmp_path / "r").exists()
+
+
 def test_ddp_imports_no_other_framework(local_small):
     assert summary(local_small)["frameworks_imported"] == []
 
@@ -132,6 +188,7 @@ BAD = [
     (["trainer.grad_accum=0"], "trainer.grad_accum=0 must be > 0"),
     (["optimizer.lr=-0.1"], "optimizer.lr=-0.1 must be > 0"),
     (["launcher.start_method=forkserver"], "launcher.start_method=forkserver: choose auto, spawn, fork"),
+    (["launcher.cpu_bind=sockets"], "launcher.cpu_bind=sockets: choose none, cores"),
     (["workload.seq_len=0"], "workload.seq_len=0 must be > 0"),
     # keys renamed in issue 26: the old name is refused with the new one
     (

@@ -110,6 +110,10 @@ class LauncherConfig:
     # ranks inherit the launcher's imported torch instead of importing it again: ~5 s less per run on
     # 2 cores), spawn when CUDA is visible (a CUDA runtime does not survive fork) | spawn | fork
     start_method: str = "auto"
+    # local only: none | cores. cores = each rank bound to its own share of the launcher's CPUs (its affinity
+    # split evenly in local-rank order; more ranks than CPUs: ranks share a CPU round-robin), as Slurm's
+    # srun --cpu-bind=cores, DeepSpeed's launcher --bind_cores_to_rank and torchrun's --numa-binding do
+    cpu_bind: str = "none"
 
 
 @dataclass

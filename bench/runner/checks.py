@@ -22,6 +22,7 @@ from ptbench.workloads import check_config as check_workload
 
 LAUNCHERS = ("local", "torchrun", "slurm")
 START_METHODS = ("auto", "spawn", "fork")
+CPU_BINDS = ("none", "cores")  # launcher.cpu_bind (rank_cpus)
 MEMORY_CHECKS = ("warn", "refuse", "off")  # trainer.memory_check
 
 
@@ -65,6 +66,8 @@ def check_config(cfg: BenchConfig) -> None:
         raise ConfigError(f"launcher.name={cfg.launcher.name}: choose {', '.join(LAUNCHERS)}")
     if cfg.launcher.start_method not in START_METHODS:
         raise ConfigError(f"launcher.start_method={cfg.launcher.start_method}: choose {', '.join(START_METHODS)}")
+    if cfg.launcher.cpu_bind not in CPU_BINDS:
+        raise ConfigError(f"launcher.cpu_bind={cfg.launcher.cpu_bind}: choose {', '.join(CPU_BINDS)}")
     check_precision(cfg.trainer.precision)
     if cfg.trainer.memory_check not in MEMORY_CHECKS:
         raise ConfigError(f"trainer.memory_check={cfg.trainer.memory_check}: choose {', '.join(MEMORY_CHECKS)}")
@@ -215,6 +218,27 @@ def affinity_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def rank_cpus(requested: str, nprocs: int, cpus=None) -> tuple[tuple[int, ...], ...] | None:
+    """launcher.cpu_bind for the ranks launcher=local spawns: None for `none`; for `cores`, each local rank's
+    CPUs: this process's affinity (sorted) split evenly in local-rank order (a remainder stays unused), as
+    DeepSpeed's launcher --bind_cores_to_rank splits a node's cores; more ranks than CPUs: rank r on CPU
+    r mod n (they share; contention_warnings says so)."""
+    if requested == "none":
+        return None
+    if cpus is None:
+        if not hasattr(os, "sched_setaffinity"):
+            raise ConfigError(
+                "launcher.cpu_bind=cores: this platform cannot bind a process to CPUs (no sched_setaffinity); "
+                "use launcher.cpu_bind=none"
+            )
+        cpus = os.sched_getaffinity(0)
+    cpus = sorted(cpus)
+    share = len(cpus) // nprocs
+    if share:
+        return tuple(tuple(cpus[r * share : (r + 1) * share]) for r in range(nprocs))
+    return tuple((cpus[r % len(cpus)],) for r in range(nprocs))
 
 
 def running_harness_runs(results_root, exclude_pids=()) -> list[str]:

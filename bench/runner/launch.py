@@ -27,7 +27,7 @@ from ptbench.core.errors import ConfigError
 from ptbench.core.records import RunWriter, mark_killed, point_folders
 from ptbench.core.sinks import write_sinks
 from ptbench.core.stopping import STOP_SIGNALS
-from ptbench.runner.checks import check_devices, contention_warnings, slurm_warnings, start_method
+from ptbench.runner.checks import check_devices, contention_warnings, rank_cpus, slurm_warnings, start_method
 from ptbench.runner.compose import in_multirun, typed
 from ptbench.runner.plan import RunPlan, make_plan, run_dir_of
 from ptbench.runner.rank import packages, run_rank
@@ -50,6 +50,12 @@ def launch(cfg: DictConfig) -> int:
         )
 
     if environment is not None:  # this process is one rank of a job someone else started
+        if cfg.launcher.cpu_bind != "none":
+            raise ConfigError(
+                f"launcher.cpu_bind={cfg.launcher.cpu_bind} binds the ranks launcher=local spawns, but "
+                f"{environment.name} started these: bind them there (srun --cpu-bind=cores, torchrun "
+                "--numa-binding) and leave launcher.cpu_bind=none"
+            )
         ctx = environment.context(os.environ, cfg.launcher.backend, cfg.launcher.master_port)
         if (
             environment is SlurmEnvironment
@@ -78,6 +84,11 @@ def launch(cfg: DictConfig) -> int:
         print(f"warning: {w}", file=sys.stderr, flush=True)
     command = adapter_cls.launch_command(cfg, plan.world_size)
     if command:
+        if plan.rank_cpus:
+            raise ConfigError(
+                f"launcher.cpu_bind={cfg.launcher.cpu_bind}: {command[0]} starts {plan.adapter}'s ranks, not "
+                "launcher=local; use launcher.cpu_bind=none"
+            )
         plan = dataclasses.replace(plan, start_method=None)
     if cfg.launcher.master_port:
         _check_port(cfg.launcher.master_port)  # before the record: rank 0 would fail, the others wait for it
@@ -170,7 +181,11 @@ def plan_run(
         cuda = torch.cuda.is_available()
         if cuda and check:
             check_devices(plan.world_size, plan.devices_per_process, torch.cuda.device_count())
-        plan = dataclasses.replace(plan, start_method=start_method(cfg.launcher.start_method, cuda))
+        plan = dataclasses.replace(
+            plan,
+            start_method=start_method(cfg.launcher.start_method, cuda),
+            rank_cpus=rank_cpus(cfg.launcher.cpu_bind, plan.world_size),
+        )
     if not memory and backend is None:
         return plan, None
     model = meta_model(workload)
@@ -439,6 +454,8 @@ def _spawned_rank(local_rank: int, cfg_dict: dict, plan: RunPlan, port: int, run
         backend=default_backend(cfg_dict["launcher"]["backend"]),
         launcher="local",
     )
+    if plan.rank_cpus:  # launcher.cpu_bind=cores: first, so that every thread this rank starts inherits it
+        os.sched_setaffinity(0, plan.rank_cpus[local_rank])
     code = run_rank(typed(cfg_dict), plan, ctx, Path(run_dir))
     if code:
         sys.exit(code)

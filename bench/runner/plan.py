@@ -47,6 +47,9 @@ class RunPlan:
     # launcher=local: what makes this run's times suspect, found before launch (checks.contention_warnings);
     # recorded first in the summary's `warnings`
     warnings: tuple[str, ...] = field(default=(), compare=False)
+    # launcher=local with launcher.cpu_bind=cores: the CPUs each local rank is bound to (checks.rank_cpus);
+    # None: not bound by us (cpu_bind=none, or ranks another launcher started)
+    rank_cpus: tuple[tuple[int, ...], ...] | None = field(default=None, compare=False)
 
     # the layout's numbers under the names the launcher, ranks and trainer use
     @property
