@@ -5,11 +5,12 @@ stages 1-3, fsdp, megatron TP=2 (without and with adapter.sequence_parallel), a 
 megatron PP=2, and prints per collective kind the bytes by the corrected formula (bench/core/comm_volume.py
 `corrected`) beside the bytes measured from the traces' c10d operators (goal: within 2 %), the measured time
 and the exposed (non-overlapped) communication.
-Then the pipeline bubble of torch's GPipe and 1F1B schedules at 2 and 4 stages and m = 4, 8 micro-batches
-beside the theory (p-1)/(m+p-1) (goal: within 20 %).
+Then the pipeline bubble of torch's GPipe and 1F1B schedules and megatron-core's 1F1B at 2 and 4 stages and
+m = 4, 8 micro-batches beside the theory (p-1)/(m+p-1) (goal: within 20 %).
 
     python -m ptbench.ledger                 # both tables
     python -m ptbench.ledger --only bytes    # the ledger only (--only bubble: the bubble only)
+    python -m ptbench.ledger --only bubble --bubble-adapters megatron   # megatron's pipeline only (or: pipeline)
     python -m ptbench.ledger --json out.json # also write every row
 """
 
@@ -80,44 +81,71 @@ def ledger_runs(root: Path, names=None, timeout: float = 600) -> list[dict]:
     return rows
 
 
-def bubble_runs(root: Path, timeout: float = 600) -> list[dict]:
+# the bubble table's pipelines: adapter -> (the table's label, the schedules it runs)
+BUBBLE_ADAPTERS = {"pipeline": ("torch", ("gpipe", "1f1b")), "megatron": ("megatron", ("1f1b",))}
+
+
+def _bubble_overrides(adapter: str, schedule: str, p: int, m: int) -> list[str]:
+    """One pipeline of the bubble table: p stages, m micro-batches of 4 sequences (one replica)."""
+    if adapter == "pipeline":
+        # 10 sequential layers (embedding, 8 blocks, head): the embedding and the head with the end stages' blocks
+        return [
+            "adapter=pipeline",
+            f"adapter.schedule={schedule}",
+            "adapter.balance=[3,2,2,3]" if p == 4 else "adapter.balance=[5,5]",
+            f"adapter.microbatches={m}",
+            f"trainer.batch_size={4 * m}",  # batch_policy fixed: the global batch
+        ]
+    # megatron-core gives every stage n_layer / p blocks, the embedding with the first, the final norm, the
+    # (tied) output layer and the loss with the last: the same split as the torch balance above.
+    # batch_policy linear: the global batch is trainer.batch_size x p ranks
+    return [
+        "adapter=megatron",
+        f"adapter.pipeline_parallel={p}",
+        f"adapter.schedule={schedule}",
+        f"adapter.microbatches={m}",
+        f"trainer.batch_size={4 * m // p}",
+    ]
+
+
+def bubble_runs(root: Path, timeout: float = 600, adapters=tuple(BUBBLE_ADAPTERS)) -> list[dict]:
     rows = []
     for p in (2, 4):
-        for schedule in ("gpipe", "1f1b"):
-            for m in (4, 8):
-                run = run_bench(
-                    [
-                        *BASE,
-                        # equal stages, as the theory assumes: 10 sequential layers (embedding, 8 blocks, head),
-                        # a small vocabulary so that the head costs about nothing, the embedding and the head with
-                        # the end stages' blocks. Items heavy enough (512 wide, 64 tokens, 4 sequences per
-                        # micro-batch: ~0.1-0.2 s each on one CPU core) that the schedule's Python (~1-3 ms per
-                        # item) and the p2p copies are small beside them, as they are beside a GPU's kernels
-                        "workload.n_layer=8",
-                        "workload.vocab_size=256",
-                        "workload.n_embd=512",
-                        "workload.seq_len=64",
-                        "adapter.balance=[3,2,2,3]" if p == 4 else "adapter.balance=[5,5]",
-                        "adapter=pipeline",
-                        f"adapter.schedule={schedule}",
-                        f"adapter.microbatches={m}",
-                        f"launcher.nprocs={p}",
-                        f"trainer.batch_size={4 * m}",
-                        "trainer.max_steps=5",
-                        "trainer.profile=2:3",
-                    ],
-                    root=root,
-                    experiment="bubble",
-                    timeout=timeout,
-                    run_name=(f"pipeline-{schedule}-m{m}", "gpt2_tiny", p),
-                )
-                b = (run.summary.get("profile") or {}).get("bubble")
-                if not run.ok or not b:
-                    rows.append(
-                        dict(stages=p, schedule=schedule, m=m, error=run.summary.get("error") or run.stderr[-300:])
+        for adapter in adapters:
+            framework, schedules = BUBBLE_ADAPTERS[adapter]
+            for schedule in schedules:
+                label = f"{framework} {schedule}"
+                for m in (4, 8):
+                    run = run_bench(
+                        [
+                            *BASE,
+                            # equal stages, as the theory assumes: 8 blocks, a small vocabulary so that the head
+                            # costs about nothing. Items heavy enough (512 wide, 64 tokens, 4 sequences per
+                            # micro-batch: ~0.1-0.2 s each on one CPU core) that the schedule's Python (~1-3 ms per
+                            # item) and the p2p copies are small beside them, as they are beside a GPU's kernels
+                            "workload.n_layer=8",
+                            "workload.vocab_size=256",
+                            "workload.n_embd=512",
+                            "workload.seq_len=64",
+                            *_bubble_overrides(adapter, schedule, p, m),
+                            f"launcher.nprocs={p}",
+                            # a stage per CPU, as a stage per device on a cluster (more stages than CPUs: they share)
+                            "launcher.cpu_bind=cores",
+                            "trainer.max_steps=5",
+                            "trainer.profile=2:3",
+                        ],
+                        root=root,
+                        experiment="bubble",
+                        timeout=timeout,
+                        run_name=(f"{adapter}-{schedule}-m{m}", "gpt2_tiny", p),
                     )
-                    continue
-                rows.append(dict(b, schedule=schedule, m=m, record=str(run.run_dir)))
+                    b = (run.summary.get("profile") or {}).get("bubble")
+                    if not run.ok or not b:
+                        rows.append(
+                            dict(stages=p, schedule=label, m=m, error=run.summary.get("error") or run.stderr[-300:])
+                        )
+                        continue
+                    rows.append(dict(b, schedule=label, m=m, record=str(run.run_dir)))
     return rows
 
 
@@ -147,25 +175,27 @@ def print_ledger(rows: list[dict]) -> None:
 
 
 def print_bubble(rows: list[dict]) -> None:
-    print("pipeline bubble (torch.distributed.pipelining, CPU): idle share of the schedule's span per stage")
+    print("pipeline bubble (torch.distributed.pipelining, megatron-core, CPU): idle share of the schedule's span")
     print("  wall: as it ran (p2p, loss and CPU sharing included); replayed: the measured work items re-timed")
-    print("  with the schedule's dependencies, one device per stage (ptbench.core.trace_ledger.bubble)")
+    print("  with the schedule's dependencies, one device per stage (ptbench.core.trace_ledger.bubble);")
+    print("  marked: every micro-batch's forward and backward marked once on every stage (else the counts)")
     print(
-        f"{'stages':>6} {'schedule':8} {'m':>3} {'theory':>7} {'wall':>7} {'ratio':>6} {'replayed':>8} {'ratio':>6}"
-        "  replayed per stage"
+        f"{'stages':>6} {'schedule':14} {'m':>3} {'theory':>7} {'wall':>7} {'ratio':>6} {'replayed':>8} {'ratio':>6}"
+        f" {'marked':>6}  replayed per stage"
     )
     from ptbench.runner.checks import affinity_cpus
 
     cpus = affinity_cpus()
     for r in rows:
         if "error" in r:
-            print(f"{r['stages']:6} {r['schedule']:8} {r['m']:3} error: {r['error']}")
+            print(f"{r['stages']:6} {r['schedule']:14} {r['m']:3} error: {r['error']}")
             continue
         rp = r.get("replayed_per_stage") or []
         rm, rr = r.get("replayed_mean"), r.get("replayed_ratio")
+        marked = "once" if r.get("marked_once") else str(r.get("marks"))
         print(
-            f"{r['stages']:6} {r['schedule']:8} {r['m']:3} {r['theory']:7.3f} {r['mean']:7.3f} {r['ratio']:6.2f} "
-            f"{'-' if rm is None else f'{rm:.3f}':>8} {'-' if rr is None else f'{rr:.2f}':>6}  "
+            f"{r['stages']:6} {r['schedule']:14} {r['m']:3} {r['theory']:7.3f} {r['mean']:7.3f} {r['ratio']:6.2f} "
+            f"{'-' if rm is None else f'{rm:.3f}':>8} {'-' if rr is None else f'{rr:.2f}':>6} {marked:>6}  "
             + " ".join(f"{v:.3f}" for v in rp)
             + ("  (wall: more stages than CPUs)" if r["stages"] > cpus else "")
         )
@@ -181,6 +211,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ptbench.ledger", description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=("bytes", "bubble"), help="run one of the two tables")
     ap.add_argument("--runs", nargs="*", choices=list(LEDGER_RUNS), help="ledger runs to do (default: all)")
+    ap.add_argument(
+        "--bubble-adapters",
+        nargs="+",
+        choices=list(BUBBLE_ADAPTERS),
+        default=list(BUBBLE_ADAPTERS),
+        help="pipelines of the bubble table: pipeline (torch's GPipe and 1F1B), megatron (megatron-core's 1F1B); "
+        "default both",
+    )
     ap.add_argument("--root", type=Path, help="results root (default: a temporary folder)")
     ap.add_argument("--json", type=Path, help="write every row to this file")
     args = ap.parse_args(argv)
@@ -190,7 +228,7 @@ def main(argv=None) -> int:
         out["ledger"] = ledger_runs(root, args.runs)
         print_ledger(out["ledger"])
     if args.only in (None, "bubble"):
-        out["bubble"] = bubble_runs(root)
+        out["bubble"] = bubble_runs(root, adapters=args.bubble_adapters)
         print_bubble(out["bubble"])
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

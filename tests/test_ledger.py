@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -145,3 +146,104 @@ def test_replay_of_measured_items_in_gpipe_order():
     items[1] = [["fwd", 0, 2]] * m + [["bwd", 0, 2]] * m
     slow = tl.replay(items)
     assert slow[1] < got[1] and slow[0] > got[0] and slow[2] > got[2]
+
+
+def test_marks_are_counted_and_a_mark_inside_another_is_found():
+    assert tl.marked([["fwd", 0, 1], ["fwd", 1, 2], ["bwd", 2, 4]]) == ({"fwd": 2, "bwd": 1}, 0)
+    # a wrapped function calling another wrapped one: the inner mark is the same item marked twice
+    assert tl.marked([["fwd", 0, 3], ["fwd", 1, 2], ["bwd", 3, 4], ["bwd", 3, 4]]) == ({"fwd": 2, "bwd": 2}, 2)
+    p, m = 2, 2
+    per_rank = []
+    for s in range(p):
+        items = [["fwd", s + i, s + i + 1] for i in range(m)] + [
+            ["bwd", 4 + i + (1 - s), 5 + i + (1 - s)] for i in range(m)
+        ]
+        per_rank.append({"stage_work": {3: [it[1:] for it in items]}, "stage_items": {3: items}})
+    b = tl.bubble(per_rank, m, "pipeline gpipe")
+    assert b["marked_once"] and b["nested_marks"] == 0 and b["schedule"] == "pipeline gpipe"
+    assert b["marks"] == [{"fwd": [m], "bwd": [m]}] * p
+    per_rank[1]["stage_items"][3].append(["bwd", 5.5, 5.6])  # one backward marked twice
+    b = tl.bubble(per_rank, m)
+    assert not b["marked_once"] and b["nested_marks"] == 1 and b["marks"][1]["bwd"] == [m + 1]
+
+
+def _stage_marks(trace: dict) -> dict[int, list[tuple[str, float, float]]]:
+    """Per profiled step (ptbench.step#G), the rank's ptbench.stage marks in time order, read from the raw trace."""
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    steps = {
+        int(e["name"].split("#")[1]): (e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"].startswith(tl.STEP)
+    }
+    marks = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"][len(tl.STAGE) :]) for e in spans if e["name"].startswith(tl.STAGE)
+    )
+    return {g: [(tag, t0, t1) for t0, t1, tag in marks if a <= t0 < b] for g, (a, b) in steps.items()}
+
+
+def test_megatron_pipeline_bubble_marks_every_item_once(tmp_path):
+    """megatron-core's 1F1B (forward_backward_pipelining_without_interleaving) at 2 stages, m = 4 micro-batches
+    of one sequence: every micro-batch's forward and backward is marked once on each stage, in 1F1B order (stage
+    s: p-s-1 warm-up forwards, then one forward one backward, then the cool-down backwards), and the recorded
+    wall bubble is what the raw trace's marks give; each stage idles part of the span (it waits for the other)."""
+    p, m = 2, 4
+    proc = bench(
+        "workload=gpt2_tiny",
+        "workload.vocab_size=256",
+        "workload.seq_len=32",
+        "data.train_samples=64",
+        "data.val_samples=8",
+        "trainer.max_eval_batches=1",
+        "trainer.eval_every_epoch=false",
+        "trainer.progress=false",
+        "trainer.epochs=1",
+        "trainer.max_steps=3",
+        "trainer.profile=1:2",
+        "adapter=megatron",
+        f"adapter.pipeline_parallel={p}",
+        f"adapter.microbatches={m}",
+        "trainer.batch_size=2",  # batch_policy linear: 2 x 2 ranks = 4 sequences per step, one per micro-batch
+        f"launcher.nprocs={p}",
+        results=tmp_path,
+    )
+    check_ok(proc)
+    run = only_run(tmp_path)
+    b = summary(run)["profile"]["bubble"]
+    for key in (
+        "schedule",
+        "stages",
+        "microbatches",
+        "steps",
+        "marks",
+        "nested_marks",
+        "marked_once",
+        "per_stage",
+        "mean",
+        "theory",
+        "ratio",
+        "replayed_per_stage",
+        "replayed_mean",
+        "replayed_ratio",
+        "definition",
+    ):
+        assert key in b, key
+    assert b["schedule"] == "megatron 1f1b" and b["stages"] == p and b["microbatches"] == m and b["steps"] == 2
+    assert b["theory"] == pytest.approx((p - 1) / (m + p - 1))
+    assert b["marked_once"] and b["nested_marks"] == 0 and b["marks"] == [{"fwd": [m, m], "bwd": [m, m]}] * p
+    assert len(b["per_stage"]) == p and all(0 < v < 1 for v in b["per_stage"]), b
+    assert len(b["replayed_per_stage"]) == p and all(0 < v < 1 for v in b["replayed_per_stage"]), b
+    assert b["mean"] == pytest.approx(sum(b["per_stage"]) / p) and b["ratio"] == pytest.approx(b["mean"] / b["theory"])
+
+    marks = {s: _stage_marks(json.loads((run / "traces" / f"rank{s}.json").read_text())) for s in range(p)}
+    assert sorted(marks[0]) == sorted(marks[1]) == [1, 2]
+    idle = [[] for _ in range(p)]
+    for g in (1, 2):
+        for s in range(p):
+            warmup = p - s - 1
+            order = ["fwd"] * warmup + ["fwd", "bwd"] * (m - warmup) + ["bwd"] * warmup
+            assert [tag for tag, _, _ in marks[s][g]] == order, (s, g, marks[s][g])
+            for (_, _, end), (_, start, _) in zip(marks[s][g], marks[s][g][1:]):
+                assert end <= start  # one item at a time: none inside another
+        lo = min(t0 for s in range(p) for _, t0, _ in marks[s][g])
+        hi = max(t1 for s in range(p) for _, _, t1 in marks[s][g])
+        for s in range(p):
+            idle[s].append(1 - sum(t1 - t0 for _, t0, t1 in marks[s][g]) / (hi - lo))
+    assert b["per_stage"] == pytest.approx([sum(v) / len(v) for v in idle], rel=1e-6)

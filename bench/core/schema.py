@@ -475,9 +475,13 @@ SUMMARY = (
         OPEN(
             "bubble",
             "pipeline bubble per stage beside (p-1)/(m+p-1) (ptbench.core.trace_ledger.bubble)",
+            F("schedule", "", "ADAPTER SCHEDULE that ran (pipeline 1f1b, megatron 1f1b, ...)"),
             F("stages", "count", "pipeline stages p"),
             F("microbatches", "count", "micro-batches m per step"),
             F("steps", "steps", "profiled steps measured"),
+            F("marks", "count", "per stage, {fwd, bwd}: ptbench.stage marks per profiled step", kind="list"),
+            F("nested_marks", "count", "marks inside another mark on the same stage (0: each item marked once)"),
+            F("marked_once", "", "every stage marks m forwards and m backwards per step, none nested"),
             F("per_stage", "fraction", "wall: idle share of the schedule's span per stage", kind="list"),
             F("mean", "fraction", "wall: mean over stages"),
             F("theory", "fraction", "(p-1)/(m+p-1)"),

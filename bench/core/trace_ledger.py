@@ -315,16 +315,41 @@ def analyse(trace: dict, default_group: int) -> dict:
     )
 
 
-def bubble(per_rank: list[dict], microbatches: int) -> dict | None:
+def marked(items: list[list]) -> tuple[dict, int]:
+    """One stage's marks in one step ([tag, t0, t1]) -> ({tag: count}, how many lie inside another mark: a
+    work item marked twice, e.g. a wrapped function calling another wrapped one; 0 when each is marked once)."""
+    counts: dict = {"fwd": 0, "bwd": 0}
+    for tag, _, _ in items:
+        counts[tag] = counts.get(tag, 0) + 1
+    spans = sorted((t0, -t1) for _, t0, t1 in items)
+    nested, end = 0, float("-inf")
+    for _, neg_t1 in spans:
+        if -neg_t1 <= end:
+            nested += 1
+        end = max(end, -neg_t1)
+    return counts, nested
+
+
+def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None) -> dict | None:
     """Pipeline bubble per stage from every rank's `analyse` (rank r = stage r; one replica): per profiled
     step, the schedule's span is the first stage work start to the last work end over all stages; a stage's
     bubble is the part of that span it does no work (its sends, receives and waits included). Theory:
-    (p-1)/(m+p-1) for GPipe and 1F1B with equal stages."""
+    (p-1)/(m+p-1) for GPipe and 1F1B with equal stages. `schedule`: what ran ("ADAPTER SCHEDULE"), recorded."""
     p = len(per_rank)
     steps = sorted(set.intersection(*(set(r["stage_work"]) for r in per_rank))) if per_rank else []
     steps = [g for g in steps if all(per_rank[s]["stage_work"].get(g) for s in range(p))]
     if p < 2 or not steps:
         return None
+    # every micro-batch's forward and backward marked once on every stage, in every step measured
+    marks = [{"fwd": [], "bwd": []} for _ in range(p)]
+    nested = 0
+    for s in range(p):
+        for g in steps:
+            counts, n = marked(per_rank[s].get("stage_items", {}).get(g, []))
+            nested += n
+            for tag in ("fwd", "bwd"):
+                marks[s][tag].append(counts.get(tag, 0))
+    once = nested == 0 and all(n == microbatches for st in marks for tag in ("fwd", "bwd") for n in st[tag])
     fractions = [[] for _ in range(p)]
     for g in steps:
         work = [per_rank[s]["stage_work"][g] for s in range(p)]
@@ -348,9 +373,13 @@ def bubble(per_rank: list[dict], microbatches: int) -> dict | None:
     rp = [sum(r[s] for r in replays) / len(replays) for s in range(p)] if replays else None
     rmean = sum(rp) / p if rp else None
     return dict(
+        schedule=schedule,
         stages=p,
         microbatches=microbatches,
         steps=len(steps),
+        marks=marks,
+        nested_marks=nested,
+        marked_once=once,
         per_stage=per_stage,
         mean=mean,
         theory=theory,
@@ -359,8 +388,11 @@ def bubble(per_rank: list[dict], microbatches: int) -> dict | None:
         replayed_mean=rmean,
         replayed_ratio=rmean / theory if rmean is not None and theory else None,
         definition="wall: per step, 1 - a stage's work time / the schedule's span (first work start to last work "
-        "end over all stages), work = forward/backward of one micro-batch (ptbench.stage:* marks); it includes "
-        "p2p transfers, the loss, and any time the stages could not run at once (ranks sharing CPU cores). "
+        "end over all stages), work = forward/backward of one micro-batch (ptbench.stage:* marks: torch "
+        "pipelining's forward_one_chunk / backward_one_chunk, the loss outside them; megatron-core's forward_step "
+        "(the loss inside) / backward_step); it includes p2p transfers, torch pipelining's loss, and any time the "
+        "stages could not run at once (ranks sharing CPU cores). marks: per stage, fwd and bwd marks per profiled "
+        "step; marked_once: each is m on every stage and step and no mark lies inside another. "
         "replayed: the same with the measured work items (each at its stage's fastest instance of that direction "
         "over the profiled steps) replayed in each stage's traced order with the pipeline's dependencies (forward i after the previous stage's forward i, backward i after the "
         "next stage's backward i), one device per stage and free transfers",

@@ -112,8 +112,19 @@ class StepProfiler:
     """This rank's profiler window. `step(global_step)` wraps one `adapter.train_step`; `finish()` (a
     collective: every rank calls it) writes the merged trace and returns the record's `profile`."""
 
-    def __init__(self, spec, ctx, run_dir: Path | None, dp: int, pp: int, microbatches: int, formula: dict | None):
+    def __init__(
+        self,
+        spec,
+        ctx,
+        run_dir: Path | None,
+        dp: int,
+        pp: int,
+        microbatches: int,
+        formula: dict | None,
+        schedule: str | None = None,
+    ):
         self.window = parse_window(spec)
+        self.schedule = schedule  # "ADAPTER SCHEDULE" of a pipeline (recorded with its bubble)
         self.ctx = ctx
         self.dir = Path(run_dir) / "traces" if run_dir is not None else None
         self.dp, self.pp, self.m = dp, pp, microbatches
@@ -131,7 +142,17 @@ class StepProfiler:
         formula = None
         if cfg.trainer.profile and plan.comm_volume and plan.comm_volume.get("collectives") is not None:
             formula = corrected(plan.comm_volume, plan.cost, cfg.workload, _fsdp_root_params(adapter))
-        return cls(cfg.trainer.profile, ctx, run_dir, lay.dp, lay.pp, lay.microbatches, formula)
+        schedule = plan.cost.schedule  # the pipeline schedule, "none" without one
+        return cls(
+            cfg.trainer.profile,
+            ctx,
+            run_dir,
+            lay.dp,
+            lay.pp,
+            lay.microbatches,
+            formula,
+            f"{cfg.adapter.name} {schedule}" if schedule != "none" else None,
+        )
 
     @property
     def active(self) -> bool:
@@ -271,7 +292,7 @@ class StepProfiler:
         rec["formula"] = self.formula
         rec["notes"] = sorted({n for info in every for n in info["notes"]})
         if self.pp > 1 and self.dp == 1 and len(every) == self.pp:
-            rec["bubble"] = ledger.bubble(every, self.m)
+            rec["bubble"] = ledger.bubble(every, self.m, self.schedule)
         return rec
 
 
