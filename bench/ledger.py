@@ -11,6 +11,7 @@ m = 4, 8 micro-batches beside the theory (p-1)/(m+p-1) (goal: within 20 %).
     python -m ptbench.ledger                 # both tables
     python -m ptbench.ledger --only bytes    # the ledger only (--only bubble: the bubble only)
     python -m ptbench.ledger --only bubble --bubble-adapters megatron   # megatron's pipeline only (or: pipeline)
+    python -m ptbench.ledger --only bubble --repeats 2   # every bubble case twice, interleaved
     python -m ptbench.ledger --json out.json # also write every row
 """
 
@@ -108,45 +109,56 @@ def _bubble_overrides(adapter: str, schedule: str, p: int, m: int) -> list[str]:
     ]
 
 
-def bubble_runs(root: Path, timeout: float = 600, adapters=tuple(BUBBLE_ADAPTERS)) -> list[dict]:
+def bubble_cases(adapters=tuple(BUBBLE_ADAPTERS)) -> list[tuple]:
+    """(stages, adapter, schedule, m) of the bubble table, in its order."""
+    return [
+        (p, adapter, schedule, m)
+        for p in (2, 4)
+        for adapter in adapters
+        for schedule in BUBBLE_ADAPTERS[adapter][1]
+        for m in (4, 8)
+    ]
+
+
+def bubble_runs(root: Path, timeout: float = 600, adapters=tuple(BUBBLE_ADAPTERS), repeats: int = 1) -> list[dict]:
+    """Every case of the table, `repeats` times, interleaved (case after case, then again), so that a slow spell
+    of a shared machine spreads over the cases instead of falling on one."""
     rows = []
-    for p in (2, 4):
-        for adapter in adapters:
-            framework, schedules = BUBBLE_ADAPTERS[adapter]
-            for schedule in schedules:
-                label = f"{framework} {schedule}"
-                for m in (4, 8):
-                    run = run_bench(
-                        [
-                            *BASE,
-                            # equal stages, as the theory assumes: 8 blocks, a small vocabulary so that the head
-                            # costs about nothing. Items heavy enough (512 wide, 64 tokens, 4 sequences per
-                            # micro-batch: ~0.1-0.2 s each on one CPU core) that the schedule's Python (~1-3 ms per
-                            # item) and the p2p copies are small beside them, as they are beside a GPU's kernels
-                            "workload.n_layer=8",
-                            "workload.vocab_size=256",
-                            "workload.n_embd=512",
-                            "workload.seq_len=64",
-                            *_bubble_overrides(adapter, schedule, p, m),
-                            f"launcher.nprocs={p}",
-                            # a stage per CPU, as a stage per device on a cluster (more stages than CPUs: they share)
-                            "launcher.cpu_bind=cores",
-                            "trainer.max_steps=5",
-                            "trainer.profile=2:3",
-                        ],
-                        root=root,
-                        experiment="bubble",
-                        timeout=timeout,
-                        run_name=(f"{adapter}-{schedule}-m{m}", "gpt2_tiny", p),
-                    )
-                    b = (run.summary.get("profile") or {}).get("bubble")
-                    if not run.ok or not b:
-                        rows.append(
-                            dict(stages=p, schedule=label, m=m, error=run.summary.get("error") or run.stderr[-300:])
-                        )
-                        continue
-                    rows.append(dict(b, schedule=label, m=m, record=str(run.run_dir)))
-    return rows
+    for rep in range(repeats):
+        for p, adapter, schedule, m in bubble_cases(adapters):
+            label = f"{BUBBLE_ADAPTERS[adapter][0]} {schedule}"
+            run = run_bench(
+                [
+                    *BASE,
+                    # equal stages, as the theory assumes: 8 blocks, a small vocabulary so that the head costs about
+                    # nothing. Items heavy enough (512 wide, 64 tokens, 4 sequences per micro-batch: ~0.1-0.2 s
+                    # each on one CPU core) that the schedule's Python (~1-3 ms per item) and the p2p copies are
+                    # small beside them, as they are beside a GPU's kernels
+                    "workload.n_layer=8",
+                    "workload.vocab_size=256",
+                    "workload.n_embd=512",
+                    "workload.seq_len=64",
+                    *_bubble_overrides(adapter, schedule, p, m),
+                    f"launcher.nprocs={p}",
+                    # a stage per CPU, as a stage per device on a cluster (more stages than CPUs: they share)
+                    "launcher.cpu_bind=cores",
+                    "trainer.max_steps=5",
+                    "trainer.profile=2:3",
+                ],
+                root=root,
+                experiment="bubble",
+                timeout=timeout,
+                run_name=(f"{adapter}-{schedule}-m{m}", "gpt2_tiny", p),
+            )
+            b = (run.summary.get("profile") or {}).get("bubble")
+            if not run.ok or not b:
+                err = run.summary.get("error") or run.stderr[-300:]
+                rows.append(dict(stages=p, schedule=label, m=m, repeat=rep, error=err))
+                continue
+            rows.append(dict(b, schedule=label, m=m, repeat=rep, record=str(run.run_dir)))
+    # the table's order: case by case, its repeats together
+    order = {(p, f"{BUBBLE_ADAPTERS[a][0]} {sc}", m): i for i, (p, a, sc, m) in enumerate(bubble_cases(adapters))}
+    return sorted(rows, key=lambda r: (order[(r["stages"], r["schedule"], r["m"])], r["repeat"]))
 
 
 def _mb(x) -> str:
@@ -178,10 +190,11 @@ def print_bubble(rows: list[dict]) -> None:
     print("pipeline bubble (torch.distributed.pipelining, megatron-core, CPU): idle share of the schedule's span")
     print("  wall: as it ran (p2p, loss and CPU sharing included); replayed: the measured work items re-timed")
     print("  with the schedule's dependencies, one device per stage (ptbench.core.trace_ledger.bubble);")
-    print("  marked: every micro-batch's forward and backward marked once on every stage (else the counts)")
+    print("  marked: every micro-batch's forward and backward marked once on every stage (else the counts);")
+    print("  per step: the lowest and highest profiled step's wall ratio; rows of one case: its --repeats, interleaved")
     print(
-        f"{'stages':>6} {'schedule':14} {'m':>3} {'theory':>7} {'wall':>7} {'ratio':>6} {'replayed':>8} {'ratio':>6}"
-        f" {'marked':>6}  replayed per stage"
+        f"{'stages':>6} {'schedule':14} {'m':>3} {'theory':>7} {'wall':>7} {'ratio':>6} {'per step':>9} "
+        f"{'replayed':>8} {'ratio':>6} {'marked':>6}  replayed per stage"
     )
     from ptbench.runner.checks import affinity_cpus
 
@@ -193,9 +206,11 @@ def print_bubble(rows: list[dict]) -> None:
         rp = r.get("replayed_per_stage") or []
         rm, rr = r.get("replayed_mean"), r.get("replayed_ratio")
         marked = "once" if r.get("marked_once") else str(r.get("marks"))
+        steps = [v / r["theory"] for v in r.get("per_step") or []]
+        spread = f"{min(steps):.2f}-{max(steps):.2f}" if steps else "-"
         print(
             f"{r['stages']:6} {r['schedule']:14} {r['m']:3} {r['theory']:7.3f} {r['mean']:7.3f} {r['ratio']:6.2f} "
-            f"{'-' if rm is None else f'{rm:.3f}':>8} {'-' if rr is None else f'{rr:.2f}':>6} {marked:>6}  "
+            f"{spread:>9} {'-' if rm is None else f'{rm:.3f}':>8} {'-' if rr is None else f'{rr:.2f}':>6} {marked:>6}  "
             + " ".join(f"{v:.3f}" for v in rp)
             + ("  (wall: more stages than CPUs)" if r["stages"] > cpus else "")
         )
@@ -219,6 +234,12 @@ def main(argv=None) -> int:
         help="pipelines of the bubble table: pipeline (torch's GPipe and 1F1B), megatron (megatron-core's 1F1B); "
         "default both",
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="bubble table: run every case this many times, interleaved (case after case, then again); default 1",
+    )
     ap.add_argument("--root", type=Path, help="results root (default: a temporary folder)")
     ap.add_argument("--json", type=Path, help="write every row to this file")
     args = ap.parse_args(argv)
@@ -228,7 +249,7 @@ def main(argv=None) -> int:
         out["ledger"] = ledger_runs(root, args.runs)
         print_ledger(out["ledger"])
     if args.only in (None, "bubble"):
-        out["bubble"] = bubble_runs(root, adapters=args.bubble_adapters)
+        out["bubble"] = bubble_runs(root, adapters=args.bubble_adapters, repeats=args.repeats)
         print_bubble(out["bubble"])
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -231,6 +231,7 @@ def test_megatron_pipeline_bubble_marks_every_item_once(tmp_path):
     assert len(b["per_stage"]) == p and all(0 < v < 1 for v in b["per_stage"]), b
     assert len(b["replayed_per_stage"]) == p and all(0 < v < 1 for v in b["replayed_per_stage"]), b
     assert b["mean"] == pytest.approx(sum(b["per_stage"]) / p) and b["ratio"] == pytest.approx(b["mean"] / b["theory"])
+    assert len(b["per_step"]) == 2 and b["mean"] == pytest.approx(sum(b["per_step"]) / 2)  # the spread over steps
 
     marks = {s: _stage_marks(json.loads((run / "traces" / f"rank{s}.json").read_text())) for s in range(p)}
     assert sorted(marks[0]) == sorted(marks[1]) == [1, 2]

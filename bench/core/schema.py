@@ -484,6 +484,7 @@ SUMMARY = (
             F("marked_once", "", "every stage marks m forwards and m backwards per step, none nested"),
             F("per_stage", "fraction", "wall: idle share of the schedule's span per stage", kind="list"),
             F("mean", "fraction", "wall: mean over stages"),
+            F("per_step", "fraction", "wall: mean over stages, per profiled step (the spread of `mean`)", kind="list"),
             F("theory", "fraction", "(p-1)/(m+p-1)"),
             F("ratio", "", "mean / theory"),
             F("replayed_per_stage", "fraction", "the measured work items re-timed, one device per stage", kind="list"),

@@ -361,6 +361,7 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
     per_stage = [sum(f) / len(f) for f in fractions]
     theory = (p - 1) / (microbatches + p - 1)
     mean = sum(per_stage) / p
+    per_step = [sum(fractions[s][i] for s in range(p)) / p for i in range(len(steps))]  # the spread over steps
     # each stage's items of one direction do the same work: their fastest instance over the profiled steps is
     # the one least slowed by other ranks sharing the cores; the replay times every item at that
     fastest: dict = {}
@@ -382,6 +383,7 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
         marked_once=once,
         per_stage=per_stage,
         mean=mean,
+        per_step=per_step,
         theory=theory,
         ratio=mean / theory if theory else None,
         replayed_per_stage=rp,
