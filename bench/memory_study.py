@@ -7,6 +7,7 @@
     python -m ptbench.memory_study --records results/memory_study   # the tables again from records, no run
     python -m ptbench.memory_study --deepspeed-estimators --workloads gpt2_small gpt2_medium --gpus 1 2 8 64
     python -m ptbench.memory_study --deepspeed-estimators --workloads gpt2_tiny --gpus 2 --measure
+    python -m ptbench.memory_study --step                # the optimizer step's peak: measured vs predicted
 
 Runs `python -m ptbench` once per (variant, ranks) point, as a user would, then prints the bytes of
 parameters, gradients and optimizer state each rank reported (read from the framework's tensors, see
@@ -37,10 +38,18 @@ orientation only: it also holds allocator slack and the lazily allocated gradien
 estimate_zero3_model_states_mem_needs, the model's total and largest-layer parameters from stage3.
 model_to_params): per workload x stage (2, 3; with the offload variants) x GPU count, model-state bytes per
 GPU by `predict` (bf16, Adam: DeepSpeed's estimators assume 2-byte parameters and gradients with an fp32
-master and two fp32 moments, 12 bytes; at the step: + predict's step_transient, the fp32 gradient partition)
+master and two fp32 moments, 12 bytes; at the step: + the fp32 gradient partition, part of predict's step_transient)
 and by DeepSpeed, their ratio, and the difference split into stated reasons, each naming the DeepSpeed rule (`DS_REASONS`); what the reasons do not explain is printed. DeepSpeed
 has no stage-1 estimator. --measure adds the state bytes the runner reads from the engine's tensors on
 this machine (bf16 runs of zero2 / zero3 at each GPU count) beside both predictions.
+
+--step measures the optimizer step's peak: per variant (--variants, default ddp fsdp zero1 zero2 zero3) and
+precision (--precisions, default fp32 bf16) a real run of the harness adapter at --ranks (default 2) ranks on
+the CPU (gpt2_tiny, gloo; `measure_step`): one warm-up step, then the adapter's "optimizer" phase (clip + step;
+DeepSpeed's engine.step) under torch.profiler with profile_memory=True (`ProfiledPeak`: the running sum of its
+CPU allocation events), the most bytes held at once beyond the phase's start, beside `predict_run`'s
+step_transient for the same config on the CPU (the optimizer's temporaries; DeepSpeed's fp32 gradient
+partition, fp64 norms and gloo all-gather). Overrides are passed to every run (e.g. optimizer=sgd).
 """
 
 from __future__ import annotations
@@ -366,13 +375,14 @@ DS_ROWS = (
 # why DeepSpeed 0.19's estimate differs from `predict` (bf16, Adam); DS = .venv/.../deepspeed/runtime/zero/
 DS_REASONS = {
     "A": (
-        "+4Ψ/N, now in ours (predict's step_transient, column ours@step = model_states + step_transient): the fp32 "
+        "+4Ψ/N, now in ours (part of predict's step_transient; column ours@step = model_states + 4Ψ/N): the fp32 "
         "gradient partition that step() makes from the bf16 one, alive through the Adam step (DS "
         "stage_1_and_2.py:3113-3126, freed :3141; stage3.py:2686-2693, freed :2735; with offload_optimizer the "
         "persistent host buffer): DeepSpeed's 18 B/param = 2 grads_16bit + 4 grads_32bit + 4 params_32bit + 8 "
         "moments (comment at stage_1_and_2.py:4029-4031). model_states (column ours) are the states held when "
         "the step begins (what the runner measures); predict's total = model_states + max(transient + "
-        "activations, step_transient)"
+        "activations, step_transient), whose step_transient also holds the optimizer's temporaries and the fp64 "
+        "gradient norms, which DeepSpeed's estimators do not count"
     ),
     "B": (
         "+4 B x largest layer: `largest_layer_memory = 4 * largest_layer_params` (stage3.py:4027), the module "
@@ -473,8 +483,9 @@ def ours_ds_settings(stage: int, psi: int, largest: int, n: int, offload_opt: bo
 
 
 def ds_reasons(stage: int, psi: int, largest: int, n: int, offload_opt: bool) -> list[tuple[str, float]]:
-    """The stated differences DeepSpeed minus ours at the step (model_states + step_transient), (reason key of
-    DS_REASONS, bytes). A (the step's fp32 gradient partition) is in ours: predict's step_transient."""
+    """The stated differences DeepSpeed minus ours at the step (model_states + the step's fp32 gradient partition),
+    (reason key of DS_REASONS, bytes). A (the step's fp32 gradient partition) is in ours: part of predict's
+    step_transient."""
     out = []
     if stage == 3:
         out.append(("B", 4.0 * largest))
@@ -491,7 +502,9 @@ def ds_rows(workload: str, psi: int, largest: int, gpus: list[int], gpn: int = 8
             o = ours_ds_settings(stage, psi, largest, n, off_opt, off_par)
             ds = ds_estimate(stage, psi, largest, n, off_opt, off_par, gpn)
             reasons = ds_reasons(stage, psi, largest, n, off_opt)
-            at_step = o["model_states"] + o["step_transient"]  # A: the step's fp32 gradient partition
+            # A: the step's fp32 gradient partition, the size of the fp32 master partition (4Ψ/N; 0 offloaded);
+            # DeepSpeed's estimators count neither the optimizer's temporaries nor the fp64 norms in step_transient
+            at_step = o["model_states"] + o["master"]
             rows.append(
                 {
                     "workload": workload,
@@ -535,7 +548,8 @@ def ds_table(rows: list[dict], params: dict) -> str:
     if ratios:
         lines.append(f"DS/ours@step over these rows: {min(ratios):.3f} - {max(ratios):.3f} (ours@step 0: '-')")
     lines.append(
-        "ours: predict's model_states (held when the step begins); ours@step: + its step_transient (reason A); "
+        "ours: predict's model_states (held when the step begins); ours@step: + the step's fp32 gradient partition "
+        "(reason A, part of predict's step_transient); "
         "unexplained: DeepSpeed - ours@step - the reasons, in bytes (its int() rounding: <= 1); ours+gath: ours + "
         "predict's transient gathered unit (stage 3)"
     )
@@ -584,7 +598,7 @@ def ds_measured_table(workloads, gpus, run_overrides: dict, results: dict, param
     lines.append(
         "ours tensor: the per-tensor partition rule (the zero3 run sets stage3_param_persistence_threshold=0: "
         "every tensor sharded). DeepSpeed's estimate is for the run's precision (bf16): no scaling. Expected: "
-        "measured = ours tensor, and DeepSpeed - measured = the step's fp32 gradient (A, ours' step_transient: not "
+        "measured = ours tensor, and DeepSpeed - measured = the step's fp32 gradient (A, in ours' step_transient: not "
         "yet made when the states are read) + B + C at stage 3, minus what the per-tensor rule adds to Ψ/N "
         "(stage 2: a tensor straddling the partition edge keeps its whole gradient)"
     )
@@ -666,6 +680,159 @@ def timing_table(results: dict, n: int, variants) -> str:
     return "\n".join(lines)
 
 
+# --- --step: the optimizer step's peak, measured with torch.profiler's memory events -------------------------
+STEP_VARIANTS = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+STEP_OVERRIDES = ["workload=gpt2_tiny", "workload.seq_len=32", "trainer.batch_size=4", "data.train_samples=512"]
+
+
+class ProfiledPeak:
+    """`with ProfiledPeak() as p:` the CPU bytes the block allocated beyond what was alive when it began: `p.peak`
+    (the most at once) and `p.net` (still held at its end). torch.profiler with profile_memory=True records every
+    CPU allocation and free ("[memory]" events, signed bytes); their running sum in time order is what the block
+    holds at each moment."""
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        events = sorted(
+            (e.start_ns(), e.nbytes())
+            for e in self._prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type().name == "CPU"
+        )
+        self.peak = self.net = 0
+        for _, nbytes in events:
+            self.net += nbytes
+            self.peak = max(self.peak, self.net)
+        return False
+
+
+def _step_cfg(variant: str, precision: str, ranks: int, extra: list[str]):
+    from ptbench.runner.compose import compose, typed
+
+    return typed(
+        compose(
+            [
+                *variant_overrides(variant, ranks),
+                *STEP_OVERRIDES,
+                f"trainer.precision={precision}",
+                f"launcher.nprocs={ranks}",
+                *extra,
+            ]
+        )
+    )
+
+
+def _step_rank(rank: int, ranks: int, port: int, variant: str, precision: str, extra: list[str], out: str) -> None:
+    """One rank of a real harness adapter (CPU, gloo): one warm-up step (the optimizer state is made lazily),
+    then one step whose "optimizer" phase runs under `profiled_peak`; writes {peak, net} to out.RANK.json."""
+    import contextlib
+    import json
+    import os
+
+    import torch
+
+    from ptbench.core.dist import DistContext, init_process_group
+    from ptbench.core.timing import PhaseTimer
+    from ptbench.runner.plan import make_plan
+
+    torch.set_num_threads(1)
+    cfg = _step_cfg(variant, precision, ranks, extra)
+    plan = make_plan(cfg, "local", world_size=ranks, check=False)
+    ctx = DistContext(rank=rank, world_size=ranks, local_rank=rank, local_world_size=ranks, master_port=port)
+    os.environ.update(plan.adapter_cls.rank_environment(cfg))
+    init_process_group(ctx, 300)
+    from ptbench.workloads import build_workload
+
+    torch.manual_seed(0)
+    workload = build_workload(cfg.workload, cfg.data)
+    adapter = plan.adapter_cls(cfg, workload, ctx)
+    adapter.setup()
+    vocab, seq = int(cfg.workload.vocab_size), int(cfg.workload.seq_len)
+    batch = [(torch.randint(0, vocab, (plan.local_batch, seq)), torch.randint(0, vocab, (plan.local_batch, seq)))]
+    measured: dict = {}
+
+    class StepTimer(PhaseTimer):
+        measure = False
+
+        @contextlib.contextmanager
+        def phase(self, name):
+            with super().phase(name):
+                if name == "optimizer" and self.measure:
+                    with ProfiledPeak() as p:
+                        yield
+                    measured.update(peak=p.peak, net=p.net)
+                else:
+                    yield
+
+    timer = StepTimer()
+    for step in range(2):
+        timer.measure = step == 1
+        timer.start_step()
+        adapter.train_step(batch, timer)
+        timer.end_step()
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(measured, f)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_step(variant: str, precision: str, ranks: int = 2, extra: list[str] | None = None) -> dict:
+    """The optimizer phase's measured peak on each of `ranks` ranks of a real `variant` run (harness adapter,
+    CPU, gloo) beside `predict_run`'s step_transient for the same config on the CPU: {measured: [per rank],
+    predicted: the prediction}."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from ptbench.core.dist import free_port
+    from ptbench.core.memory_model import predict_run
+    from ptbench.runner.plan import make_plan
+    from ptbench.workloads import build_workload
+
+    extra = list(extra or [])
+    cfg = _step_cfg(variant, precision, ranks, extra)
+    plan = make_plan(cfg, "local", world_size=ranks, check=False)
+    pred = predict_run(cfg, plan, build_workload(cfg.workload, cfg.data).build_model, device="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/step"
+        mp.spawn(_step_rank, args=(ranks, free_port(), variant, precision, extra, out), nprocs=ranks)
+        measured = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(ranks)]
+    return {"variant": variant, "precision": precision, "ranks": ranks, "measured": measured, "predicted": pred}
+
+
+def step_table(rows: list[dict]) -> str:
+    head = (
+        "optimizer step peak per rank, CPU (torch.profiler memory events around the adapter's optimizer phase, "
+        "bytes beyond what the step began with) vs bench/core/memory_model.py's step_transient\n"
+        f"{'variant':<7} {'prec':<5} {'N':>2} {'measured B (busiest)':>21} {'predicted B':>12} {'pred/meas':>9} "
+        f"{'of which optimizer':>18}  formula"
+    )
+    lines = [head, "-" * len(head.splitlines()[-1])]
+    for r in rows:
+        meas = max(m["peak"] for m in r["measured"])
+        p = r["predicted"]
+        ratio = f"{p['step_transient'] / meas:9.3f}" if meas else "        -"
+        lines.append(
+            f"{r['variant']:<7} {r['precision']:<5} {r['ranks']:>2} {meas:>21,} {p['step_transient']:>12,.0f} {ratio} "
+            f"{p['step_optimizer']:>18,.0f}  {p['formula']['step_transient'][:160]}"
+        )
+    lines.append(
+        "measured: the most bytes the optimizer phase (clip + step; DeepSpeed: engine.step) held at once beyond its "
+        "start, the busiest of the ranks; per rank: "
+        + "; ".join(f"{r['variant']}/{r['precision']} {[m['peak'] for m in r['measured']]}" for r in rows)
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ptbench.memory_study", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="bench overrides for every point, e.g. workload=resnet50_tiny")
@@ -693,11 +860,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 8, 64], help="GPU counts (--deepspeed-estimators)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="DeepSpeed's num_gpus_per_node above one node")
     p.add_argument(
+        "--step",
+        action="store_true",
+        help="measure the optimizer step's peak (torch.profiler) of real runs at --ranks (default 2) vs predict",
+    )
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"], help="(--step)")
+    p.add_argument(
         "--measure",
         action="store_true",
         help="(--deepspeed-estimators) also run bf16 zero2/zero3 at each --gpus here and print the measured states",
     )
     args = p.parse_args(argv)
+    if args.step:
+        if args.deepspeed_estimators or args.timing or args.records:
+            print("error: --step runs on its own: drop --deepspeed-estimators / --timing / --records", file=sys.stderr)
+            return 2
+        variants = list(STEP_VARIANTS) if args.variants == p.get_default("variants") else args.variants
+        bad = [v for v in variants if v not in STEP_VARIANTS]
+        if bad:
+            print(
+                f"error: --step measures {', '.join(STEP_VARIANTS)}; drop --variants {' '.join(bad)}", file=sys.stderr
+            )
+            return 2
+        n = args.ranks[0] if args.ranks != p.get_default("ranks") else 2
+        rows = []
+        for v in variants:
+            for prec in args.precisions:
+                rows.append(measure_step(v, prec, n, args.overrides))
+                print(f"  {v} {prec} x {n} rank(s): measured", file=sys.stderr)
+        print(step_table(rows))
+        return 0
     if args.deepspeed_estimators:
         if args.timing or args.records:
             print(

@@ -21,7 +21,7 @@ def test_table_numbers_match_hand_computed_bytes():
     z2 = _row(rows, "zero2")
     assert z2["ours"] == 2 * PSI + 14 * PSI / N == 5_500_000
     assert z2["ds"] == 2 * PSI + 18 * PSI // N == 6_500_000
-    # at the step ours adds the fp32 gradient partition (predict's step_transient: DeepSpeed's reason A)
+    # at the step ours adds the fp32 gradient partition (part of predict's step_transient: DeepSpeed's reason A)
     assert z2["ours_step"] == z2["ours"] + 4 * PSI / N == z2["ds"]
     assert z2["ratio"] == 1.0 and z2["reasons"] == [] and z2["unexplained"] == 0
     # 64 GPUs = 8 nodes of 8: the GPU estimate depends on the total only

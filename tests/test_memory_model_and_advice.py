@@ -83,30 +83,47 @@ def test_fp32_master_copy_optimizers_and_sharded_adapters():
 
 def test_deepspeed_step_holds_an_fp32_gradient_partition_after_backward():
     """DeepSpeed 1-3's step() makes an fp32 copy of the rank's gradient partition (4Ψ/N) that lives through
-    the Adam step, after backward freed the activations: total = states + max(transient + activations, step)."""
+    the Adam step, after backward freed the activations: total = states + max(transient + activations, step).
+    The step also holds the optimizer's own temporaries (CUDA foreach: 4 x the group; CPU single-tensor 8 x it)
+    and before them the gradient norm's fp64 copy of the largest gradient piece (without shapes: the partition)."""
     psi, n = 1_000_000, 4
     kw = dict(precision="bf16", optimizer="adam", kind="vision")
     states = 2 * psi + 2 * psi / n + 12 * psi / n  # bf16 params + bf16 gradient partition + master and moments
-    # step-dominated: activations 2 B x 100,000 elements (0.2 MB) < the step's 4Ψ/N (1 MB)
+    # step-dominated: activations 2 B x 100,000 elements (0.2 MB) < the step's 4Ψ/N + foreach 4Ψ/N (2 MB)
     small = _states("zero2", psi, n, activation_elements_per_sample=100_000, micro_batch=1, **kw)
-    assert small["model_states"] == states and small["step_transient"] == 4 * psi / n
+    assert small["model_states"] == states and small["step_transient"] == 8 * psi / n
+    assert small["step_optimizer"] in (0, 4 * psi / n)  # the fp64 norm (8 x the partition) ties with it
     assert small["activations"] == 2 * 100_000 and small["transient"] == 0
-    assert small["total"] == states + 4 * psi / n  # not states + activations + step
-    # activation-dominated: 2 B x 1,000,000 elements (2 MB) > 1 MB: the step's copy hides under backward's peak
-    big = _states("zero2", psi, n, activation_elements_per_sample=1_000_000, micro_batch=1, **kw)
-    assert big["step_transient"] == 4 * psi / n and big["total"] == states + 2 * psi
-    # the step's copy is counted in neither PARTS nor model_states, and it reaches the record
-    assert mm.record_fields(small)["step_transient"] == psi and "step_transient" not in mm.PARTS
+    assert small["total"] == states + 8 * psi / n  # not states + activations + step
+    # activation-dominated: 2 B x 3,000,000 elements (6 MB) > 2 MB: the step hides under backward's peak
+    big = _states("zero2", psi, n, activation_elements_per_sample=3_000_000, micro_batch=1, **kw)
+    assert big["step_transient"] == 8 * psi / n and big["total"] == states + 6 * psi
+    # the step is counted in neither PARTS nor model_states, and it reaches the record
+    assert mm.record_fields(small)["step_transient"] == 2 * psi and "step_transient" not in mm.PARTS
     # offload_optimizer: the fp32 gradient partition is the persistent host buffer (nothing on the device)
     off = _states("zero2", psi, n, activation_elements_per_sample=100_000, micro_batch=1, offload_optimizer=True, **kw)
     assert off["step_transient"] == 0 and off["total"] == off["model_states"] + off["activations"]
-    # fp32 training (the flatten's copy is already fp32), stage 1 and 3 alike; non-DeepSpeed states: none
-    assert _states("zero2", psi, n)["step_transient"] == 4 * psi / n
-    assert _states("zero1", psi, n, precision="bf16")["step_transient"] == 4 * psi / n
-    assert _states("zero3", psi, n, precision="bf16")["step_transient"] == 4 * psi / n
-    assert _states("zero3", 8 * 10**9, 2, precision="bf16")["step_transient"] == 4 * mm.ZERO3_SUB_GROUP_SIZE
-    for sharding in ("none", "fsdp", "zero0", "distributed_optimizer"):
-        assert _states(sharding, psi, n, precision="bf16")["step_transient"] == 0
+    # CPU: torch's single-tensor Adam holds 8 x the flat partition (sqrt and quotient) beside the fp32 gradient
+    assert _states("zero2", psi, 2, device="cpu")["step_transient"] == 12 * psi / 2
+    assert _states("zero2", psi, 2, device="cpu", weight_decay=0.1)["step_transient"] == 12 * psi / 2  # AdamW
+    assert _states("zero2", psi, 2, device="cpu", optimizer="adam", weight_decay=0.1)["step_transient"] == 16 * psi / 2
+    # ... and then all-gathers the updated parameters through gloo's flat buffer of the whole group (4Ψ > 12Ψ/4)
+    assert _states("zero2", psi, 4, device="cpu")["step_transient"] == 4 * psi
+    # fp32 training, stage 1 and 3 alike (CUDA: 4Ψ/N gradient + 4Ψ/N foreach)
+    assert _states("zero2", psi, n)["step_transient"] == 8 * psi / n
+    assert _states("zero1", psi, n, precision="bf16")["step_transient"] == 8 * psi / n
+    assert _states("zero3", psi, n, precision="bf16")["step_transient"] == 8 * psi / n
+    assert _states("zero3", 8 * 10**9, 2, precision="bf16")["step_transient"] == 8 * mm.ZERO3_SUB_GROUP_SIZE
+    # a fused optimizer (none by default): the gradient partition alone, or the bf16 copy during its conversion
+    fused = _states("zero2", psi, n, precision="bf16", optimizer_impl="fused")
+    assert fused["step_optimizer"] == 0 and fused["step_transient"] == 8 * psi / n  # the fp64 norm copy
+    # non-DeepSpeed states: only the optimizer's temporaries (CUDA foreach: 4 x the group, here all of it)
+    assert _states("none", psi, n, precision="bf16")["step_transient"] == 4 * psi
+    assert _states("fsdp", psi, n, precision="bf16")["step_transient"] == 4 * psi / n
+    assert _states("distributed_optimizer", psi, n, optimizer_impl="fused")["step_transient"] == 0
+    assert _states("none", psi, n, device="cpu")["step_transient"] == 0  # single-tensor: needs the shapes
+    with pytest.raises(ValueError, match="optimizer_impl must be one of"):
+        _states("none", psi, n, optimizer_impl="apex")
 
 
 def test_per_tensor_partition_keeps_straddling_gradients_whole():
@@ -237,7 +254,10 @@ def test_predict_run_from_a_config_counts_the_model():
     assert pred["inputs"]["micro_batch"] == 4 and pred["inputs"]["attention_scores"] is False
     # gpt2_tiny's token embedding (94 % of Ψ) straddles the two partitions: both ranks keep its gradient
     assert pred["grads"] > 4 * psi / 2
-    assert pred["step_transient"] == 4 * math.ceil(psi / 2)  # the fp32 gradient partition at the step
+    # the step on the CPU: the larger group's (tensors of >= 2 dimensions) fp32 gradient partition + single-tensor
+    # AdamW's sqrt and quotient on it (12 B per element); gpt2_tiny's other group holds only biases and norms
+    g0 = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    assert pred["step_transient"] == 12 * math.ceil(g0 / 2) and pred["step_optimizer"] == 8 * math.ceil(g0 / 2)
     assert pred["total"] == pytest.approx(
         pred["model_states"] + max(pred["transient"] + pred["activations"], pred["step_transient"])
     )
@@ -557,7 +577,9 @@ def test_plan_memory_is_one_call_for_the_runner():
         rec["total"] == rec["model_states"] + rec["transient"] + rec["activations"]
         or abs(rec["total"] - rec["model_states"] - rec["transient"] - rec["activations"]) <= 2
     )
-    assert rec["fits"] is True and rec["sharding"] == "none" and rec["step_transient"] == 0
+    # the optimizer step (single-tensor AdamW on the CPU): 8 x the token embedding, hidden under backward's peak
+    assert rec["fits"] is True and rec["sharding"] == "none" and rec["step_transient"] == 8 * 50257 * 128
+    assert rec["step_transient"] < rec["transient"] + rec["activations"]
     big = typed(compose(["adapter=ddp", "launcher.nprocs=1", "workload=gpt2_medium", "trainer.batch_size=4096"]))
     with pytest.raises(ConfigError, match="predicted memory per rank"):
         mm.plan_memory(

@@ -12,16 +12,18 @@ Model states ([ZeRO] Rajbhandari et al., SC 2020, Sec. 3.1 and 5, Fig. 1), Ψ = 
 of the rank's model-parallel shard P, N = data-parallel size, K = optimizer state bytes per element,
 by the state sharding an adapter states (its `cost_inputs().sharding`):
 
-    sharding (fp32)                    params   grads        optimizer   master   transient                     step
+    sharding (fp32)                    params   grads        optimizer   master   transient                     step (AdamW)
     none (ddp, horovod, tensor_parallel, pipeline, gpipe), zero0, distributed_optimizer on a CPU
-                                       4P       4P           K P         -        fusion buffer (horovod)       -
+                                       4P       4P           K P         -        fusion buffer (horovod)       opt(P)
     distributed_optimizer on CUDA (megatron with adam/adamw)
-                                       4P       4P           K P/N       -                                      -
-    zero1 (DeepSpeed 0.19)             4P       4P/N (*)     K P/N       4P/N     full gradients in backward    4P/N
-    zero2                              4P       4P/N (*)     K P/N       4P/N                                   4P/N
-    zero3                              4P/N     4P/N         K P/N       4P/N     the largest gathered module   4P/N
-    fsdp (FSDP2)                       4P/N     4P/N         K P/N       -        the largest gathered module   -
+                                       4P       4P           K P/N       -                                      opt(P/N)
+    zero1 (DeepSpeed 0.19)             4P       4P/N (*)     K P/N       4P/N     full gradients in backward    4P/N + opt
+    zero2                              4P       4P/N (*)     K P/N       4P/N                                   4P/N + opt
+    zero3                              4P/N     4P/N         K P/N       4P/N     the largest gathered module   4P/N + opt
+    fsdp (FSDP2)                       4P/N     4P/N         K P/N       -        the largest gathered module   opt(P/N)
 
+    opt: the optimizer's temporaries (see "step" below): CUDA foreach 4 x the largest parameter group; CPU
+    single-tensor 8 x the largest tensor (+ 4 x the one before it); fused 0.
     total = params + grads + optimizer + master + max(transient + activations, step)
 
 K: adam / adamw / lamb 8 (two moments), sgd with momentum / lars 4 (one buffer; sgd without momentum 0).
@@ -38,19 +40,32 @@ KΨ/N at the peak. With `shapes` (the model's parameter shapes in `parameters()`
 partition follows the framework's rule per tensor instead of Ψ/N: DeepSpeed 1-2 cut one flat buffer
 into N equal pieces and keep whole gradients of every tensor touching a rank's piece; DeepSpeed 3
 splits each tensor into ceil(numel/N); FSDP2 splits each tensor along dim 0 (torch.chunk).
-"step" (`step_transient`): DeepSpeed 1-3's step() flattens the rank's gradient partition and converts it to
-fp32 (`flat.to(fp32)`) as the .grad of the fp32 master, alive through the optimizer step and freed after it
-(DS 0.19.8 stage_1_and_2.py:3113-3142; stage3.py:2686-2693, freed :2735, one sub-group of at most
-sub_group_size = 1e9 elements at a time): 4 P/N, under fp32 too (there the flatten's copy; a partition
-lying inside one tensor is a view, not modelled) and counted by DeepSpeed's own estimators as "4
-grads_32bit". Backward's activations, full gradients (zero1) and gathered parameters (zero3) are freed
-by then, so the step's peak is the model states + step, not a sum. With offload_optimizer the fp32
-gradient partition is the persistent host buffer (0 on the device). Measured on CPU with torch.profiler's
-memory timeline around step() (bf16 and fp32, stages 1-3, N = 1, one parameter group): the 4 B/param copy;
-under bf16 the 2-byte flat copy also lives for the conversion itself (+2 P/N), and torch Adam's own
-temporaries come on top (single-tensor: sqrt + div, +8 P/N; foreach: +4 P/N): neither is modelled. The
-harness's two weight-decay groups are stepped one after the other: 4 P/N is their sum, the larger group is
-the true peak (GPT-2: every tensor of two or more dimensions, > 99.9 %).
+"step" (`step_transient`, on top of the model states: backward's activations, full gradients (zero1) and
+gathered parameters (zero3) are freed by then, so the step's peak is the model states + step, not a sum): the
+most the optimizer step holds at once beyond the states, measured on CPU with torch.profiler's memory events
+around each adapter's optimizer phase (`python -m ptbench.memory_study --step`: ddp, fsdp, zero1-3 at 2 ranks,
+fp32 and bf16, within 50 bytes).
+- The optimizer's own temporaries (`step_optimizer`, `optimizer_temporaries`). Every adapter but Megatron's
+  GPU distributed optimizer steps a torch Adam / AdamW / SGD (bench/core/optim.py; DeepSpeed takes it as its
+  client optimizer, engine.py:2335-2336, and steps the fp32 master partitions with it: no FusedAdam unless
+  the config names an optimizer, which only offload does, DeepSpeed's CPU Adam on the host). torch 2.14
+  picks the implementation by device (`torch_step_impl`): CUDA foreach, CPU the single-tensor for-loop,
+  never fused by default. Single-tensor Adam/AdamW holds per tensor 8 n_i (sqrt and quotient) plus the
+  previous tensor's denominator 4 n_{i-1} (+4 n_i for Adam's L2 weight decay): the largest tensor sets it
+  (DDP on gpt2_tiny: 8 x the token embedding); foreach holds 4 x the whole parameter group (its
+  `_foreach_sqrt`); fused (Megatron with Transformer Engine / Apex on CUDA) none. The harness's two
+  parameter groups (>= 2 dimensions with weight decay, then the rest) are stepped one after another.
+- DeepSpeed 1-3 (`step_transient` is the largest of): the gradient norm's fp64 copy of each gradient piece
+  (8 x the rank's largest piece, stage_1_and_2.py:2684, stage3.py:2457; computed even without clipping);
+  per group the fp32 gradient partition made from the gradients (`flat.to(fp32)`, the .grad of the fp32
+  master, DS 0.19.8 stage_1_and_2.py:3113-3142, stage3.py:2686-2735: 4 P/N; under fp32 a view when a rank's
+  partition lies inside one tensor, not modelled: the busiest rank copies) plus the optimizer's temporaries on it: 12 P/N (CPU) / 8 P/N (CUDA)
+  for AdamW; the flat bf16 copy beside its fp32 conversion (6 P/N) for the moment of the conversion (never
+  the peak measured: the bf16 copy is freed before the optimizer runs); on CPU stages 1-2 all-gather the
+  updated group through gloo's flat buffer (b N x P/N, after the fp32 gradients are freed). Stage 3 steps
+  sub-groups of at most sub_group_size = 1e9 elements. With offload_optimizer all of it is on the host (0).
+Without parameter shapes the rank's elements are taken as one group (an upper bound); for tensor / pipeline
+parallel shards the single-tensor bound is 8 L1 + 4 L2 from the model's two largest tensors.
 
 Model-parallel shard P: tensor parallel divides the sharded weights by t and keeps `replicated`
 parameters whole on every TP rank (GPT-2: position embedding, LayerNorms, the row-parallel biases:
@@ -117,7 +132,7 @@ layer split), x micro-batches alive on that stage (1F1B: min(p - i, m) on stage 
 Unmodelled (all add to the measured peak): the CUDA caching allocator's fragmentation and
 reserved-but-free blocks, the CUDA context (~0.3-0.5 GB per process, outside torch's allocator
 statistics), DDP / ZeRO bucket buffers when gradients are not bucket views, NCCL buffers, the data
-loader's pinned batches, temporaries of the loss and of the optimizer step (foreach kernels).
+loader's pinned batches, temporaries of the loss; timm's LAMB / LARS step temporaries.
 """
 
 from __future__ import annotations
@@ -311,6 +326,9 @@ def predict(
     offload_params: bool = False,
     zero3_settings: dict | None = None,
     device: str = "cuda",
+    weight_decay: float = 0.0,
+    step_groups: list | None = None,
+    optimizer_impl: str | None = None,
     label: str | None = None,
 ) -> dict:
     """Bytes per rank (the busiest one) training a model of `params` elements whose states are split by
@@ -350,15 +368,20 @@ def predict(
     zero3_settings: DeepSpeed stage 3's own rules ({param_persistence_threshold, max_live_parameters,
         max_reuse_distance, prefetch_bucket_size}, elements; see `zero3_gathered`); None: the plain partition
         with the largest unit gathered.
-    device: cuda | cpu (Megatron shards its optimizer only on CUDA). label: what the run is called (the
-        adapter's name; only printed).
+    device: cuda | cpu (Megatron shards its optimizer only on CUDA; torch's optimizers step foreach on CUDA and a
+        single-tensor loop on CPU). label: what the run is called (the adapter's name; only printed).
+    weight_decay: the optimizer's (Adam's L2 decay and SGD's make a temporary). step_groups: the optimizer's
+        parameter groups as [(the model's parameter shapes in order, weight decay)] (`harness_step_groups`):
+        each rank's tensors follow from the sharding; None: one group of the rank's elements.
+    optimizer_impl: single_tensor | foreach | fused | host (None: torch's default for `device`).
 
     Returns {adapter (the label), sharding, world_size, dp, tp, pp, precision, optimizer_name, kind, busiest,
     params_per_rank (elements of the model-parallel shard), and the bytes of each of PARTS (params,
     grads, optimizer, master, transient, activations), step_transient, model_states, total}; every byte field
     is a float (N rarely divides Ψ); `model_states` = params + grads + optimizer + master; `transient`: what
     forward / backward hold beside the activations; `step_transient`: what the optimizer step alone holds
-    (DeepSpeed 1-3: the fp32 gradient partition), after backward freed the activations and those buffers;
+    (the optimizer's temporaries; DeepSpeed 1-3 also the fp32 gradient partition, the norm's fp64 copies), after
+    backward freed the activations and those buffers; `step_optimizer`: the optimizer's temporaries in it;
     `total` = model_states + max(transient + activations, step_transient); `busiest` names the stage taken
     (pipelines); `formula` says per part what was used; `notes` what is uncertain."""
     name = sharding.strip().lower()
@@ -552,6 +575,111 @@ def predict(
             notes.append("interleaved 1F1B modelled as 1F1B (it keeps up to (p-1)/(p v) more micro-batches)")
         return min(pp, microbatches), f"min(p, m)={min(pp, microbatches)} micro-batches (1F1B, first stage)"
 
+    # --- the optimizer step: DeepSpeed's fp32 gradient partition and the optimizer's own temporaries ----------
+    if optimizer_impl is None:
+        impl, impl_why = torch_step_impl(device)
+    elif optimizer_impl in STEP_IMPLS:
+        impl, impl_why = optimizer_impl, f"{optimizer_impl} (given)"
+    else:
+        raise ValueError(f"optimizer_impl must be one of {', '.join(STEP_IMPLS)} or None, got {optimizer_impl!r}")
+    ds = name in ("zero1", "zero2", "zero3")
+    if ds and offload_optimizer:
+        impl, impl_why = "host", "host (offload_optimizer: DeepSpeed's CPU Adam / torch on the host partition)"
+    model_parallel = tp > 1 or pp > 1 or devices_per_process > 1
+    opt_name = optimizer.strip().lower()
+
+    def _step(P: float, part: float) -> tuple[float, float, str]:
+        """(step_transient, the optimizer's temporaries in it, formula) of a rank holding P parameters (part: its
+        DeepSpeed partition); the busiest rank (or `rank`) when the shapes give each rank's tensors."""
+        if ds and offload_optimizer:
+            return 0.0, 0.0, "0 (offload_optimizer: the fp32 gradient partition is in host memory, stepped there)"
+        wd = float(weight_decay)
+        by_shapes = bool(step_groups) and (name in ("zero1", "zero2", "zero3", "fsdp") or not model_parallel)
+        per_rank = []  # (the rank's groups as its optimizer steps them, its largest gradient piece: DeepSpeed's norm)
+        if by_shapes:
+            flat = name == "zero0" and half
+            if name == "distributed_optimizer" and device == "cuda":  # Megatron: each rank steps 1/N of every group
+                per_rank.append(([([math.ceil(sum(numel(x) for x in g) / N)], w) for g, w in step_groups], 0))
+            else:
+                sharded = name in ("zero1", "zero2", "zero3", "fsdp")
+                for r in range(N) if (rank is None and sharded) else [rank or 0]:
+                    per_rank.append(
+                        (rank_step_groups(name, step_groups, N, r, flat=flat), _grad_piece(name, step_groups, N, r))
+                    )
+            rule = "per group, the busiest rank" + (
+                " (flat fp32 group, DeepSpeed's BF16 optimizer: not validated)" if flat else ""
+            )
+        else:  # no shapes, or a model-parallel shard whose tensors the shapes do not give: one group (a bound)
+            if ds:
+                whole = part if name != "zero3" else min(part, ZERO3_SUB_GROUP_SIZE)
+            elif name == "fsdp" or (name == "distributed_optimizer" and device == "cuda"):
+                whole = P / N
+            else:
+                whole = P
+            per_rank.append(([([whole], wd)], whole))
+            rule = "one group of the rank's elements (an upper bound)"
+            if impl == "single_tensor" and not ds:
+                if step_groups:  # model parallel: 8 L1 + 4 L2 (+ 4 L1, L2 adam) from the two largest whole tensors
+                    big = sorted((numel(x) for g, _ in step_groups for x in g), reverse=True) + [0, 0]
+                    coupled = 4 if (opt_name == "adam" and wd) else 0
+                    opt = min((8 + coupled) * big[0] + 4 * big[1], (12 + coupled) * P)
+                    if opt_name not in ("adam", "adamw"):
+                        opt = 4 * min(big[0], P) if (wd and opt_name == "sgd") else 0
+                    return (
+                        opt,
+                        opt,
+                        (
+                            f"{impl_why}: the optimizer's temporaries, bounded by the two largest whole tensors "
+                            f"(8 L1 + 4 L2{' + 4 L1 (adam, L2 decay)' if coupled else ''}, at most {12 + coupled} P): "
+                            "the rank steps shards / a stage of them"
+                        ),
+                    )
+                notes.append(
+                    "the optimizer step's temporaries (single-tensor, CPU) need the parameter shapes: not estimated"
+                )
+                return 0.0, 0.0, f"0 ({impl_why}; not estimated without the parameter shapes)"
+        gb = 2 if half else 4  # DeepSpeed's model (bit16) dtype
+        best = (-1.0, 0.0, "")
+        for groups, piece in per_rank:
+            # DeepSpeed, before the groups: the gradient norm's fp64 copy of each gradient piece (get_norm_dtype)
+            terms = [
+                (
+                    8.0 * piece if ds else 0.0,
+                    0.0,
+                    f"8 x {piece:,} the gradient norm's fp64 copy of the largest gradient piece",
+                )
+            ]
+            for elems, w in groups:
+                opt, how = optimizer_temporaries([(elems, w)], optimizer, impl, momentum)
+                g = sum(elems)
+                if not ds:
+                    terms.append((opt, opt, f"the optimizer's temporaries, {how}"))
+                    continue
+                terms.append(
+                    (4.0 * g + opt, opt, f"4 x {g:,} fp32 gradient partition + the optimizer's temporaries, {how}")
+                )
+                if half:  # the flat bf16 copy beside its fp32 conversion (under fp32 the copy is the fp32 gradient)
+                    terms.append((6.0 * g, 0.0, f"6 x {g:,}: the flat bf16 copy and its fp32 conversion"))
+                if (
+                    name in ("zero1", "zero2") and device == "cpu"
+                ):  # gloo all-gathers through a flat buffer of the group
+                    terms.append(
+                        (gb * N * g, 0.0, f"{gb} x N x {g:,}: gloo's all-gather of the updated group (CPU only)")
+                    )
+            top = max(terms, key=lambda t: t[0])
+            if top[0] > best[0]:
+                best = top
+        peak, opt, how = best
+        if not ds:
+            return peak, opt, (f"{impl_why}: {how} [{rule}]" if peak else f"0 ({impl_why}: no temporaries)")
+        src = (
+            "stage_1_and_2.py:2684 fp64 norms, :3113-3118 flatten + .to(fp32), :3126 .grad, freed :3141-3142; "
+            if name != "zero3"
+            else f"stage3.py:2457 fp64 norms, :2686-2693 flatten + .to(fp32) per sub-group of <= {ZERO3_SUB_GROUP_SIZE:,}, "
+            "freed :2735; "
+        )
+        return peak, opt, f"DeepSpeed step, the largest of its terms: {how} [{rule}; {src}client optimizer: {impl_why}]"
+
     # --- states per stage, then the busiest stage -------------------------------------------------------
     results = []
     shared_formula = formula
@@ -620,23 +748,7 @@ def predict(
         if offload_params and name == "zero3":
             out["params"] = 0.0
             formula["params"] = "0 (offload_params: in host memory; gathered units in transient)"
-        out["step_transient"] = 0.0
-        if name in ("zero1", "zero2", "zero3"):
-            if offload_optimizer:
-                formula["step_transient"] = "0 (offload_optimizer: the fp32 gradient partition is in host memory)"
-            else:  # step(): the fp32 gradient partition the master's Adam step reads, made from the gradients
-                elems = part if name != "zero3" else min(part, ZERO3_SUB_GROUP_SIZE)
-                out["step_transient"] = 4 * elems
-                formula["step_transient"] = (
-                    "4 P/N fp32 gradient partition alive through the optimizer step (DS 0.19.8 "
-                    + (
-                        "stage_1_and_2.py:3113-3118 flatten + .to(fp32), :3126 .grad, freed :3141-3142"
-                        if name != "zero3"
-                        else "stage3.py:2686-2693 flatten + .to(fp32) per sub-group, freed :2735; "
-                        f"at most sub_group_size {ZERO3_SUB_GROUP_SIZE:,} elements"
-                    )
-                    + "; under fp32 the flatten's copy)"
-                )
+        out["step_transient"], out["step_optimizer"], formula["step_transient"] = _step(P, part)
         out["activations"], formula["activations"], out["saved_activations"] = activations(stage_name)
         out["model_states"] = out["params"] + out["grads"] + out["optimizer"] + out["master"]
         # the step runs after backward has freed the activations (and the gathered / full gradients): the peak is
@@ -672,6 +784,134 @@ def fits(predicted_total: float, device_bytes: float | None, headroom: float = 0
     if device_bytes is None:
         return True
     return predicted_total <= headroom * device_bytes
+
+
+# --- the optimizer step's own temporaries (torch 2.14 / DeepSpeed 0.19.8 as installed) --------------------
+STEP_IMPLS = ("single_tensor", "foreach", "fused", "host")
+TORCH_OPTIMIZERS = ("adam", "adamw", "sgd")  # torch.optim classes (bench/core/optim.py); lamb / lars are timm's
+
+
+def torch_step_impl(device: str) -> tuple[str, str]:
+    """(implementation, why) torch's Adam / AdamW / SGD pick when neither foreach nor fused is passed (the
+    harness passes neither: bench/core/optim.py): torch/optim/adam.py:937-968 (sgd.py:283) ask
+    optimizer.py:170-195 `_default_to_fused_or_foreach`, whose foreach needs every parameter of type Tensor,
+    Parameter or DTensor (optimizer.py:45; DTensor added by torch/distributed/tensor/__init__.py:78-79, so FSDP2
+    and tensor parallel alike) on a foreach device: utils/_foreach_utils.py:8-10 lists cuda, not cpu. fused
+    is never the default (adam.py:944-945)."""
+    if device == "cuda":
+        return "foreach", "torch foreach on CUDA (optimizer.py:187-194: CUDA tensors)"
+    return (
+        "single_tensor",
+        "torch single-tensor for-loop on CPU (foreach devices: cuda, not cpu, _foreach_utils.py:8-10)",
+    )
+
+
+def harness_step_groups(shapes, weight_decay: float) -> list[tuple[list, float]]:
+    """The harness's optimizer parameter groups (bench/core/optim.py `param_groups`): the shapes of the tensors
+    of >= 2 dimensions with `weight_decay`, then the rest with 0, in `parameters()` order (the order a torch
+    optimizer steps them)."""
+    decay = [tuple(s) for s in shapes if len(s) >= 2]
+    rest = [tuple(s) for s in shapes if len(s) < 2]
+    return [(g, wd) for g, wd in ((decay, weight_decay), (rest, 0.0)) if g]
+
+
+def optimizer_temporaries(groups, optimizer: str, impl: str, momentum: float = 0.9) -> tuple[float, str]:
+    """(bytes, why): the most the optimizer's own temporaries hold at once while it steps `groups` ([(elements of
+    each fp32 tensor it steps, in order), weight decay] per parameter group; groups are stepped one after
+    another and a group's temporaries are freed when its step returns). torch 2.14, 4-byte (fp32) tensors:
+
+    adam / adamw, single_tensor (adam.py:347-550): per tensor i, `denom = (exp_avg_sq.sqrt() / bc2_sqrt)` (:544)
+        holds the sqrt and the quotient (8 n_i) while the previous tensor's denom is still bound to `denom`
+        (4 n_{i-1}); adam (L2, not decoupled) with weight decay adds `grad = grad.add(param)` (:428, 4 n_i;
+        the previous one is dropped at :397): max_i 4 n_{i-1} + (8 + 4 [adam, wd]) n_i.
+    adam / adamw, foreach (:553-800): `_foreach_sqrt` (:790) of the whole group (4 x group); adam's weight-decay
+        list (:697) is deleted (:726) before it: 4 x the group's elements either way.
+    sgd: with weight decay `grad.add(param)` (sgd.py:355: 4 n_i, single_tensor) / `_foreach_add` (:429: 4 x the
+        group, foreach); momentum updates its buffer in place.
+    fused (torch._fused_adamw_, TE / apex FusedAdam) and host (DeepSpeed's CPU Adam on offloaded state): none on
+    the device. lamb / lars (timm): not modelled (0)."""
+    name = optimizer.strip().lower()
+    if impl not in STEP_IMPLS:
+        raise ValueError(f"optimizer implementation must be one of {', '.join(STEP_IMPLS)}, got {impl!r}")
+    if impl in ("fused", "host"):
+        return 0.0, f"0 ({impl}: no temporaries on the device)"
+    if name not in TORCH_OPTIMIZERS:
+        return 0.0, f"0 ({name}: timm's optimizer, its temporaries not modelled)"
+    top, why = 0.0, "0"
+    for elems, wd in groups:
+        if not elems:
+            continue
+        if name in ("adam", "adamw"):
+            coupled = 4 if (name == "adam" and wd) else 0
+            if impl == "foreach":
+                b, how = 4.0 * sum(elems), "4 x the group (_foreach_sqrt, adam.py:790)"
+            else:
+                b = max(4.0 * p + (8 + coupled) * n for p, n in zip([0, *elems[:-1]], elems))
+                how = f"max over tensors of 4 n_prev + {8 + coupled} n (sqrt and quotient, adam.py:544" + (
+                    "; L2 grad.add, :428)" if coupled else ")"
+                )
+        else:  # sgd
+            if not wd:
+                continue
+            b = 4.0 * (sum(elems) if impl == "foreach" else max(elems))
+            how = "4 x the group (_foreach_add, sgd.py:429)" if impl == "foreach" else "4 n, the largest (sgd.py:355)"
+        if b > top:
+            top, why = b, f"{how}; {len(elems)} tensor(s), {sum(elems):,} elements"
+    return top, why
+
+
+def _sub_groups(local: float, wd: float) -> list:
+    """DeepSpeed stage 3 steps a group's flat fp32 partition in sub-groups of at most sub_group_size elements."""
+    out = []
+    while local > 0:
+        out.append(([min(local, ZERO3_SUB_GROUP_SIZE)], wd))
+        local -= ZERO3_SUB_GROUP_SIZE
+    return out
+
+
+def rank_step_groups(name: str, groups, n: int, rank: int, flat: bool = False) -> list[tuple[list, float]]:
+    """`groups` ([(shapes, weight decay)], `harness_step_groups`) as rank `rank` of `n` steps them, each as
+    [(elements of each tensor, in order), wd]: DeepSpeed 1-2 one flat fp32 partition of ceil(group / N)
+    elements per group (stage_1_and_2.py:3113-3126, single_partition_of_fp32_groups[i]); 3 the per-tensor
+    ceil(numel / N) pieces as one flat sub-group of at most sub_group_size (stage3.py:2686-2693); FSDP2 each
+    tensor's dim-0 chunk (torch.chunk, the DTensor's local shard); `flat`: one flat tensor of the whole group
+    (DeepSpeed's BF16 optimizer at stage 0); else whole tensors."""
+    out: list = []
+    for shapes, wd in groups:
+        elems = [numel(s) for s in shapes]
+        if name in ("zero1", "zero2"):
+            out.append(([math.ceil(sum(elems) / n)], wd))
+        elif name == "zero3":
+            out += _sub_groups(sum(math.ceil(k / n) for k in elems), wd)
+        elif name == "fsdp":
+            local = []
+            for s in shapes:
+                rows = s[0] if s else 1
+                chunk = math.ceil(rows / n)
+                local.append(max(0, min(chunk, rows - rank * chunk)) * (numel(s) // rows if rows else 0))
+            out.append(([k for k in local if k], wd))
+        elif flat:
+            out.append(([sum(elems)], wd))
+        else:
+            out.append((elems, wd))
+    return out
+
+
+def _grad_piece(name: str, groups, n: int, rank: int) -> int:
+    """DeepSpeed: the largest gradient piece rank `rank` of `n` holds (elements): stages 1-2 the largest part of
+    a tensor inside the rank's 1/N slice of its group's flat buffer; 3 the largest ceil(numel / N)."""
+    top = 0
+    for shapes, _ in groups:
+        elems = [numel(s) for s in shapes]
+        if name == "zero3":
+            top = max([top, *(math.ceil(k / n) for k in elems)])
+        elif name in ("zero1", "zero2"):
+            size = math.ceil(sum(elems) / n)
+            lo, hi, start = rank * size, (rank + 1) * size, 0
+            for k in elems:
+                top = max(top, min(hi, start + k) - max(lo, start))
+                start += k
+    return top
 
 
 # --- counting what autograd saves (the memory ledger's "counted" side) -----------------------------------
@@ -1062,6 +1302,16 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
         }
     if shapes and cost.sharding in ("zero1", "zero2", "zero3", "fsdp"):
         kw["shapes"] = facts["shapes"]
+    # the optimizer step's temporaries: the harness's two parameter groups (bench/core/optim.py param_groups)
+    kw["weight_decay"] = float(cfg.optimizer.weight_decay)
+    kw["step_groups"] = harness_step_groups(facts["shapes"], kw["weight_decay"])
+    if cost.sharding == "distributed_optimizer" and device == "cuda" and cfg.optimizer.name in ("adam", "adamw"):
+        # Megatron's distributed optimizer steps Transformer Engine's or Apex's FusedAdam when either is installed,
+        # else torch's AdamW (megatron/core/optimizer/__init__.py:12-33, :358-363)
+        import importlib.util
+
+        if any(importlib.util.find_spec(m) for m in ("transformer_engine", "apex")):
+            kw["optimizer_impl"] = "fused"
     if w.kind == "language":
         # the harness GPT-2 uses torch scaled_dot_product_attention (fused); a framework whose attention keeps
         # the scores on a CPU says so (Megatron's local spec; Transformer Engine on CUDA does not)
@@ -1089,7 +1339,7 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
             if cost.schedule == "gpipe" and cost.recompute != "never":  # torchgpipe checkpointing keeps the inputs
                 kw["stage_input_elements"] = stage_input_elements(model, sample, balance)
     out = predict(cost.sharding, label=cfg.adapter.name, **kw)
-    out["inputs"] = {k: v for k, v in kw.items() if k != "shapes"}
+    out["inputs"] = {k: v for k, v in kw.items() if k not in ("shapes", "step_groups")}
     return out
 
 
@@ -1145,7 +1395,8 @@ def record_fields(prediction: dict) -> dict:
     """The prediction as a record field (JSON-ready, bytes as integers): what the runner stores in the
     summary as `predicted_memory`."""
     p = prediction
-    out = {k: int(round(p[k])) for k in (*PARTS, "step_transient", "saved_activations", "model_states", "total")}
+    keys = (*PARTS, "step_transient", "step_optimizer", "saved_activations", "model_states", "total")
+    out = {k: int(round(p[k])) for k in keys}
     out.update(
         sharding=p["sharding"],
         busiest=p["busiest"],
@@ -1191,6 +1442,7 @@ def table(prediction: dict) -> str:
         lines.append(f"  {k:<12} {p[k] / MIB:12.2f}  {p['formula'].get(k, '-')}")
     lines.append(f"  {'(saved)':<12} {p['saved_activations'] / MIB:12.2f}  what autograd saves, the most of any stage")
     lines.append(f"  {'step':<12} {p['step_transient'] / MIB:12.2f}  {p['formula'].get('step_transient', '-')}")
+    lines.append(f"  {'(optimizer)':<12} {p['step_optimizer'] / MIB:12.2f}  the optimizer's own temporaries in step")
     lines.append(f"  {'states':<12} {p['model_states'] / MIB:12.2f}  params + grads + optimizer + master")
     lines.append(f"  {'total':<12} {p['total'] / MIB:12.2f}  states + max(transient + activations, step)")
     lines += [f"  note: {n}" for n in p["notes"]]

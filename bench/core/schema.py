@@ -413,9 +413,11 @@ SUMMARY = (
         F(
             "step_transient",
             "bytes",
-            "held only during the optimizer step (DeepSpeed 1-3: the fp32 gradient partition); "
-            "total = model_states + max(transient + activations, step_transient)",
+            "held only during the optimizer step (the optimizer's temporaries; DeepSpeed 1-3 also the fp32 "
+            "gradient partition and the norm's fp64 copies); total = model_states + max(transient + activations, "
+            "step_transient)",
         ),
+        F("step_optimizer", "bytes", "the optimizer's own temporaries within step_transient (foreach / single-tensor)"),
         F("activations", "bytes", ""),
         F("saved_activations", "bytes", "the part of activations autograd saves (the memory ledger's prediction)"),
         F("formula", "", "per part, the formula used (framework settings named)"),
