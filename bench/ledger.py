@@ -11,7 +11,7 @@ m = 4, 8 micro-batches beside the theory (p-1)/(m+p-1) (goal: within 20 %).
     python -m ptbench.ledger                 # both tables
     python -m ptbench.ledger --only bytes    # the ledger only (--only bubble: the bubble only)
     python -m ptbench.ledger --only bubble --bubble-adapters megatron   # megatron's pipeline only (or: pipeline)
-    python -m ptbench.ledger --only bubble --repeats 2   # every bubble case twice, interleaved
+    python -m ptbench.ledger --only bubble --repeats 2   # every bubble case twice, interleaved (--stages 2: 2 only)
     python -m ptbench.ledger --json out.json # also write every row
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -109,23 +110,25 @@ def _bubble_overrides(adapter: str, schedule: str, p: int, m: int) -> list[str]:
     ]
 
 
-def bubble_cases(adapters=tuple(BUBBLE_ADAPTERS)) -> list[tuple]:
+def bubble_cases(adapters=tuple(BUBBLE_ADAPTERS), stages=(2, 4)) -> list[tuple]:
     """(stages, adapter, schedule, m) of the bubble table, in its order."""
     return [
         (p, adapter, schedule, m)
-        for p in (2, 4)
+        for p in stages
         for adapter in adapters
         for schedule in BUBBLE_ADAPTERS[adapter][1]
         for m in (4, 8)
     ]
 
 
-def bubble_runs(root: Path, timeout: float = 600, adapters=tuple(BUBBLE_ADAPTERS), repeats: int = 1) -> list[dict]:
+def bubble_runs(
+    root: Path, timeout: float = 600, adapters=tuple(BUBBLE_ADAPTERS), repeats: int = 1, stages=(2, 4)
+) -> list[dict]:
     """Every case of the table, `repeats` times, interleaved (case after case, then again), so that a slow spell
     of a shared machine spreads over the cases instead of falling on one."""
     rows = []
     for rep in range(repeats):
-        for p, adapter, schedule, m in bubble_cases(adapters):
+        for p, adapter, schedule, m in bubble_cases(adapters, stages):
             label = f"{BUBBLE_ADAPTERS[adapter][0]} {schedule}"
             run = run_bench(
                 [
@@ -157,7 +160,8 @@ def bubble_runs(root: Path, timeout: float = 600, adapters=tuple(BUBBLE_ADAPTERS
                 continue
             rows.append(dict(b, schedule=label, m=m, repeat=rep, record=str(run.run_dir)))
     # the table's order: case by case, its repeats together
-    order = {(p, f"{BUBBLE_ADAPTERS[a][0]} {sc}", m): i for i, (p, a, sc, m) in enumerate(bubble_cases(adapters))}
+    cases = enumerate(bubble_cases(adapters, stages))
+    order = {(p, f"{BUBBLE_ADAPTERS[a][0]} {sc}", m): i for i, (p, a, sc, m) in cases}
     return sorted(rows, key=lambda r: (order[(r["stages"], r["schedule"], r["m"])], r["repeat"]))
 
 
@@ -191,10 +195,13 @@ def print_bubble(rows: list[dict]) -> None:
     print("  wall: as it ran (p2p, loss and CPU sharing included); replayed: the measured work items re-timed")
     print("  with the schedule's dependencies, one device per stage (ptbench.core.trace_ledger.bubble);")
     print("  marked: every micro-batch's forward and backward marked once on every stage (else the counts);")
-    print("  per step: the lowest and highest profiled step's wall ratio; rows of one case: its --repeats, interleaved")
+    print(
+        "  per step: the lowest and highest profiled step's wall ratio; rows of one case: its --repeats, interleaved;"
+    )
+    print("  item cv: fwd/bwd work items' duration spread (std/mean) over stages and steps; the theory assumes 0")
     print(
         f"{'stages':>6} {'schedule':14} {'m':>3} {'theory':>7} {'wall':>7} {'ratio':>6} {'per step':>9} "
-        f"{'replayed':>8} {'ratio':>6} {'marked':>6}  replayed per stage"
+        f"{'replayed':>8} {'ratio':>6} {'marked':>6} {'item cv':>9}  replayed per stage"
     )
     from ptbench.runner.checks import affinity_cpus
 
@@ -208,12 +215,22 @@ def print_bubble(rows: list[dict]) -> None:
         marked = "once" if r.get("marked_once") else str(r.get("marks"))
         steps = [v / r["theory"] for v in r.get("per_step") or []]
         spread = f"{min(steps):.2f}-{max(steps):.2f}" if steps else "-"
+        cv = r.get("item_cv") or {}
+        cvs = "/".join("-" if cv.get(t) is None else f"{cv[t]:.2f}" for t in ("fwd", "bwd"))
         print(
             f"{r['stages']:6} {r['schedule']:14} {r['m']:3} {r['theory']:7.3f} {r['mean']:7.3f} {r['ratio']:6.2f} "
-            f"{spread:>9} {'-' if rm is None else f'{rm:.3f}':>8} {'-' if rr is None else f'{rr:.2f}':>6} {marked:>6}  "
+            f"{spread:>9} {'-' if rm is None else f'{rm:.3f}':>8} {'-' if rr is None else f'{rr:.2f}':>6} {marked:>6} {cvs:>9}  "
             + " ".join(f"{v:.3f}" for v in rp)
             + ("  (wall: more stages than CPUs)" if r["stages"] > cpus else "")
         )
+    cases: dict = {}
+    for r in rows:
+        if "error" not in r:
+            cases.setdefault((r["stages"], r["schedule"], r["m"]), []).append(r["ratio"])
+    if any(len(v) > 1 for v in cases.values()):
+        print("  wall ratio per case over its repeats: median (lowest-highest)")
+        for (p, sc, m), v in cases.items():
+            print(f"  {p:4} {sc:14} {m:3}  {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}), {len(v)} runs")
     if any("error" not in r and r["stages"] > cpus for r in rows):
         print(
             f"  wall with more stages than CPUs ({cpus} here): the stages take turns on the cores, which stretches "
@@ -235,6 +252,9 @@ def main(argv=None) -> int:
         "default both",
     )
     ap.add_argument(
+        "--stages", nargs="+", type=int, choices=(2, 4), default=[2, 4], help="bubble table: pipeline depths (2 4)"
+    )
+    ap.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -249,7 +269,7 @@ def main(argv=None) -> int:
         out["ledger"] = ledger_runs(root, args.runs)
         print_ledger(out["ledger"])
     if args.only in (None, "bubble"):
-        out["bubble"] = bubble_runs(root, adapters=args.bubble_adapters, repeats=args.repeats)
+        out["bubble"] = bubble_runs(root, adapters=args.bubble_adapters, repeats=args.repeats, stages=args.stages)
         print_bubble(out["bubble"])
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -162,9 +163,12 @@ def test_marks_are_counted_and_a_mark_inside_another_is_found():
     b = tl.bubble(per_rank, m, "pipeline gpipe")
     assert b["marked_once"] and b["nested_marks"] == 0 and b["schedule"] == "pipeline gpipe"
     assert b["marks"] == [{"fwd": [m], "bwd": [m]}] * p
+    assert b["item_cv"] == {"fwd": 0.0, "bwd": 0.0}  # equal items, as the theory assumes
     per_rank[1]["stage_items"][3].append(["bwd", 5.5, 5.6])  # one backward marked twice
     b = tl.bubble(per_rank, m)
     assert not b["marked_once"] and b["nested_marks"] == 1 and b["marks"][1]["bwd"] == [m + 1]
+    bwd = [1, 1, 1, 1, 0.1]  # the items' spread: population std / mean
+    assert b["item_cv"]["bwd"] == pytest.approx(statistics.pstdev(bwd) / statistics.mean(bwd))
 
 
 def _stage_marks(trace: dict) -> dict[int, list[tuple[str, float, float]]]:
@@ -232,6 +236,7 @@ def test_megatron_pipeline_bubble_marks_every_item_once(tmp_path):
     assert len(b["replayed_per_stage"]) == p and all(0 < v < 1 for v in b["replayed_per_stage"]), b
     assert b["mean"] == pytest.approx(sum(b["per_stage"]) / p) and b["ratio"] == pytest.approx(b["mean"] / b["theory"])
     assert len(b["per_step"]) == 2 and b["mean"] == pytest.approx(sum(b["per_step"]) / 2)  # the spread over steps
+    assert set(b["item_cv"]) == {"fwd", "bwd"} and all(0 <= v < 1 for v in b["item_cv"].values()), b["item_cv"]
 
     marks = {s: _stage_marks(json.loads((run / "traces" / f"rank{s}.json").read_text())) for s in range(p)}
     assert sorted(marks[0]) == sorted(marks[1]) == [1, 2]

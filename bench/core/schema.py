@@ -487,6 +487,11 @@ SUMMARY = (
             F("per_stage", "fraction", "wall: idle share of the schedule's span per stage", kind="list"),
             F("mean", "fraction", "wall: mean over stages"),
             F("per_step", "fraction", "wall: mean over stages, per profiled step (the spread of `mean`)", kind="list"),
+            OPEN(
+                "item_cv",
+                "fwd / bwd: coefficient of variation of the work items' durations over every stage and profiled "
+                "step (the theory's equal stages: 0)",
+            ),
             F("theory", "fraction", "(p-1)/(m+p-1)"),
             F("ratio", "", "mean / theory"),
             F("replayed_per_stage", "fraction", "the measured work items re-timed, one device per stage", kind="list"),

@@ -365,10 +365,18 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
     # each stage's items of one direction do the same work: their fastest instance over the profiled steps is
     # the one least slowed by other ranks sharing the cores; the replay times every item at that
     fastest: dict = {}
+    durations: dict = {"fwd": [], "bwd": []}
     for s in range(p):
         for g in steps:
             for tag, t0, t1 in per_rank[s].get("stage_items", {}).get(g, []):
                 fastest[(s, tag)] = min(fastest.get((s, tag), float("inf")), t1 - t0)
+                durations.setdefault(tag, []).append(t1 - t0)
+    # how far the run was from the theory's equal items: the spread of one direction's item times over every
+    # stage and step (a stage waits for the slowest item it depends on, so uneven items widen the bubble)
+    item_cv = {}
+    for tag, ds in durations.items():
+        mu = sum(ds) / len(ds) if ds else 0.0
+        item_cv[tag] = (sum((d - mu) ** 2 for d in ds) / len(ds)) ** 0.5 / mu if mu > 0 else None
     replays = [replay([per_rank[s].get("stage_items", {}).get(g, []) for s in range(p)], fastest) for g in steps]
     replays = [r for r in replays if r is not None]
     rp = [sum(r[s] for r in replays) / len(replays) for s in range(p)] if replays else None
@@ -384,6 +392,7 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
         per_stage=per_stage,
         mean=mean,
         per_step=per_step,
+        item_cv=item_cv,
         theory=theory,
         ratio=mean / theory if theory else None,
         replayed_per_stage=rp,
@@ -393,7 +402,9 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
         "end over all stages), work = forward/backward of one micro-batch (ptbench.stage:* marks: torch "
         "pipelining's forward_one_chunk / backward_one_chunk, the loss outside them; megatron-core's forward_step "
         "(the loss inside) / backward_step); it includes p2p transfers, torch pipelining's loss, and any time the "
-        "stages could not run at once (ranks sharing CPU cores). marks: per stage, fwd and bwd marks per profiled "
+        "stages could not run at once (ranks sharing CPU cores). item_cv: per direction, the coefficient of "
+        "variation (population standard deviation / mean) of the work items' durations over every stage and "
+        "profiled step (the theory assumes 0). marks: per stage, fwd and bwd marks per profiled "
         "step; marked_once: each is m on every stage and step and no mark lies inside another. "
         "replayed: the same with the measured work items (each at its stage's fastest instance of that direction "
         "over the profiled steps) replayed in each stage's traced order with the pipeline's dependencies (forward i after the previous stage's forward i, backward i after the "
