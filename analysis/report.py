@@ -704,7 +704,10 @@ def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
             "",
             "Predicted: the memory model's saved activations of the busiest rank (bench/core/memory_model.py); "
             "counted: saved-tensor hooks around one training step, the peak bytes alive, the most any rank "
-            "counted (each rank's in the last column).",
+            "counted (each rank's in `counted MB per rank`). Step: the memory model's `step_transient` (the "
+            "optimizer's temporaries; DeepSpeed's fp32 gradient partition and norms) beside the most any rank's "
+            "optimizer phase held beyond its start in the last untimed step (`StepPeak`; `-`: not measured, e.g. "
+            "with one untimed step, when the optimizer's state is still being made).",
             "",
         ]
     return lines
@@ -756,6 +759,9 @@ def _memory_row(out: dict, point: str, led) -> None:
         "predicted/counted": led.get("ratio"),
         "note": led.get("error") or "",
         "counted MB per rank": " ".join(f"{b / 1e6:.3g}" for b in per_rank if b is not None),
+        "predicted step MB": None if led.get("predicted_step_bytes") is None else led["predicted_step_bytes"] / 1e6,
+        "counted step MB": None if led.get("counted_step_bytes") is None else led["counted_step_bytes"] / 1e6,
+        "step predicted/counted": led.get("step_ratio"),
     }
 
 

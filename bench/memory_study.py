@@ -44,12 +44,13 @@ has no stage-1 estimator. --measure adds the state bytes the runner reads from t
 this machine (bf16 runs of zero2 / zero3 at each GPU count) beside both predictions.
 
 --step measures the optimizer step's peak: per variant (--variants, default ddp fsdp zero1 zero2 zero3) and
-precision (--precisions, default fp32 bf16) a real run of the harness adapter at --ranks (default 2) ranks on
-the CPU (gpt2_tiny, gloo; `measure_step`): one warm-up step, then the adapter's "optimizer" phase (clip + step;
-DeepSpeed's engine.step) under torch.profiler with profile_memory=True (`ProfiledPeak`: the running sum of its
-CPU allocation events), the most bytes held at once beyond the phase's start, beside `predict_run`'s
-step_transient for the same config on the CPU (the optimizer's temporaries; DeepSpeed's fp32 gradient
-partition, fp64 norms and gloo all-gather). Overrides are passed to every run (e.g. optimizer=sgd).
+precision (--precisions, default fp32 bf16) a real `python -m ptbench` run at --ranks (default 2) ranks on the
+CPU (gpt2_tiny, gloo, two untimed steps; `measure_step`). Every run's trainer measures the adapter's
+"optimizer" phase (clip + step; DeepSpeed's engine.step) in its last untimed step once the optimizer's state
+exists (ptbench.core.memory_model.StepPeak: on the CPU torch.profiler's memory events, the most bytes held at
+once beyond the phase's start) and records it in the memory ledger beside the run's predicted step_transient
+(the optimizer's temporaries; DeepSpeed's fp32 gradient partition, fp64 norms and gloo all-gather): the table
+reads those records. Overrides are passed to every run (e.g. optimizer=sgd).
 """
 
 from __future__ import annotations
@@ -683,136 +684,60 @@ def timing_table(results: dict, n: int, variants) -> str:
 # --- --step: the optimizer step's peak, measured with torch.profiler's memory events -------------------------
 STEP_VARIANTS = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 STEP_OVERRIDES = ["workload=gpt2_tiny", "workload.seq_len=32", "trainer.batch_size=4", "data.train_samples=512"]
+# two untimed steps (the trainer measures the second: the optimizer's state exists by then), nothing else
+STEP_RUN = [
+    "trainer.untimed_steps=2",
+    "trainer.max_steps=2",
+    "trainer.eval_every_epoch=false",
+    "trainer.progress=false",
+    "results.mllog=false",
+]
 
 
-class ProfiledPeak:
-    """`with ProfiledPeak() as p:` the CPU bytes the block allocated beyond what was alive when it began: `p.peak`
-    (the most at once) and `p.net` (still held at its end). torch.profiler with profile_memory=True records every
-    CPU allocation and free ("[memory]" events, signed bytes); their running sum in time order is what the block
-    holds at each moment."""
-
-    def __enter__(self):
-        from torch.profiler import ProfilerActivity, profile
-
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._prof.__exit__(*exc)
-        events = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in self._prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type().name == "CPU"
-        )
-        self.peak = self.net = 0
-        for _, nbytes in events:
-            self.net += nbytes
-            self.peak = max(self.peak, self.net)
-        return False
-
-
-def _step_cfg(variant: str, precision: str, ranks: int, extra: list[str]):
-    from ptbench.runner.compose import compose, typed
-
-    return typed(
-        compose(
-            [
-                *variant_overrides(variant, ranks),
-                *STEP_OVERRIDES,
-                f"trainer.precision={precision}",
-                f"launcher.nprocs={ranks}",
-                *extra,
-            ]
-        )
-    )
-
-
-def _step_rank(rank: int, ranks: int, port: int, variant: str, precision: str, extra: list[str], out: str) -> None:
-    """One rank of a real harness adapter (CPU, gloo): one warm-up step (the optimizer state is made lazily),
-    then one step whose "optimizer" phase runs under `profiled_peak`; writes {peak, net} to out.RANK.json."""
-    import contextlib
-    import json
-    import os
-
-    import torch
-
-    from ptbench.core.dist import DistContext, init_process_group
-    from ptbench.core.timing import PhaseTimer
-    from ptbench.runner.plan import make_plan
-
-    torch.set_num_threads(1)
-    cfg = _step_cfg(variant, precision, ranks, extra)
-    plan = make_plan(cfg, "local", world_size=ranks, check=False)
-    ctx = DistContext(rank=rank, world_size=ranks, local_rank=rank, local_world_size=ranks, master_port=port)
-    os.environ.update(plan.adapter_cls.rank_environment(cfg))
-    init_process_group(ctx, 300)
-    from ptbench.workloads import build_workload
-
-    torch.manual_seed(0)
-    workload = build_workload(cfg.workload, cfg.data)
-    adapter = plan.adapter_cls(cfg, workload, ctx)
-    adapter.setup()
-    vocab, seq = int(cfg.workload.vocab_size), int(cfg.workload.seq_len)
-    batch = [(torch.randint(0, vocab, (plan.local_batch, seq)), torch.randint(0, vocab, (plan.local_batch, seq)))]
-    measured: dict = {}
-
-    class StepTimer(PhaseTimer):
-        measure = False
-
-        @contextlib.contextmanager
-        def phase(self, name):
-            with super().phase(name):
-                if name == "optimizer" and self.measure:
-                    with ProfiledPeak() as p:
-                        yield
-                    measured.update(peak=p.peak, net=p.net)
-                else:
-                    yield
-
-    timer = StepTimer()
-    for step in range(2):
-        timer.measure = step == 1
-        timer.start_step()
-        adapter.train_step(batch, timer)
-        timer.end_step()
-    with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(measured, f)
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def measure_step(variant: str, precision: str, ranks: int = 2, extra: list[str] | None = None) -> dict:
-    """The optimizer phase's measured peak on each of `ranks` ranks of a real `variant` run (harness adapter,
-    CPU, gloo) beside `predict_run`'s step_transient for the same config on the CPU: {measured: [per rank],
-    predicted: the prediction}."""
-    import json
+def measure_step(variant: str, precision: str, ranks: int = 2, extra: list[str] | None = None, root=None) -> dict:
+    """A real `python -m ptbench` run of `variant` (harness adapter, CPU, gloo, `ranks` ranks, two untimed
+    steps): the record's memory ledger holds each rank's optimizer-phase peak in the second step, when the
+    optimizer's state exists (the trainer's `StepPeak`), beside the memory model's step_transient for the run.
+    Returns {variant, precision, ranks, measured: [{peak} per rank], predicted: the record's predicted_memory}."""
     import tempfile
 
-    import torch.multiprocessing as mp
+    from ptbench.run_point import run_bench
 
-    from ptbench.core.dist import free_port
-    from ptbench.core.memory_model import predict_run
-    from ptbench.runner.plan import make_plan
-    from ptbench.workloads import build_workload
-
-    extra = list(extra or [])
-    cfg = _step_cfg(variant, precision, ranks, extra)
-    plan = make_plan(cfg, "local", world_size=ranks, check=False)
-    pred = predict_run(cfg, plan, build_workload(cfg.workload, cfg.data).build_model, device="cpu")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/step"
-        mp.spawn(_step_rank, args=(ranks, free_port(), variant, precision, extra, out), nprocs=ranks)
-        measured = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(ranks)]
-    return {"variant": variant, "precision": precision, "ranks": ranks, "measured": measured, "predicted": pred}
+    root = Path(root or tempfile.mkdtemp(prefix="ptbench-step-"))
+    run = run_bench(
+        [
+            *variant_overrides(variant, ranks),
+            *STEP_OVERRIDES,
+            f"trainer.precision={precision}",
+            f"launcher.nprocs={ranks}",
+            *STEP_RUN,
+            *(extra or []),
+        ],
+        root=root,
+        experiment="step",
+        timeout=600,
+        run_name=(f"{variant}-{precision}", "gpt2_tiny", ranks),
+    )
+    led = run.summary.get("memory_ledger") or {}
+    if not run.ok or led.get("counted_step_bytes_per_rank") is None:
+        why = run.summary.get("error") or run.stderr.strip()[-300:] or "no step peak in the record"
+        raise RuntimeError(f"{variant} {precision}: {why} ({run.run_dir})")
+    peaks = led["counted_step_bytes_per_rank"]
+    return {
+        "variant": variant,
+        "precision": precision,
+        "ranks": ranks,
+        "measured": [{"peak": b} for b in peaks],
+        "predicted": run.summary["predicted_memory"],
+        "record": str(run.run_dir),
+    }
 
 
 def step_table(rows: list[dict]) -> str:
     head = (
-        "optimizer step peak per rank, CPU (torch.profiler memory events around the adapter's optimizer phase, "
-        "bytes beyond what the step began with) vs bench/core/memory_model.py's step_transient\n"
+        "optimizer step peak per rank, CPU: each run's record (memory_ledger.counted_step_bytes_per_rank, the "
+        "trainer's StepPeak: torch.profiler memory events around the adapter's optimizer phase, bytes beyond what "
+        "the phase began with) vs bench/core/memory_model.py's step_transient\n"
         f"{'variant':<7} {'prec':<5} {'N':>2} {'measured B (busiest)':>21} {'predicted B':>12} {'pred/meas':>9} "
         f"{'of which optimizer':>18}  formula"
     )
@@ -883,13 +808,19 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         n = args.ranks[0] if args.ranks != p.get_default("ranks") else 2
-        rows = []
+        rows, failed = [], 0
         for v in variants:
             for prec in args.precisions:
-                rows.append(measure_step(v, prec, n, args.overrides))
+                try:
+                    rows.append(measure_step(v, prec, n, args.overrides))
+                except RuntimeError as e:  # a run that failed or recorded no step peak: one line, go on
+                    print(f"error: {e}", file=sys.stderr)
+                    failed += 1
+                    continue
                 print(f"  {v} {prec} x {n} rank(s): measured", file=sys.stderr)
-        print(step_table(rows))
-        return 0
+        if rows:
+            print(step_table(rows))
+        return 1 if failed else 0
     if args.deepspeed_estimators:
         if args.timing or args.records:
             print(

@@ -915,6 +915,12 @@ def _grad_piece(name: str, groups, n: int, rank: int) -> int:
 
 
 # --- counting what autograd saves (the memory ledger's "counted" side) -----------------------------------
+STEP_RULE = (
+    "the optimizer phase (clip + step; DeepSpeed: engine.step) of the last untimed step, bytes allocated beyond "
+    "what was alive when it began, the most at once (ptbench.core.memory_model.StepPeak: torch.profiler's memory "
+    "events on the rank's device); not measured in a run's first step (the optimizer's state is being made) nor "
+    "inside trainer.profile's window"
+)
 SAVED_RULE = (
     "torch.autograd.graph.saved_tensors_hooks around one training step: every tensor autograd saves for "
     "backward, each storage once (a view and its base, or one tensor saved by several ops, are one storage; "
@@ -942,6 +948,52 @@ def _is_parameter(t) -> bool:
 
     base = t._base if t._base is not None else t
     return isinstance(base, torch.nn.Parameter)
+
+
+class StepPeak:
+    """`with StepPeak(device) as p:` the bytes the block allocated on `device` beyond what was alive when it began,
+    the most at once (`p.peak`; entered again, the largest of its entries) and still held at its end (`p.net`);
+    None when the block recorded no allocation there. torch.profiler with profile_memory=True records every
+    allocation and free of the allocators ("[memory]" events, signed bytes, with their device); their running
+    sum in time order is what the block holds at each moment. No allocator statistics are reset, so the run's
+    recorded peak memory is untouched (the CUDA branch is written from torch's profiler API and has not run on
+    a GPU here). The trainer measures the optimizer phase of the last untimed step with it, the memory ledger's
+    step side."""
+
+    def __init__(self, device="cpu"):
+        import torch
+
+        self.device = torch.device(device)
+        self.peak: int | None = None
+        self.net: int | None = None
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        kind = self.device.type.upper()  # the events' device_type: CPU, CUDA
+        index = self.device.index
+        events = sorted(
+            (e.start_ns(), e.nbytes())
+            for e in self._prof.profiler.kineto_results.events()
+            if e.name() == "[memory]"
+            and e.device_type().name == kind
+            and (index is None or kind == "CPU" or e.device_index() == index)
+        )
+        if not events:
+            return False
+        peak = net = 0
+        for _, nbytes in events:
+            net += nbytes
+            peak = max(peak, net)
+        self.peak = peak if self.peak is None else max(self.peak, peak)
+        self.net = net
+        return False
 
 
 class SavedTensorLedger:
@@ -1091,17 +1143,20 @@ def _unpack(held):
     return held.t if isinstance(held, _Held) else held
 
 
-def ledger_fields(predicted: dict | None, counted: list[dict | None]) -> dict | None:
+def ledger_fields(
+    predicted: dict | None, counted: list[dict | None], step_counted: list[int | None] | None = None
+) -> dict | None:
     """The summary's `memory_ledger`: the memory model's saved-activation bytes of the busiest rank beside
     the most any rank counted (`SavedTensorLedger`'s peak in the last untimed step), and their ratio. None when
     nothing was counted (no untimed step, resumed runs). A rank that drives several devices (gpipe) counted
-    each partition on its own (`per_partition`): its partitions stand in for ranks."""
+    each partition on its own (`per_partition`): its partitions stand in for ranks. `step_counted`: each rank's
+    optimizer-phase peak in that step (`StepPeak`; None: not measured) beside the model's `step_transient`."""
     peaks = [p for c in counted for p in ((c.get("per_partition") or [c["peak_bytes"]]) if c else [None])]
     if not peaks or any(p is None for p in peaks):
         return None
     pred = (predicted or {}).get("saved_activations")
     top = max(peaks)
-    return {
+    out = {
         "predicted_saved_bytes": pred,
         "counted_saved_bytes_per_rank": peaks,
         "counted_saved_bytes": top,
@@ -1109,6 +1164,16 @@ def ledger_fields(predicted: dict | None, counted: list[dict | None]) -> dict | 
         "rule": SAVED_RULE,
         "model": "bench/core/memory_model.py",
     }
+    if step_counted and all(s is not None for s in step_counted):
+        step_pred, step_top = (predicted or {}).get("step_transient"), max(step_counted)
+        out.update(
+            predicted_step_bytes=step_pred,
+            counted_step_bytes_per_rank=list(step_counted),
+            counted_step_bytes=step_top,
+            step_ratio=step_pred / step_top if step_pred is not None and step_top else None,
+            step_rule=STEP_RULE,
+        )
+    return out
 
 
 # --- from a model and a config (the runner's and `python -m ptbench --plan`'s entry points) --------------

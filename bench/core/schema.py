@@ -109,6 +109,12 @@ RANK = (
         F("tensors", "count", "saves"),
         F("per_partition", "bytes", "gpipe: each partition's (device's) own peak, in partition order", kind="list"),
     ),
+    F(
+        "step_peak",
+        "bytes",
+        "the optimizer phase's peak beyond its start in the last untimed step (memory_model.StepPeak; null: not "
+        "measured)",
+    ),
 )
 COMPILE_EVENT = (
     F("train_frames", "count", "frames torch._dynamo compiled during the epoch's training steps"),
@@ -375,6 +381,11 @@ SUMMARY = (
         F("rule", "", "what is counted (storages once, parameters and buffers excluded)"),
         F("model", "", "the file of the memory model"),
         F("error", "", "why nothing was counted"),
+        F("predicted_step_bytes", "bytes", "the memory model's step_transient (busiest rank)"),
+        F("counted_step_bytes_per_rank", "bytes", "each rank's step_peak", kind="list"),
+        F("counted_step_bytes", "bytes", "the most any rank's optimizer phase held beyond its start"),
+        F("step_ratio", "", "predicted_step_bytes / counted_step_bytes"),
+        F("step_rule", "", "what the step side measures"),
     ),
     F(
         "flops_check",

@@ -21,7 +21,7 @@ on always; Nsight Systems then shows the same data/forward/backward/optimizer ph
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import nvtx
 import torch
@@ -119,6 +119,7 @@ class PhaseTimer:
         self._start = None
         self._in_step = False
         self._next_clock = None  # a clock set during a step takes over at the next one
+        self.watch: dict = {}  # phase name -> a context manager entered around that phase's body (StepPeak)
 
     @property
     def settings(self) -> dict:
@@ -153,7 +154,8 @@ class PhaseTimer:
         _DOMAIN.push_range(message=name)
         a = self.clock.mark()
         try:
-            yield
+            with self.watch.get(name) or nullcontext():
+                yield
         finally:
             if self.phase_sync:
                 torch.cuda.synchronize()

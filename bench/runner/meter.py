@@ -64,6 +64,7 @@ class Meter:
         self.workers = 0  # set by the trainer once its loaders exist
         self.samples_dropped = 0
         self.saved_activations: dict | None = None  # the trainer's count of the last untimed step (memory ledger)
+        self.step_peak: int | None = None  # that step's optimizer-phase peak (memory_model.StepPeak)
         self.profiler = None  # the trainer's StepProfiler (trainer.profile): collective waits per rank
 
     # --- one epoch -------------------------------------------------------------------------------
@@ -100,6 +101,7 @@ class Meter:
                 "memory": mem,
                 "state_bytes": state,
                 "saved_activations": self.saved_activations,
+                "step_peak": self.step_peak,
                 "epoch_time_s": epoch_time,
                 "comm_wait_s": self.profiler.wait_in(first_step, first_step + steps) if self.profiler else None,
             },
@@ -299,7 +301,8 @@ class Meter:
 
         # gpipe (one process, several devices): the rank's count holds each partition's (adapters/gpipe.py)
         counted = [r.get("saved_activations") for r in last.get("ranks", [])]
-        return ledger_fields(self.plan.predicted_memory, counted)
+        steps = [r.get("step_peak") for r in last.get("ranks", [])]
+        return ledger_fields(self.plan.predicted_memory, counted, steps)
 
     def _flops_check(self) -> dict:
         """The MFU cross-check: the plan's analytic training FLOPs per sample beside FlopCounterMode's count

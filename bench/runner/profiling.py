@@ -197,6 +197,10 @@ class StepProfiler:
             setattr(owner, name, fn)
         self._patched.clear()
 
+    def covers(self, global_step: int) -> bool:
+        """Whether `global_step` is inside the profile window."""
+        return self.window is not None and self.window[0] <= global_step < self.window[0] + self.window[1]
+
     def step(self, global_step: int):
         """The context of one train step: nothing at all outside the window (no generator per step)."""
         if self.window is None or not (self.prof is not None or global_step == self.window[0]):

@@ -29,7 +29,7 @@ from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext
 from ptbench.core.errors import ConfigError
 from ptbench.core.loaders import data_workers, eval_loader, train_loader
-from ptbench.core.memory_model import SavedTensorLedger
+from ptbench.core.memory_model import SavedTensorLedger, StepPeak
 from ptbench.core.records import RunRecord
 from ptbench.core.schedule import Schedule
 from ptbench.core.stopping import StopFlag, Watchdog
@@ -259,11 +259,19 @@ class Trainer:
             # the memory ledger: what autograd saves in the last untimed step (the first holds one-off work such as
             # a pipeline's shape inference), counted per rank
             count = state.global_step == t.untimed_steps - 1 and self.meter.saved_activations is None
+            # and the optimizer phase's peak there, once the optimizer's state exists (torch makes it in the first
+            # step) and not inside trainer.profile's window (one profiler at a time)
+            measure = count and state.global_step >= 1 and not self.profiler.covers(state.global_step)
+            peak = StepPeak(device) if measure else None
+            if peak is not None:
+                self.timer.watch["optimizer"] = peak
             with SavedTensorLedger(self.adapter.modules()) if count else contextlib.nullcontext() as ledger:
                 with self.profiler.step(state.global_step):  # trainer.profile's window (profiling.py)
                     loss = self.adapter.train_step(micro, self.timer)
             if count:
                 self.meter.saved_activations = ledger.result()
+                self.timer.watch.pop("optimizer", None)
+                self.meter.step_peak = peak.peak if peak is not None else None
             if schedule is not None:
                 schedule.step()
             self.timer.end_step()
