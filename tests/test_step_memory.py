@@ -63,6 +63,10 @@ def test_implementation_by_device_and_the_harness_groups():
     assert mm.torch_step_impl("cuda")[0] == "foreach" and mm.torch_step_impl("cpu")[0] == "single_tensor"
     groups = mm.harness_step_groups([(10, 4), (4,), (3, 3)], 0.01)
     assert groups == [([(10, 4), (3, 3)], 0.01), ([(4,)], 0.0)]  # bench/core/optim.py param_groups' rule
+    from ptbench.core.optim import param_groups  # the rule the optimizers really use, on real parameters
+
+    real = param_groups([torch.nn.Parameter(torch.zeros(s)) for s in [(10, 4), (4,), (3, 3)]], 0.01)
+    assert groups == [([tuple(p.shape) for p in g["params"]], g["weight_decay"]) for g in real]
     assert mm.optimizer_temporaries([([10, 20], 0.0)], "adamw", "fused") == (
         0.0,
         "0 (fused: no temporaries on the device)",
