@@ -126,9 +126,9 @@ def bubble_runs(
 ) -> list[dict]:
     """Every case of the table, `repeats` times, interleaved (case after case, then again), so that a slow spell
     of a shared machine spreads over the cases instead of falling on one."""
-    rows = []
+    runs = []  # (case, repeat, row): the table's order is case by case, its repeats together
     for rep in range(repeats):
-        for p, adapter, schedule, m in bubble_cases(adapters, stages):
+        for case, (p, adapter, schedule, m) in enumerate(bubble_cases(adapters, stages)):
             label = f"{BUBBLE_ADAPTERS[adapter][0]} {schedule}"
             run = run_bench(
                 [
@@ -156,13 +156,10 @@ def bubble_runs(
             b = (run.summary.get("profile") or {}).get("bubble")
             if not run.ok or not b:
                 err = run.summary.get("error") or run.stderr[-300:]
-                rows.append(dict(stages=p, schedule=label, m=m, repeat=rep, error=err))
+                runs.append((case, rep, dict(stages=p, schedule=label, m=m, repeat=rep, error=err)))
                 continue
-            rows.append(dict(b, schedule=label, m=m, repeat=rep, record=str(run.run_dir)))
-    # the table's order: case by case, its repeats together
-    cases = enumerate(bubble_cases(adapters, stages))
-    order = {(p, f"{BUBBLE_ADAPTERS[a][0]} {sc}", m): i for i, (p, a, sc, m) in cases}
-    return sorted(rows, key=lambda r: (order[(r["stages"], r["schedule"], r["m"])], r["repeat"]))
+            runs.append((case, rep, dict(b, schedule=label, m=m, repeat=rep, record=str(run.run_dir))))
+    return [row for _, _, row in sorted(runs, key=lambda t: t[:2])]
 
 
 def _mb(x) -> str:

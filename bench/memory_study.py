@@ -684,52 +684,29 @@ def timing_table(results: dict, n: int, variants) -> str:
 # --- --step: the optimizer step's peak, measured with torch.profiler's memory events -------------------------
 STEP_VARIANTS = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 STEP_OVERRIDES = ["workload=gpt2_tiny", "workload.seq_len=32", "trainer.batch_size=4", "data.train_samples=512"]
-# two untimed steps (the trainer measures the second: the optimizer's state exists by then), nothing else
-STEP_RUN = [
-    "trainer.untimed_steps=2",
-    "trainer.max_steps=2",
-    "trainer.eval_every_epoch=false",
-    "trainer.progress=false",
-    "results.mllog=false",
-]
 
 
 def measure_step(variant: str, precision: str, ranks: int = 2, extra: list[str] | None = None, root=None) -> dict:
-    """A real `python -m ptbench` run of `variant` (harness adapter, CPU, gloo, `ranks` ranks, two untimed
-    steps): the record's memory ledger holds each rank's optimizer-phase peak in the second step, when the
-    optimizer's state exists (the trainer's `StepPeak`), beside the memory model's step_transient for the run.
-    Returns {variant, precision, ranks, measured: [{peak} per rank], predicted: the record's predicted_memory}."""
+    """A real run of `variant` (`run_point`: harness adapter, CPU, gloo, `ranks` ranks, two untimed steps): the
+    record's memory ledger holds each rank's optimizer-phase peak in the second step, when the optimizer's state
+    exists (the trainer's `StepPeak`), beside the memory model's step_transient for the run. Returns {variant,
+    precision, ranks, measured: [{peak} per rank], predicted: the record's predicted_memory}."""
     import tempfile
 
-    from ptbench.run_point import run_bench
-
     root = Path(root or tempfile.mkdtemp(prefix="ptbench-step-"))
-    run = run_bench(
-        [
-            *variant_overrides(variant, ranks),
-            *STEP_OVERRIDES,
-            f"trainer.precision={precision}",
-            f"launcher.nprocs={ranks}",
-            *STEP_RUN,
-            *(extra or []),
-        ],
-        root=root,
-        experiment="step",
-        timeout=600,
-        run_name=(f"{variant}-{precision}", "gpt2_tiny", ranks),
-    )
-    led = run.summary.get("memory_ledger") or {}
-    if not run.ok or led.get("counted_step_bytes_per_rank") is None:
-        why = run.summary.get("error") or run.stderr.strip()[-300:] or "no step peak in the record"
-        raise RuntimeError(f"{variant} {precision}: {why} ({run.run_dir})")
-    peaks = led["counted_step_bytes_per_rank"]
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-step-{precision}"
+    over = [*STEP_OVERRIDES, f"trainer.precision={precision}", "results.mllog=false", *(extra or [])]
+    s = run_point(variant, ranks, over, root, stamp, steps=2, warmup=2, timeout=600)
+    led = s.get("memory_ledger") or {}
+    if s.get("status") != "ok" or led.get("counted_step_bytes_per_rank") is None:
+        why = s.get("error") or "no step peak in the record"
+        raise RuntimeError(f"{variant} {precision}: {why} (records under {root})")
     return {
         "variant": variant,
         "precision": precision,
         "ranks": ranks,
-        "measured": [{"peak": b} for b in peaks],
-        "predicted": run.summary["predicted_memory"],
-        "record": str(run.run_dir),
+        "measured": [{"peak": b} for b in led["counted_step_bytes_per_rank"]],
+        "predicted": s["predicted_memory"],
     }
 
 
