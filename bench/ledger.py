@@ -145,8 +145,10 @@ def bubble_runs(
                     f"launcher.nprocs={p}",
                     # a stage per CPU, as a stage per device on a cluster (more stages than CPUs: they share)
                     "launcher.cpu_bind=cores",
-                    "trainer.max_steps=5",
-                    "trainer.profile=2:3",
+                    # 5 profiled steps after 2 untimed: the steady ones (the theory's equal items held) are
+                    # averaged beside all of them
+                    "trainer.max_steps=7",
+                    "trainer.profile=2:5",
                 ],
                 root=root,
                 experiment="bubble",
@@ -187,6 +189,13 @@ def print_ledger(rows: list[dict]) -> None:
             print(f"{'':14} corrected: {d}")
 
 
+def _spread(v: list[float]) -> str:
+    """median (lowest-highest), N runs"""
+    if not v:
+        return "-, 0 runs"
+    return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}), {len(v)} run{'s' if len(v) > 1 else ''}"
+
+
 def print_bubble(rows: list[dict]) -> None:
     print("pipeline bubble (torch.distributed.pipelining, megatron-core, CPU): idle share of the schedule's span")
     print("  wall: as it ran (p2p, loss and CPU sharing included); replayed: the measured work items re-timed")
@@ -195,10 +204,13 @@ def print_bubble(rows: list[dict]) -> None:
     print(
         "  per step: the lowest and highest profiled step's wall ratio; rows of one case: its --repeats, interleaved;"
     )
-    print("  item cv: fwd/bwd work items' duration spread (std/mean) over stages and steps; the theory assumes 0")
+    print("  item cv: fwd/bwd work items' duration spread (std/mean) over stages and steps; the theory assumes 0;")
+    print("  steady: the wall ratio over the profiled steps whose items kept the theory's equal times (each item over")
+    print("  its stage's median, spread at most trace_ledger.STEADY_CV), with how many of the steps; chosen on the")
+    print("  items' times only, never on the idle time")
     print(
         f"{'stages':>6} {'schedule':14} {'m':>3} {'theory':>7} {'wall':>7} {'ratio':>6} {'per step':>9} "
-        f"{'replayed':>8} {'ratio':>6} {'marked':>6} {'item cv':>9}  replayed per stage"
+        f"{'steady':>6} {'of':>3} {'replayed':>8} {'ratio':>6} {'marked':>6} {'item cv':>9}  replayed per stage"
     )
     from ptbench.runner.checks import affinity_cpus
 
@@ -214,26 +226,42 @@ def print_bubble(rows: list[dict]) -> None:
         spread = f"{min(steps):.2f}-{max(steps):.2f}" if steps else "-"
         cv = r.get("item_cv") or {}
         cvs = "/".join("-" if cv.get(t) is None else f"{cv[t]:.2f}" for t in ("fwd", "bwd"))
+        sr = r.get("steady_ratio")
+        of = f"{r.get('steady_steps', 0)}/{r.get('steps', 0)}"
         print(
             f"{r['stages']:6} {r['schedule']:14} {r['m']:3} {r['theory']:7.3f} {r['mean']:7.3f} {r['ratio']:6.2f} "
-            f"{spread:>9} {'-' if rm is None else f'{rm:.3f}':>8} {'-' if rr is None else f'{rr:.2f}':>6} {marked:>6} {cvs:>9}  "
+            f"{spread:>9} {'-' if sr is None else f'{sr:.2f}':>6} {of:>3} "
+            f"{'-' if rm is None else f'{rm:.3f}':>8} {'-' if rr is None else f'{rr:.2f}':>6} {marked:>6} {cvs:>9}  "
             + " ".join(f"{v:.3f}" for v in rp)
             + ("  (wall: more stages than CPUs)" if r["stages"] > cpus else "")
         )
     cases: dict = {}
     for r in rows:
         if "error" not in r:
-            cases.setdefault((r["stages"], r["schedule"], r["m"]), []).append(r["ratio"])
+            cases.setdefault((r["stages"], r["schedule"], r["m"]), []).append(r)
     if any(len(v) > 1 for v in cases.values()):
-        print("  wall ratio per case over its repeats: median (lowest-highest)")
+        print("  per case over its repeats: median (lowest-highest) of the wall ratio; of the steady ratio (runs with")
+        print("  a steady step)")
         for (p, sc, m), v in cases.items():
-            print(f"  {p:4} {sc:14} {m:3}  {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}), {len(v)} runs")
+            print(f"  {p:4} {sc:14} {m:3}  wall {_spread([r['ratio'] for r in v])}; steady ", end="")
+            print(_spread([r["steady_ratio"] for r in v if r.get("steady_ratio") is not None]))
     if any("error" not in r and r["stages"] > cpus for r in rows):
         print(
             f"  wall with more stages than CPUs ({cpus} here): the stages take turns on the cores, which stretches "
             "their work and their idle time alike; the theory assumes a device per stage, which only the replayed "
             "figure (an estimate) models"
         )
+
+
+def _positive(text: str) -> int:
+    """argparse type: a count of 1 or more"""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count: give 1 or more")
+    return n
 
 
 def main(argv=None) -> int:
@@ -253,7 +281,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--repeats",
-        type=int,
+        type=_positive,
         default=1,
         help="bubble table: run every case this many times, interleaved (case after case, then again); default 1",
     )

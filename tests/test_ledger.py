@@ -171,6 +171,50 @@ def test_marks_are_counted_and_a_mark_inside_another_is_found():
     assert b["item_cv"]["bwd"] == pytest.approx(statistics.pstdev(bwd) / statistics.mean(bwd))
 
 
+def _gpipe_step(m: int, fwd: list[list[float]], bwd: list[list[float]]) -> list[list]:
+    """Per stage (2), one GPipe step's [tag, t0, t1] items with the given item durations (fwd[s][i], bwd[s][i]),
+    each started as soon as the schedule's dependencies allow."""
+    items: list[list] = [[], []]
+    end = {}
+    for i in range(m):
+        for s in range(2):
+            t0 = max(end.get((s, "fwd", i - 1), 0.0), end.get((s - 1, "fwd", i), 0.0))
+            end[(s, "fwd", i)] = t0 + fwd[s][i]
+            items[s].append(["fwd", t0, end[(s, "fwd", i)]])
+    last = max(end.values())
+    for i in range(m):
+        for s in (1, 0):
+            t0 = max(end.get((s, "bwd", i - 1), last if s == 1 else 0.0), end.get((s + 1, "bwd", i), 0.0))
+            end[(s, "bwd", i)] = t0 + bwd[s][i]
+            items[s].append(["bwd", t0, end[(s, "bwd", i)]])
+    return items
+
+
+def test_steady_steps_are_chosen_on_item_times_and_a_heavier_stage_is_not_spread():
+    """The bubble's steady figure averages only the steps whose items kept equal times (the theory's setting): a
+    step with one slow item is left out (its bubble is wider), a stage uniformly heavier than the other is not
+    counted as spread, and with no steady step the figure is absent rather than made up."""
+    m = 4
+    even = _gpipe_step(m, [[1.0] * m, [1.1] * m], [[2.0] * m, [2.2] * m])  # stage 1 10 % heavier throughout
+    slow = _gpipe_step(m, [[1.0] * m, [1.1, 1.1, 2.2, 1.1]], [[2.0] * m, [2.2] * m])  # one forward 2x
+    per_rank = [{"stage_work": {}, "stage_items": {}} for _ in range(2)]
+    for g, step in ((2, even), (3, slow), (4, even)):
+        for s in range(2):
+            per_rank[s]["stage_items"][g] = step[s]
+            per_rank[s]["stage_work"][g] = [it[1:] for it in step[s]]
+    b = tl.bubble(per_rank, m, "pipeline gpipe")
+    assert b["steps"] == 3 and b["steady_cv"] == tl.STEADY_CV
+    assert b["step_item_cv"][0] == pytest.approx(0.0, abs=1e-12) == b["step_item_cv"][2]  # heavier stage: no spread
+    assert b["step_item_cv"][1] > tl.STEADY_CV  # the slow forward
+    assert b["per_step"][1] > b["per_step"][0]  # which widened that step's bubble
+    assert b["steady_steps"] == 2 and b["steady_mean"] == pytest.approx((b["per_step"][0] + b["per_step"][2]) / 2)
+    assert b["steady_ratio"] == pytest.approx(b["steady_mean"] / b["theory"]) and b["mean"] > b["steady_mean"]
+    only_slow = [{"stage_work": {3: r["stage_work"][3]}, "stage_items": {3: r["stage_items"][3]}} for r in per_rank]
+    b = tl.bubble(only_slow, m)  # one step: each item is its own stage's median in that direction but one
+    assert b["steps"] == 1 and b["step_item_cv"][0] > tl.STEADY_CV
+    assert b["steady_steps"] == 0 and b["steady_mean"] is None and b["steady_ratio"] is None
+
+
 def _stage_marks(trace: dict) -> dict[int, list[tuple[str, float, float]]]:
     """Per profiled step (ptbench.step#G), the rank's ptbench.stage marks in time order, read from the raw trace."""
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
@@ -237,6 +281,9 @@ def test_megatron_pipeline_bubble_marks_every_item_once(tmp_path):
     assert b["mean"] == pytest.approx(sum(b["per_stage"]) / p) and b["ratio"] == pytest.approx(b["mean"] / b["theory"])
     assert len(b["per_step"]) == 2 and b["mean"] == pytest.approx(sum(b["per_step"]) / 2)  # the spread over steps
     assert set(b["item_cv"]) == {"fwd", "bwd"} and all(0 <= v < 1 for v in b["item_cv"].values()), b["item_cv"]
+    assert len(b["step_item_cv"]) == 2 and 0 <= b["steady_steps"] <= 2, b
+    steady = [v for v, c in zip(b["per_step"], b["step_item_cv"]) if c <= b["steady_cv"]]
+    assert b["steady_mean"] == (pytest.approx(sum(steady) / len(steady)) if steady else None)
 
     marks = {s: _stage_marks(json.loads((run / "traces" / f"rank{s}.json").read_text())) for s in range(p)}
     assert sorted(marks[0]) == sorted(marks[1]) == [1, 2]

@@ -503,6 +503,17 @@ SUMMARY = (
                 "fwd / bwd: coefficient of variation of the work items' durations over every stage and profiled "
                 "step (the theory's equal stages: 0)",
             ),
+            F(
+                "step_item_cv",
+                "",
+                "per profiled step: std/mean of its work items' durations, each divided by its stage's median item of "
+                "that direction (the theory's equal items: 0)",
+                kind="list",
+            ),
+            F("steady_cv", "", "the largest step_item_cv of a steady step (trace_ledger.STEADY_CV)"),
+            F("steady_steps", "steps", "profiled steps whose step_item_cv is at most steady_cv"),
+            F("steady_mean", "fraction", "wall: mean of per_step over the steady steps (none steady: null)"),
+            F("steady_ratio", "", "steady_mean / theory"),
             F("theory", "fraction", "(p-1)/(m+p-1)"),
             F("ratio", "", "mean / theory"),
             F("replayed_per_stage", "fraction", "the measured work items re-timed, one device per stage", kind="list"),

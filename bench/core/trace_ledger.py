@@ -26,6 +26,9 @@ from ptbench.core.comm_volume import ring_factor
 STEP = "ptbench.step#"
 COMM = "ptbench.comm:"
 STAGE = "ptbench.stage:"
+# a pipeline step is steady (the bubble theory's equal items held) when its work items' normalised spread is at
+# most this: of a step's 32 items (2 stages, m = 8) one at 1.5x its peers gives about 0.09, one at 2x about 0.17
+STEADY_CV = 0.10
 
 # dispatcher op -> (kind, which argument holds the full (unsharded) buffer)
 C10D = {
@@ -377,6 +380,30 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
     for tag, ds in durations.items():
         mu = sum(ds) / len(ds) if ds else 0.0
         item_cv[tag] = (sum((d - mu) ** 2 for d in ds) / len(ds)) ** 0.5 / mu if mu > 0 else None
+    # steady steps: those in which the theory's equal items held. Per step, the spread (std/mean) of its items'
+    # durations, each divided by its stage's median item of that direction over the profiled steps (so that a
+    # stage heavier than another does not count as spread); a step at most STEADY_CV is steady. The selection
+    # reads the work items only, never the idle time it then averages
+    medians = {}
+    for s in range(p):
+        for tag in ("fwd", "bwd"):
+            ds = sorted(
+                t1 - t0 for g in steps for t, t0, t1 in per_rank[s].get("stage_items", {}).get(g, []) if t == tag
+            )
+            if ds:
+                medians[(s, tag)] = ds[len(ds) // 2] if len(ds) % 2 else (ds[len(ds) // 2 - 1] + ds[len(ds) // 2]) / 2
+    step_cv = []
+    for g in steps:
+        xs = [
+            (t1 - t0) / medians[(s, tag)]
+            for s in range(p)
+            for tag, t0, t1 in per_rank[s].get("stage_items", {}).get(g, [])
+            if medians.get((s, tag), 0) > 0
+        ]
+        mu = sum(xs) / len(xs) if xs else 0.0
+        step_cv.append((sum((x - mu) ** 2 for x in xs) / len(xs)) ** 0.5 / mu if mu > 0 else None)
+    steady = [i for i, c in enumerate(step_cv) if c is not None and c <= STEADY_CV]
+    steady_mean = sum(per_step[i] for i in steady) / len(steady) if steady else None
     replays = [replay([per_rank[s].get("stage_items", {}).get(g, []) for s in range(p)], fastest) for g in steps]
     replays = [r for r in replays if r is not None]
     rp = [sum(r[s] for r in replays) / len(replays) for s in range(p)] if replays else None
@@ -393,6 +420,11 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
         mean=mean,
         per_step=per_step,
         item_cv=item_cv,
+        step_item_cv=step_cv,
+        steady_cv=STEADY_CV,
+        steady_steps=len(steady),
+        steady_mean=steady_mean,
+        steady_ratio=steady_mean / theory if steady_mean is not None and theory else None,
         theory=theory,
         ratio=mean / theory if theory else None,
         replayed_per_stage=rp,
@@ -404,7 +436,9 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
         "(the loss inside) / backward_step); it includes p2p transfers, torch pipelining's loss, and any time the "
         "stages could not run at once (ranks sharing CPU cores). item_cv: per direction, the coefficient of "
         "variation (population standard deviation / mean) of the work items' durations over every stage and "
-        "profiled step (the theory assumes 0). marks: per stage, fwd and bwd marks per profiled "
+        "profiled step (the theory assumes 0). step_item_cv: per profiled step, the same spread of its items, each "
+        "divided by its stage's median item of that direction; steady: the wall figure over the steps whose "
+        "step_item_cv is at most steady_cv (the theory's equal items held; chosen on item times, not on idle time). marks: per stage, fwd and bwd marks per profiled "
         "step; marked_once: each is m on every stage and step and no mark lies inside another. "
         "replayed: the same with the measured work items (each at its stage's fastest instance of that direction "
         "over the profiled steps) replayed in each stage's traced order with the pipeline's dependencies (forward i after the previous stage's forward i, backward i after the "
