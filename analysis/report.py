@@ -620,6 +620,10 @@ def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
                     "m": b["microbatches"],
                     "theory": b["theory"],
                     "wall": b["mean"],
+                    "wall/theory": b.get("ratio"),
+                    # records before the steady figure have no steady_steps: left blank, not 0
+                    "steady steps": None if "steady_steps" not in b else f"{b['steady_steps']}/{b['steps']}",
+                    "steady/theory": b.get("steady_ratio"),
                     "replayed": b.get("replayed_mean"),
                     "replayed/theory": b.get("replayed_ratio"),
                 }
@@ -669,8 +673,9 @@ def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
             markdown_table(pd.DataFrame(bubble)),
             "",
             "wall: idle share of the schedule's span as it ran (transfers, the loss and ranks sharing CPU cores "
-            "included); replayed: the measured work items re-timed with the schedule's dependencies, one device "
-            "per stage.",
+            "included); steady: the wall figure over the profiled steps whose work items kept the theory's equal "
+            "times (spread at most the record's steady_cv; chosen on item times, never on idle time); replayed: "
+            "the measured work items re-timed with the schedule's dependencies, one device per stage.",
             "",
         ]
     if strag:

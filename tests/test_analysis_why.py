@@ -116,3 +116,18 @@ def test_why_lists_mfu_both_ways_and_the_memory_ledger(results, report):
         ], (name, row)
     assert fc["convention"] in mfu
     assert "the parts add up to the profiled step" in text
+
+
+def test_why_bubble_table_carries_the_records_wall_and_steady_figures(results, report):
+    """The bubble table's row of the profiled pipeline: the record's wall ratio, its steady steps out of the
+    profiled ones, and the steady ratio ("-" when no step was steady)."""
+    text = report.read_text()
+    sec = text[text.index("### Pipeline bubble per step") :]
+    sec = sec[: sec.index("\n###")] if "\n###" in sec else sec
+    b = _records(results)["pipeline"]["profile"]["bubble"]
+    header, _, *rows = [ln for ln in sec.splitlines() if ln.startswith("|")]
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    (row,) = rows
+    cells = dict(zip(cols, [c.strip() for c in row.strip("|").split("|")]))
+    assert cells["wall/theory"] == _fmt(b["ratio"]) and cells["steady steps"] == f"{b['steady_steps']}/{b['steps']}"
+    assert b["steps"] == 2 and cells["steady/theory"] == _fmt(b["steady_ratio"])  # none steady: "-"
