@@ -21,6 +21,8 @@ compute on that rank (Python overhead between operators counts as not compute: a
 
 from __future__ import annotations
 
+import statistics
+
 from ptbench.core.comm_volume import ring_factor
 
 STEP = "ptbench.step#"
@@ -384,24 +386,22 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
     # durations, each divided by its stage's median item of that direction over the profiled steps (so that a
     # stage heavier than another does not count as spread); a step at most STEADY_CV is steady. The selection
     # reads the work items only, never the idle time it then averages
-    medians = {}
+    by_stage: dict = {}
     for s in range(p):
-        for tag in ("fwd", "bwd"):
-            ds = sorted(
-                t1 - t0 for g in steps for t, t0, t1 in per_rank[s].get("stage_items", {}).get(g, []) if t == tag
-            )
-            if ds:
-                medians[(s, tag)] = ds[len(ds) // 2] if len(ds) % 2 else (ds[len(ds) // 2 - 1] + ds[len(ds) // 2]) / 2
+        for g in steps:
+            for tag, t0, t1 in per_rank[s].get("stage_items", {}).get(g, []):
+                by_stage.setdefault((s, tag), []).append(t1 - t0)
+    medians = {k: statistics.median(v) for k, v in by_stage.items()}
     step_cv = []
     for g in steps:
         xs = [
             (t1 - t0) / medians[(s, tag)]
             for s in range(p)
             for tag, t0, t1 in per_rank[s].get("stage_items", {}).get(g, [])
-            if medians.get((s, tag), 0) > 0
+            if medians[(s, tag)] > 0
         ]
-        mu = sum(xs) / len(xs) if xs else 0.0
-        step_cv.append((sum((x - mu) ** 2 for x in xs) / len(xs)) ** 0.5 / mu if mu > 0 else None)
+        mu = statistics.fmean(xs) if xs else 0.0
+        step_cv.append(statistics.pstdev(xs) / mu if mu > 0 else None)
     steady = [i for i, c in enumerate(step_cv) if c is not None and c <= STEADY_CV]
     steady_mean = sum(per_step[i] for i in steady) / len(steady) if steady else None
     replays = [replay([per_rank[s].get("stage_items", {}).get(g, []) for s in range(p)], fastest) for g in steps]
