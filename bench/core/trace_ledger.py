@@ -367,30 +367,27 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
     theory = (p - 1) / (microbatches + p - 1)
     mean = sum(per_stage) / p
     per_step = [sum(fractions[s][i] for s in range(p)) / p for i in range(len(steps))]  # the spread over steps
-    # each stage's items of one direction do the same work: their fastest instance over the profiled steps is
-    # the one least slowed by other ranks sharing the cores; the replay times every item at that
-    fastest: dict = {}
-    durations: dict = {"fwd": [], "bwd": []}
-    for s in range(p):
-        for g in steps:
-            for tag, t0, t1 in per_rank[s].get("stage_items", {}).get(g, []):
-                fastest[(s, tag)] = min(fastest.get((s, tag), float("inf")), t1 - t0)
-                durations.setdefault(tag, []).append(t1 - t0)
-    # how far the run was from the theory's equal items: the spread of one direction's item times over every
-    # stage and step (a stage waits for the slowest item it depends on, so uneven items widen the bubble)
-    item_cv = {}
-    for tag, ds in durations.items():
-        mu = sum(ds) / len(ds) if ds else 0.0
-        item_cv[tag] = (sum((d - mu) ** 2 for d in ds) / len(ds)) ** 0.5 / mu if mu > 0 else None
-    # steady steps: those in which the theory's equal items held. Per step, the spread (std/mean) of its items'
-    # durations, each divided by its stage's median item of that direction over the profiled steps (so that a
-    # stage heavier than another does not count as spread); a step at most STEADY_CV is steady. The selection
-    # reads the work items only, never the idle time it then averages
+    # every work item's duration per (stage, direction), over the profiled steps
     by_stage: dict = {}
     for s in range(p):
         for g in steps:
             for tag, t0, t1 in per_rank[s].get("stage_items", {}).get(g, []):
                 by_stage.setdefault((s, tag), []).append(t1 - t0)
+
+    def cv(xs: list[float]) -> float | None:  # population std / mean
+        mu = statistics.fmean(xs) if xs else 0.0
+        return statistics.pstdev(xs) / mu if mu > 0 else None
+
+    # each stage's items of one direction do the same work: their fastest instance over the profiled steps is
+    # the one least slowed by other ranks sharing the cores; the replay times every item at that
+    fastest = {k: min(v) for k, v in by_stage.items()}
+    # how far the run was from the theory's equal items: the spread of one direction's item times over every
+    # stage and step (a stage waits for the slowest item it depends on, so uneven items widen the bubble)
+    item_cv = {tag: cv([d for (_, t), ds in by_stage.items() if t == tag for d in ds]) for tag in ("fwd", "bwd")}
+    # steady steps: those in which the theory's equal items held. Per step, the spread (std/mean) of its items'
+    # durations, each divided by its stage's median item of that direction over the profiled steps (so that a
+    # stage heavier than another does not count as spread); a step at most STEADY_CV is steady. The selection
+    # reads the work items only, never the idle time it then averages
     medians = {k: statistics.median(v) for k, v in by_stage.items()}
     step_cv = []
     for g in steps:
@@ -400,8 +397,7 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
             for tag, t0, t1 in per_rank[s].get("stage_items", {}).get(g, [])
             if medians[(s, tag)] > 0
         ]
-        mu = statistics.fmean(xs) if xs else 0.0
-        step_cv.append(statistics.pstdev(xs) / mu if mu > 0 else None)
+        step_cv.append(cv(xs))
     steady = [i for i, c in enumerate(step_cv) if c is not None and c <= STEADY_CV]
     steady_mean = sum(per_step[i] for i in steady) / len(steady) if steady else None
     replays = [replay([per_rank[s].get("stage_items", {}).get(g, []) for s in range(p)], fastest) for g in steps]
