@@ -96,7 +96,9 @@ def test_model_speed_profile_lists_both_models_top_ops():
     pytest.importorskip("megatron.core")
     from ptbench.model_speed import profile_models
 
-    text = profile_models(n_layer=1, n_embd=64, n_head=2, seq_len=16, vocab=512, batch=2, steps=1, warmup=1, rows=5)
+    # every op listed (rows=1000): at these sizes which ops lead the self-CPU ranking is timing noise (a
+    # top-5 table without aten::mm failed CI once), so the test checks that both tables hold the matmuls
+    text = profile_models(n_layer=1, n_embd=64, n_head=2, seq_len=16, vocab=512, batch=2, steps=1, warmup=1, rows=1000)
     harness, megatron = text.split("== megatron_gpt:")
     assert harness.startswith("== harness_gpt2:") and "ms self CPU per step" in megatron
     assert "aten::mm" in harness and "aten::mm" in megatron and "Self CPU" in megatron
