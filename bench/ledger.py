@@ -4,7 +4,10 @@ Runs, at 2 ranks on CPU (tiny GPT-2, a few steps, `trainer.profile` over the las
 stages 1-3, fsdp, megatron TP=2 (without and with adapter.sequence_parallel), a 2-stage torch pipeline and
 megatron PP=2, and prints per collective kind the bytes by the corrected formula (bench/core/comm_volume.py
 `corrected`) beside the bytes measured from the traces' c10d operators (goal: within 2 %), the measured time
-and the exposed (non-overlapped) communication.
+and the exposed (non-overlapped) communication. Before those runs it measures the bus bandwidth of the same
+collectives at 2 ranks (`python -m ptbench.comm`, stored in <root>/ledger/comm/ as a sweep stores it), so that
+`python -m ptbench.analysis report <root>` sets each kind's bytes beside the time they take at that bandwidth
+(report.md, "Why", column `ms at measured busbw`; --no-comm skips the measurement).
 Then the pipeline bubble of torch's GPipe and 1F1B schedules and megatron-core's 1F1B at 2 and 4 stages and
 m = 4, 8 micro-batches beside the theory (p-1)/(m+p-1) (goal: within 20 %).
 
@@ -13,6 +16,7 @@ m = 4, 8 micro-batches beside the theory (p-1)/(m+p-1) (goal: within 20 %).
     python -m ptbench.ledger --only bubble --bubble-adapters megatron   # megatron's pipeline only (or: pipeline)
     python -m ptbench.ledger --only bubble --repeats 2   # every bubble case twice, interleaved (--stages 2: 2 only)
     python -m ptbench.ledger --json out.json # also write every row
+    python -m ptbench.analysis report <root> # the report: the ledger with the time at the measured busbw
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from ptbench.run_point import run_bench
+from ptbench.runner.points import COMM_ARGS
 
 BASE = [
     "workload=gpt2_tiny",
@@ -50,6 +56,25 @@ LEDGER_RUNS = {
     "pipeline_pp2": ["adapter=pipeline", "adapter.schedule=1f1b", "trainer.batch_size=8"],
     "megatron_pp2": ["adapter=megatron", "adapter.pipeline_parallel=2", "trainer.batch_size=8"],
 }
+
+
+# the collectives the ledger's runs make (recv: the pipeline's receive half of send_recv, no bytes of its own)
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def measure_busbw(root: Path, timeout: float = 600) -> Path | None:
+    """`python -m ptbench.comm` at the ledger's 2 ranks on gloo over COMM_OPS into <root>/ledger/comm/ (where the
+    report looks for it, as for a sweep: analysis/load.py `load_comm`); the report's path, None if it failed."""
+    folder = root / "ledger" / "comm"
+    cmd = [sys.executable, "-m", "ptbench.comm", "--world-size", "2", "--backend", "gloo", *COMM_ARGS]
+    cmd += ["--ops", ",".join(COMM_OPS), "--out", str(folder)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    path = folder / "gloo-2.json"
+    if proc.returncode or not path.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        print(f"warning: ptbench.comm at 2 ranks failed ({tail[0]}); the report will say `not measured`")
+        return None
+    return path
 
 
 def ledger_runs(root: Path, names=None, timeout: float = 600) -> list[dict]:
@@ -285,14 +310,23 @@ def main(argv=None) -> int:
         default=1,
         help="bubble table: run every case this many times, interleaved (case after case, then again); default 1",
     )
+    ap.add_argument(
+        "--no-comm",
+        action="store_true",
+        help="ledger: skip the bus-bandwidth measurement (python -m ptbench.comm into <root>/ledger/comm/)",
+    )
     ap.add_argument("--root", type=Path, help="results root (default: a temporary folder)")
     ap.add_argument("--json", type=Path, help="write every row to this file")
     args = ap.parse_args(argv)
     root = args.root or Path(tempfile.mkdtemp(prefix="ptbench-ledger-"))
     out: dict = {}
     if args.only in (None, "bytes"):
+        busbw = None if args.no_comm else measure_busbw(root)
         out["ledger"] = ledger_runs(root, args.runs)
         print_ledger(out["ledger"])
+        if busbw:
+            print(f"bus bandwidth measured at 2 ranks: {busbw.with_suffix('.txt')}")
+            print(f"each kind's time at that bandwidth: python -m ptbench.analysis report {root}  (report.md, Why)")
     if args.only in (None, "bubble"):
         out["bubble"] = bubble_runs(root, adapters=args.bubble_adapters, repeats=args.repeats, stages=args.stages)
         print_bubble(out["bubble"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -51,6 +53,27 @@ def test_measured_bytes_within_2_percent_of_the_corrected_formula(tmp_path, case
         b = prof["bubble"]
         assert b["stages"] == 2 and b["microbatches"] == 8 and b["theory"] == pytest.approx(1 / 9)
         assert len(b["per_stage"]) == 2 and all(0 <= v < 1 for v in b["per_stage"]), b
+
+
+def test_ledger_command_measures_busbw_and_the_report_times_each_kind_at_it(tmp_path):
+    """`python -m ptbench.ledger --only bytes --runs ddp`: the table's row (measured = formula), the bus bandwidth
+    measured at 2 ranks stored where the report looks, and the report's ledger row timed at that bandwidth."""
+    from ptbench.analysis.load import load, load_comm
+    from ptbench.analysis.report import why_lines
+
+    cmd = [sys.executable, "-m", "ptbench.ledger", "--only", "bytes", "--runs", "ddp", "--root", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    row = next(line.split() for line in proc.stdout.splitlines() if line.startswith("ddp "))
+    assert row[1] == "all_reduce" and row[4] == "1.000", row
+    comm = json.loads((tmp_path / "ledger" / "comm" / "gloo-2.json").read_text())
+    assert {r["op"] for r in comm["results"]} == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
+    assert f"python -m ptbench.analysis report {tmp_path}" in proc.stdout
+    lines = "\n".join(why_lines(load(tmp_path), load_comm(tmp_path))).splitlines()
+    head = next(line for line in lines if line.startswith("| run") and "ms at measured busbw" in line)
+    col = [c.strip() for c in head.split("|")].index("ms at measured busbw")
+    cells = next([c.strip() for c in line.split("|")] for line in lines if "| all_reduce " in line)
+    assert float(cells[col]) > 0, cells
 
 
 def _cost(*overrides: str):
