@@ -1,13 +1,14 @@
 """`python -m ptbench.ledger`: the communication ledger and the pipeline bubble, measured from traces.
 
-Runs, at 2 ranks on CPU (tiny GPT-2, a few steps, `trainer.profile` over the last steps): ddp, zero
-stages 1-3, fsdp, megatron TP=2 (without and with adapter.sequence_parallel), a 2-stage torch pipeline and
-megatron PP=2, and prints per collective kind the bytes by the corrected formula (bench/core/comm_volume.py
-`corrected`) beside the bytes measured from the traces' c10d operators (goal: within 2 %), the measured time
-and the exposed (non-overlapped) communication. Before those runs it measures the bus bandwidth of the same
-collectives at 2 ranks (`python -m ptbench.comm`, stored in <root>/ledger/comm/ as a sweep stores it), so that
-`python -m ptbench.analysis report <root>` sets each kind's bytes beside the time they take at that bandwidth
-(report.md, "Why", column `ms at measured busbw`; --no-comm skips the measurement).
+Runs, at 2 ranks on CPU (tiny GPT-2, a few steps, `trainer.profile` over the last steps): ddp, zero stages
+1-3, fsdp, megatron TP=2 (without and with adapter.sequence_parallel), a 2-stage torch pipeline and megatron
+PP=2; at 4 ranks megatron TP=2 x PP=2 (without and with sequence parallelism); and prints per collective kind
+the bytes by the corrected formula (bench/core/comm_volume.py `corrected`) beside the bytes measured from the
+traces' c10d operators (goal: within 2 %), the measured time and the exposed (non-overlapped) communication.
+Before those runs it measures the bus bandwidth of the same collectives at 2 ranks (`python -m ptbench.comm`,
+stored in <root>/ledger/comm/ as a sweep stores it), so that `python -m ptbench.analysis report <root>` sets
+each kind's bytes beside the time they take at that bandwidth (report.md, "Why", column `ms at measured
+busbw`; --no-comm skips the measurement).
 Then the pipeline bubble of torch's GPipe and 1F1B schedules and megatron-core's 1F1B at 2 and 4 stages and
 m = 4, 8 micro-batches beside the theory (p-1)/(m+p-1) (goal: within 20 %).
 
@@ -44,6 +45,7 @@ BASE = [
     "trainer.epochs=1",
     "results.mllog=false",
 ]
+TP2PP2 = ["adapter=megatron", "adapter.tensor_parallel=2", "adapter.pipeline_parallel=2", "trainer.batch_size=8"]
 LEDGER_RUNS = {
     "ddp": ["adapter=ddp"],
     "zero1": ["adapter=zero", "adapter.stage=1"],
@@ -55,6 +57,10 @@ LEDGER_RUNS = {
     # the pipeline's trainer.batch_size is its global batch: 8 = its default 4 x 2 micro-batches of 1
     "pipeline_pp2": ["adapter=pipeline", "adapter.schedule=1f1b", "trainer.batch_size=8"],
     "megatron_pp2": ["adapter=megatron", "adapter.pipeline_parallel=2", "trainer.batch_size=8"],
+    # tensor x pipeline parallel at 4 ranks (dp 1): the vocab-parallel collectives split over the first and the
+    # last stage, each kind counted on its busiest
+    "megatron_tp2pp2": [*TP2PP2, "launcher.nprocs=4"],
+    "megatron_tp2pp2-sp": [*TP2PP2, "adapter.sequence_parallel=true", "launcher.nprocs=4"],
 }
 
 
@@ -82,12 +88,13 @@ def ledger_runs(root: Path, names=None, timeout: float = 600) -> list[dict]:
     for name, over in LEDGER_RUNS.items():
         if names and name not in names:
             continue
+        nprocs = next((int(o.split("=")[1]) for o in over if o.startswith("launcher.nprocs=")), 2)
         run = run_bench(
             [*BASE, "launcher.nprocs=2", "trainer.batch_size=4", "trainer.max_steps=5", "trainer.profile=3:2", *over],
             root=root,
             experiment="ledger",
             timeout=timeout,
-            run_name=(name, "gpt2_tiny", 2),
+            run_name=(name, "gpt2_tiny", nprocs),
         )
         prof = run.summary.get("profile") or {}
         if not run.ok or not prof.get("ledger"):
@@ -194,7 +201,10 @@ def _mb(x) -> str:
 
 
 def print_ledger(rows: list[dict]) -> None:
-    print("communication ledger per optimizer step, 2 ranks, CPU gloo (bytes: nccl-tests bus volume, busiest rank)")
+    print(
+        "communication ledger per optimizer step, 2 ranks (megatron_tp2pp2: 4), CPU gloo "
+        "(bytes: nccl-tests bus volume, each kind's busiest rank)"
+    )
     print(
         f"{'run':14} {'collective':15} {'formula MB':>10} {'measured MB':>11} {'ratio':>6} {'calls':>5} "
         f"{'time ms':>8} {'exposed ms':>10}"

@@ -22,6 +22,7 @@ RUN = [o for o in GPT2_REFERENCE if not o.startswith("trainer.max_steps")] + [
     "trainer.profile=3:2",
 ]
 
+TP2PP2 = ["adapter=megatron", "adapter.tensor_parallel=2", "adapter.pipeline_parallel=2", "trainer.batch_size=8"]
 CASES = {
     "zero1": (["adapter=zero", "adapter.stage=1"], "use_multi_rank_bucket_allreduce"),
     "zero3": (["adapter=zero", "adapter.stage=3"], "stage3_max_reuse_distance"),
@@ -33,6 +34,12 @@ CASES = {
     ),
     "pipeline_pp2": (["adapter=pipeline", "adapter.schedule=gpipe", "trainer.batch_size=8"], "TiedPair"),
     "megatron_pp2": (["adapter=megatron", "adapter.pipeline_parallel=2", "trainer.batch_size=8"], "embedding group"),
+    # 4 ranks, TP=2 x PP=2: the embedding's collectives on the first stage, the output layer's and loss's on the last
+    "megatron_tp2pp2": ([*TP2PP2, "launcher.nprocs=4"], "busiest stage counted, p = 2"),
+    "megatron_tp2pp2-sp": (
+        [*TP2PP2, "adapter.sequence_parallel=true", "launcher.nprocs=4"],
+        "busiest stage counted, p = 2",
+    ),
 }
 
 
@@ -137,6 +144,34 @@ def test_sequence_parallel_formula_and_megatron_corrections():
     norms = 2 * (2 * 2 * 128 + 2 * 128) + 2 * 128  # 2 layers x (2 LayerNorms + 2 row-parallel biases) + final norm
     assert c["by_op"]["all_reduce"] == pytest.approx(act + 3 * 4 * 32 * 4 + norms * 4)
     assert len(c["differences"]) == 3 and all("adapter.sequence_parallel=true" in d for d in c["differences"])
+
+
+def test_megatron_tp_with_pp_counts_each_kind_on_its_busiest_stage():
+    """TP=2 x PP=2 (L=2, one layer a stage, m=1): the embedding's collectives are the first stage's, the output
+    layer's, the loss's and the final norm's the last stage's; each kind is counted on the stage that moves more
+    of it (the ledger's busiest rank per kind), never both stages' summed as at p = 1."""
+    kw = dict(params=1_000_000, world_size=4, tp=2, pp=2, layers=2, hidden=128, seq_len=32, micro_batch=4)
+    act, ce = 4 * 32 * 128 * 4, 3 * 4 * 32 * 4  # b*s*h*B; the loss's 3 fp32 b*s all-reduces (ring factor 1 at t=2)
+    cost = ["adapter=megatron", "adapter.tensor_parallel=2", "adapter.pipeline_parallel=2"]
+
+    def extra(c: dict, base: dict, op: str) -> float:  # beyond the papers' items and the tied embedding's
+        tied = sum(it["bytes"] for it in c["collectives"] if it["name"].startswith("pp_tied") and it["op"] == op)
+        return c["by_op"].get(op, 0.0) - base["by_op"].get(op, 0.0) - tied
+
+    plain = record_fields(volume("none", **kw))
+    c = corrected(plain, _cost(*cost, "adapter.sequence_parallel=false"), WL)
+    assert extra(c, plain, "all_reduce") == pytest.approx(act + ce)  # the last stage's output layer and loss
+    assert any("busiest stage counted, p = 2" in d for d in c["differences"])
+
+    sp = record_fields(volume("none", sequence_parallel=True, **kw))
+    c = corrected(sp, _cost(*cost, "adapter.sequence_parallel=true"), WL)
+    # all-gathers: the layer's 2 backward re-gathers (every stage) + the output layer's 2 (last; the first's
+    # embedding gradient makes 1)
+    assert extra(c, sp, "all_gather") == pytest.approx((2 + 2) * act / 2)
+    assert extra(c, sp, "reduce_scatter") == pytest.approx(act / 2)  # the output layer's input gradient (last)
+    layer = 2 * 128 + 2 * 128 + 2 * 128  # one layer's LayerNorms (weight, bias) and row-parallel biases
+    first, last = act + layer * 4, ce + (layer + 2 * 128) * 4  # embedding output vs loss + the final norm
+    assert first > last and extra(c, sp, "all_reduce") == pytest.approx(first)
 
 
 def test_interval_arithmetic():

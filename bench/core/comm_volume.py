@@ -423,62 +423,121 @@ def record_fields(vol: dict, backend: str | None = None) -> dict:
 _MCORE_SP = "megatron-core, adapter.sequence_parallel=true"
 
 
-def _megatron_sequence_parallel(sp_item: dict, fields: dict, workload, diffs: list[str]) -> list[dict]:
-    """Megatron-core's sequence-parallel traffic beside [SP]'s per-layer all-gathers and reduce-scatters
-    (`sp_item`: the formula's tp_activation_all_gather): the backward re-gather of the column-parallel
-    linears' input, the embedding / output layer / loss collectives, and the all-reduce of the gradients
-    of the parameters marked `sequence_parallel`. Appends one line per difference to `diffs`."""
-    n, act, b = sp_item["group_size"], sp_item["message_bytes"], sp_item["bytes_per_elem"]
-    h = workload.n_embd
-    layers_rank = math.ceil(workload.n_layer / max(1, fields.get("pp", 1)))
-    m = sp_item["calls"] / (4 * layers_rank)
+def _busiest_stage(first: list[dict], last: list[dict], pp: int) -> list[dict]:
+    """The collectives the first and the last pipeline stage make beyond their layers': with p = 1 one rank makes
+    both lists; with p > 1, per collective kind the list of the stage that moves more of it (the ledger reports
+    each kind's busiest rank; the stages' layers move the same, ceil(L/p) each)."""
+    if pp == 1:
+        return [*first, *last]
+    out = []
+    for op in dict.fromkeys(it["op"] for it in [*first, *last]):
+        a, b = ([it for it in stage if it["op"] == op] for stage in (first, last))
+        out += a if sum(it["bytes"] for it in a) > sum(it["bytes"] for it in b) else b
+    return out
+
+
+def _megatron_vocab_parallel(tp_item: dict, fields: dict, workload, sp: bool, diffs: list[str]) -> list[dict]:
+    """Megatron-core's tensor-parallel traffic beyond the papers' per-layer collectives (`tp_item`: the formula's
+    tp_activation_all_reduce, or its tp_activation_all_gather with sequence parallelism): the vocab-parallel
+    embedding (first stage), output layer and cross-entropy (last stage), and with sequence parallelism the
+    backward re-gather of the column-parallel linears' input and the all-reduce of the gradients of the
+    parameters marked `sequence_parallel`. Appends one line per difference to `diffs`."""
+    n, act, b = tp_item["group_size"], tp_item["message_bytes"], tp_item["bytes_per_elem"]
+    h, pp = workload.n_embd, max(1, fields.get("pp", 1))
+    layers_rank = math.ceil(workload.n_layer / pp)
+    m = tp_item["calls"] / (4 * layers_rank)
     bs = act / (h * b)  # b x s
     ar, g = ring_factor("all_reduce", n), ring_factor("all_gather", n)
 
     def item(name, op, message, calls, factor, formula, phase, elem):
         return _item(name, op, "tp", n, message, calls, calls * factor * message, formula, phase, elem)
 
-    regather = 2 * layers_rank * m
-    # the first stage holds the embedding, the last the output layer, the loss and the final norm; with p = 1
-    # one rank all of them
-    sp_param_elems = layers_rank * 6 * h + 2 * h
-    out = [
-        item(
-            "tp_backward_input_all_gather",
-            "all_gather",
-            act,
-            regather,
-            g,
-            "2 * ceil(L/p) * m * (t-1)/t * b*s*h * B",
-            "backward",
-            b,
-        ),
-        item("tp_embedding_output_all_reduce", "all_reduce", act, m, ar, "m * 2(t-1)/t * b*s*h * B", "forward", b),
-        item(
-            "tp_embedding_output_layer_all_gather",
-            "all_gather",
-            act,
-            3 * m,
-            g,
-            "3 * m * (t-1)/t * b*s*h * B",
-            "forward,backward",
-            b,
-        ),
-        item("tp_output_layer_reduce_scatter", "reduce_scatter", act, m, g, "m * (t-1)/t * b*s*h * B", "backward", b),
-        item(
-            "tp_cross_entropy_all_reduce", "all_reduce", bs * 4, 3 * m, ar, "3 * m * 2(t-1)/t * b*s * 4", "forward", 4
-        ),
+    act_ar = "m * 2(t-1)/t * b*s*h * B"
+    ce = item(
+        "tp_cross_entropy_all_reduce", "all_reduce", bs * 4, 3 * m, ar, "3 * m * 2(t-1)/t * b*s * 4", "forward", 4
+    )
+    where = (
+        "the first stage holds the embedding, the last the output layer and the loss (each kind's busiest stage "
+        f"counted, p = {pp})"
+        if pp > 1
+        else "one rank holds the embedding, the output layer and the loss (p = 1)"
+    )
+    if not sp:
+        first = [item("tp_embedding_all_reduce", "all_reduce", act, m, ar, act_ar, "forward", b)]
+        last = [item("tp_output_layer_all_reduce", "all_reduce", act, m, ar, act_ar, "backward", b), ce]
+        diffs.append(
+            "Megatron TP: the vocab-parallel embedding all-reduces its output (forward) and the column-parallel "
+            "output layer all-reduces its input gradient (backward), a b*s*h all-reduce each per micro-batch; "
+            "the vocab-parallel cross-entropy (parallel_output) all-reduces 3 fp32 b*s tensors (max logit, target "
+            f"logit, sum of exp) per micro-batch; {where}"
+        )
+        return _busiest_stage(first, last, pp)
+
+    layer_elems = layers_rank * 6 * h  # each stage's layers: 2 LayerNorms (weight, bias) and 2 biases of h
+    sp_grad = "2(t-1)/t * (6h * ceil(L/p){}) * 4"
+    first = [
+        item("tp_embedding_all_reduce", "all_reduce", act, m, ar, act_ar, "forward", b),
+        item("tp_embedding_grad_all_gather", "all_gather", act, m, g, "m * (t-1)/t * b*s*h * B", "backward", b),
         item(
             "tp_sequence_parallel_grad_all_reduce",
             "all_reduce",
-            sp_param_elems * 4,
+            layer_elems * 4,
             1,
             ar,
-            "2(t-1)/t * (6h * ceil(L/p) + 2h) * 4",
+            sp_grad.format("" if pp > 1 else " + 2h"),
             "backward",
             4,
         ),
     ]
+    last = [
+        item(
+            "tp_output_layer_all_gather",
+            "all_gather",
+            act,
+            2 * m,
+            g,
+            "2 * m * (t-1)/t * b*s*h * B",
+            "forward,backward",
+            b,
+        ),
+        item("tp_output_layer_reduce_scatter", "reduce_scatter", act, m, g, "m * (t-1)/t * b*s*h * B", "backward", b),
+        ce,
+    ]
+    # the final LayerNorm's 2h sit on the last stage: with p = 1 in the one rank's flattened all-reduce
+    if pp > 1:
+        last.append(
+            item(
+                "tp_sequence_parallel_grad_all_reduce",
+                "all_reduce",
+                (layer_elems + 2 * h) * 4,
+                1,
+                ar,
+                sp_grad.format(" + 2h"),
+                "backward",
+                4,
+            )
+        )
+    else:
+        first[-1] = item(
+            "tp_sequence_parallel_grad_all_reduce",
+            "all_reduce",
+            (layer_elems + 2 * h) * 4,
+            1,
+            ar,
+            sp_grad.format(" + 2h"),
+            "backward",
+            4,
+        )
+    regather = item(
+        "tp_backward_input_all_gather",
+        "all_gather",
+        act,
+        2 * layers_rank * m,
+        g,
+        "2 * ceil(L/p) * m * (t-1)/t * b*s*h * B",
+        "backward",
+        b,
+    )
     diffs += [
         f"{_MCORE_SP}: the column-parallel linears (QKV, fc1) all-gather their sequence-shard input again in "
         "backward for the weight gradient instead of keeping the gathered input (tensor_parallel/layers.py:522): "
@@ -488,15 +547,15 @@ def _megatron_sequence_parallel(sp_item: dict, fields: dict, workload, diffs: li
         "to the sequence shards (no bytes forward, an all-gather of its gradient backward, "
         "tensor_parallel/mappings.py:293); the column-parallel output layer all-gathers the final norm's output "
         "forward and again backward and reduce-scatters its input gradient (tensor_parallel/layers.py:483, 522, "
-        "555); per micro-batch 1 b*s*h all-reduce, 3 all-gathers, 1 reduce-scatter, and the vocab-parallel "
-        "cross-entropy's 3 fp32 b*s all-reduces",
+        "555); per micro-batch the embedding's 1 b*s*h all-reduce and 1 all-gather, the output layer's 2 "
+        f"all-gathers and 1 reduce-scatter, and the vocab-parallel cross-entropy's 3 fp32 b*s all-reduces; {where}",
         f"{_MCORE_SP}: finalize_model_grads all-reduces over the TP group, once per step in one flattened fp32 "
         "tensor, the gradients of the parameters marked sequence_parallel: the LayerNorms (2 per layer, the "
-        "final one) and the row-parallel linears' biases, added after the reduce-scatter "
-        "(tensor_parallel/layers.py:1228; distributed/finalize_model_grads.py:354, 376): "
-        f"(6h * ceil(L/p) + 2h) = {sp_param_elems} elements",
+        "final one on the last stage) and the row-parallel linears' biases, added after the reduce-scatter "
+        "(tensor_parallel/layers.py:1228; distributed/finalize_model_grads.py:354, 376): 6h per layer "
+        f"({layer_elems} elements per stage) + 2h",
     ]
-    return out
+    return [regather, *_busiest_stage(first, last, pp)]
 
 
 def corrected(fields: dict, cost, workload, root_params: int | None = None) -> dict:
@@ -533,51 +592,10 @@ def corrected(fields: dict, cost, workload, root_params: int | None = None) -> d
     if cost.vocab_parallel_loss:
         tp_item = next((it for it in items if it["name"] == "tp_activation_all_reduce"), None)
         if tp_item is not None and not cost.sequence_parallel:
-            n = tp_item["group_size"]
-            act = tp_item["message_bytes"]
-            layers_rank = math.ceil(workload.n_layer / max(1, fields.get("pp", 1)))
-            m = tp_item["calls"] / (4 * layers_rank)
-            bs = act / (workload.n_embd * tp_item["bytes_per_elem"])  # b x s
-            calls_act = 2 * m
-            calls_ce = 3 * m
-            # the first stage holds the embedding, the last the output layer and the loss; with p = 1 one rank both
-            items.append(
-                _item(
-                    "tp_embedding_output_all_reduce",
-                    "all_reduce",
-                    "tp",
-                    n,
-                    act,
-                    calls_act,
-                    calls_act * ring_factor("all_reduce", n) * act,
-                    "2 * m * 2(t-1)/t * b*s*h * B",
-                    "forward,backward",
-                    tp_item["bytes_per_elem"],
-                )
-            )
-            items.append(
-                _item(
-                    "tp_cross_entropy_all_reduce",
-                    "all_reduce",
-                    "tp",
-                    n,
-                    bs * 4,
-                    calls_ce,
-                    calls_ce * ring_factor("all_reduce", n) * bs * 4,
-                    "3 * m * 2(t-1)/t * b*s * 4",
-                    "forward",
-                    4,
-                )
-            )
-            diffs.append(
-                "Megatron TP: the vocab-parallel embedding all-reduces its output (forward) and the column-parallel "
-                "output layer all-reduces its input gradient (backward), 2 more b*s*h all-reduces per micro-batch; "
-                "the vocab-parallel cross-entropy (parallel_output) all-reduces 3 fp32 b*s tensors (max logit, target "
-                "logit, sum of exp) per micro-batch"
-            )
+            items += _megatron_vocab_parallel(tp_item, fields, workload, False, diffs)
         sp_item = next((it for it in items if it["name"] == "tp_activation_all_gather"), None)
         if sp_item is not None and cost.sequence_parallel:
-            items += _megatron_sequence_parallel(sp_item, fields, workload, diffs)
+            items += _megatron_vocab_parallel(sp_item, fields, workload, True, diffs)
     if cost.root_unit_gathered and root_params and cost.reshard_after_forward:
         for it in items:
             if it["name"] == "dp_param_all_gather_bwd":
