@@ -474,20 +474,14 @@ def _megatron_vocab_parallel(tp_item: dict, fields: dict, workload, sp: bool, di
         return _busiest_stage(first, last, pp)
 
     layer_elems = layers_rank * 6 * h  # each stage's layers: 2 LayerNorms (weight, bias) and 2 biases of h
-    sp_grad = "2(t-1)/t * (6h * ceil(L/p){}) * 4"
+
+    def sp_grads(elems: int, final_norm: bool) -> dict:  # the stage's one flattened fp32 all-reduce
+        formula = f"2(t-1)/t * (6h * ceil(L/p){' + 2h' if final_norm else ''}) * 4"
+        return item("tp_sequence_parallel_grad_all_reduce", "all_reduce", elems * 4, 1, ar, formula, "backward", 4)
+
     first = [
         item("tp_embedding_all_reduce", "all_reduce", act, m, ar, act_ar, "forward", b),
         item("tp_embedding_grad_all_gather", "all_gather", act, m, g, "m * (t-1)/t * b*s*h * B", "backward", b),
-        item(
-            "tp_sequence_parallel_grad_all_reduce",
-            "all_reduce",
-            layer_elems * 4,
-            1,
-            ar,
-            sp_grad.format("" if pp > 1 else " + 2h"),
-            "backward",
-            4,
-        ),
     ]
     last = [
         item(
@@ -503,31 +497,12 @@ def _megatron_vocab_parallel(tp_item: dict, fields: dict, workload, sp: bool, di
         item("tp_output_layer_reduce_scatter", "reduce_scatter", act, m, g, "m * (t-1)/t * b*s*h * B", "backward", b),
         ce,
     ]
-    # the final LayerNorm's 2h sit on the last stage: with p = 1 in the one rank's flattened all-reduce
+    # the final LayerNorm's 2h sit on the last stage (with p = 1, in the one rank's all-reduce)
     if pp > 1:
-        last.append(
-            item(
-                "tp_sequence_parallel_grad_all_reduce",
-                "all_reduce",
-                (layer_elems + 2 * h) * 4,
-                1,
-                ar,
-                sp_grad.format(" + 2h"),
-                "backward",
-                4,
-            )
-        )
+        first.append(sp_grads(layer_elems, final_norm=False))
+        last.append(sp_grads(layer_elems + 2 * h, final_norm=True))
     else:
-        first[-1] = item(
-            "tp_sequence_parallel_grad_all_reduce",
-            "all_reduce",
-            (layer_elems + 2 * h) * 4,
-            1,
-            ar,
-            sp_grad.format(" + 2h"),
-            "backward",
-            4,
-        )
+        first.append(sp_grads(layer_elems + 2 * h, final_norm=True))
     regather = item(
         "tp_backward_input_all_gather",
         "all_gather",
