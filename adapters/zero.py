@@ -128,7 +128,8 @@ class ZeroAdapter(Adapter):
             offload_optimizer=bool(a.offload_optimizer),
             offload_params=bool(a.offload_params),
             # DeepSpeed 0.19: zero_optimization.use_multi_rank_bucket_allreduce (default true) all-reduces ZeRO-1/2's
-            # gradient buckets; stage3_max_live_parameters (default 1e9): below it gathered parameters stay for backward
+            # gradient buckets; stage3_max_reuse_distance (default 1e9 elements, not set here): a model within it
+            # keeps the parameters gathered in forward for backward (no backward re-gather)
             grad_bucket_all_reduce=a.stage in (1, 2),
             live_params_limit=1_000_000_000 if a.stage == 3 else 0,
         )

@@ -560,9 +560,10 @@ def corrected(fields: dict, cost, workload, root_params: int | None = None) -> d
         if any(it["name"] == "dp_param_all_gather_bwd" for it in items):
             items = [it for it in items if it["name"] != "dp_param_all_gather_bwd"]
             diffs.append(
-                "DeepSpeed ZeRO-3: stage3_max_live_parameters and stage3_max_reuse_distance (defaults 1e9) exceed "
-                "the model's parameters, so parameters gathered in forward stay gathered for backward: no backward "
-                "re-gather (the formula's 3 (N-1)/N x Psi x B is 1.5x too high)"
+                "DeepSpeed ZeRO-3: the model's parameters fit stage3_max_reuse_distance (default 1e9 elements), so "
+                "a parameter gathered in forward is not released before its use in backward "
+                "(runtime/zero/partitioned_param_coordinator.py __params_to_release): no backward re-gather (the "
+                "formula's 3 (N-1)/N x Psi x B is 1.5x too high)"
             )
     if cost.vocab_parallel_loss:
         tp_item = next((it for it in items if it["name"] == "tp_activation_all_reduce"), None)

@@ -77,7 +77,9 @@ class CostInputs:
     offload_params: bool = False  # ZeRO-Infinity style: stage 3 parameters in host memory, gathered per unit
     # what the framework moves beside the papers' formulas (comm_volume.corrected; measured by ptbench.ledger):
     grad_bucket_all_reduce: bool = False  # sharded gradients all-reduced in buckets, not reduce-scattered
-    live_params_limit: int = 0  # stage-3 parameters stay gathered for backward below this many; 0: re-gathered
+    # stage 3: a model below this many parameters (DeepSpeed's stage3_max_reuse_distance) keeps them gathered for
+    # backward; 0: re-gathered
+    live_params_limit: int = 0
     vocab_parallel_loss: bool = False  # TP: embedding output, output-layer input grad and the loss all-reduced
     tied_embedding_stages: bool = False  # first and last pipeline stage share the tied embedding (grads all-reduced)
     root_unit_gathered: bool = False  # the root shard unit is not resharded after forward (no backward re-gather)
