@@ -206,22 +206,22 @@ def print_ledger(rows: list[dict]) -> None:
         "(bytes: nccl-tests bus volume, each kind's busiest rank)"
     )
     print(
-        f"{'run':14} {'collective':15} {'formula MB':>10} {'measured MB':>11} {'ratio':>6} {'calls':>5} "
+        f"{'run':18} {'collective':15} {'formula MB':>10} {'measured MB':>11} {'ratio':>6} {'calls':>5} "
         f"{'time ms':>8} {'exposed ms':>10}"
     )
     for r in rows:
         if "error" in r:
-            print(f"{r['run']:14} error: {r['error']}")
+            print(f"{r['run']:18} error: {r['error']}")
             continue
         for i, row in enumerate(r["ledger"]):
             ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "-"
             exposed = f"{1e3 * r['exposed_s']:10.2f}" if i == 0 else ""
             print(
-                f"{r['run'] if i == 0 else '':14} {row['kind']:15} {_mb(row['formula_bytes']):>10} "
+                f"{r['run'] if i == 0 else '':18} {row['kind']:15} {_mb(row['formula_bytes']):>10} "
                 f"{_mb(row['measured_bytes']):>11} {ratio:>6} {row['calls']:5.0f} {1e3 * row['time_s']:8.2f} {exposed}"
             )
         for d in r["differences"]:
-            print(f"{'':14} corrected: {d}")
+            print(f"{'':18} corrected: {d}")
 
 
 def _spread(v: list[float]) -> str:
