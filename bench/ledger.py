@@ -70,15 +70,25 @@ COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 def measure_busbw(root: Path, timeout: float = 600) -> Path | None:
     """`python -m ptbench.comm` at the ledger's 2 ranks on gloo over COMM_OPS into <root>/ledger/comm/ (where the
-    report looks for it, as for a sweep: analysis/load.py `load_comm`); the report's path, None if it failed."""
+    report looks for it, as for a sweep: analysis/load.py `load_comm`); the report's path, None if it failed. A
+    measurement already there is kept, never overwritten."""
     folder = root / "ledger" / "comm"
+    path = folder / "gloo-2.json"
+    if path.exists():
+        print(f"bus bandwidth: kept the measurement already in {path} (move it away to measure again)", flush=True)
+        return path
     cmd = [sys.executable, "-m", "ptbench.comm", "--world-size", "2", "--backend", "gloo", *COMM_ARGS]
     cmd += ["--ops", ",".join(COMM_OPS), "--out", str(folder)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    path = folder / "gloo-2.json"
-    if proc.returncode or not path.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-        print(f"warning: ptbench.comm at 2 ranks failed ({tail[0]}); the report will say `not measured`")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        why = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        failed = proc.returncode or not path.exists()
+    except subprocess.TimeoutExpired:
+        why, failed = [f"no result in {timeout:.0f} s"], True
+    if failed:
+        print(
+            f"warning: ptbench.comm at 2 ranks failed ({why[0]}); the report will say `not measured`", file=sys.stderr
+        )
         return None
     return path
 

@@ -62,7 +62,7 @@ def test_measured_bytes_within_2_percent_of_the_corrected_formula(tmp_path, case
         assert len(b["per_stage"]) == 2 and all(0 <= v < 1 for v in b["per_stage"]), b
 
 
-def test_ledger_command_measures_busbw_and_the_report_times_each_kind_at_it(tmp_path):
+def test_ledger_command_measures_busbw_and_the_report_times_each_kind_at_it(tmp_path, capsys):
     """`python -m ptbench.ledger --only bytes --runs ddp`: the table's row (measured = formula), the bus bandwidth
     measured at 2 ranks stored where the report looks, and the report's ledger row timed at that bandwidth."""
     from ptbench.analysis.load import load, load_comm
@@ -81,6 +81,13 @@ def test_ledger_command_measures_busbw_and_the_report_times_each_kind_at_it(tmp_
     col = [c.strip() for c in head.split("|")].index("ms at measured busbw")
     cells = next([c.strip() for c in line.split("|")] for line in lines if "| all_reduce " in line)
     assert float(cells[col]) > 0, cells
+    # a second ledger on the same root keeps the measurement there, never overwrites it
+    from ptbench.ledger import measure_busbw
+
+    before = (tmp_path / "ledger" / "comm" / "gloo-2.json").read_bytes()
+    assert measure_busbw(tmp_path) == tmp_path / "ledger" / "comm" / "gloo-2.json"
+    assert (tmp_path / "ledger" / "comm" / "gloo-2.json").read_bytes() == before
+    assert "kept the measurement already in" in capsys.readouterr().out
 
 
 def _cost(*overrides: str):
