@@ -566,12 +566,11 @@ def corrected(fields: dict, cost, workload, root_params: int | None = None) -> d
                 "formula's 3 (N-1)/N x Psi x B is 1.5x too high)"
             )
     if cost.vocab_parallel_loss:
-        tp_item = next((it for it in items if it["name"] == "tp_activation_all_reduce"), None)
-        if tp_item is not None and not cost.sequence_parallel:
-            items += _megatron_vocab_parallel(tp_item, fields, workload, False, diffs)
-        sp_item = next((it for it in items if it["name"] == "tp_activation_all_gather"), None)
-        if sp_item is not None and cost.sequence_parallel:
-            items += _megatron_vocab_parallel(sp_item, fields, workload, True, diffs)
+        sp = bool(cost.sequence_parallel)
+        layer_item = "tp_activation_all_gather" if sp else "tp_activation_all_reduce"  # the papers' per-layer one
+        tp_item = next((it for it in items if it["name"] == layer_item), None)
+        if tp_item is not None:
+            items += _megatron_vocab_parallel(tp_item, fields, workload, sp, diffs)
     if cost.root_unit_gathered and root_params and cost.reshard_after_forward:
         for it in items:
             if it["name"] == "dp_param_all_gather_bwd":
