@@ -1,47 +1,70 @@
-"""`make gpu-check` / `python -m ptbench.gpu_check`: for anyone with a GPU, the one-GPU smoke, then one short
-bf16 run of gpt2_small and resnet50 per installed adapter on the visible GPUs, as a table (status,
-step time, tokens or images per second, MFU, peak device memory).
+"""`make gpu-check` / `python -m ptbench.gpu_check`: the one command a first GPU run needs. On the visible GPUs:
+the one-GPU smoke, micro-checks (bench/gpu_micro.py), then a short bf16 run of gpt2_small and resnet50 per
+installed adapter, as one table and a JSON-lines file (--out):
 
-Warm-up steps are excluded from the step statistics (trainer.untimed_steps); data is synthetic, so
-the table measures the frameworks, not storage.
+- status; step time mean, p50 and CV; tokens or images per second; the global batch (the same for every row);
+- MFU by the formula (the workload's analytic FLOPs) and counted (torch's FlopCounterMode, the record's
+  flops_check ratio);
+- peak allocated, peak reserved and memory outside the allocator, beside the memory model's prediction, and
+  the saved tensors counted (memory ledger) beside the model's;
+- host-device synchronisations per timed step and their most frequent source lines (trainer.count_syncs).
 
-CUDA is required (one line naming a driver/CUDA mismatch otherwise: torch.version.cuda against the
-driver's CUDA from nvidia-smi); `--assert-cuda` only checks that (the GPU CI's first step). Under CI=true a
-skipped adapter is a failure (a missing framework, a layout that cannot run, a Gloo-only Horovod build on
-GPUs). Sized for the GPU CI: the whole check stops starting runs after --budget seconds (default 540, under
-10 minutes on one GPU); a run not started for the budget is a failure. With 2 GPUs every adapter runs its
-largest layout on both (pipeline stages, tensor parallelism across the devices: the cross-device paths).
+Warm-up steps are excluded from the step statistics (trainer.untimed_steps); data is synthetic, so the table
+measures the frameworks, not storage. The syncs are counted in the same runs (a wrapper per synchronising
+call; no other instrument is on).
+
+CUDA is required (one line naming a driver/CUDA mismatch otherwise); `--assert-cuda` only checks that (the GPU
+CI's first step). `--cpu` runs the same cases at tiny sizes on the CPU (gpt2_tiny, resnet50_tiny, fp32), so
+the test suite runs this command itself. Under CI=true a skipped adapter is a failure. The budget clock
+(--budget, default 540 s: the whole command under 9 minutes on one GPU) starts after the smoke and the
+micro-checks; a case it leaves no time for is "not run (budget)", a failure only under CI=true. The launching
+process never initialises CUDA (device names from NVML), so it holds no context on GPU 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from ptbench.adapters import available, get_adapter_class
+from ptbench.core.errors import ConfigError
+from ptbench.core.records import nvml_gpus
 from ptbench.run_point import run_bench
-from ptbench.runner.compose import visible_gpus
+from ptbench.runner.compose import compose, typed, visible_gpus
+from ptbench.runner.plan import make_plan
 from ptbench.smoke import framework_installed, in_ci, smoke_point
 from ptbench.smoke import main as smoke_main
 
-WORKLOADS = {"gpt2_small": "language", "resnet50": "vision"}
-COMMON = [
-    "data=synthetic",
-    "trainer.precision=bf16",
-    "trainer.epochs=1",
-    "trainer.max_steps=12",
-    "trainer.untimed_steps=4",
-    "trainer.eval_every_epoch=false",
-    "trainer.batch_size=8",
-    "data.train_samples=2048",
-    "trainer.progress=false",
-]
+KINDS = {"gpt2_small": "language", "resnet50": "vision", "gpt2_tiny": "language", "resnet50_tiny": "vision"}
+GLOBAL_BATCH = 8
+STEPS, UNTIMED = 12, 4
+GPU = {"workloads": ("gpt2_small", "resnet50"), "precision": "bf16", "samples": 2048}
+CPU = {"workloads": ("gpt2_tiny", "resnet50_tiny"), "precision": "fp32", "samples": 64}
+CPU_STEPS, CPU_UNTIMED = 4, 2
+NOT_RUN = "not run (budget)"
+
+
+def common(cpu: bool) -> list[str]:
+    size, steps, untimed = (CPU, CPU_STEPS, CPU_UNTIMED) if cpu else (GPU, STEPS, UNTIMED)
+    return [
+        "data=synthetic",
+        f"trainer.precision={size['precision']}",
+        "trainer.epochs=1",
+        f"trainer.max_steps={steps}",
+        f"trainer.untimed_steps={untimed}",
+        "trainer.eval_every_epoch=false",
+        f"data.train_samples={size['samples']}",
+        "trainer.progress=false",
+        "trainer.count_syncs=true",
+    ]
 
 
 def nvidia_smi_versions(run=None) -> tuple[str | None, str | None]:
@@ -99,93 +122,302 @@ def cuda_error() -> str | None:
 
 
 def cuda_ok_line() -> str:
+    """torch's build and the GPUs, named by NVML: this process never initialises CUDA (no context on GPU 0
+    for the whole check, beside the ranks')."""
     import torch
 
     driver, driver_cuda = nvidia_smi_versions()
+    gpus = [g["name"] for g in nvml_gpus().get("nvidia_smi_gpus", [])]
     return (
         f"cuda: torch {torch.__version__} built for CUDA {torch.version.cuda}, driver {driver} (CUDA {driver_cuda}), "
-        f"{torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}"
+        f"{len(gpus)} GPU(s): {', '.join(dict.fromkeys(gpus)) or 'names unknown (no NVML)'}"
     )
 
 
-def ci_skip_fails(r: list[str]) -> list[str]:
-    """Under CI=true a skipped row is a failure."""
-    if r[2] == "skipped" and in_ci():
-        return [r[0], r[1], "FAILED", f"{r[3]} (CI=true: a skip is a failure)", *r[4:]]
-    return r
+# --- one case --------------------------------------------------------------------------------------------
+def case_overrides(adapter: str, workload: str, devices: int, root: Path, cpu: bool) -> tuple[list[str] | None, str]:
+    """The case's overrides at the global batch every row shares (None, why: it cannot run here)."""
+    layout, why = smoke_point(adapter, devices, root)
+    if layout is None:
+        return None, why
+    keep = [o for o in layout if o.startswith(("launcher.", "adapter."))]
+    overrides = [f"adapter={adapter}", f"workload={workload}", *common(cpu), *keep]  # run_bench names the root
+    batch = GLOBAL_BATCH
+    for _ in range(2):  # the layout's samples per step at this per-device batch, then the batch that gives 8
+        try:
+            plan = make_plan(
+                typed(compose([*overrides, f"trainer.batch_size={batch}", f"results.root={root}"])), "local"
+            )
+        except ConfigError as e:
+            return None, str(e)
+        if plan.global_batch == GLOBAL_BATCH:
+            return [*overrides, f"trainer.batch_size={batch}"], ""
+        batch = batch * GLOBAL_BATCH // plan.global_batch
+        if batch < 1:
+            break
+    return None, f"its layout cannot step {GLOBAL_BATCH} samples at once (global batch {plan.global_batch})"
 
 
-def row(adapter: str, workload: str, gpus: int, root: Path, timeout: float) -> list[str]:
+def run_case(adapter: str, workload: str, devices: int, root: Path, timeout: float, cpu: bool) -> dict:
+    row = {"adapter": adapter, "workload": workload, "status": "ok"}
     cls = get_adapter_class(adapter)
-    if WORKLOADS[workload] not in cls.kinds:
-        return [adapter, workload, "n/a", f"adapter supports {', '.join(cls.kinds)}", "", "", "", ""]
+    if KINDS[workload] not in cls.kinds:
+        return {**row, "status": "n/a", "reason": f"adapter supports {', '.join(cls.kinds)}"}
     if not framework_installed(cls):
-        return [adapter, workload, "skipped", f"{cls.framework} not installed", "", "", "", ""]
-    overrides, why = smoke_point(adapter, gpus, root)
+        return ci_skip({**row, "status": "skipped", "reason": f"{cls.framework} not installed"})
+    overrides, why = case_overrides(adapter, workload, devices, root, cpu)
     if overrides is None:
-        return [adapter, workload, "skipped", why[:60], "", "", "", ""]
-    layout = [o for o in overrides if o.startswith(("launcher.", "adapter."))]
+        return ci_skip({**row, "status": "skipped", "reason": why})
+    row["overrides"] = [o for o in overrides if o.startswith(("launcher.", "adapter.", "trainer.batch_size"))]
     run = run_bench(
-        [f"adapter={adapter}", f"workload={workload}", *COMMON, *layout],
-        root=root,
-        experiment="gpu-check",
-        timeout=timeout,
-        run_name=(adapter, workload, gpus),
+        overrides, root=root, experiment="gpu-check", timeout=timeout, run_name=(adapter, workload, devices)
     )
-    s = run.summary
     if not run.ok:
-        return [adapter, workload, run.status, run.error_line[:60], "", "", "", ""]
-    rate = s.get("tokens_per_s") if WORKLOADS[workload] == "language" else s.get("samples_per_s")
-    unit = "tok/s" if WORKLOADS[workload] == "language" else "img/s"
-    mfu = s.get("mfu")
-    peak = (s.get("peak_memory_max") or 0) / 2**30
+        return {**row, "status": "FAILED", "reason": f"{run.status}: {run.error_line}"}
+    return {**row, **measured(run.summary, run.run_dir, KINDS[workload])}
+
+
+def measured(s: dict, run_dir: Path, kind: str) -> dict:
+    """The row's numbers from the run's record (summary.json and its last epoch event)."""
+    events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines() if ln.strip()]
+    epoch = [e for e in events if e.get("type") == "epoch"][-1]
+    rank0 = epoch["ranks"][0]
+    mem = rank0.get("memory") or {}
+    syncs = rank0.get("host_syncs") or {}
+    ratio = (s.get("flops_check") or {}).get("ratio")
+    predicted = s.get("predicted_memory") or {}
+    ledger = s.get("memory_ledger") or {}
+    per_step = [e + i for e, i in zip(syncs.get("explicit_per_step", []), syncs.get("implicit_per_step", []))]
+    return {
+        "global_batch": s.get("global_batch"),
+        "step_mean_ms": 1e3 * s["step_time_mean_s"],
+        "step_p50_ms": 1e3 * epoch["step_time_p50_s"],
+        "step_cv": epoch.get("step_time_cv"),
+        "rate": s.get("tokens_per_s") if kind == "language" else s.get("samples_per_s"),
+        "unit": "tok/s" if kind == "language" else "img/s",
+        "mfu": s.get("mfu"),
+        "mfu_counted": s["mfu"] * ratio if s.get("mfu") is not None and ratio else None,
+        "peak_allocated": mem.get("peak_allocated"),
+        "peak_reserved": mem.get("peak_reserved"),
+        "outside_allocator": mem.get("outside_allocator"),
+        "peak_rss_delta": mem.get("peak_rss_delta"),
+        "predicted_total": predicted.get("total"),
+        "saved_counted": ledger.get("counted_saved_bytes"),
+        "saved_predicted": ledger.get("predicted_saved_bytes"),
+        "syncs_per_step": statistics.median(per_step) if per_step else None,
+        "syncs_explicit": syncs.get("explicit_per_step"),
+        "syncs_implicit": syncs.get("implicit_per_step"),
+        "sync_sites": syncs.get("sites"),
+        "run_dir": str(run_dir),
+    }
+
+
+def ci_skip(row: dict) -> dict:
+    """Under CI=true a skipped row is a failure."""
+    if row["status"] == "skipped" and in_ci():
+        return {**row, "status": "FAILED", "reason": f"{row['reason']} (CI=true: a skip is a failure)"}
+    return row
+
+
+def not_run(adapter: str, workload: str, budget: float) -> dict:
+    status = "FAILED" if in_ci() else NOT_RUN
+    return {"adapter": adapter, "workload": workload, "status": status, "reason": f"{NOT_RUN}: --budget={budget:.0f}s"}
+
+
+# --- micro-checks ----------------------------------------------------------------------------------------
+MICRO = (  # (label, gpu_micro arguments, CUDA_DEVICE_MAX_CONNECTIONS at the process start)
+    ("cdmc not set", ["cdmc"], None),
+    ("cdmc set before start", ["cdmc"], "1"),
+    ("cdmc set late", ["cdmc", "--late"], None),
+    ("loss peak", ["loss"], None),
+    ("lm_head V", ["lm_head"], None),
+    ("resnet50 layouts", ["resnet"], None),
+)
+
+
+def micro_checks(cpu: bool, timeout: float) -> list[dict]:
+    rows = []
+    for label, args, cdmc in MICRO:
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+        if cdmc is not None:
+            env["CUDA_DEVICE_MAX_CONNECTIONS"] = cdmc
+        cmd = [sys.executable, "-m", "ptbench.gpu_micro", *args, *(["--cpu"] if cpu else [])]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+            last = (p.stdout.strip().splitlines() or [""])[-1]
+            result = json.loads(last) if p.returncode == 0 and last.startswith("{") else {"error": _tail(p.stderr)}
+        except subprocess.TimeoutExpired:
+            result = {"error": f"timed out after {timeout:.0f}s"}
+        rows.append({"micro": label, **result})
+    model = _model_loss_bytes_per_nv()
+    for r in rows:
+        if r.get("check") == "loss":
+            r["model_per_NV"] = model
+    return rows
+
+
+def _model_loss_bytes_per_nv() -> float | None:
+    """What the memory model charges GPT-2's CUDA loss path per N x V (None where it has no such figure)."""
+    from ptbench.core import memory_model
+
+    fn = getattr(memory_model, "loss_bytes_per_token_vocab", None)
+    return fn("cuda") if fn else None
+
+
+def _tail(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else "no output"
+
+
+def micro_line(r: dict) -> str:
+    if "error" in r:
+        return f"  {r['micro']}: FAILED {r['error']}"
+    if r["check"] == "cdmc":
+        seen = (
+            "n/a on CPU"
+            if r.get("ratio") is None
+            else f"ratio {r['ratio']} ({'one queue' if r['one_queue'] else 'several queues'})"
+        )
+        return f"  {r['micro']}: started with {r['started_with']!r}, {seen}"
+    if r["check"] == "loss":
+        model = "-" if r.get("model_per_NV") is None else f"{r['model_per_NV']:g}"
+        return f"  {r['micro']}: {r['per_NV']} bytes per N*V measured (N={r['N']}, V={r['V']}); the memory model charges {model}"
+    if r["check"] == "lm_head":
+        return f"  {r['micro']}: {r['ms_V50257']} ms at 50257, {r['ms_V50304']} ms at 50304 (ratio {r['ratio']})"
+    times = ", ".join(f"{k[3:]} {v} ms" for k, v in r.items() if k.startswith("ms_"))
+    return f"  {r['micro']} (batch {r['batch']}, {r['image']}px): {times}"
+
+
+# --- the table -------------------------------------------------------------------------------------------
+HEADER = [
+    "adapter",
+    "workload",
+    "status",
+    "batch",
+    "step mean/p50",
+    "cv",
+    "throughput",
+    "MFU f/c",
+    "alloc/resv/outside",
+    "predicted",
+    "saved c/p",
+    "syncs/step",
+    "top sync site / reason",
+]
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / 2**30:.1f}"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def table_row(r: dict) -> list[str]:
+    if r["status"] != "ok":
+        return [r["adapter"], r["workload"], r["status"], *[""] * 9, r.get("reason", "")[:90]]
+    if r["peak_allocated"] is not None:
+        mem = f"{_gib(r['peak_allocated'])}/{_gib(r['peak_reserved'])}/{_gib(r['outside_allocator'])} GiB"
+    else:  # CPU: no allocator statistics; the process's resident growth over the epoch
+        mem = f"rss+{_gib(r['peak_rss_delta'])} GiB"
+    saved = (
+        "-"
+        if r["saved_counted"] is None
+        else f"{r['saved_counted'] / 2**20:.0f}/{(r['saved_predicted'] or 0) / 2**20:.0f} MiB"
+    )
+    site = next(iter(r["sync_sites"] or {}), "")
     return [
-        adapter,
-        workload,
+        r["adapter"],
+        r["workload"],
         "ok",
-        " ".join(layout),
-        f"{s['step_time_mean_s'] * 1e3:.1f} ms",
-        f"{rate:,.0f} {unit}",
-        "-" if mfu is None else f"{100 * mfu:.1f}%",
-        f"{peak:.1f} GiB",
+        str(r["global_batch"]),
+        f"{r['step_mean_ms']:.1f}/{r['step_p50_ms']:.1f} ms",
+        "-" if r["step_cv"] is None else f"{r['step_cv']:.3f}",
+        f"{r['rate']:,.0f} {r['unit']}",
+        f"{_pct(r['mfu'])}/{_pct(r['mfu_counted'])}",
+        mem,
+        f"{_gib(r['predicted_total'])} GiB",
+        saved,
+        "-" if r["syncs_per_step"] is None else f"{r['syncs_per_step']:g}",
+        f"{site} ({r['sync_sites'][site]}x)" if site else "",
     ]
 
 
+def print_table(rows: list[dict], micro: list[dict], devices: int, cpu: bool) -> None:
+    size = CPU if cpu else GPU
+    steps, untimed = (CPU_STEPS, CPU_UNTIMED) if cpu else (STEPS, UNTIMED)
+    where = "CPU twin (tiny sizes; its numbers say nothing about a GPU)" if cpu else f"{devices} GPU(s)"
+    print(
+        f"\ngpu-check on {where}: {size['precision']}, synthetic data, global batch {GLOBAL_BATCH} for every row, "
+        f"{steps} steps of which {untimed} warm-up excluded; syncs: median per timed step, rank 0"
+    )
+    cells = [HEADER, *map(table_row, rows)]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    for c in cells:
+        print("  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip())
+    if micro:
+        print("micro-checks:")
+        for m in micro:
+            print(micro_line(m))
+
+
+# --- the command -----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ptbench.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--adapters", default=",".join(available()))
-    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--workloads", default=None, help="default: gpt2_small,resnet50 (--cpu: their tiny variants)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per run at most")
+    p.add_argument("--budget", type=float, default=540, help="seconds after the smoke and micro-checks for the cases")
     p.add_argument("--skip-smoke", action="store_true")
-    p.add_argument("--budget", type=float, default=540, help="seconds after which no further run starts")
+    p.add_argument("--skip-micro", action="store_true")
+    p.add_argument(
+        "--root", type=Path, default=None, help="records and gpu_check.jsonl (default: results/gpu-check-<time>/)"
+    )
+    p.add_argument("--cpu", action="store_true", help="the same cases at tiny sizes on the CPU (one rank)")
     p.add_argument("--assert-cuda", action="store_true", help="only check that torch sees a GPU, in one line")
     args = p.parse_args(argv)
-    error = cuda_error()
-    if error:
-        print(f"{error} (on a CPU machine use make smoke)", file=sys.stderr)
+    if not args.cpu:
+        error = cuda_error()
+        if error:
+            print(f"{error} (on a CPU machine use make smoke, or --cpu for this check's CPU twin)", file=sys.stderr)
+            return 2
+        print(cuda_ok_line(), flush=True)
+        if args.assert_cuda:
+            return 0
+    devices = 1 if args.cpu else visible_gpus()
+    workloads = args.workloads.split(",") if args.workloads else list((CPU if args.cpu else GPU)["workloads"])
+    unknown = [w for w in workloads if w not in KINDS]
+    if unknown:
+        print(f"error: --workloads {','.join(unknown)}: not one of {', '.join(KINDS)}", file=sys.stderr)
         return 2
-    print(cuda_ok_line(), flush=True)
-    if args.assert_cuda:
-        return 0
-    gpus = visible_gpus()
-    deadline = time.monotonic() + args.budget
-    code = 0 if args.skip_smoke else smoke_main(["--world-size", "1", "--timeout", str(min(args.timeout, 300))])
-    header = ["adapter", "workload", "status", "layout / reason", "step", "throughput", "MFU", "peak mem"]
+    code = 0
+    if not args.skip_smoke:
+        smoke = ["--world-size", str(devices), "--timeout", str(min(args.timeout, 300))]
+        code = smoke_main(smoke + (["ddp"] if args.cpu else []))  # the CPU twin: the suite tests every adapter
+    micro = [] if args.skip_micro else micro_checks(args.cpu, min(args.timeout, 120))
+    deadline = time.monotonic() + args.budget  # after the smoke and the micro-checks: the cases' own budget
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-gpu-check-") as tmp:
-        for adapter in args.adapters.split(","):
-            for workload in WORKLOADS:
-                left = deadline - time.monotonic()
-                if left < 30:
-                    r = [adapter, workload, "FAILED", f"not started: --budget={args.budget:.0f}s spent", *[""] * 4]
-                else:
-                    r = ci_skip_fails(row(adapter, workload, gpus, Path(tmp), min(args.timeout, left)))
-                rows.append(r)
-                print("  ".join(rows[-1]), flush=True)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    print(f"\ngpu-check on {gpus} GPU(s), bf16, synthetic data, {COMMON[4].split('=')[1]} warm-up steps excluded")
-    for r in [header, *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-    failed = [r for r in rows if r[2] not in ("ok", "skipped", "n/a")]
+    root = args.root or Path("results") / time.strftime("gpu-check-%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=True)
+    for adapter in args.adapters.split(","):
+        for workload in workloads:
+            left = deadline - time.monotonic()
+            if left < 30:
+                rows.append(not_run(adapter, workload, args.budget))
+            else:
+                rows.append(run_case(adapter, workload, devices, root, min(args.timeout, left), args.cpu))
+            r = rows[-1]
+            print(f"{r['adapter']} {r['workload']}: {r['status']} {r.get('reason', '')}".rstrip(), flush=True)
+    out = root / "gpu_check.jsonl"
+    with out.open("a") as f:  # appended: a second check into the same root keeps the first's rows
+        for r in [*rows, *micro]:
+            f.write(json.dumps(r, default=str) + "\n")
+    print_table(rows, micro, devices, args.cpu)
+    print(f"rows: {out}; records: {root}/gpu-check/")
+    failed = [r for r in rows if r["status"] not in ("ok", "skipped", "n/a", NOT_RUN)] + [
+        m for m in micro if "error" in m
+    ]
     return 1 if failed or code else 0
 
 

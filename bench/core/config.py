@@ -147,6 +147,9 @@ class TrainerConfig:
     # CUDA: phases are timed by CUDA events (no host sync); true adds a device sync at every phase end, a
     # diagnostic that serialises host and device and slows frameworks that overlap host work (recorded)
     sync_timing: bool = False
+    # host-device synchronisations per timed step with their source lines, per rank (bench/runner/syncs.py):
+    # a diagnostic (python -m ptbench.gpu_check turns it on) that wraps synchronising calls
+    count_syncs: bool = False
     progress: bool | None = None  # tqdm bars; None = only when stdout is a terminal (not in batch logs)
     # without a bar (a batch log): one progress line at step 1 and every this many steps or validation
     # batches (torchtitan's log_freq); 0 = none

@@ -115,6 +115,16 @@ RANK = (
         "the optimizer phase's peak beyond its start in the last untimed step (memory_model.StepPeak; null: not "
         "measured)",
     ),
+    F(
+        "host_syncs",
+        "",
+        "trainer.count_syncs: host-device synchronisations in the epoch's timed steps (bench/runner/syncs.py; "
+        "null: not counted)",
+        F("explicit_per_step", "count", "synchronize calls per timed step", kind="list"),
+        F("implicit_per_step", "count", "synchronising ops (item, cpu, D2H copies) per timed step", kind="list"),
+        F("sites", "count", "'kind path:line' -> calls over the timed steps, most first"),
+        F("method", "", "what was counted (CUDA: sync debug mode; CPU twin: host reads of device tensors)"),
+    ),
 )
 COMPILE_EVENT = (
     F("train_frames", "count", "frames torch._dynamo compiled during the epoch's training steps"),
@@ -340,6 +350,7 @@ SUMMARY = (
         "how steps were timed",
         F("clock", "", "CUDA events or the host clock"),
         F("phase_sync", "", "per-phase device sync (trainer.sync_timing)"),
+        F("count_syncs", "", "host-device syncs counted (trainer.count_syncs): a diagnostic on the hot path"),
     ),
     F("tf32", "", "trainer.tf32"),
     F("warnings", "", "what makes the numbers suspect (input-bound, recompiles, no MFU)", kind="list"),
@@ -532,6 +543,13 @@ SUMMARY = (
     OPEN("conventions", "how the numbers were measured (ptbench.runner.meter.CONVENTIONS)"),
     F("frameworks_imported", "", "frameworks besides torch this process imported", kind="list"),
     F("cpu_threads_per_rank", "count", "torch intra-op threads per rank"),
+    F(
+        "rank_environment",
+        "",
+        "variables CUDA reads when it starts (the launcher puts them in each rank's environment)",
+        OPEN("required", "name -> value the adapter needs (megatron TP > 1: CUDA_DEVICE_MAX_CONNECTIONS=1)"),
+        OPEN("at_start", "name -> value rank 0 started with (null: unset), read before CUDA starts"),
+    ),
 )
 
 # --- env.json ---------------------------------------------------------------------------------------

@@ -120,6 +120,7 @@ class PhaseTimer:
         self._in_step = False
         self._next_clock = None  # a clock set during a step takes over at the next one
         self.watch: dict = {}  # phase name -> a context manager entered around that phase's body (StepPeak)
+        self.step_watchers: list = []  # objects told `start_step()` / `end_step()` (the sync counter)
 
     @property
     def settings(self) -> dict:
@@ -148,6 +149,8 @@ class PhaseTimer:
         self._marks = []
         self._start = self.clock.mark()
         _DOMAIN.push_range(message="step")
+        for w in self.step_watchers:
+            w.start_step()
 
     @contextmanager
     def phase(self, name: str):
@@ -166,6 +169,8 @@ class PhaseTimer:
         """The step's times at once with the host clock; None with events (read `steps` later)."""
         self._pending.append((self.clock, self._start, self.clock.mark(), self._marks))
         self._in_step = False
+        for w in self.step_watchers:
+            w.end_step()
         _DOMAIN.pop_range()
         if isinstance(self.clock, HostClock):
             return self.steps[-1]

@@ -65,6 +65,7 @@ class Meter:
         self.samples_dropped = 0
         self.saved_activations: dict | None = None  # the trainer's count of the last untimed step (memory ledger)
         self.step_peak: int | None = None  # that step's optimizer-phase peak (memory_model.StepPeak)
+        self.host_syncs: dict | None = None  # trainer.count_syncs: the epoch's timed steps (runner/syncs.py)
         self.profiler = None  # the trainer's StepProfiler (trainer.profile): collective waits per rank
 
     # --- one epoch -------------------------------------------------------------------------------
@@ -102,6 +103,7 @@ class Meter:
                 "state_bytes": state,
                 "saved_activations": self.saved_activations,
                 "step_peak": self.step_peak,
+                "host_syncs": self.host_syncs,
                 "epoch_time_s": epoch_time,
                 "comm_wait_s": self.profiler.wait_in(first_step, first_step + steps) if self.profiler else None,
             },

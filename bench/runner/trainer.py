@@ -41,6 +41,7 @@ from ptbench.runner.plan import RunPlan
 from ptbench.runner.profiling import StepProfiler
 from ptbench.runner.resume import Checkpointer, TrainState
 from ptbench.runner.sampling import SampledTiming
+from ptbench.runner.syncs import SyncCounter
 from ptbench.workloads.base import Workload
 
 __all__ = ["CONVENTIONS", "Trainer"]
@@ -75,6 +76,15 @@ class Trainer:
         self.timer = PhaseTimer(cuda_sync=cfg.trainer.sync_timing)  # CUDA events; per-phase sync only as a diagnostic
         self.timer.use_devices(adapter.devices())  # every device a process drives (GPipe's partitions)
         self.state = TrainState(self.timer)
+        # trainer.count_syncs: host-device synchronisations of each timed step and their source lines
+        t = cfg.trainer
+        self.syncs = (
+            SyncCounter(ctx.device, t.untimed_steps, getattr(adapter, "optimizer", None)).install()
+            if t.count_syncs
+            else None
+        )
+        if self.syncs is not None:
+            self.timer.step_watchers.append(self.syncs)
         self.meter = Meter(cfg, plan, ctx, adapter, workload)
         self.checkpointer = Checkpointer(cfg, plan, ctx, adapter, self.state, run_dir, self.watchdog, resume_info)
         self.resume_from = Path(resume_from) if resume_from is not None else None
@@ -153,7 +163,7 @@ class Trainer:
             stop_signal=self.stop.signal_name,
             checkpoint=self.checkpointer.describe(),
             resumed_from=self.state.resumed_from,
-            timing=self.timer.settings,
+            timing={**self.timer.settings, "count_syncs": self.syncs is not None},
         )
         if profile is not None:
             summary["profile"] = profile
@@ -213,6 +223,7 @@ class Trainer:
         if mem.get("peak_rss") is not None and rss_before is not None:
             mem["peak_rss_delta"] = mem["peak_rss"] - rss_before  # what training added on top of the process
         state_bytes = self.adapter.state_bytes()
+        self.meter.host_syncs = self.syncs.result() if self.syncs is not None else None
 
         tv = time.perf_counter()
         val_metrics = {} if self.stop_requested else self._validate(val, epoch)  # preempted: save the grace time

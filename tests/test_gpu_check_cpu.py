@@ -1,0 +1,121 @@
+"""`python -m ptbench.gpu_check --cpu`: the GPU check's own code run on the CPU (its twin), and the sync counter
+it reads from the record."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ptbench.adapters import available, get_adapter_class
+from ptbench.core.timing import PhaseTimer
+from ptbench.gpu_check import GLOBAL_BATCH, case_overrides, micro_checks
+from ptbench.runner.syncs import SyncCounter
+from ptbench.smoke import framework_installed
+
+pytestmark = pytest.mark.slow
+
+
+def gpu_check(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ptbench.gpu_check", "--cpu", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def rows_of(root: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (root / "gpu_check.jsonl").read_text().splitlines()]
+
+
+def test_gpu_check_cpu_runs_the_cases_and_prints_one_table(tmp_path):
+    p = gpu_check("--adapters", "ddp,zero", "--workloads", "gpt2_tiny", "--skip-smoke", "--skip-micro",
+                  "--root", str(tmp_path))  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "global batch 8 for every row" in p.stdout and "2 warm-up excluded" in p.stdout
+    rows = {r["adapter"]: r for r in rows_of(tmp_path)}
+    assert set(rows) == {"ddp", "zero"}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["global_batch"] == GLOBAL_BATCH
+        assert r["step_mean_ms"] > 0 and r["step_p50_ms"] > 0 and r["rate"] > 0
+        assert r["predicted_total"] > 0 and r["saved_counted"] > 0 and r["saved_predicted"] > 0
+        assert len(r["syncs_implicit"]) == 2  # 4 steps, 2 of them warm-up
+        assert Path(r["run_dir"]).is_dir()
+    # DeepSpeed reads its gradient norm / overflow flag on the host every step; the sites name its files
+    assert rows["zero"]["syncs_per_step"] >= 1
+    assert any("deepspeed/" in site for site in rows["zero"]["sync_sites"])
+    # torch.optim's step counters stay on the host on CUDA: they are not counted as syncs
+    assert not any("torch/optim/optimizer.py" in site for r in rows.values() for site in r["sync_sites"])
+    table = p.stdout[p.stdout.index("adapter  workload") :]
+    assert table.count("\n") >= 3 and "ddp" in table and "zero" in table
+
+
+def test_every_row_gets_the_same_global_batch(tmp_path):
+    """gpipe and pipeline split a batch into micro-batches: their per-device batch is lowered to match."""
+    for adapter in available():
+        cls = get_adapter_class(adapter)
+        if not framework_installed(cls):
+            continue
+        workload = "gpt2_tiny" if "language" in cls.kinds else "resnet50_tiny"
+        overrides, why = case_overrides(adapter, workload, 1, tmp_path, cpu=True)
+        assert overrides is not None, f"{adapter}: {why}"
+        from ptbench.runner.compose import compose, typed
+        from ptbench.runner.plan import make_plan
+
+        plan = make_plan(typed(compose(overrides)), "local")
+        assert plan.global_batch == GLOBAL_BATCH, (adapter, overrides)
+
+
+def test_budget_spent_is_not_run_and_fails_only_under_ci(tmp_path):
+    args = ("--adapters", "ddp", "--workloads", "gpt2_tiny", "--skip-smoke", "--skip-micro", "--budget", "0")
+    p = gpu_check(*args, "--root", str(tmp_path / "a"), env={"CI": "false"})
+    assert p.returncode == 0, p.stderr
+    assert rows_of(tmp_path / "a")[0]["status"] == "not run (budget)"
+    p = gpu_check(*args, "--root", str(tmp_path / "b"), env={"CI": "true"})
+    assert p.returncode == 1
+    assert rows_of(tmp_path / "b")[0]["status"] == "FAILED"
+    assert "not run (budget)" in rows_of(tmp_path / "b")[0]["reason"]
+
+
+def test_micro_checks_on_cpu_measure_the_loss_path_and_see_the_start_environment():
+    rows = {r["micro"]: r for r in micro_checks(cpu=True, timeout=300)}
+    assert all("error" not in r for r in rows.values()), rows
+    assert rows["cdmc set before start"]["started_with"] == "1"
+    assert rows["cdmc not set"]["started_with"] is None and rows["cdmc set late"]["started_with"] is None
+    # bf16 logits -> fp32 copy -> log-softmax and its gradient: 12 bytes per token x vocabulary entry
+    assert rows["loss peak"]["per_NV"] == pytest.approx(12, abs=0.5)
+    assert rows["lm_head V"]["ms_V50257"] > 0 and rows["lm_head V"]["ms_V50304"] > 0
+    assert {k for k in rows["resnet50 layouts"] if k.startswith("ms_")} == {
+        "ms_nchw", "ms_channels_last", "ms_nchw_weights_cl_input", "ms_channels_last_cudnn_benchmark",
+    }  # fmt: skip
+
+
+def test_sync_counter_counts_host_reads_per_timed_step_with_their_lines():
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.Adam(model.parameters())  # its step counters are host tensors: not counted
+    timer = PhaseTimer()
+    counter = SyncCounter(torch.device("cpu"), untimed_steps=1, optimizer=opt).install()
+    timer.step_watchers.append(counter)
+    try:
+        for _ in range(3):
+            timer.start_step()
+            loss = model(torch.ones(2, 4)).sum()
+            loss.backward()
+            opt.step()
+            loss.detach().item(), float(loss.detach())  # two host reads per step
+            timer.end_step()
+        loss.detach().item()  # outside a step: not counted
+        result = counter.result()
+    finally:
+        counter.uninstall()
+    assert result["implicit_per_step"] == [2, 2] and result["explicit_per_step"] == [0, 0]
+    (site, n), *_ = result["sites"].items()
+    assert n == 4 and site.startswith("implicit tests/test_gpu_check_cpu.py:")  # 2 reads x 2 timed steps
+    assert torch.Tensor.item.__name__ == "item"  # uninstalled: torch's own method again
