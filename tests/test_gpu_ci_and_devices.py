@@ -48,16 +48,17 @@ def test_a_skipped_adapter_fails_under_ci(tmp_path, monkeypatch, ci, status):
     """A layout that cannot run, or Horovod's Gloo-only build on GPUs (its check refuses it), is a skip
     for a user and a failure under CI=true, in the smoke and in gpu-check's table."""
     import ptbench.smoke as smoke
-    from ptbench.gpu_check import ci_skip_fails
+    from ptbench.gpu_check import ci_skip
 
     monkeypatch.setenv("CI", ci)
     gloo = "adapter=horovod on GPUs needs Horovod built with NCCL (this build has Gloo only)"
     monkeypatch.setattr(smoke, "smoke_point", lambda name, world, root: (None, gloo))
     got, detail = smoke.run_one("ddp", 1, tmp_path, timeout=10)
     assert got == status and gloo in detail
-    row = ci_skip_fails(["horovod", "resnet50", "skipped", gloo, "", "", "", ""])
-    assert row[2] == status
-    assert ci_skip_fails(["megatron", "resnet50", "n/a", "adapter supports language", *[""] * 4])[2] == "n/a"
+    row = ci_skip({"adapter": "horovod", "workload": "resnet50", "status": "skipped", "reason": gloo})
+    assert row["status"] == status
+    na = {"adapter": "megatron", "workload": "resnet50", "status": "n/a", "reason": "adapter supports language"}
+    assert ci_skip(na)["status"] == "n/a"
 
 
 # item 5: gpipe on >= 2 GPUs timed cuda:0 only
