@@ -396,13 +396,18 @@ def environment(packages: tuple[str, ...] = ()) -> dict:
 
 def gpu_environment(torch) -> dict:
     """What a GPU user needs to compare runs: versions (driver, CUDA, cuDNN, NCCL), the GPUs (name,
-    memory, count), the topology (`nvidia-smi topo -m`), NCCL_* / CUDA_* variables, TF32 flags."""
-    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    memory, count), the topology (`nvidia-smi topo -m`), NCCL_* / CUDA_* variables, TF32 flags. The GPUs are
+    named by NVML where it can tell the visible ones: the launcher writes this, and it must not hold a CUDA
+    context on GPU 0 beside the ranks for the whole run."""
+    gpus = visible_gpus_nvml()
+    if gpus is None:
+        props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+        gpus = [(p.name, int(p.total_memory)) for p in props]
     nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
     out = {
-        "gpus": [p.name for p in props],
-        "gpu_count": len(props),
-        "gpu_memory_bytes": [int(p.total_memory) for p in props],
+        "gpus": [name for name, _ in gpus],
+        "gpu_count": len(gpus),
+        "gpu_memory_bytes": [total for _, total in gpus],
         "cudnn": torch.backends.cudnn.version(),
         "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
         "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
@@ -411,6 +416,42 @@ def gpu_environment(torch) -> dict:
     out.update(nvml_gpus())
     out.update(nvidia_smi())
     return out
+
+
+def visible_gpus_nvml() -> list[tuple[str, int]] | None:
+    """(name, total bytes) of each GPU this process may use, in CUDA's order, from NVML (no CUDA context);
+    None where NVML is missing or CUDA_VISIBLE_DEVICES names devices NVML cannot map (MIG instances)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no package, no library, no driver
+        return None
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None:
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        else:
+            handles = [_nvml_handle(pynvml, d.strip()) for d in visible.split(",") if d.strip()]
+        if any(h is None for h in handles):
+            return None
+        return [(_text(pynvml.nvmlDeviceGetName(h)), int(pynvml.nvmlDeviceGetMemoryInfo(h).total)) for h in handles]
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvml_handle(pynvml, device: str):
+    if device.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(device))
+    if device.startswith("GPU-"):
+        return pynvml.nvmlDeviceGetHandleByUUID(device)
+    return None
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def system_info() -> dict:
@@ -454,21 +495,18 @@ def nvml_gpus() -> dict:
     except pynvml.NVMLError:
         return {}
 
-    def text(v) -> str:
-        return v.decode() if isinstance(v, bytes) else str(v)
-
     try:
         gpus = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             gpus.append(
                 {
-                    "name": text(pynvml.nvmlDeviceGetName(h)),
+                    "name": _text(pynvml.nvmlDeviceGetName(h)),
                     "memory": f"{pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20} MiB",
-                    "bus_id": text(pynvml.nvmlDeviceGetPciInfo(h).busId),
+                    "bus_id": _text(pynvml.nvmlDeviceGetPciInfo(h).busId),
                 }
             )
-        return {"driver": text(pynvml.nvmlSystemGetDriverVersion()), "nvidia_smi_gpus": gpus}
+        return {"driver": _text(pynvml.nvmlSystemGetDriverVersion()), "nvidia_smi_gpus": gpus}
     except pynvml.NVMLError:
         return {}
     finally:
