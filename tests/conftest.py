@@ -106,7 +106,7 @@ def smoke_run(tmp_path_factory) -> Path:
 # ones). xdist's own `--dist loadgroup` reads a node id attribute that pytest 9.2 no longer uses, so
 # the scopes are set here, through xdist's scheduler hook and its LoadScopeScheduling._split_scope.
 SLURM_SCOPE = "local-slurm-cluster"
-SLURM_FILES = ("tests/test_multinode.py", "tests/test_paper.py", "tests/test_slurm.py")
+SLURM_FILES = ("tests/test_hydra_launchers.py", "tests/test_multinode.py", "tests/test_paper.py", "tests/test_slurm.py")
 
 
 def _scope(nodeid: str) -> str:

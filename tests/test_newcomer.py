@@ -127,14 +127,14 @@ def test_demo_replaces_only_its_own_runs(tmp_path):
     assert len(run_dirs(demo)) == 1 and (demo / "report" / "report.md").is_file()
 
 
-def test_submitit_local_says_what_it_waits_for_and_leaves_no_literal_job_id_folder(tmp_path):
+def test_ptbench_local_says_what_it_waits_for_and_leaves_no_literal_job_id_folder(tmp_path):
     proc = run(
-        [sys.executable, "-m", "ptbench", "-m", "hydra/launcher=submitit_local", *SMOKE, "launcher.nprocs=1",
+        [sys.executable, "-m", "ptbench", "-m", "hydra/launcher=ptbench_local", *SMOKE, "launcher.nprocs=1",
          "trainer.max_steps=2", "trainer.seed=1,2", f"results.root={tmp_path}"],
         timeout=600,
     )  # fmt: skip
     check_ok(proc)
-    assert "submitit_local: waiting for 2 point(s) (job logs in " in proc.stdout, proc.stdout
+    assert "ptbench_local: waiting for 2 point(s) (job logs in " in proc.stdout, proc.stdout
     (sweep,) = {d.parent for d in run_dirs(tmp_path)}
     submitit = sweep / ".submitit"
     assert submitit.is_dir() and not any(p.name == "%j" for p in submitit.rglob("*")), list(submitit.rglob("*"))

@@ -137,14 +137,14 @@ def test_sbatch_scripts_ship_and_an_installed_copy_finds_them(installed, tmp_pat
     assert proc.returncode == 0 and f" {script} " in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_submitit_local_multirun_without_pythonpath(installed, tmp_path):
+def test_ptbench_local_multirun_without_pythonpath(installed, tmp_path):
     proc = _run(
         installed,
         tmp_path,
         "-m",
         "ptbench",
         "-m",
-        "hydra/launcher=submitit_local",
+        "hydra/launcher=ptbench_local",
         "experiment=smoke",
         "launcher.nprocs=1",
         "trainer.max_steps=2",

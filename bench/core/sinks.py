@@ -17,7 +17,9 @@ run from the record: the flattened config as parameters (config), the per-epoch 
 TensorBoard gets, the per-step losses, and the summary's scalars. W&B runs offline (WANDB_MODE=offline,
 files in RUN_DIR/wandb, `wandb sync` uploads them later) unless WANDB_API_KEY or WANDB_MODE is set;
 its project is WANDB_PROJECT, else results.experiment. MLflow logs to MLFLOW_TRACKING_URI (mlflow's
-own default otherwise), experiment = results.experiment, run name = the run id.
+own default otherwise), experiment = results.experiment, run name = the run id; a store MLflow refuses (MLflow 3's
+default is a sqlite file, which mlflow-skinny cannot open; a local folder needs MLFLOW_ALLOW_FILE_STORE=true) is
+refused before launch too, in one line naming what to set (MLFLOW_FIX).
 
 MLLOG: one `:::MLLOG {json}` line per event with the fields of the mlperf-logging package
 (namespace, time_ms, event_type INTERVAL_START / INTERVAL_END / POINT_IN_TIME, key, value,
@@ -229,6 +231,10 @@ SUMMARY_SCALARS = (
     "total_time_s",
 )
 OPTIONAL_SINKS = {"wandb": "wandb", "mlflow": "mlflow", "mllog": "mlperf_logging"}  # results.<key> -> module to import
+MLFLOW_FIX = (
+    "set MLFLOW_TRACKING_URI to your tracking server (http://HOST:5000), or keep the runs in a local folder "
+    "with MLFLOW_TRACKING_URI=file:./mlruns and MLFLOW_ALLOW_FILE_STORE=true"
+)
 
 
 def _number(v) -> bool:
@@ -256,9 +262,23 @@ def sink_unavailable(name: str) -> str | None:
     return None
 
 
+def mlflow_client():
+    """MLflow's client for MLFLOW_TRACKING_URI. Its stores are opened here (no network: a server is first asked
+    when a run is logged), so a store MLflow refuses is a RuntimeError of one line naming what to set."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    try:
+        return MlflowClient()
+    except Exception as e:  # noqa: BLE001 - mlflow raises several types here, each a paragraph long
+        raise RuntimeError(
+            f"MLflow cannot use the tracking store {mlflow.get_tracking_uri()} ({type(e).__name__}): {MLFLOW_FIX}"
+        ) from e
+
+
 def check_sinks(results) -> None:
-    """Before launch: every optional sink asked for (results.wandb / .mlflow / .mllog) is importable, else
-    ConfigError with one line naming the fix."""
+    """Before launch: every optional sink asked for (results.wandb / .mlflow / .mllog) is importable, and MLflow's
+    tracking store opens, else ConfigError with one line naming the fix."""
     from ptbench.core.errors import ConfigError
 
     for key in OPTIONAL_SINKS:
@@ -269,6 +289,11 @@ def check_sinks(results) -> None:
                     f'results.{key}=true but {why}: pip install -e ".[{key}]" (the optional extra), '
                     f"or set results.{key}=false"
                 )
+    if _get(results, "mlflow", False) is True:
+        try:
+            mlflow_client()
+        except RuntimeError as e:
+            raise ConfigError(f"results.mlflow=true but {e}; or set results.mlflow=false") from None
 
 
 def _scalars(summary: dict) -> dict:
@@ -329,10 +354,9 @@ def write_mlflow(run_dir, summary: dict, events: list[dict], config) -> str:
     """An MLflow run from the record (experiment = results.experiment, name = run id): the flattened
     config as parameters, per-epoch scalars (step = epoch), per-step losses (train/step_loss, step =
     global step), summary scalars; status FINISHED for an ok run, else FAILED. Returns its run id."""
-    from mlflow import MlflowClient
     from mlflow.entities import Metric, Param, RunTag
 
-    client = MlflowClient()  # MLFLOW_TRACKING_URI, or mlflow's default
+    client = mlflow_client()  # MLFLOW_TRACKING_URI, or mlflow's default
     name = summary.get("experiment") or "default"
     exp = client.get_experiment_by_name(name)
     exp_id = exp.experiment_id if exp else client.create_experiment(name)
@@ -435,9 +459,9 @@ def write_sinks(
             result[name] = str(path) if path is not None else f"skipped: {tensorboard_unavailable()}"
         except Exception as e:  # noqa: BLE001
             result[name] = f"failed: {type(e).__name__}: {e}"
-            print(
+            print(  # the exception's whole first line: a cut one can lose the fix it names
                 f"warning: the {name} sink of {run_dir} failed (the record is complete): {type(e).__name__}: "
-                f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -28,8 +28,9 @@ REPO = CHECKOUT or Path.cwd()
 
 def script_path(name: str) -> Path:
     """A file of the shipped slurm/ folder (array.sbatch, run.sbatch, stage_data.sh, local_cluster.sh): the
-    package data `ptbench.slurm`, so an installed copy finds it as a checkout does."""
-    return Path(str(importlib.resources.files("ptbench") / "slurm" / name)).resolve()  # a checkout: its slurm/
+    package `ptbench.slurm` itself, not a folder under `ptbench`: pip's default editable install maps ptbench to
+    bench/ and ptbench.slurm to slurm/, a wheel and the strict editable install put both in one tree."""
+    return Path(str(importlib.resources.files("ptbench.slurm") / name)).resolve()  # a checkout: its slurm/
 
 
 def slurm_shape(ranks: int, devices: int, gpus_per_node: int | None) -> tuple[int, int, int | None]:

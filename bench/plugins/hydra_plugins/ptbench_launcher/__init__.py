@@ -1,4 +1,5 @@
-"""The Hydra launcher behind `python -m ptbench -m hydra/launcher=bench_slurm ...`.
+"""The Hydra launchers behind `python -m ptbench -m hydra/launcher=bench_slurm ...` and
+`hydra/launcher=ptbench_local`.
 
 Hydra only instantiates launchers from the `hydra_plugins` namespace package: this package is
 installed as `hydra_plugins.ptbench_launcher` (pyproject.toml maps it from
@@ -13,6 +14,11 @@ count (the paper's 1..64 GPUs). This one composes each point's config, asks its 
 ranks it needs, and submits one array per allocation shape: one Slurm task per rank, spread over
 nodes by `gpus_per_node`. Every task runs the Hydra job (`python -m ptbench`'s task function), which
 sees SUBMITIT_EXECUTOR=slurm and becomes the rank SLURM_PROCID of the point (bench/runner/launch.py).
+
+Hydra imports every module of `hydra_plugins` in every Hydra app of the environment (its plugin scan), so
+this one only adds names of its own: `ptbench_local` in Hydra's ConfigStore, and the two launcher classes.
+The stock plugin's `submitit_local` and `submitit_slurm` stay as that plugin defines them for every app,
+ptbench included.
 """
 
 import contextlib
@@ -38,7 +44,7 @@ log = logging.getLogger(__name__)
 @contextlib.contextmanager
 def reporting_wait(what: str, folder: Path, total: int, every: float = 30.0):
     """While a launcher waits for its points: one line when it starts and one every `every` s, with the points
-    whose result submitit has written under `folder` (issue 31: slow can be told from hung)."""
+    whose result submitit has written under `folder` (slow can be told from hung)."""
     folder = Path(str(folder).split("%j")[0])  # submitit's folder up to the job id
     stop, t0 = threading.Event(), time.monotonic()
 
@@ -68,6 +74,8 @@ class BenchSlurmLauncher(SlurmLauncher):
 
         assert self.hydra_context is not None and self.config is not None
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        if "adapter" not in cfg:  # another Hydra app's job (Hydra's launcher test suites): sized as submitit_slurm does
+            return self.params["nodes"], self.params["tasks_per_node"], self.params.get("gpus_per_node")
         ranks, devices = layout_of(cfg)
         return slurm_shape(ranks, devices, self.params.get("gpus_per_node"))
 
@@ -113,9 +121,9 @@ class BenchSlurmLauncher(SlurmLauncher):
 
 
 class BenchLocalLauncher(LocalLauncher):
-    """`hydra/launcher=submitit_local` (conf/hydra/launcher/submitit_local.yaml): the stock submitit local
-    launcher, but at most `array_parallelism` points at a time, 1 by default: timing points that run side by
-    side share the cores and their times do not compare (issue 29: steps 1.7-2.7x slower on 2 cores). Raise it
+    """`hydra/launcher=ptbench_local`: the stock submitit local launcher (`submitit_local`), but at most
+    `array_parallelism` points at a time, 1 by default: timing points that run side by side share the cores and
+    their times do not compare (steps measured 1.7-2.7x slower on 2 cores). Raise it
     (hydra.launcher.array_parallelism=N) for runs whose times you do not compare; their records then carry
     `contention:` warnings (bench/runner/contention.py)."""
 
@@ -128,7 +136,7 @@ class BenchLocalLauncher(LocalLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         out: list[JobReturn] = []
-        with reporting_wait("submitit_local", Path(str(self.params["submitit_folder"])), len(job_overrides)):
+        with reporting_wait("ptbench_local", Path(str(self.params["submitit_folder"])), len(job_overrides)):
             for start in range(0, len(job_overrides), self.parallel):  # each batch ends before the next starts
                 batch = job_overrides[start : start + self.parallel]
                 out += super().launch(batch, initial_job_idx + start)
@@ -142,12 +150,13 @@ class BenchLocalQueueConf(LocalQueueConf):
     _target_: str = "hydra_plugins.ptbench_launcher.BenchLocalLauncher"
     array_parallelism: int = 1
     # no `%j` folder level: submitit names every file by its job id, and for local jobs it would also leave an
-    # empty folder literally named `%j` (issue 31)
+    # empty folder literally named `%j`
     submitit_folder: str = "${hydra.sweep.dir}/.submitit"
 
 
-# takes the place of the stock plugin's `hydra/launcher=submitit_local` (registered when its config module was
-# imported above): the same fields, plus array_parallelism, run by BenchLocalLauncher
+# A schema node rather than a yaml beside bench_slurm's: the stock LocalQueueConf has no array_parallelism, and a
+# yaml extending it could not add the field. Under ptbench's own name: any Hydra app in the environment can pick
+# it, and none that asks for `submitit_local` gets it instead of the stock launcher.
 ConfigStore.instance().store(
-    group="hydra/launcher", name="submitit_local", node=BenchLocalQueueConf, provider="ptbench_launcher"
+    group="hydra/launcher", name="ptbench_local", node=BenchLocalQueueConf, provider="ptbench_launcher"
 )

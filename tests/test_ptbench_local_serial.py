@@ -1,5 +1,5 @@
-"""`hydra/launcher=submitit_local` runs timing points one at a time by default (issue 29: points side by side share
-the cores): hydra_plugins.ptbench_launcher.BenchLocalLauncher, `hydra.launcher.array_parallelism` (1)."""
+"""`hydra/launcher=ptbench_local` runs timing points one at a time by default (points side by side share the
+cores): hydra_plugins.ptbench_launcher.BenchLocalLauncher, `hydra.launcher.array_parallelism` (1)."""
 
 import json
 import sys
@@ -7,9 +7,9 @@ import sys
 from tests.helpers import SMOKE, check_ok, run, run_dirs
 
 
-def test_submitit_local_runs_points_one_after_another(tmp_path):
+def test_ptbench_local_runs_points_one_after_another(tmp_path):
     proc = run(
-        [sys.executable, "-m", "ptbench", "-m", "hydra/launcher=submitit_local", *SMOKE, "launcher.nprocs=1",
+        [sys.executable, "-m", "ptbench", "-m", "hydra/launcher=ptbench_local", *SMOKE, "launcher.nprocs=1",
          "trainer.max_steps=2", "trainer.seed=1,2", f"results.root={tmp_path}"],
         timeout=600, env=None,
     )  # fmt: skip
