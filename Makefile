@@ -7,11 +7,12 @@ STAMP := $(VENV)/.installed
 # Where the tests find real data (Wikitext-2, GPT-2 tokenizer, CIFAR-10 subset); see README.
 export BENCH_DATA_ROOT ?= $(abspath ../shared/data)
 
-.PHONY: install constraints wheelhouse demo paper-demo test lint smoke gpu-check horovod slurm-up slurm-down clean
+.PHONY: install constraints wheelhouse demo paper-demo test test-torch lint smoke gpu-check horovod slurm-up slurm-down clean
 
-# Strict editable install: a tree of links under build/ that Hydra's plugin scan can list (the default
-# editable mode hides hydra_plugins.ptbench_launcher from it). Links are per file, so the install is
-# redone when a package folder changes (a module added or removed) as well as when pyproject.toml does.
+# Strict editable install: a tree of links under build/, where a module added to the checkout is seen only after
+# a reinstall, as in the wheel (pip's default editable mode, the README's notebook route, works too: pyproject.toml).
+# Links are per file, so the install is redone when a package folder changes (a module added or removed) as well
+# as when pyproject.toml does.
 PKG_DIRS := $(shell find bench adapters workloads analysis conf slurm -type d -not -name __pycache__ 2>/dev/null)
 
 # .[dev] holds every framework a plain pip install brings (.[all]) and the test tools; constraints.txt pins
@@ -35,38 +36,41 @@ constraints: $(STAMP)
 #   pip install --no-index --find-links wheelhouse 'ptbench[EXTRAS]'
 # WITH_TORCH=0 (the default) leaves torch, torchvision and their CUDA libraries out: the cluster brings its own torch
 # (module, NGC container), which the install keeps; WITH_TORCH=1 adds the tested torch (CUDA wheels: several GB).
-# Packages published only as source (deepspeed, torchgpipe) are built here into pure-Python wheels. Horovod is not
-# in it: it must be built on the node against its torch (make horovod).
+# TARGET_FREEZE=<file> (the target's `pip freeze`, or its package names one a line; .ci/gpu-target-packages.txt is
+# the GPU machine's) leaves out everything the target already has, its torch included, and resolves the rest
+# against the target's versions where the file gives them (.ci/wheelhouse_target.py).
+# Packages published only as source are built here into pure-Python wheels. Horovod is not in it: it must be
+# built on the node against its torch (make horovod).
 WHEELHOUSE ?= wheelhouse
 PYTHON_VERSION ?= $(shell $(PY) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")' 2>/dev/null || echo 3.11)
 PLATFORM ?= manylinux_2_28_x86_64
 EXTRAS ?= all
 WITH_TORCH ?= 0
+TARGET_FREEZE ?=
 # pure-Python packages of the set published only as source: built here (pip wheel) so the target needs no build
-SDIST_ONLY ?= antlr4-python3-runtime deepspeed torchgpipe
+SDIST_ONLY ?= antlr4-python3-runtime deepspeed torchgpipe python-hostlist
 # pip does not widen a custom --platform to the older manylinux tags a glibc also runs: list them
 WH_PLATFORMS = $(shell $(PY) -c 'import re, sys; p = sys.argv[1]; m = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", p); \
 	print(" ".join(f"--platform {t}" for t in [p] + ([f"manylinux_2_{i}_{m[2]}" for i in range(int(m[1]) - 1, 16, -1)] \
 	+ [f"manylinux2014_{m[2]}"] if m else [])))' $(PLATFORM))
 WH_TARGET = --python-version $(PYTHON_VERSION) $(WH_PLATFORMS) --only-binary=:all:
 # left out unless WITH_TORCH=1: what a cluster's own torch already brings
-WH_TORCH_RE := ^(torch|torchvision|triton|nvidia-.*|cuda-.*)$$
+# (nvidia-ml-py, NVML, is ptbench's own dependency, not torch's)
+WH_TORCH_RE := ^(torch|torchvision|triton|nvidia-(?!ml-py$$).*|cuda-.*)$$
+WH_PINS = $(WHEELHOUSE)/.constraints.txt
 wheelhouse: $(STAMP)
-	rm -rf $(WHEELHOUSE)/.resolve && mkdir -p $(WHEELHOUSE)
-	rm -f $(WHEELHOUSE)/ptbench-*.whl
+	mkdir -p $(WHEELHOUSE) && rm -rf $(WHEELHOUSE)/.resolve $(WHEELHOUSE)/ptbench-*.whl
+	@$(PY) .ci/wheelhouse_target.py constraints constraints.txt '$(TARGET_FREEZE)' > $(WH_PINS)
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(WHEELHOUSE) . 2>/dev/null
-	$(PY) -m pip wheel -q --no-deps -c constraints.txt -w $(WHEELHOUSE) $(SDIST_ONLY)
+	$(PY) -m pip wheel -q --no-deps -c $(WH_PINS) -w $(WHEELHOUSE) $(SDIST_ONLY)
 	$(PY) -m pip install -q --dry-run --ignore-installed --target $(WHEELHOUSE)/.resolve $(WH_TARGET) \
-		-c constraints.txt --find-links $(WHEELHOUSE) --report $(WHEELHOUSE)/.report.json \
+		-c $(WH_PINS) --find-links $(WHEELHOUSE) --report $(WHEELHOUSE)/.report.json \
 		"$$(ls $(WHEELHOUSE)/ptbench-*.whl)[$(EXTRAS)]"
-	$(PY) -c 'import json, re, sys; r = json.load(open(sys.argv[1])); \
-		pins = [n + "==" + v for n, v in ((i["metadata"]["name"], i["metadata"]["version"]) for i in r["install"]) \
-		if n != "ptbench" and (sys.argv[2] == "1" or not re.match(sys.argv[3], re.sub(r"[-_.]+", "-", n).lower()))]; \
-		open(sys.argv[4], "w").write("\n".join(sorted(pins)) + "\n")' \
-		$(WHEELHOUSE)/.report.json $(WITH_TORCH) '$(WH_TORCH_RE)' $(WHEELHOUSE)/requirements.txt
+	$(PY) .ci/wheelhouse_target.py pick $(WHEELHOUSE)/.report.json '$(TARGET_FREEZE)' $(WITH_TORCH) \
+		'$(WH_TORCH_RE)' $(WHEELHOUSE)
 	$(PY) -m pip download -q --no-deps -d $(WHEELHOUSE) $(WH_TARGET) --find-links $(WHEELHOUSE) -r $(WHEELHOUSE)/requirements.txt
-	rm -rf $(WHEELHOUSE)/.resolve $(WHEELHOUSE)/.report.json
-	@echo "$(WHEELHOUSE): $$(ls $(WHEELHOUSE)/*.whl | wc -l) wheels, $$(du -sh $(WHEELHOUSE) | cut -f1), for Python $(PYTHON_VERSION) on $(PLATFORM) (WITH_TORCH=$(WITH_TORCH)); on the node:"
+	rm -rf $(WHEELHOUSE)/.resolve $(WHEELHOUSE)/.report.json $(WH_PINS)
+	@echo "$(WHEELHOUSE): $$(ls $(WHEELHOUSE)/*.whl | wc -l) wheels, $$(du -sh --apparent-size $(WHEELHOUSE) | cut -f1), for Python $(PYTHON_VERSION) on $(PLATFORM) (WITH_TORCH=$(WITH_TORCH)$(if $(TARGET_FREEZE),; less what $(TARGET_FREEZE) lists)); on the node:"
 	@echo "  pip install --no-index --find-links $(WHEELHOUSE) 'ptbench[$(EXTRAS)]'"
 
 demo: $(STAMP)
@@ -104,6 +108,16 @@ paper-demo: $(STAMP)
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+
+# One cell of the torch x Python matrix, run before a release (README, "Tested environments"; CI keeps one
+# torch): a venv outside the checkout (made once, then reused) with that torch and its torchvision from the
+# index, every other package at constraints.txt's version; then each adapter's smoke, the equal-loss tests and
+# the GPU twins (.ci/torch_matrix.sh). TORCH is a minor listed in bench/core/torch_support.py.
+TORCH ?= 2.14
+PYTHON ?= 3.11
+TORCH_VENV ?= $(abspath ..)/venvs/torch$(TORCH)-py$(PYTHON)
+test-torch:
+	TEST_WORKERS=$(TEST_WORKERS) bash .ci/torch_matrix.sh $(TORCH) $(PYTHON) $(TORCH_VENV)
 
 # ruff's linter and formatter, configured in pyproject.toml (tests/test_lint.py runs the same in `make test`)
 lint: $(STAMP)

@@ -94,21 +94,23 @@ class FSDPAdapter(Adapter):
         )
         reshard = cfg.adapter.reshard_after_forward
         # BatchNorm keeps fp32 parameters (FSDP2's documented per-module policy): its running statistics are
-        # fp32 buffers FSDP does not cast, and batch_norm refuses bf16 weights beside them. Each unit's norms
-        # form one grouped fully_shard (one extra all-gather per unit), inputs cast to fp32, outputs back to half
+        # fp32 buffers FSDP does not cast, and batch_norm refuses bf16 weights beside them. Each BatchNorm is a
+        # fully_shard of its own (one extra all-gather each), inputs cast to fp32, outputs back to half: one
+        # fully_shard over a unit's norms together casts per module only from torch 2.13 on (on 2.11, bn1
+        # handed fp32 to the next bf16 conv), while a single module's cast holds on every supported torch
         half = HALF_DTYPES.get(precision)
         self.norm_policy = MixedPrecisionPolicy(
             param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=half
         )
-        self.norm_groups = 0
+        self.norm_units = 0
         self.units = shard_units(self.workload, model)
         for unit in self.units:
             self.compile_module(unit)
             norms = [m for m in unit.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)] if half else []
+            for norm in norms if norms != [unit] else []:
+                fully_shard(norm, mesh=mesh, reshard_after_forward=reshard, mp_policy=self.norm_policy)
+            self.norm_units += len(norms)
             policy = self.norm_policy if norms == [unit] else self.mp_policy
-            if norms and norms != [unit]:
-                fully_shard(norms, mesh=mesh, reshard_after_forward=reshard, mp_policy=self.norm_policy)
-            self.norm_groups += bool(norms)
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         # the root is all-gathered first in forward and needed again first in backward: keeping it
         # unsharded between the two saves one all-gather, as FSDP2 itself does by default for the root
@@ -173,8 +175,8 @@ class FSDPAdapter(Adapter):
             "reduce_dtype": str(self.mp_policy.reduce_dtype).replace("torch.", "")
             if self.mp_policy.reduce_dtype
             else "fp32",
-            # BatchNorm's own fully_shard groups with fp32 parameters (0: none, or fp32 training)
-            "batchnorm_fp32_groups": self.norm_groups,
+            # BatchNorms sharded on their own with fp32 parameters (0: none, or fp32 training)
+            "batchnorm_fp32_units": self.norm_units,
         }
 
 

@@ -100,7 +100,8 @@ def test_fsdp_bf16_keeps_batchnorm_fp32_and_equals_ddp_autocast(tmp_path):
     check_ok(bench(*bf16, "adapter=ddp", results=tmp_path / "ddp"))
     fsdp = only_run(tmp_path / "fsdp")
     settings = summary(fsdp)["adapter_settings"]
-    assert settings["param_dtype"] == "bfloat16" and settings["batchnorm_fp32_groups"] == 17  # stem + 16 blocks
+    # each BatchNorm sharded on its own: the stem, 3 per bottleneck block (16), 4 downsample norms
+    assert settings["param_dtype"] == "bfloat16" and settings["batchnorm_fp32_units"] == 53
     assert "BatchNorm parameters and math in fp32" in summary(fsdp)["precision_semantics"]
     # bf16 convolution weights and fp32 BatchNorm: what DDP's autocast computes
     assert step_losses(fsdp) == pytest.approx(step_losses(only_run(tmp_path / "ddp")), abs=2e-3)

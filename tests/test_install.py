@@ -148,17 +148,17 @@ def test_requirements_are_ranges_and_constraints_pin_a_set_inside_them():
     "version, accepted",
     [
         ("2.14.1+cu130", True),  # the PyPI wheel (its local label)
-        ("2.13.0+cpu", True),  # the oldest tested: the CPU wheel
+        ("2.11.0+cu130", True),  # the oldest tested: the GPU machine's torch
         ("2.13.0a0+5228986c39.nv25.10", True),  # NGC containers: a pre-release of the release they track
-        ("2.14.0a0+5228986c39.nv26.1", True),
-        ("2.12.1", False),  # below the tested range
-        ("2.15.0a0+5228986c39.nv26.4", False),  # a 2.15 pre-release is not < 2.15 (PEP 440)
+        ("2.15.0a0+5228986c39.nv26.4", True),
+        ("2.10.0", False),  # below the tested range
+        ("2.16.0a0+5228986c39.nv26.8", False),  # a 2.16 pre-release is not < 2.16 (PEP 440)
         ("2.8.0a0+5228986c39.nv25.8", False),
     ],
 )
 def test_torch_range_accepts_local_and_ngc_versions(version, accepted):
     """pip keeps an installed torch whose version the specifier contains with pre-releases allowed (its
-    resolver checks installed candidates that way), so an NGC 2.13/2.14 build is kept, never replaced."""
+    resolver checks installed candidates that way), so an NGC build of a tested release is kept, never replaced."""
     (torch,) = [Requirement(d) for d in _pyproject()["project"]["dependencies"] if d.startswith("torch>")]
     assert SpecifierSet(str(torch.specifier)).contains(version, prereleases=True) is accepted
 
