@@ -13,6 +13,8 @@ positions). Its initial weights differ from the harness GPT-2's, so compare Mega
 each other. The loss is Megatron's per-token vocab-parallel cross-entropy averaged over tokens,
 as the workload's loss, except that the softmax also spans the padded vocabulary rows.
 
+Attention: the local spec's core attention is torch's scaled_dot_product_attention (`sdpa_core_attention`),
+as in the harness GPT-2 every other adapter trains, instead of its unfused [b, np, s, s] scores.
 GPU: Transformer Engine layer spec when TE is installed (local spec otherwise), Megatron's
 distributed optimizer for adam/adamw (clip_grad always passed: its default is 1.0), bf16 as
 autocast around the forward (fp32 weights, gradients and optimizer state).
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import warnings
 from collections.abc import Sequence
@@ -129,6 +132,12 @@ class MegatronAdapter(Adapter):
         return cuda and cfg.optimizer.name in _MEGATRON_OPTIMIZERS
 
     @classmethod
+    def attention(cls, cuda: bool) -> str:
+        """The attention kernel (ptbench.core.layout.ATTENTION): Transformer Engine's fused attention with its
+        layer spec (CUDA, TE installed), else the local spec with torch's SDPA as core attention (`_spec`)."""
+        return "te" if cuda and importlib.util.find_spec("transformer_engine") else "sdpa"
+
+    @classmethod
     def layout(cls, cfg, world_size: int) -> Layout:
         """TP x PP ranks per replica; micro-batches: adapter.microbatches, else 1 without a pipeline and
         4 x stages with one (the paper's GPipe rule; 1F1B needs >= stages to fill the pipeline)."""
@@ -154,7 +163,7 @@ class MegatronAdapter(Adapter):
             ),
             schedule=a.schedule if a.pipeline_parallel > 1 else "none",
             sequence_parallel=a.sequence_parallel,
-            cpu_attention_scores=True,  # the local layer spec on CPU materializes the scores; TE on CUDA fuses them
+            attention=cls.attention(torch.cuda.is_available()),
             vocab_parallel_loss=True,  # vocab-parallel embedding, output layer and cross-entropy (parallel_output)
             tied_embedding_stages=True,  # share_embeddings_and_output_weights: megatron-core's embedding group
         )
@@ -291,7 +300,7 @@ class MegatronAdapter(Adapter):
             batch_p2p_sync=False,
             **(on_gpu if cuda else on_cpu),
         )
-        self.layer_spec = "transformer_engine" if cuda and importlib.util.find_spec("transformer_engine") else "local"
+        self.layer_spec = "transformer_engine" if self.attention(cuda) == "te" else "local"
         torch.manual_seed(t.seed)  # the embedding is built first on the first stage: same in every layout
         with self._compat():
             model = GPTModel(
@@ -361,7 +370,7 @@ class MegatronAdapter(Adapter):
         if self.layer_spec == "transformer_engine":
             spec = get_gpt_layer_with_transformer_engine_spec()
         else:
-            spec = get_gpt_layer_local_spec()
+            spec = with_sdpa_core_attention(get_gpt_layer_local_spec())
         spec = _layout_invariant(spec, self.cfg.trainer.seed)
         if not (self.config.sequence_parallel and spec.submodules.input_layernorm is WrappedTorchNorm):
             return spec
@@ -601,6 +610,8 @@ class MegatronAdapter(Adapter):
             # columns are computed here but not counted (comparability with the harness GPT-2)
             "flops_vocab_size": int(self.cfg.workload.vocab_size),
             "layer_spec": self.layer_spec,
+            # the class the built layers call (plan.cost.attention: the kernel the memory model reads)
+            "core_attention": type(self.model.module.decoder.layers[0].self_attention.core_attention).__name__,
             "optimizer": ("megatron distributed " if self.megatron_optimizer else "torch ") + self.cfg.optimizer.name,
             "grad_clip": self.cfg.trainer.grad_clip,
             "overlap_grad_reduce": self.ddp_config.overlap_grad_reduce,
@@ -645,6 +656,48 @@ def _layout_invariant(spec, seed: int):
 
     SeededLayer.__name__ = base.__name__  # module reprs and logs keep Megatron's name
     return dataclasses.replace(spec, module=SeededLayer)
+
+
+def with_sdpa_core_attention(spec):
+    """The local layer spec with `SDPACoreAttention` as its self-attention's core attention."""
+    attn = spec.submodules.self_attention
+    core = dataclasses.replace(attn.submodules, core_attention=sdpa_core_attention())
+    return dataclasses.replace(
+        spec, submodules=dataclasses.replace(spec.submodules, self_attention=dataclasses.replace(attn, submodules=core))
+    )
+
+
+@functools.cache
+def sdpa_core_attention():
+    """megatron-core's local DotProductAttention computing through torch's F.scaled_dot_product_attention.
+
+    The local spec's own keeps the [b, np, s, s] scores, their softmax and a dropout mask (unfused), while the
+    harness GPT-2 of every other adapter calls SDPA (flash / memory-efficient on CUDA): a comparison would then
+    measure attention kernels. Same interface, scale and dropout (p of its nn.Dropout, under the TP RNG fork as
+    the original), causal by is_causal; the class is made on first use (megatron imports lazily)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SDPACoreAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kw):
+            if attention_bias is not None or kw.get("packed_seq_params") is not None or self.softmax_offset is not None:
+                raise ValueError("SDPACoreAttention: no attention bias, packed sequences or softmax offset")
+            groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+            if groups > 1:  # grouped-query attention: repeat the key/value heads, as the original does
+                key, value = (t.repeat_interleave(groups, dim=2) for t in (key, value))
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, np, hn] -> [b, np, s, hn]
+            causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+            mask = None if causal or attention_mask is None else ~attention_mask  # Megatron's True = masked out
+            p = self.attention_dropout.p if self.training else 0.0
+            fork = tensor_parallel.get_cuda_rng_tracker().fork
+            with contextlib.nullcontext() if self.config.sequence_parallel else fork():
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=self.softmax_scale
+                )
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], self.hidden_size_per_partition)
+
+    return SDPACoreAttention
 
 
 class _SequenceParallelLayerNorm(torch.nn.LayerNorm):

@@ -16,6 +16,9 @@ from ptbench.core.errors import ConfigError
 SHARDING = ("none", "distributed_optimizer", "zero0", "zero1", "zero2", "zero3", "fsdp")
 RECOMPUTE = ("never", "except_last", "always")
 SCHEDULES = ("none", "1f1b", "interleaved_1f1b", "gpipe")
+# the attention kernel a language model calls: torch's scaled_dot_product_attention, Transformer Engine's fused
+# attention, or one that keeps the [b, a, s, s] scores (memory_model.attention_keeps_scores reads it)
+ATTENTION = ("sdpa", "te", "unfused")
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class CostInputs:
     schedule: str = "none"  # SCHEDULES: the pipeline schedule (what micro-batches stay alive)
     recompute: str = "never"  # RECOMPUTE: activation checkpointing of pipeline stages (torchgpipe's modes)
     sequence_parallel: bool = False
-    cpu_attention_scores: bool = False  # the s x s attention scores kept on a CPU (no fused attention there)
+    attention: str = "sdpa"  # ATTENTION: the harness GPT-2 calls torch's SDPA (recorded; unread for vision)
     fusion_buffer_bytes: int = 0  # a gradient fusion buffer of up to this size (Horovod)
     grad_sync_phase: str = "backward"  # the timed phase the gradient all-reduce's exposed part shows in
     step_phase: str | None = None  # one timed phase holding every collective of the step (a pipeline schedule)
@@ -89,6 +92,7 @@ class CostInputs:
             ("sharding", self.sharding, SHARDING),
             ("recompute", self.recompute, RECOMPUTE),
             ("schedule", self.schedule, SCHEDULES),
+            ("attention", self.attention, ATTENTION),
         ):
             if val not in allowed:
                 raise ConfigError(f"cost inputs: {key}={val!r} is not one of {', '.join(allowed)}")

@@ -84,11 +84,14 @@ of s tokens, width h, a heads, with 2-byte activations and 1-byte dropout masks:
     s b h (34 + 5 a s / h) / t                   tensor + sequence parallel
     + 12 s b V / t                               the loss at the start of backward: the fp32 log-softmax
                                                  cross_entropy saves, its gradient and the logits' gradient
+                                                 (Megatron's loss, in place: 4 s b V / t, + 2 under bf16)
 
 The 5 a s / h term is the attention score, softmax and its dropout mask (5 a s^2 b bytes); fused
 attention (torch scaled_dot_product_attention's flash / memory-efficient kernels, which the harness
-GPT-2 uses, and Transformer Engine) keeps only a per-row log-sum-exp instead, so
-`attention_scores=False` leaves that term out. fp32 activations double everything (the masks are
+GPT-2 and Megatron's local spec here use, and Transformer Engine) keeps only a per-row log-sum-exp instead, so
+`attention_scores=False` leaves that term out. Which one runs is the adapter's `cost_inputs().attention`
+(`attention_keeps_scores`): SDPA keeps the scores only on a CPU with dropout (the math form; it keeps the
+mask in the activations' dtype, 6 a s / h where the formula says 5). fp32 activations double everything (the masks are
 1 byte in reality, so this slightly over-estimates); bf16 / fp16 use the formula as written.
 Layers on the busiest stage and micro-batches alive at its peak: no pipeline, L layers x 1 (gradient
 accumulation frees each micro-batch before the next); 1F1B (torch pipelining 1f1b / interleaved,
@@ -109,9 +112,9 @@ Activations, the harness GPT-2 (DDP, ZeRO, FSDP, torch pipelines: the model of w
 tensor parallelism): counted instead of [Korthikanti] (`gpt2_saved_elements`): one block's saved tensors
 (on the CPU at 4, 8 and 16 tokens, a quadratic in the tokens: exact at seq_len), the embeddings and the
 head on the meta device, per sample; plus the 4 s b V fp32 softmax the loss saves (its backward turns
-it into the logits' gradient in place). Against the counted saved tensors (`SavedTensorLedger`) of real runs
-on CPU this is within 1 %; the Korthikanti formula (kept for tensor parallelism and Megatron, whose
-local spec keeps the scores on a CPU: with dropout 0 only the softmax output, 2 a s / h) within 1 % too
+it into the logits' gradient in place), on a CPU; on CUDA the loss is F.cross_entropy(logits.float()), whose
+backward holds 12 s b V (`loss_bytes`). Against the counted saved tensors (`SavedTensorLedger`) of real runs
+on CPU this is within 1 %; the Korthikanti formula (kept for tensor parallelism and Megatron) within 1 % too
 (`python -m ptbench.memory_ledger`).
 
 ZeRO-3 (DeepSpeed 0.19, `zero3_gathered`): tensors of at most stage3_param_persistence_threshold
@@ -271,6 +274,33 @@ def zero3_gathered(
     return {"persistent": persistent, "partition": partition, "gathered": gathered, "why": why}
 
 
+def attention_keeps_scores(attention: str, device: str, dropout: float) -> bool:
+    """Whether attention (ptbench.core.layout.ATTENTION) saves [b, a, s, s] tensors for backward. torch's SDPA:
+    CUDA's flash / memory-efficient kernels and the CPU's flash kernel keep a log-sum-exp; the CPU flash kernel
+    refuses dropout, so there the math form runs, which keeps the softmax, the mask and the dropped scores
+    (measured: tests/test_attention_and_cuda_memory.py). Transformer Engine never keeps them; unfused always."""
+    if attention == "sdpa":
+        return device != "cuda" and dropout > 0
+    return attention == "unfused"
+
+
+def loss_bytes(tokens: int, vocab: int, in_place: bool, act_b: int) -> tuple[float, float, str]:
+    """(bytes at the loss's peak, of them saved for backward, formula) of a cross-entropy over tokens x vocab logits.
+    in_place (the harness GPT-2's chunked loss on a CPU, workloads/gpt2.py; Megatron's vocab-parallel one): the fp32
+    softmax saved (4 B), scaled in place into the gradient, cast to the 2 B logits' dtype under bf16 / fp16. Else
+    F.cross_entropy(logits.float()) (GPT-2 on CUDA, torch's loss_parallel): its fp32 log-softmax saved; backward adds
+    nll_loss's zero-filled gradient and log_softmax's gradient, 4 B each at once (the cast copy is freed by then)."""
+    n = tokens * vocab
+    if not in_place:
+        return 12.0 * n, 4.0 * n, "12 s b V: F.cross_entropy's fp32 log-softmax, nll's gradient, its gradient"
+    return (4.0 + (2 if act_b == 2 else 0)) * n, 4.0 * n, "4 s b V fp32 softmax saved by the loss (gradient in place)"
+
+
+def loss_bytes_per_token_vocab(device: str, precision: str = "bf16") -> float:
+    """What the harness GPT-2's loss holds at most per token x vocabulary entry on `device` (`loss_bytes`)."""
+    return loss_bytes(1, 1, device != "cuda", 2 if precision in ("bf16", "fp16") else 4)[0]
+
+
 def _gpt2_layer_activation_bytes(
     s: int, b: int, h: int, a: int, tp: int, sequence_parallel: bool, attention_scores: bool, attention_dropout=True
 ) -> float:
@@ -310,6 +340,7 @@ def predict(
     sequence_parallel: bool = False,
     attention_scores: bool = True,
     attention_dropout: bool = True,
+    loss_in_place: bool | None = None,
     image_size: int = 0,
     activation_elements_per_sample: float | None = None,
     stage_activation_elements: list[float] | None = None,
@@ -353,6 +384,7 @@ def predict(
     schedule: the pipeline schedule (1f1b | interleaved_1f1b | gpipe); recompute: activation
         checkpointing of the stages (never | except_last | always, torchgpipe's). attention_scores:
         False for fused attention (no s^2 term); attention_dropout: False when dropout is 0 (2 a s / h).
+        loss_in_place: the loss's form (`loss_bytes`); None: the harness GPT-2's, in place on a CPU only.
     shapes: the parameter shapes (per-tensor partitioning for zero1-3 and fsdp, see module doc); rank:
         the rank whose partition is taken (None: the busiest).
     stage_params: parameters of each pipeline stage (else the GPT-2 split, or Ψ/p for vision).
@@ -421,6 +453,7 @@ def predict(
     K = optimizer_state_bytes(optimizer, momentum)
     half = precision in ("bf16", "fp16")
     act_b = 2 if half else 4  # bytes per activation element
+    in_place = device != "cuda" if loss_in_place is None else loss_in_place
     notes: list[str] = []
     formula: dict[str, str] = {}
 
@@ -507,7 +540,7 @@ def predict(
             first = stage_name in ("all", "first", "any")
             last = stage_name in ("all", "last", "any")
             per_mb = (per_stage_layers * e["layer"] + first * e["embed"] + last * e["head"]) * act_b * b
-            loss = 4 * seq_len * b * vocab if last else 0.0  # the fp32 softmax the loss keeps
+            peak_loss, loss, loss_f = loss_bytes(seq_len * b, vocab, in_place, act_b) if last else (0.0, 0.0, "")
             last_alive = 1 if (pp > 1 and schedule != "gpipe") else alive
             saved = alive * per_mb + last_alive * loss
             if recompute != "never" and microbatches > 1:  # torchgpipe checkpointing (see module doc)
@@ -516,9 +549,7 @@ def predict(
                 # forward's end (the last micro-batch whole under except_last, the loss) or the recomputation
                 saved = microbatches * inp + max(whole * (per_mb - inp) + last_alive * loss, r * (per_mb - inp))
                 how = f"recompute={recompute}: m={microbatches} stage inputs + {r} micro-batch(es) at once"
-            # the loss's backward scales that softmax in place into the logits' gradient (workloads/gpt2.py
-            # _CrossEntropy); half precision casts it to the logits' dtype (one more s b V x 2 B)
-            total = saved + (last_alive * loss / 2 if act_b == 2 else 0.0)
+            total = saved + last_alive * (peak_loss - loss)  # the loss's backward: more than it saved
             return (
                 total,
                 (
@@ -526,7 +557,7 @@ def predict(
                     + (f" + {e['embed']:,.0f} embedding" if first else "")
                     + (f" + {e['head']:,.0f} head" if last else "")
                     + f") elem/sample (counted, harness GPT-2) x {act_b} B x b={b}"
-                    + (" + 4 s b V fp32 softmax saved by the loss (its gradient in place)" if last else "")
+                    + (f" + {loss_f}" if last else "")
                 ),
                 saved,
             )
@@ -534,22 +565,21 @@ def predict(
             seq_len, b, hidden, heads, tp, sequence_parallel, attention_scores, attention_dropout
         )
         layer *= act_b / 2
-        # the loss at the start of backward: cross_entropy's fp32 log-softmax (saved), its gradient and the
-        # logits' gradient, 4 s b V bytes each (the forward's logits are freed once the loss has them)
-        logits = 12 * seq_len * b * vocab / tp if stage_name in ("all", "last", "any") else 0.0
+        # the loss at the start of backward (`loss_bytes`), split by vocabulary over TP
+        peak_loss, loss, loss_f = loss_bytes(seq_len * b, vocab, in_place, act_b)
+        logits, logits_saved = (peak_loss / tp, loss / tp) if stage_name in ("all", "last", "any") else (0.0, 0.0)
         alive, how = _alive(stage_name)
         if recompute in ("always", "except_last") and microbatches > 1:
             full = 1 if recompute == "always" else 2
             inputs = microbatches * seq_len * b * hidden * act_b
-            loss = logits if stage_name != "first" else 0.0
-            total = inputs + full * per_stage_layers * layer + loss
+            total = inputs + full * per_stage_layers * layer + logits
             return (
                 total,
                 (
                     f"recompute={recompute}: m stage inputs (s b h) + {full} micro-batch(es) of "
-                    f"ceil(L/p)={per_stage_layers} layers [Korthikanti]" + (" + 12 s b V loss" if logits else "")
+                    f"ceil(L/p)={per_stage_layers} layers [Korthikanti]" + (f" + {loss_f} / t" if logits else "")
                 ),
-                total - loss * 2 / 3,
+                total - (logits - logits_saved),
             )
         last_alive = 1 if (pp > 1 and schedule != "gpipe") else alive
         total = alive * per_stage_layers * layer + (last_alive * logits if logits else 0.0)
@@ -559,9 +589,9 @@ def predict(
             total,
             (
                 f"{how} x ceil(L/p)={per_stage_layers} layers x s b h (34 + 5as/h){sc}{tpf} x {act_b}/2 B"
-                + (" + 12 s b V / t loss (fp32 log-softmax, its gradient, the logits' gradient)" if logits else "")
+                + (f" + {loss_f} / t" if logits else "")
             ),
-            total - (last_alive * logits * 2 / 3 if logits else 0.0),
+            total - last_alive * (logits - logits_saved),
         )
 
     def _alive(stage_name: str) -> tuple[int, str]:
@@ -1378,19 +1408,21 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
         if any(importlib.util.find_spec(m) for m in ("transformer_engine", "apex")):
             kw["optimizer_impl"] = "fused"
     if w.kind == "language":
-        # the harness GPT-2 uses torch scaled_dot_product_attention (fused); a framework whose attention keeps
-        # the scores on a CPU says so (Megatron's local spec; Transformer Engine on CUDA does not)
+        # the scores are counted where the adapter's attention keeps them (its cost inputs)
+        scores = attention_keeps_scores(cost.attention, device, float(w.dropout))
         kw.update(
             layers=int(w.n_layer),
             hidden=int(w.n_embd),
             heads=int(w.n_head),
             seq_len=int(w.seq_len),
             vocab=vocab,
-            attention_scores=cost.cpu_attention_scores and device != "cuda",
+            attention_scores=scores,
             attention_dropout=float(w.dropout) > 0,
+            # Megatron's vocab-parallel loss works in place; torch's loss_parallel (TP) is F.cross_entropy's
+            loss_in_place=True if cost.vocab_parallel_loss else (False if layout.tp > 1 else None),
         )
-        if not cost.padded_vocab and not cost.cpu_attention_scores:  # the harness GPT-2 (Megatron builds its own)
-            kw["layer_saved_elements"] = gpt2_saved_elements(model, int(w.seq_len), scores=device != "cuda")
+        if not cost.padded_vocab:  # the harness GPT-2 (Megatron builds its own, with its padded vocabulary)
+            kw["layer_saved_elements"] = gpt2_saved_elements(model, int(w.seq_len), scores=scores)
     else:
         kw.update(
             image_size=int(w.image_size),
@@ -1410,12 +1442,15 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
 
 def device_bytes(processes_on_host: int = 1) -> tuple[float | None, str]:
     """(bytes one rank may use, what they are): the first visible GPU's total memory on CUDA; on a
-    CPU the host's available memory divided by the ranks that share it."""
+    CPU the host's available memory divided by the ranks that share it. The launcher asks before its ranks
+    start: NVML tells without a CUDA context (torch's device properties only where NVML cannot)."""
     import torch
 
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        return float(props.total_memory), f"{props.name} total memory"
+        from ptbench.core.records import visible_gpus_nvml
+
+        name, total = (visible_gpus_nvml() or [None])[0] or _torch_device_0(torch)
+        return float(total), f"{name} total memory"
     try:
         import psutil
 
@@ -1423,6 +1458,11 @@ def device_bytes(processes_on_host: int = 1) -> tuple[float | None, str]:
     except Exception:  # noqa: BLE001
         return None, "unknown"
     return float(avail) / max(1, processes_on_host), f"host available memory / {max(1, processes_on_host)} ranks"
+
+
+def _torch_device_0(torch) -> tuple[str, int]:
+    props = torch.cuda.get_device_properties(0)
+    return props.name, int(props.total_memory)
 
 
 def _exceeds(prediction: dict, device: float, what: str, headroom: float) -> str:
