@@ -29,6 +29,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep runs whose record warns of contention in the verdicts (left out by default)",
     )
+    r.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        metavar="VALUE",
+        help="time to target: the validation metric value to reach, fixed in advance (default: the baseline "
+        "point's runs' worst best value, 1 %% looser)",
+    )
     n = sub.add_parser("noise", help="B/A step-time ratio with its interval of a noise file (ptbench.sweep noise)")
     n.add_argument("file", help="<results>/<experiment>/noise/noise-*.json")
     args = p.parse_args(argv)
@@ -47,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         from pathlib import Path
 
         out = args.out if args.out is not None else Path(args.results) / "report"
-        path = write_report(args.results, out, baseline=args.baseline, include_contended=args.include_contended)
+        path = write_report(
+            args.results, out, baseline=args.baseline, include_contended=args.include_contended, target=args.target
+        )
     except (FileNotFoundError, AnalysisError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,19 +2,24 @@
 et al.), for the report's "Paper claims" section.
 
 Each check takes the finished runs (`ptbench.analysis.tables.runs` of `ok` records) of one workload and returns
-a verdict: holds, does not hold, or not measured (with what is missing), the numbers it compared and
-the runs it used. Per-GPU memory is each run's `mem_plot_bytes` (the busiest rank's peak: CUDA
-max allocated; on CPU the peak RSS growth over the run, `peak_rss_delta`); epoch time is
-`time_per_sample_used_s` (steady epochs, per training sample, so capped epochs compare). Where a
-series has several runs at one GPU count, their mean is used.
+a verdict: holds, does not hold, undecided, or not measured (with what is missing), the numbers it compared
+and the runs it used. Per-GPU memory is each run's `mem_plot_bytes` (the busiest rank's peak: CUDA max
+allocated; on CPU the peak RSS growth over the run, `peak_rss_delta`); epoch time is `time_per_sample_used_s`
+(steady epochs, per training sample, so capped epochs compare).
 
-- ZeRO per-GPU memory is 42-66 % of DDP's at the same GPU count (every ZeRO series, every shared count);
-- ZeRO per-GPU memory falls with GPU count while DDP's stays flat (within 10 % of its mean);
-- ZeRO epoch time is within 15 % of DDP's (the paper: 10-15 % slower);
-- pipeline (gpipe, pipeline) memory per GPU falls, then plateaus: the first step down > 10 %, the last
-  step's change < 10 % (needs 3 GPU counts);
-- Megatron's per-GPU memory is U-shaped: its lowest point lies strictly inside the measured range;
-- the fastest framework per workload and GPU count (a measurement, no expected answer).
+Method: every check is a ratio of two points' runs with its 90 % interval, Welch's t on the logs
+(`ptbench.analysis.stats.ratio_interval`, level CLAIM_LEVEL), read against the paper's range: an interval inside
+the range holds, one wholly outside it does not hold, one straddling it is undecided; so is a point without
+repeats (no interval). A check over several series or counts holds when each part holds and does not hold when
+any part does not. ZeRO is compared with the DDP point of the same device count and global batch.
+- ZeRO per-GPU memory is 42-66 % of DDP's;
+- DDP's per-GPU memory stays flat (each count within ±10 % of its fewest count's) while ZeRO's falls (each
+  step up in GPU count a ratio below 1);
+- ZeRO epoch time at most 15 % above DDP's (the paper: 10-15 % slower; ZERO_TIME_RANGE);
+- pipeline (gpipe, pipeline) memory per GPU falls by more than 10 % at its first step, then plateaus (the last
+  step within ±10 %; needs 3 GPU counts);
+- Megatron's per-GPU memory is U-shaped: some inner count lies more than SHAPE_MARGIN below both ends;
+- the fastest framework per workload and GPU count: `ptbench.analysis.stats.rank` (a measurement).
 With records of `python -m ptbench.paper`, memory checks read its memory phase (paper-memory-*) and time
 checks its epoch-time phase (paper-epoch-*); other records are used as they are.
 Also listed: every point that was retried with a smaller batch after running out of memory
@@ -30,29 +35,54 @@ import pandas as pd
 import yaml
 
 from ptbench.analysis.load import read_yaml
-from ptbench.analysis.stats import ratio_interval, verdict
+from ptbench.analysis.stats import CLAIM_LEVEL, Interval, geo_interval, rank, ratio_interval
 
-HOLDS, FAILS, NOT_MEASURED, MEASURED = "holds", "does not hold", "not measured", "measured"
+HOLDS, FAILS, UNDECIDED, NOT_MEASURED, MEASURED = "holds", "does not hold", "undecided", "not measured", "measured"
 ZERO_MEMORY_SHARE = (0.42, 0.66)
-ZERO_TIME_TOLERANCE = 0.15
-FLAT = 0.10  # DDP memory "flat": every count within 10 % of the series' mean; pipeline plateau: last step < 10 %
+ZERO_TIME_RANGE = (0.0, 1.15)  # ZeRO time / DDP's: at most 15 % slower (one-sided; faster is not against it)
+FLAT = 0.10  # DDP memory "flat" and the pipeline's plateau: within ±10 %; the pipeline's first fall: > 10 %
+SHAPE_MARGIN = 0.05  # U-shape: an inner point more than 5 % below both ends
 PIPELINES = ("gpipe", "pipeline")
 
 
-def _versus(sub: pd.DataFrame, a: str, b: str, column: str = "time_per_sample_used_s") -> str:
-    """The verdict of series `a` against `b` over their runs' `column` (issue 29): `a is x % ± y % faster
-    than b` or `not distinguishable` (ptbench.analysis.stats.verdict); single runs: no interval."""
-    t = {k: pd.to_numeric(sub.loc[sub["label"] == k, column], errors="coerce").dropna().tolist() for k in (a, b)}
-    if min(len(t[a]), len(t[b])) < 2:
-        return "not distinguishable without repeats (single runs)"
-    return verdict(a, t[a], b, t[b], paired=False)
+def _num(s) -> pd.Series:
+    return pd.to_numeric(s, errors="coerce").dropna()
+
+
+def _at(runs: pd.DataFrame, label: str, n: int, column: str) -> pd.Series:
+    return _num(runs.loc[(runs["label"] == label) & (runs["devices"].astype(int) == n), column])
+
+
+def _ratio(num: pd.Series, den: pd.Series) -> Interval:
+    return ratio_interval(num.tolist(), den.tolist(), level=CLAIM_LEVEL)
+
+
+def _against(iv: Interval, lo: float, hi: float) -> str:
+    """holds: the interval inside [lo, hi]; does not hold: wholly outside; else (or no interval) undecided."""
+    if not iv.finite:
+        return UNDECIDED
+    if lo <= iv.lo and iv.hi <= hi:
+        return HOLDS
+    return FAILS if iv.hi < lo or iv.lo > hi else UNDECIDED
+
+
+def _all(verdicts) -> str:
+    verdicts = list(verdicts)
+    return FAILS if FAILS in verdicts else HOLDS if verdicts and all(v == HOLDS for v in verdicts) else UNDECIDED
+
+
+def _ci(iv: Interval, pct: bool = False) -> str:
+    if not iv.finite:
+        return f" (n={iv.n}: no interval without repeats)"
+    f = (lambda v: f"{100 * v:.0f}") if pct else (lambda v: f"{v:.2f}")
+    return f" [{f(iv.lo)}, {f(iv.hi)}] ({100 * iv.level:.0f} %, n={iv.n})"
 
 
 def _series(runs: pd.DataFrame, column: str) -> dict[str, pd.Series]:
-    """label -> column's mean per device count (sorted), over runs with a value."""
+    """label -> column's geometric mean per device count (sorted), over runs with a value."""
     have = runs[pd.to_numeric(runs[column], errors="coerce").notna()]
     return {
-        label: pd.to_numeric(sub[column]).groupby(sub["devices"].astype(int)).mean().sort_index()
+        label: pd.to_numeric(sub[column]).groupby(sub["devices"].astype(int)).agg(lambda v: geo_interval(v).value)
         for label, sub in have.groupby("label")
     }
 
@@ -73,121 +103,137 @@ def _of(runs: pd.DataFrame, adapters) -> pd.DataFrame:
     return runs[runs["adapter"].isin(adapters)]
 
 
+def _matched(zero: pd.DataFrame, ddp: pd.DataFrame, column: str):
+    """(ZeRO label, devices, ZeRO values, DDP label, DDP values) per ZeRO point with a DDP point of the same
+    device count and global batch (the global batch is not compared where a frame has none)."""
+    out = []
+    gb = "global_batch" in zero and "global_batch" in ddp
+    for (label, n), z in zero.groupby(["label", zero["devices"].astype(int)]):
+        d = ddp[ddp["devices"].astype(int) == n]
+        if gb:
+            d = d[pd.to_numeric(d["global_batch"], errors="coerce").isin(_num(z["global_batch"]))]
+        for dl, dd in d.groupby("label"):
+            zv, dv = _num(z[column]), _num(dd[column])
+            if len(zv) and len(dv):
+                out.append((label, int(n), zv, dl, dv))
+    return out
+
+
 def zero_memory_share(runs: pd.DataFrame) -> dict:
     name = "ZeRO per-GPU memory is 42-66 % of DDP's"
-    ddp, zero = _of(runs, ["ddp"]), _of(runs, ["zero"])
-    d = next(iter(_series(ddp, "mem_plot_bytes").values()), None) if len(ddp) else None
-    pairs = []
-    for label, z in _series(zero, "mem_plot_bytes").items():
-        for n in z.index.intersection(d.index) if d is not None else []:
-            pairs.append((label, n, z[n] / d[n]))
+    pairs = _matched(_of(runs, ["zero"]), _of(runs, ["ddp"]), "mem_plot_bytes")
     if not pairs:
-        return _claim(name, NOT_MEASURED, "needs DDP and ZeRO memory at one GPU count")
-    lo, hi = ZERO_MEMORY_SHARE
-    ok = all(lo <= r <= hi for _, _, r in pairs)
-    used = pd.concat([ddp, zero])
-    return _claim(name, HOLDS if ok else FAILS, "; ".join(f"{lab} x{n}: {100 * r:.0f} %" for lab, n, r in pairs), used)
+        return _claim(name, NOT_MEASURED, "needs DDP and ZeRO memory at one GPU count and global batch")
+    found = [(z, n, dl, _ratio(zv, dv)) for z, n, zv, dl, dv in pairs]
+    text = "; ".join(f"{z} x{n} / {dl}: {100 * iv.value:.0f} %{_ci(iv, pct=True)}" for z, n, dl, iv in found)
+    verdict = _all(_against(iv, *ZERO_MEMORY_SHARE) for *_, iv in found)
+    return _claim(name, verdict, text, _of(runs, ["ddp", "zero"]))
+
+
+def _steps(runs: pd.DataFrame, label: str, column: str = "mem_plot_bytes") -> list[tuple[int, int, Interval]]:
+    """(from count, to count, 90 % interval of the ratio) for each step up in GPU count of one series."""
+    counts = sorted(runs.loc[runs["label"] == label, "devices"].astype(int).unique())
+    return [
+        (a, b, _ratio(_at(runs, label, b, column), _at(runs, label, a, column))) for a, b in zip(counts, counts[1:])
+    ]
 
 
 def zero_memory_falls_ddp_flat(runs: pd.DataFrame) -> dict:
     name = "ZeRO per-GPU memory falls with GPU count while DDP's stays flat"
-    ddp_all = _series(_of(runs, ["ddp"]), "mem_plot_bytes")
-    zeros = _series(_of(runs, ["zero"]), "mem_plot_bytes")
-    d = next(iter(ddp_all.values()), pd.Series(dtype=float))
-    zeros = {k: v for k, v in zeros.items() if len(v) >= 2}
-    if len(d) < 2 or not zeros:
+    ddp, zero = _of(runs, ["ddp"]), _of(runs, ["zero"])
+    ddps = [k for k, v in _series(ddp, "mem_plot_bytes").items() if len(v) >= 2]
+    zeros = [k for k, v in _series(zero, "mem_plot_bytes").items() if len(v) >= 2]
+    if not ddps or not zeros:
         return _claim(name, NOT_MEASURED, "needs DDP and a ZeRO series at 2 or more GPU counts")
-    flat = bool((abs(d / d.mean() - 1) <= FLAT).all())
-    falls = {k: bool((np.diff(v.to_numpy()) < 0).all()) for k, v in zeros.items()}
-    text = [
-        (
-            f"DDP {', '.join(f'x{n}: {_mib(v)}' for n, v in d.items())} "
-            f"({'flat: within' if flat else 'not flat: beyond'} {100 * FLAT:.0f} % of its mean)"
-        )
-    ]
-    text += [
-        f"{k} {', '.join(f'x{n}: {_mib(v)}' for n, v in zeros[k].items())} ({'falls' if f else 'does not fall'})"
-        for k, f in falls.items()
-    ]
-    return _claim(name, HOLDS if flat and all(falls.values()) else FAILS, "; ".join(text), _of(runs, ["ddp", "zero"]))
-
-
-def _ratio_ci(zero: pd.DataFrame, label: str, ddp: pd.DataFrame, n: int, column="time_per_sample_used_s") -> str:
-    """ " [lo, hi]": the 95 % interval of a ZeRO series' time over DDP's at n GPUs, where both have repeats."""
-    z = zero[(zero["label"] == label) & (zero["devices"].astype(int) == n)][column]
-    d = ddp[ddp["devices"].astype(int) == n][column]
-    iv = ratio_interval(pd.to_numeric(z, errors="coerce"), pd.to_numeric(d, errors="coerce"), paired=False)
-    return f" [{iv.lo:.2f}, {iv.hi:.2f}] (95 %, {iv.n} repeats)" if np.isfinite(iv.lo) else ""
+    verdicts, text = [], []
+    for k in ddps:
+        counts = sorted(ddp.loc[ddp["label"] == k, "devices"].astype(int).unique())
+        base = _at(ddp, k, counts[0], "mem_plot_bytes")
+        ivs = [(n, _ratio(_at(ddp, k, n, "mem_plot_bytes"), base)) for n in counts[1:]]
+        verdicts += [_against(iv, 1 - FLAT, 1 + FLAT) for _, iv in ivs]
+        text.append(f"{k} against x{counts[0]}: " + ", ".join(f"x{n} {iv.value:.2f}{_ci(iv)}" for n, iv in ivs))
+    for k in zeros:
+        steps = _steps(zero, k)
+        verdicts += [_against(iv, 0.0, 1.0) for *_, iv in steps]  # falls: the ratio's interval below 1
+        text.append(f"{k}: " + ", ".join(f"x{a}->x{b} {iv.value:.2f}{_ci(iv)}" for a, b, iv in steps))
+    return _claim(name, _all(verdicts), f"flat within ±{100 * FLAT:.0f} %, falls below 1: " + "; ".join(text),
+                  _of(runs, ["ddp", "zero"]))  # fmt: skip
 
 
 def zero_time_close_to_ddp(runs: pd.DataFrame) -> dict:
-    name = f"ZeRO epoch time within {100 * ZERO_TIME_TOLERANCE:.0f} % of DDP's"
-    ddp, zero = _of(runs, ["ddp"]), _of(runs, ["zero"])
-    d = next(iter(_series(ddp, "time_per_sample_used_s").values()), None) if len(ddp) else None
-    pairs = [
-        (label, n, z[n] / d[n])
-        for label, z in _series(zero, "time_per_sample_used_s").items()
-        for n in (z.index.intersection(d.index) if d is not None else [])
-    ]
+    lo, hi = ZERO_TIME_RANGE
+    name = f"ZeRO epoch time within {100 * (hi - 1):.0f} % of DDP's"
+    pairs = _matched(_of(runs, ["zero"]), _of(runs, ["ddp"]), "time_per_sample_used_s")
     if not pairs:
-        return _claim(name, NOT_MEASURED, "needs DDP and ZeRO epoch times at one GPU count")
-    ok = all(abs(r - 1) <= ZERO_TIME_TOLERANCE for _, _, r in pairs)
+        return _claim(name, NOT_MEASURED, "needs DDP and ZeRO epoch times at one GPU count and global batch")
+    found = [(z, n, dl, _ratio(zv, dv)) for z, n, zv, dl, dv in pairs]
+    text = "; ".join(f"{z} x{n}: {iv.value:.2f}x {dl}{_ci(iv)}" for z, n, dl, iv in found)
+    verdict = _all(_against(iv, lo, hi) for *_, iv in found)
     return _claim(
-        name,
-        HOLDS if ok else FAILS,
-        "; ".join(f"{lab} x{n}: {r:.2f}x DDP{_ratio_ci(zero, lab, ddp, n)}" for lab, n, r in pairs),
-        pd.concat([ddp, zero]),
+        name, verdict, f"{text} (range: at most {hi:.2f}x)", pd.concat([_of(runs, ["ddp"]), _of(runs, ["zero"])])
     )
 
 
 def pipeline_memory_plateaus(runs: pd.DataFrame) -> dict:
     name = "pipeline memory per GPU falls, then plateaus"
-    series = {k: v for k, v in _series(_of(runs, PIPELINES), "mem_plot_bytes").items() if len(v) >= 3}
+    pipes = _of(runs, PIPELINES)
+    series = [k for k, v in _series(pipes, "mem_plot_bytes").items() if len(v) >= 3]
     if not series:
         return _claim(name, NOT_MEASURED, "needs a pipeline series (gpipe, pipeline) at 3 or more GPU counts")
     verdicts, text = [], []
-    for label, v in series.items():
-        steps = v.to_numpy()[1:] / v.to_numpy()[:-1] - 1  # relative change per step up in GPU count
-        ok = steps[0] < -FLAT and abs(steps[-1]) < FLAT
-        verdicts.append(ok)
-        text.append(
-            f"{label} {', '.join(f'x{n}: {_mib(m)}' for n, m in v.items())} (first step {100 * steps[0]:+.0f} %, "
-            f"last {100 * steps[-1]:+.0f} %)"
-        )
-    return _claim(name, HOLDS if all(verdicts) else FAILS, "; ".join(text), _of(runs, PIPELINES))
+    for label in series:
+        steps = _steps(pipes, label)
+        (a0, b0, first), (a1, b1, last) = steps[0], steps[-1]
+        verdicts.append(_all([_against(first, 0.0, 1 - FLAT), _against(last, 1 - FLAT, 1 + FLAT)]))
+        text.append(f"{label} first x{a0}->x{b0} {first.value:.2f}{_ci(first)}, last x{a1}->x{b1} "
+                    f"{last.value:.2f}{_ci(last)}")  # fmt: skip
+    return _claim(name, _all(verdicts), f"falls below {1 - FLAT:.2f}, then within ±{100 * FLAT:.0f} %: "
+                  + "; ".join(text), pipes)  # fmt: skip
+
+
+def _u_shaped(runs: pd.DataFrame, label: str) -> tuple[str, str]:
+    counts = sorted(runs.loc[runs["label"] == label, "devices"].astype(int).unique())
+    ends = [_at(runs, label, counts[0], "mem_plot_bytes"), _at(runs, label, counts[-1], "mem_plot_bytes")]
+    inner, text = [], []
+    for n in counts[1:-1]:
+        mid = _at(runs, label, n, "mem_plot_bytes")
+        ivs = [_ratio(mid, e) for e in ends]
+        inner.append(_all(_against(iv, 0.0, 1 - SHAPE_MARGIN) for iv in ivs))
+        text.append(f"x{n} / x{counts[0]} {ivs[0].value:.2f}{_ci(ivs[0])}, / x{counts[-1]} {ivs[1].value:.2f}"
+                    f"{_ci(ivs[1])}")  # fmt: skip
+    verdict = HOLDS if HOLDS in inner else FAILS if all(v == FAILS for v in inner) else UNDECIDED
+    return verdict, f"{label}: " + "; ".join(text)
 
 
 def megatron_memory_u_shape(runs: pd.DataFrame) -> dict:
     name = "Megatron per-GPU memory is U-shaped"
-    series = {k: v for k, v in _series(_of(runs, ["megatron"]), "mem_plot_bytes").items() if len(v) >= 3}
+    meg = _of(runs, ["megatron"])
+    series = [k for k, v in _series(meg, "mem_plot_bytes").items() if len(v) >= 3]
     if not series:
         return _claim(name, NOT_MEASURED, "needs a Megatron series at 3 or more GPU counts")
-    verdicts, text = [], []
-    for label, v in series.items():
-        low = int(np.argmin(v.to_numpy()))
-        verdicts.append(0 < low < len(v) - 1)
-        text.append(f"{label} {', '.join(f'x{n}: {_mib(m)}' for n, m in v.items())} (lowest at x{v.index[low]})")
-    return _claim(name, HOLDS if all(verdicts) else FAILS, "; ".join(text), _of(runs, ["megatron"]))
+    found = [_u_shaped(meg, k) for k in series]
+    head = f"an inner count below both ends by more than {100 * SHAPE_MARGIN:.0f} %: "
+    return _claim(name, _all(v for v, _ in found), head + "; ".join(t for _, t in found), meg)
 
 
 def fastest(runs: pd.DataFrame) -> list[dict]:
-    """Per GPU count: the series with the lowest time per training sample, and the runner-up."""
+    """Per GPU count: the series with the lowest geometric-mean time per training sample, called fastest only
+    when it beats every other series there (`ptbench.analysis.stats.rank`: Welch on logs, Holm-adjusted)."""
     out = []
     have = runs[pd.to_numeric(runs["time_per_sample_used_s"], errors="coerce").notna()]
     for n, sub in have.groupby(have["devices"].astype(int)):
-        t = pd.to_numeric(sub["time_per_sample_used_s"]).groupby(sub["label"]).mean().sort_values()
-        if len(t) < 2:
-            out.append(_claim(f"fastest framework at x{n}", NOT_MEASURED, f"only {t.index[0]} ran at x{n}", sub))
-            continue
-        out.append(
-            _claim(
-                f"fastest framework at x{n}",
-                MEASURED,
-                f"**{t.index[0]}** {1e3 * t.iloc[0]:.3g} ms/sample; next {t.index[1]} "
-                f"{t.iloc[1] / t.iloc[0]:.2f}x slower; {_versus(sub, t.index[0], t.index[1])}",
-                sub,
+        values = {k: _num(g["time_per_sample_used_s"]).tolist() for k, g in sub.groupby("label")}
+        if len(values) < 2:
+            out.append(
+                _claim(f"fastest framework at x{n}", NOT_MEASURED, f"only {next(iter(values))} ran at x{n}", sub)
             )
-        )
+            continue
+        r = rank(values)
+        best = r["best"]
+        head = f"**{best}** {1e3 * geo_interval(values[best]).value:.3g} ms/sample (geometric mean)"
+        head += "" if r["fastest"] else ", not faster than every other series"
+        said = "; ".join(v["text"] for v in r["versus"])
+        out.append(_claim(f"fastest framework at x{n}", MEASURED, f"{head}; {said}", sub))
     return out
 
 
@@ -249,8 +295,11 @@ def claims_lines(per_run: pd.DataFrame, include_contended: bool = False) -> list
             "The findings of Lin et al. checked against these records (analysis/claims.py states each test). "
             "Memory is the busiest rank's peak (`mem_plot_bytes`), time is per training sample over steady epochs; "
             "CPU ranks share one machine's memory and cores, so CPU verdicts check the harness, not the paper. "
-            "Speed comparisons give `A is x % ± y % faster than B` (95 %) or `not distinguishable`; runs whose "
-            "record warns of contention are " + ("kept (asked for)." if include_contended else "left out.")
+            "Each claim is decided on the 90 % interval of a ratio (Welch's t on the logs) against the paper's "
+            "range: inside it holds, wholly outside it does not hold, straddling it (or without repeats) it is "
+            "undecided. Speed comparisons say `A is x % faster than B [lo, hi]` (95 %, Holm-adjusted), "
+            "`equivalent` or `not distinguishable`; runs whose record warns of contention are "
+            + ("kept (asked for)." if include_contended else "left out.")
         ),
         "",
     ]

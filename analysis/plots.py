@@ -105,13 +105,15 @@ def _plot(ax, xs, ys, style: dict, label: str):
     return ax.plot(xs, ys, **style, label=label, markerfacecolor="none", markeredgewidth=1.4, markersize=7)
 
 
-def _lines(ax, data: pd.DataFrame, x: str, y: str, by: str, colors: dict, sd: str | None = None) -> None:
-    """One labelled line per `by` value (its label is the series name, so tests and legends find it)."""
+def _lines(ax, data: pd.DataFrame, x: str, y: str, by: str, colors: dict, band: tuple[str, str] | None = None) -> None:
+    """One labelled line per `by` value (its label is the series name, so tests and legends find it); `band`:
+    the (lo, hi) columns of an interval, drawn as asymmetric error bars (log-scale intervals are not symmetric)."""
     for name, sub in data.groupby(by, sort=True):
         sub = sub.sort_values(x)
         _plot(ax, sub[x], sub[y], colors[name], name)
-        if sd is not None and sub[sd].notna().any():
-            ax.errorbar(sub[x], sub[y], yerr=sub[sd].fillna(0), fmt="none", ecolor=colors[name]["color"], capsize=3)
+        if band is not None and sub[band[0]].notna().any():
+            err = [(sub[y] - sub[band[0]]).fillna(0), (sub[band[1]] - sub[y]).fillna(0)]
+            ax.errorbar(sub[x], sub[y], yerr=err, fmt="none", ecolor=colors[name]["color"], capsize=3)
 
 
 COINCIDE_NOTE = "= X: same values as series X, drawn on top of it"
@@ -220,7 +222,7 @@ def epoch_time(data: pd.DataFrame | Study, out=None, name: str = "epoch_time") -
     failed = []
     for ax, wl in zip(axes[0], workloads):
         sub = data[data["workload"] == wl]
-        _lines(ax, sub, "devices", "epoch_time_s", "label", colors, sd="epoch_time_ci95")  # bars: 95 % interval
+        _lines(ax, sub, "devices", "epoch_time_s", "label", colors, band=("epoch_time_lo", "epoch_time_hi"))  # 95 %
         bad = _mark_failed(ax, study, wl)
         failed.append(bad)
         _log2_devices(ax, [*sub["devices"], *bad["devices"]])

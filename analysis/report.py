@@ -10,20 +10,20 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from ptbench.analysis import plots
+from ptbench.analysis.answers import _point, run_spread, which_adapter, which_adapter_lines  # noqa: F401 - API
 from ptbench.analysis.claims import claims_lines
 from ptbench.analysis.load import AnalysisError, load, load_comm
-from ptbench.analysis.stats import point_stats, verdict
+from ptbench.analysis.stats import point_stats
 from ptbench.analysis.tables import (
     EPOCH_TIME_SOURCES,
     PROFILE_PART_TEXT,
     Study,
     comm_table,
     summary_table,
-    time_to_target,
+    time_to_target,  # noqa: F401 - ptbench.analysis.report.time_to_target, as before
 )
 
 FIGURES = {
@@ -161,49 +161,10 @@ def _memory_lines(study: Study) -> list[str]:
     return lines
 
 
-# --- which adapter ----------------------------------------------------------------------------------
-CLOSE = 0.05  # a winner less than 5 % ahead of the next is called close (run-to-run noise is of that order)
-
-
-def _point(label, devices) -> str:
-    return f"`{label}` x{int(devices)}"
-
-
-def _ids(ids) -> str:
-    ids = sorted(set(ids))
-    return ", ".join(ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
-
-
-def _runner_up(values: list[tuple[float, str]], lower_is_better: bool, unit: str, fmt=lambda v: f"{v:.4g}") -> str:
-    """ " (next: X, N % behind)" from [(value, name)] sorted best first, and "close" when within CLOSE."""
-    if len(values) < 2:
-        return ""
-    (best, _), (nxt, who) = values[0], values[1]
-    gap = (nxt - best) / best if lower_is_better and best else (best - nxt) / nxt if nxt else float("inf")
-    close = " (close: under 5 %, within run-to-run noise)" if gap < CLOSE else ""
-    return f"; next {who} {fmt(nxt)}{unit}, {100 * gap:.1f} % behind{close}"
-
-
-def _versus(values: dict, runner_up: str, noise: float = 0.0) -> str:
-    """ "; <verdict>" of the best point against the next from {point name: [per-run times]} (lower is
-    better), best first by median: `A is x % ± y % faster than B` or `not distinguishable`
-    (ptbench.analysis.stats.verdict). Single runs have no interval: the ranking (`runner_up`) is kept and
-    marked not distinguishable."""
-    values = {k: v for k, v in values.items() if v}
-    if len(values) < 2:
-        return runner_up
-    a, b = sorted(values, key=lambda k: float(np.median(values[k])))[:2]
-    if len(values[a]) < 2 or len(values[b]) < 2:
-        return (
-            runner_up + "; not distinguishable without repeats (single runs: `python -m ptbench.sweep run --repeats N`)"
-        )
-    return "; against the next: " + verdict(a, values[a], b, values[b], paired=False, noise=noise)
-
-
 def interval_lines(ok_runs: pd.DataFrame, out: Path | None = None) -> list[str]:
-    """With repeated points (`python -m ptbench.sweep run --repeats N`): per point, the means over repeats of
-    epoch time, throughput and median step time with 95 % intervals (*_lo / *_hi; intervals.csv). Records with
-    per-step times (`step_times_s`) give every point its median step time's bootstrap interval, one run or more."""
+    """With repeated points (`python -m ptbench.sweep run --repeats N`): per point, the geometric means over
+    repeats of epoch time, throughput and the runs' median step times with 95 % log-scale intervals (*_lo / *_hi;
+    intervals.csv, `ptbench.analysis.stats.point_stats`)."""
     steps = "step_times_s" in ok_runs and ok_runs["step_times_s"].map(lambda x: isinstance(x, list)).any()
     if ok_runs.empty or (not steps and ok_runs.groupby(["workload", "label", "devices"])["run_id"].count().max() < 2):
         return []
@@ -222,9 +183,9 @@ def interval_lines(ok_runs: pd.DataFrame, out: Path | None = None) -> list[str]:
         "",
         "### Intervals over repeats",
         "",
-        "Mean over a point's repeats with a 95 % Student-t interval (`_lo`, `_hi`; one repeat: none); "
-        "`step_time_median` is the median of all the point's timed steps (every repeat) with a 95 % percentile "
-        "bootstrap interval; comparisons below use these runs (ptbench.analysis.stats).",
+        "Geometric mean over a point's repeats with a 95 % Student-t interval on the logs, back-transformed "
+        "(`_lo`, `_hi`; one repeat: none); `step_time_median`: the same over the runs' median step times (the "
+        "steps of one run are not independent samples); comparisons below use these runs (ptbench.analysis.stats).",
         "",
         markdown_table(shown),
         "",
@@ -255,249 +216,6 @@ def estimate_lines(ok_epochs: pd.DataFrame) -> list[str]:
         *([f"- ... and {len(rows) - 20} more"] if len(rows) > 20 else []),
         "",
     ]
-
-
-def noise_floor(results_dir: str | Path) -> float:
-    """The newest A/A measurement's noise floor under results_dir (`python -m ptbench.sweep noise`: */noise/*.json),
-    as a fraction; 0 when none was measured."""
-    import json
-
-    found = sorted(Path(results_dir).rglob("noise/noise-*.json"), key=lambda p: p.stat().st_mtime)
-    for path in reversed(found):
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if rec.get("kind") == "A/A" and rec.get("noise_floor") is not None:
-            return float(rec["noise_floor"])
-    return 0.0
-
-
-def which_adapter(
-    data: pd.DataFrame | Study, baseline: str | None = "best", include_contended: bool = False, noise: float = 0.0
-) -> dict:
-    """The "Which adapter" verdicts per workload, computed from the finished runs:
-    {workload: {"fastest": {...} | None, "memory": [{devices, label, mib, states_mib, metric, runs}],
-    "scaling": {...} | None, "undecided": [reasons]}}. Runs whose record warns of contention are left out
-    unless `include_contended`; speed comparisons carry a verdict with its interval (`noise`: the A/A floor)."""
-    out: dict = {}
-    study = Study.of(data)
-    contended = []
-    if not include_contended and "contention" in study.epochs and study.epochs["contention"].notna().any():
-        bad = study.epochs["contention"].notna()
-        contended = sorted(set(study.epochs.loc[bad, "run_id"]))
-        study = Study(study.epochs[~bad])
-    per_run = study.ok_runs if len(study.ok_epochs) else pd.DataFrame()
-    if per_run.empty:
-        return out
-    ttt = time_to_target(study)
-    try:
-        sp = study.speedup(baseline)
-    except Exception:  # noqa: BLE001 - a baseline this workload lacks: scaling undecided below
-        sp = pd.DataFrame()
-    for wl, r in per_run.groupby("workload"):
-        v: dict = {"fastest": None, "memory": [], "scaling": None, "undecided": []}
-        if contended:
-            v["undecided"].append(
-                f"left out for contention (their records warn of shared CPUs or other runs): {_ids(contended)}"
-            )
-        # fastest to the target
-        t = ttt[ttt["workload"] == wl].sort_values(["time_s", "run_id"]) if len(ttt) else pd.DataFrame()
-        if t.empty or t["time_s"].isna().all():
-            v["undecided"].append(
-                "time to a target metric: no finished run recorded a validation metric "
-                "(trainer.eval_every_epoch=false?)"
-            )
-        else:
-            w = t.iloc[0]
-            v["fastest"] = dict(
-                metric=w["metric"],
-                target=float(w["target"]),
-                label=w["label"],
-                devices=int(w["devices"]),
-                time_s=float(w["time_s"]),
-                epoch=int(w["epoch"]),
-                run_id=w["run_id"],
-                ranking=[(float(x.time_s), _point(x.label, x.devices), x.run_id) for x in t.itertuples()],
-                versus=_versus(
-                    {_point(*k): g["time_s"].dropna().tolist() for k, g in t.groupby(["label", "devices"])},
-                    _runner_up([(float(x.time_s), _point(x.label, x.devices)) for x in t.itertuples()], True, " s"),
-                    noise,
-                ),
-            )
-            without = sorted(set(r["run_id"]) - set(t["run_id"]))
-            if without:
-                v["undecided"].append(f"time to target leaves out runs without a validation metric: {_ids(without)}")
-        # lowest memory per rank, per device count (points: mean over their runs)
-        mem = r.copy()
-        nan = pd.Series(np.nan, index=mem.index)
-        mem["mem"] = pd.to_numeric(mem["mem_plot_bytes"], errors="coerce") if "mem_plot_bytes" in mem else nan
-        if "peak_memory_max" in mem:
-            mem["mem"] = mem["mem"].fillna(pd.to_numeric(mem["peak_memory_max"], errors="coerce"))
-        mem = mem[mem["mem"].notna()]
-        if mem.empty:
-            v["undecided"].append("memory per rank: no run recorded a memory peak")
-        else:
-            unknown = pd.Series("?", index=mem.index)
-            metrics = mem["mem_plot_metric"] if "mem_plot_metric" in mem else unknown
-            if "memory_metric" in mem:
-                metrics = metrics.fillna(mem["memory_metric"])
-            mem["metric"] = metrics.fillna("?")
-            common = mem["metric"].value_counts().index[0]
-            if mem["metric"].nunique() > 1:
-                v["undecided"].append(
-                    f"memory: the runs measured different peaks ({', '.join(sorted(mem['metric'].unique()))}); "
-                    f"only `{common}` runs are compared"
-                )
-                mem = mem[mem["metric"] == common]
-            mem["states"] = (
-                pd.to_numeric(mem["state_bytes_max"], errors="coerce") if "state_bytes_max" in mem else np.nan
-            )
-            pts = mem.groupby(["label", "devices"], as_index=False).agg(
-                mem=("mem", "mean"), states=("states", "mean"), runs=("run_id", list)
-            )
-            for d, sub in pts.groupby("devices"):
-                sub = sub.sort_values(["mem", "label"])
-                best = sub.iloc[0]
-                v["memory"].append(
-                    dict(
-                        devices=int(d),
-                        label=best["label"],
-                        mib=best["mem"] / 2**20,
-                        states_mib=best["states"] / 2**20 if pd.notna(best["states"]) else None,
-                        metric=common,
-                        runs=best["runs"],
-                        ranking=[(x.mem / 2**20, _point(x.label, x.devices)) for x in sub.itertuples()],
-                    )
-                )
-        # best scaling efficiency at the largest device count
-        devices = sorted(int(d) for d in r["devices"].dropna().unique())
-        if len(devices) < 2:
-            v["undecided"].append(
-                f"scaling efficiency: only {devices[0] if devices else '?'} device(s) measured, "
-                "so no speedup to compare"
-            )
-        elif not sp.empty and (sp["workload"] == wl).any():
-            s = sp[(sp["workload"] == wl) & (sp["devices"] == devices[-1])].sort_values(
-                ["efficiency", "label"], ascending=[False, True]
-            )
-            s = s[s["efficiency"].notna()]
-            if s.empty:
-                v["undecided"].append(f"scaling efficiency: no finished point at {devices[-1]} devices")
-            else:
-                b = s.iloc[0]
-                ids = r[(r["label"] == b["label"]) & (r["devices"] == devices[-1])]["run_id"].tolist()
-                base_ids = r[(r["label"] == b["baseline_label"]) & (r["devices"] == b["baseline_devices"])]["run_id"]
-                v["scaling"] = dict(
-                    devices=devices[-1],
-                    label=b["label"],
-                    efficiency=float(b["efficiency"]),
-                    speedup=float(b["speedup"]),
-                    baseline=b["baseline"],
-                    runs=ids,
-                    baseline_runs=base_ids.tolist(),
-                    ranking=[(float(x.efficiency), _point(x.label, x.devices)) for x in s.itertuples()],
-                )
-                if "time_per_sample_used_s" in r and s["baseline"].nunique() == 1:
-                    # one baseline: efficiencies at one device count compare as the inverse of time per sample
-                    at = r[(r["devices"] == devices[-1]) & r["label"].isin(s["label"])]
-                    v["scaling"]["versus"] = _versus(
-                        {
-                            _point(lab, devices[-1]): g["time_per_sample_used_s"].dropna().tolist()
-                            for lab, g in at.groupby("label")
-                        },
-                        _runner_up(v["scaling"]["ranking"], False, "", fmt=lambda x: f"{x:.3g}"),
-                        noise,
-                    )
-                missing = sorted(set(r["label"]) - set(s["label"]))
-                if missing:
-                    v["undecided"].append(
-                        f"scaling at {devices[-1]} devices leaves out series not measured there: "
-                        + ", ".join(f"`{m}`" for m in missing)
-                    )
-        else:
-            v["undecided"].append("scaling efficiency: no speedup could be computed (baseline missing)")
-        gbs = (
-            sorted({int(g) for g in pd.to_numeric(r["global_batch"], errors="coerce").dropna()})
-            if "global_batch" in r
-            else []
-        )
-        if len(gbs) > 1:
-            v["undecided"].append(
-                f"the ranked runs differ in global batch ({', '.join(map(str, gbs))}): time to target "
-                "and memory compare different batches (and optimizer steps per epoch)"
-            )
-        counts = r.groupby(["label", "devices"])["run_id"].count()
-        if (counts == 1).all():
-            v["undecided"].append(
-                "spread: every point is a single run, so differences smaller than run-to-run "
-                "variation (not measured here) cannot be told apart; repeat points to see it"
-            )
-        elif (counts == 1).any():
-            v["undecided"].append(f"spread: {int((counts == 1).sum())} of {len(counts)} points are single runs")
-        out[wl] = v
-    return out
-
-
-def which_adapter_lines(
-    data: pd.DataFrame | Study, baseline: str | None = "best", include_contended: bool = False, noise: float = 0.0
-) -> list[str]:
-    """The report's closing "Which adapter" section (markdown lines)."""
-    lines = [
-        "## Which adapter",
-        "",
-        "Computed from the finished runs of this folder only; each answer names the runs it came from.",
-        "",
-    ]
-    study = Study.of(data)
-    verdicts = which_adapter(study, baseline, include_contended, noise)
-    if noise:
-        lines += [f"Noise floor (A/A, `python -m ptbench.sweep noise`): ±{100 * noise:.1f} %.", ""]
-    if not verdicts:
-        return lines + ["No finished run: nothing to compare.", ""]
-    bad = study.not_finished
-    for wl, v in verdicts.items():
-        lines += [f"### {wl}", ""]
-        f = v["fastest"]
-        if f:
-            name = "perplexity" if f["metric"] == "val_perplexity" else "accuracy"
-            rel = "≤" if name == "perplexity" else "≥"
-            lines.append(
-                f"- **Fastest to the target**: validation {name} {rel} {f['target']:.4g} (the best value every "
-                f"finished run with validation reached): **{_point(f['label'], f['devices'])}** after "
-                f"{f['time_s']:.4g} s of wall time (epoch {f['epoch']}; run {f['run_id']})"
-                + f["versus"]
-                + ". Wall time counts from the first epoch's start, "
-                "includes validation, and is known only at epoch ends (validation once per epoch)."
-            )
-        for m in v["memory"]:
-            rank = [(x, who) for x, who in m["ranking"]]
-            states = f", model states {m['states_mib']:.4g} MiB" if m["states_mib"] is not None else ""
-            lines.append(
-                f"- **Lowest memory per rank at {m['devices']} device{'s' if m['devices'] > 1 else ''}** "
-                f"(`{m['metric']}`, busiest rank): **{_point(m['label'], m['devices'])}** {m['mib']:.4g} MiB"
-                f"{states} (run {_ids(m['runs'])})" + _runner_up(rank, True, " MiB") + "."
-            )
-        sc = v["scaling"]
-        if sc:
-            rank = [(x, who) for x, who in sc["ranking"]]
-            lines.append(
-                f"- **Best scaling efficiency at {sc['devices']} devices**: **{_point(sc['label'], sc['devices'])}** "
-                f"efficiency {sc['efficiency']:.3g} (speedup {sc['speedup']:.3g} against {sc['baseline']}; "
-                f"runs {_ids(sc['runs'])}, baseline {_ids(sc['baseline_runs'])})"
-                + (sc.get("versus") or _runner_up(rank, False, "", fmt=lambda x: f"{x:.3g}"))
-                + "."
-            )
-        wl_bad = bad[bad["workload"] == wl] if len(bad) and "workload" in bad else bad.iloc[:0]
-        undecided = list(v["undecided"])
-        if len(wl_bad):
-            undecided.append(
-                f"{len(wl_bad)} run(s) did not finish and are not ranked: "
-                + ", ".join(f"{_point(x.label, x.devices)} {x.status}" for x in wl_bad.itertuples())
-            )
-        lines.append("- **Could not decide**: " + ("; ".join(undecided) if undecided else "nothing left open") + ".")
-        lines.append("")
-    return lines
 
 
 def comm_lines(data: pd.DataFrame | Study, reports: list[dict], out: Path | None = None) -> list[str]:
@@ -771,9 +489,14 @@ def _memory_row(out: dict, point: str, led) -> None:
 
 
 def write_report(
-    results_dir: str | Path, out: str | Path, baseline: str | None = "best", include_contended: bool = False
+    results_dir: str | Path,
+    out: str | Path,
+    baseline: str | None = "best",
+    include_contended: bool = False,
+    target: float | None = None,
 ) -> Path:
-    """Figures into out/figures, tables into out/*.csv, and out/report.md; returns report.md's path."""
+    """Figures into out/figures, tables into out/*.csv, and out/report.md; returns report.md's path. `target`:
+    the time-to-target metric value, fixed in advance (default: from the baseline point's runs)."""
     results_dir, out = Path(results_dir), Path(out)
     baseline = baseline or "best"
     df = load(results_dir)  # a missing results folder: said before any output folder is made
@@ -890,7 +613,7 @@ def write_report(
             lines += breakdown_caption(study) if key == "breakdown" else []
         else:
             lines += [f"### {title}", "", f"_not drawn: {skipped.get(key)}_", ""]
-    lines += which_adapter_lines(study, baseline, include_contended, noise=noise_floor(results_dir))
+    lines += which_adapter_lines(study, baseline, include_contended, noise=run_spread(results_dir), target=target)
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path

@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 
 from ptbench.analysis.load import PROFILE_COLS, PROFILE_PARTS, AnalysisError, _missing
-from ptbench.analysis.stats import t975
+from ptbench.analysis.stats import geo_interval, ratio_interval
+from ptbench.analysis.target import time_to_target_table
 
 PHASES = ("data", "forward", "forward_backward", "backward", "optimizer")  # stacking order, bottom up
 MIB = 2**20
@@ -29,6 +30,7 @@ class Study:
     def __init__(self, epochs: pd.DataFrame):
         self.epochs = epochs
         self._speedup: dict = {}
+        self._ttt: dict = {}
 
     @classmethod
     def of(cls, data: pd.DataFrame | Study) -> Study:
@@ -81,9 +83,11 @@ class Study:
     def epoch_time(self) -> pd.DataFrame:
         return _epoch_time_table(self)
 
-    @cached_property
-    def time_to_target(self) -> pd.DataFrame:
-        return _time_to_target(self.ok_epochs)
+    def time_to_target(self, target: float | None = None, baseline: str | None = "best") -> pd.DataFrame:
+        key = (target, baseline or "best")
+        if key not in self._ttt:
+            self._ttt[key] = _time_to_target(self, target, baseline or "best")
+        return self._ttt[key]
 
 
 # --- per run --------------------------------------------------------------------------------------
@@ -267,28 +271,28 @@ def speedup_table(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
 
 
 def _epoch_time_table(study: Study) -> pd.DataFrame:
-    """Per point: the mean and sd over repeats of the epoch time speedup uses, its 95 % Student-t interval
-    (epoch_time_lo / _hi, half-width epoch_time_ci95; one run: none), runs, samples per epoch."""
+    """Per point: the geometric mean over repeats of the epoch time speedup uses with its 95 % interval on the
+    log scale (epoch_time_lo / _hi, `ptbench.analysis.stats.geo_interval`; one run: none), runs, samples per
+    epoch."""
     t = study.finished_runs.groupby(["workload", "label", "devices"], as_index=False).agg(
-        epoch_time_s=("epoch_time_used_s", "mean"),
-        epoch_time_sd=("epoch_time_used_s", "std"),
+        epoch_time_s=("epoch_time_used_s", lambda v: geo_interval(v).value),
         runs=("run_id", "count"),
         samples_per_epoch=("samples_per_epoch_used", "mean"),
         epoch_time_source=("epoch_time_source", _join),
     )
-    t["epoch_time_ci95"] = [
-        t975(n - 1) * sd / np.sqrt(n) if n > 1 else np.nan for n, sd in zip(t["runs"], t["epoch_time_sd"])
+    ivs = [
+        geo_interval(g["epoch_time_used_s"]) for _, g in study.finished_runs.groupby(["workload", "label", "devices"])
     ]
-    t["epoch_time_lo"] = t["epoch_time_s"] - t["epoch_time_ci95"]
-    t["epoch_time_hi"] = t["epoch_time_s"] + t["epoch_time_ci95"]
+    t["epoch_time_lo"], t["epoch_time_hi"] = [iv.lo for iv in ivs], [iv.hi for iv in ivs]
     return t
 
 
 def _speedup_table(study: Study, mode: str) -> pd.DataFrame:
     r = study.finished_runs
+    geo = lambda v: geo_interval(v).value  # noqa: E731 - times: geometric means (their ratio is Welch's)
     pts = r.groupby(["workload", "label", "devices"], as_index=False).agg(
-        time_per_sample_s=("time_per_sample_used_s", "mean"),
-        epoch_time_s=("epoch_time_used_s", "mean"),
+        time_per_sample_s=("time_per_sample_used_s", geo),
+        epoch_time_s=("epoch_time_used_s", geo),
         global_batch=("global_batch", _join),
         epoch_time_source=("epoch_time_source", _join),
     )
@@ -313,6 +317,7 @@ def _speedup_table(study: Study, mode: str) -> pd.DataFrame:
         b = pd.DataFrame([bases[lab] for lab in sub["label"]], index=sub.index)
         sub["speedup"] = b["time_per_sample_s"] / sub["time_per_sample_s"]
         sub["efficiency"] = sub["speedup"] * b["devices"] / sub["devices"]
+        _speedup_intervals(sub, b, r)
         sub["baseline"] = [
             f"{lab} on {int(d)} device{'s' if d > 1 else ''}" for lab, d in zip(b["label"], b["devices"])
         ]
@@ -323,6 +328,24 @@ def _speedup_table(study: Study, mode: str) -> pd.DataFrame:
         sub["baseline_time_per_sample_s"] = b["time_per_sample_s"]
         parts.append(sub)
     return pd.concat(parts, ignore_index=True)
+
+
+def _speedup_intervals(sub: pd.DataFrame, b: pd.DataFrame, r: pd.DataFrame) -> None:
+    """speedup_lo / _hi and efficiency_lo / _hi: the 95 % Welch interval on the logs of the baseline's runs'
+    time per sample over the point's (`ptbench.analysis.stats.ratio_interval`); the baseline itself: exactly 1."""
+    runs = {k: g["time_per_sample_used_s"].tolist() for k, g in r.groupby(["workload", "label", "devices"])}
+    lo, hi = [], []
+    for (_, row), (_, base) in zip(sub.iterrows(), b.iterrows()):
+        mine, theirs = (
+            (row["workload"], row["label"], row["devices"]),
+            (row["workload"], base["label"], base["devices"]),
+        )
+        iv = ratio_interval(runs.get(theirs), runs.get(mine)) if mine != theirs else None
+        lo.append(1.0 if iv is None else iv.lo)
+        hi.append(1.0 if iv is None else iv.hi)
+    scale = b["devices"].to_numpy() / sub["devices"].to_numpy()
+    sub["speedup_lo"], sub["speedup_hi"] = lo, hi
+    sub["efficiency_lo"], sub["efficiency_hi"] = np.asarray(lo) * scale, np.asarray(hi) * scale
 
 
 # --- Fig 12: memory per rank vs devices --------------------------------------------------------------
@@ -477,44 +500,25 @@ def summary_table(data: pd.DataFrame | Study, baseline: str | None = "best") -> 
 
 
 # --- time to target ----------------------------------------------------------------------------------
-def time_to_target(data: pd.DataFrame | Study) -> pd.DataFrame:
-    """Per workload: the target validation metric (the best value every finished run with validation
-    reached: the largest of the runs' lowest perplexities, the smallest of their highest accuracies) and,
-    per run, the wall time (`wall_time_s` of the first epoch whose metric reached it; time since the first
-    epoch began, validation included) and that epoch. Columns: workload, metric, target, run_id, label,
-    devices, time_s, epoch, best."""
-    return Study.of(data).time_to_target
+def time_to_target(data: pd.DataFrame | Study, target: float | None = None, baseline: str | None = "best"):
+    """Per run with validation: the time its metric first reached the target, interpolated between epoch ends
+    (ptbench.analysis.target: the target given, else fixed from the baseline point's runs alone; runs that never
+    reach it: `reached` False). Columns: workload, metric, target, target_from, run_id, label, devices, seed,
+    time_s, epoch (fractional), reached, best."""
+    return Study.of(data).time_to_target(target, baseline)
 
 
-def _time_to_target(e: pd.DataFrame) -> pd.DataFrame:
-    if e.empty or "wall_time_s" not in e:
+def _time_to_target(study: Study, target: float | None, baseline: str) -> pd.DataFrame:
+    e = study.ok_epochs
+    if e.empty or "wall_time_s" not in e or e["val_metric"].isna().all():
         return pd.DataFrame()
-    e = e[e["val_metric"].notna()]
-    parts = []
-    for wl, sub in e.groupby("workload"):
-        metric = sub["val_metric_name"].iloc[0]
-        lower = metric == "val_perplexity"
-        best = sub.groupby("run_id")["val_metric"].agg("min" if lower else "max")
-        target = best.max() if lower else best.min()
-        tol = 1e-9 * abs(target)
-        hit = sub[(sub["val_metric"] <= target + tol) if lower else (sub["val_metric"] >= target - tol)]
-        first = hit.sort_values(["run_id", "epoch"]).drop_duplicates("run_id")  # each run's first epoch there
-        parts.append(
-            pd.DataFrame(
-                {
-                    "workload": wl,
-                    "metric": metric,
-                    "target": target,
-                    "run_id": first["run_id"].to_numpy(),
-                    "label": first["label"].to_numpy(),
-                    "devices": first["devices"].astype(int).to_numpy(),
-                    "time_s": first["wall_time_s"].astype(float).to_numpy(),
-                    "epoch": first["epoch"].astype(int).to_numpy() + 1,
-                    "best": best.reindex(first["run_id"]).astype(float).to_numpy(),
-                }
-            )
-        )
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+    bases = {}
+    if target is None:
+        sp = study.speedup("best" if baseline == "per-series" else baseline)
+        bases = {
+            wl: (g["baseline_label"].iloc[0], int(g["baseline_devices"].iloc[0])) for wl, g in sp.groupby("workload")
+        }
+    return time_to_target_table(e, bases, target)
 
 
 # --- communication -----------------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
     python -m ptbench.sweep grid adapter=ddp,zero workload=gpt2_small launcher.nprocs=1,2,4 -o sweep.txt
     python -m ptbench.sweep run sweep.txt [--resume] [-- trainer.epochs=3 ...]   # here, one after another
-    python -m ptbench.sweep run sweep.txt --repeats 3 [--vary-seed]  # each point 3 times, interleaved ABCABCABC
+    python -m ptbench.sweep run sweep.txt --repeats 3 [--no-vary-seed]  # each point 3 times, interleaved ABCABCABC, seed + R
     python -m ptbench.sweep noise --repeats 5 [--b trainer.inject_fault=slow@0.15] -- overrides  # A/A noise floor
     python -m ptbench.sweep submit sweep.txt [--resume] [--gpus-per-node 8] [--sbatch=--partition=gpu]  # job arrays
-    python -m ptbench.sweep submit sweep.txt --repeats 3 [--vary-seed]  # one array task per repeat, interleaved
+    python -m ptbench.sweep submit sweep.txt --repeats 3 [--no-vary-seed]  # one array task per repeat, interleaved
     python -m ptbench.sweep point sweep.txt 3 [--resume] [-- overrides]  # "RANKS GPUS_PER_RANK overrides" or "skip"
     python -m ptbench.sweep point sweep.txt 3 --oom-retry [-- overrides]  # its OOM retry's overrides, or "skip"
 
@@ -261,8 +261,10 @@ def main(argv=None) -> int:
     )
     r.add_argument(
         "--vary-seed",
-        action="store_true",
-        help="with --repeats: trainer.seed + R per repeat, one point id (statistical-efficiency runs)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --repeats: trainer.seed + R per repeat, one point id (the default: time to target needs 2 or "
+        "more seeds per point; --no-vary-seed repeats one seed)",
     )
     r.add_argument(
         "--no-comm",
@@ -291,7 +293,12 @@ def main(argv=None) -> int:
         default=1,
         help="each point N times, one array task per repeat, interleaved (ABCABC), in FILE.repeatsN.txt beside FILE",
     )
-    s.add_argument("--vary-seed", action="store_true", help="with --repeats: trainer.seed + R per repeat")
+    s.add_argument(
+        "--vary-seed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --repeats: trainer.seed + R per repeat (the default; --no-vary-seed repeats one seed)",
+    )
     s.add_argument(
         "--no-comm",
         action="store_true",

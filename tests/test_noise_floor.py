@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from ptbench.analysis.stats import NOT_DISTINGUISHABLE, noise_result
@@ -47,9 +48,12 @@ def test_slow_fault_is_checked():
 def test_noise_result_known_answers(tmp_path):
     a = [0.100, 0.104, 0.098, 0.102, 0.101]
     slow = noise_result(a, [t * 1.15 for t in a], "A/B")
-    assert slow["ratio"] == pytest.approx(1.15) and slow["verdict"].startswith("B is 15.0 % ± 0.0 % slower than A")
+    assert slow["ratio"] == pytest.approx(1.15) and slow["verdict"] == "B is 15.0 % slower than A [15.0 %, 15.0 %]"
     aa = noise_result(a, [0.101, 0.099, 0.103, 0.100, 0.102])
-    assert aa["verdict"] == NOT_DISTINGUISHABLE and 0 < aa["noise_floor"] < 0.05
+    # the spread is one run's sd of log time, from the pairs (it does not shrink with more pairs), and plans repeats
+    d = np.log([0.101, 0.099, 0.103, 0.100, 0.102]) - np.log(a)
+    assert aa["verdict"] == NOT_DISTINGUISHABLE and aa["spread"] == pytest.approx(d.std(ddof=1) / np.sqrt(2))
+    assert aa["repeats_for_margin"] >= 2 and slow["spread"] is None
     f = tmp_path / "noise.json"
     f.write_text(json.dumps({"kind": "A/B", "a": a, "b": [t * 1.15 for t in a], "b_overrides": ["x=1"]}))
     out = subprocess.run([sys.executable, "-m", "ptbench.analysis", "noise", str(f)], capture_output=True, text=True)

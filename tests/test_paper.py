@@ -181,25 +181,27 @@ def test_array_task_on_slurm_retries_an_oom_point_once(slurm, tmp_path):
 
 
 # --- the report's "Paper claims" section (analysis/claims.py), from hand-built per-run frames ---------
-def frame(rows: list[tuple]):
-    """(adapter, label, devices, MiB, s/sample) -> a frame shaped like ptbench.analysis.tables.runs' rows."""
+def frame(rows: list[tuple], repeats: tuple = (1.0,)):
+    """(adapter, label, devices, MiB, s/sample) -> a frame shaped like ptbench.analysis.tables.runs' rows, one
+    run per factor in `repeats` (its memory and time times the factor)."""
     import pandas as pd
 
     return pd.DataFrame(
         [
             {
-                "run_id": f"{lab}-x{n}",
-                "run_dir": f"/nowhere/{lab}-{n}",
+                "run_id": f"{lab}-x{n}" + (f"-{i}" if len(repeats) > 1 else ""),
+                "run_dir": f"/nowhere/{lab}-{n}-{i}",
                 "workload": "w",
                 "adapter": a,
                 "label": lab,
                 "devices": n,
                 "status": "ok",
-                "mem_plot_bytes": mib * 2**20,
-                "time_per_sample_used_s": t,
+                "mem_plot_bytes": mib * f * 2**20,
+                "time_per_sample_used_s": t * f,
                 "batch_size": 8,
                 "batch_reduced_from": None,
             }
+            for i, f in enumerate(repeats)
             for a, lab, n, mib, t in rows
         ]
     )
@@ -227,8 +229,11 @@ HOLD = [
 ]
 
 
+TWICE = (0.998, 1.002)  # two repeats per point: every claim is decided on an interval
+
+
 def test_claims_hold_on_records_that_show_them():
-    v = verdicts(frame(HOLD))
+    v = verdicts(frame(HOLD, TWICE))
     assert v == {
         "ZeRO per-GPU memory is 42-66 % of DDP's": "holds",
         "ZeRO per-GPU memory falls with GPU count while DDP's stays flat": "holds",
@@ -241,13 +246,17 @@ def test_claims_hold_on_records_that_show_them():
     }
     from ptbench.analysis.claims import claims
 
-    found = {c["claim"]: c for c in claims(frame(HOLD))["w"]}
-    assert found["fastest framework at x1"]["numbers"].startswith("**ddp** 1e+03 ms/sample; next zero2 1.10x")
+    found = {c["claim"]: c for c in claims(frame(HOLD, TWICE))["w"]}
+    x1 = found["fastest framework at x1"]["numbers"]
+    assert x1.startswith("**ddp** 1e+03 ms/sample (geometric mean); ddp is 10.0 % faster than zero2 [")
     assert found["fastest framework at x4"]["numbers"].startswith("**ddp**")  # 0.25 < megatron 0.3
-    assert (
-        "zero2 x1: 60 %; zero2 x2: 49 %; zero2 x4: 46 %" == found["ZeRO per-GPU memory is 42-66 % of DDP's"]["numbers"]
+    share = found["ZeRO per-GPU memory is 42-66 % of DDP's"]["numbers"]
+    assert share.startswith("zero2 x1 / ddp: 60 % [60, 60] (90 %, n=2); zero2 x2 / ddp: 49 %"), share
+    assert found["Megatron per-GPU memory is U-shaped"]["runs"] == [f"meg-x{n}-{i}" for n in (1, 2, 4) for i in (0, 1)]
+    # the same records without repeats: no interval, so every claim is undecided
+    assert {k: x for k, x in verdicts(frame(HOLD)).items() if not k.startswith("fastest")} == dict.fromkeys(
+        list(v)[:5], "undecided"
     )
-    assert found["Megatron per-GPU memory is U-shaped"]["runs"] == ["meg-x1", "meg-x2", "meg-x4"]
 
 
 def test_claims_fail_on_records_that_contradict_them():
@@ -263,7 +272,7 @@ def test_claims_fail_on_records_that_contradict_them():
         ("megatron", "meg", 2, 80, 1),
         ("megatron", "meg", 4, 60, 1),
     ]  # falls only
-    v = verdicts(frame(bad))
+    v = verdicts(frame(bad, TWICE))
     assert [v[k] for k in list(v)[:5]] == ["does not hold"] * 5
 
 
