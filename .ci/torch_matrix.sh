@@ -50,6 +50,11 @@ tests=(
     tests/test_horovod.py::test_gpt2_horovodrun_and_srun_style_equal_ddp
     tests/test_gpu_path_cpu_twins.py
     tests/test_gpu_first_run.py
+    tests/test_gpu_runtime_twins.py
+    tests/test_attention_and_cuda_memory.py
+    "tests/test_gpu_check_cpu.py::test_sync_counter_counts_host_reads_per_timed_step_with_their_lines"
+    "tests/test_gpu_check_cpu.py::test_every_row_gets_the_same_global_batch"
+    "tests/test_gpu_check_cpu.py::test_micro_checks_on_cpu_measure_the_loss_path_and_see_the_start_environment"
     tests/test_environments.py
 )
 start=$(date +%s)

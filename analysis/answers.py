@@ -77,10 +77,14 @@ def _shared_seeds(t: pd.DataFrame) -> list[str]:
 
 def _fastest_to_target(t: pd.DataFrame, margin: float) -> tuple[dict | None, list[str]]:
     undecided = []
-    done = t.groupby(["label", "devices"])["reached"].agg(["all", "sum", "count"])
-    for (lab, d), row in done[~done["all"]].iterrows():
-        undecided.append(f"time to target: {_point(lab, d)} reached it in {int(row['sum'])} of {row['count']} runs")
-    ok = t[t.set_index(["label", "devices"]).index.isin(done[done["all"]].index)]
+    done = t.groupby(["label", "devices"]).agg(
+        every=("reached", "all"), reached_runs=("reached", "sum"), runs=("reached", "count")
+    )
+    for (lab, d), row in done[~done["every"]].iterrows():
+        undecided.append(
+            f"time to target: {_point(lab, d)} reached it in {int(row['reached_runs'])} of {row['runs']} runs"
+        )
+    ok = t[t.set_index(["label", "devices"]).index.isin(done[done["every"]].index)]
     if ok.empty:
         return None, undecided + ["time to target: no point reached the target in every run"]
     values = {_point(*k): g["time_s"].tolist() for k, g in ok.groupby(["label", "devices"])}

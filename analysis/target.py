@@ -73,14 +73,15 @@ def time_to_target_table(e: pd.DataFrame, bases: dict, target: float | None = No
         for run_id, run in sub.groupby("run_id"):
             t, ep = crossing(run, goal, lower)
             first = run.iloc[0]
-            best = run["val_metric"].min() if lower else run["val_metric"].max()
-            seed = first["seed"] if "seed" in run else np.nan
-            rows.append((run_id, first["label"], int(first["devices"]), seed, t, ep, bool(np.isfinite(t)), best))
-        cols = ["run_id", "label", "devices", "seed", "time_s", "epoch", "reached", "best"]
-        part = pd.DataFrame(rows, columns=cols)
-        part.insert(0, "target_from", source)
-        part.insert(0, "target", goal)
-        part.insert(0, "metric", metric)
-        part.insert(0, "workload", wl)
+            rows.append(
+                dict(
+                    workload=wl, metric=metric, target=goal, target_from=source, run_id=run_id,
+                    label=first["label"], devices=int(first["devices"]),
+                    seed=first["seed"] if "seed" in run else np.nan, time_s=t, epoch=ep,
+                    reached=bool(np.isfinite(t)),
+                    best=run["val_metric"].min() if lower else run["val_metric"].max(),
+                )
+            )  # fmt: skip
+        part = pd.DataFrame(rows)
         parts.append(part)
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()

@@ -143,9 +143,10 @@ def _run_step_time(run) -> float | None:
 
 
 def _noise(args) -> int:
-    """A/A (or A/B with --b): the same point run 2 x --repeats times, interleaved (A B A B ...), and the
-    paired ratio of B's step time to A's with its 95 % interval (`python -m ptbench.analysis noise FILE`),
-    stored as JSON under <results>/<experiment>/noise/ for the report."""
+    """A/A (or A/B with --b): the same point run 2 x --repeats times in ABBA order (A B, B A, A B, ...: a
+    linear drift of the machine favours neither arm over each two pairs), and the paired ratio of B's step time
+    to A's with its 95 % interval (`python -m ptbench.analysis noise FILE`), stored as JSON under
+    <results>/<experiment>/noise/ for the report."""
     import json
     import time
 
@@ -155,20 +156,20 @@ def _noise(args) -> int:
     b = [*a, *args.b]
     times: dict[str, list[float]] = {"A": [], "B": []}
     contended = 0  # runs whose record warns of contention (bench/runner/contention.py): the floor then is the load's
-    for r in range(args.repeats):
-        for arm, overrides in (("A", a), ("B", b)):
-            point = [*overrides, f"results.repeat={r}"]
-            print(f"[{2 * r + (arm == 'B') + 1}/{2 * args.repeats}] {arm} repeat {r}: "
-                  f"{shlex.join(overrides)}", flush=True)  # fmt: skip
-            run = run_bench(point, capture=True, run_name=run_name(point))
-            t = _run_step_time(run)
-            if t is None:
-                print(f"error: {arm} repeat {r} ended {run.status}: {run.error_line}", file=sys.stderr)
-                return 1
-            times[arm].append(t)
-            busy = any(str(w).startswith("contention:") for w in (run.summary or {}).get("warnings") or [])
-            contended += busy
-            print(f"  step time {t * 1e3:.2f} ms ({run.run_dir}){' contended' if busy else ''}", flush=True)
+    order = [(r, arm) for r in range(args.repeats) for arm in ("AB" if r % 2 == 0 else "BA")]
+    for n, (r, arm) in enumerate(order):
+        overrides = a if arm == "A" else b
+        point = [*overrides, f"results.repeat={r}"]
+        print(f"[{n + 1}/{len(order)}] {arm} repeat {r}: {shlex.join(overrides)}", flush=True)
+        run = run_bench(point, capture=True, run_name=run_name(point))
+        t = _run_step_time(run)
+        if t is None:
+            print(f"error: {arm} repeat {r} ended {run.status}: {run.error_line}", file=sys.stderr)
+            return 1
+        times[arm].append(t)
+        busy = any(str(w).startswith("contention:") for w in (run.summary or {}).get("warnings") or [])
+        contended += busy
+        print(f"  step time {t * 1e3:.2f} ms ({run.run_dir}){' contended' if busy else ''}", flush=True)
     folder = results_folder(compose_point(a).results) / "noise"
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"noise-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -59,3 +59,20 @@ def test_noise_result_known_answers(tmp_path):
     out = subprocess.run([sys.executable, "-m", "ptbench.analysis", "noise", str(f)], capture_output=True, text=True)
     assert out.returncode == 0 and "noise A/B (B: x=1): B/A step time 1.1500 [1.1500, 1.1500]" in out.stdout
     assert json.loads(f.read_text())["verdict"].startswith("B is 15.0 %")
+
+
+def test_sweep_noise_runs_the_arms_in_abba_order_and_pairs_them_by_repeat(tmp_path):
+    """`python -m ptbench.sweep noise`: A B, then B A (a drift of the machine favours neither arm), and the file
+    holds one step time per arm and repeat."""
+    point = ["experiment=smoke", "launcher.nprocs=1", "workload.vocab_size=256", "trainer.max_steps=3",
+             f"results.root={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ptbench.sweep", "noise", "--repeats", "2", "--", *point],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    order = [ln.split("]")[1].split()[0] for ln in proc.stdout.splitlines() if ln.startswith("[")]
+    assert order == ["A", "B", "B", "A"], proc.stdout
+    (saved,) = (tmp_path / "smoke" / "noise").glob("noise-*.json")
+    record = json.loads(saved.read_text())
+    assert record["kind"] == "A/A" and len(record["a"]) == len(record["b"]) == 2
