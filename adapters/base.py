@@ -152,8 +152,11 @@ class Adapter(ABC):
 
     @classmethod
     def rank_environment(cls, cfg: BenchConfig) -> dict[str, str]:
-        """Environment variables each rank sets before CUDA starts (before the process group), e.g. Megatron's
-        CUDA_DEVICE_MAX_CONNECTIONS=1 for tensor parallelism; the adapter records them."""
+        """Environment variables CUDA reads when it starts, which each rank must have from its start, e.g.
+        Megatron's CUDA_DEVICE_MAX_CONNECTIONS=1 for tensor parallelism: the local launcher puts them in its ranks'
+        environment, slurm/run.sbatch exports them (`python -m ptbench.runner.launch --rank-env`), torchrun users
+        export them; a rank started without them sets them (late, with a warning on CUDA). The record's
+        `rank_environment` holds them and what rank 0 started with."""
         return {}
 
     @classmethod
@@ -239,6 +242,10 @@ class Adapter(ABC):
     def eval(self) -> None:
         for m in self.modules():
             m.eval()
+
+    def end_epoch(self) -> None:
+        """Called on every rank after an epoch's last training step, before validation, inside the epoch's
+        time: an adapter that keeps work in flight across steps (pipedream's pipeline) finishes it here."""
 
     @abstractmethod
     def modules(self) -> list[nn.Module]:

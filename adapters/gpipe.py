@@ -27,7 +27,7 @@ from ptbench.adapters.base import Adapter, Batch, load_rank0_state, save_rank0_s
 from ptbench.core.config import BenchConfig
 from ptbench.core.errors import ConfigError
 from ptbench.core.layout import CostInputs, Layout
-from ptbench.core.memory_model import SavedTensorLedger
+from ptbench.core.memory import SavedTensorLedger
 from ptbench.core.optim import build_optimizer, optimizer_step
 from ptbench.core.precision import AutocastModule, grad_scaler
 from ptbench.core.timing import PhaseTimer
@@ -74,7 +74,10 @@ class GPipeAdapter(Adapter):
     @classmethod
     def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
         # every micro-batch's forward before any backward; adapter.checkpoint recomputes stage activations
-        return CostInputs(schedule="gpipe", recompute=cfg.adapter.checkpoint)
+        a = cfg.adapter  # balance None (balance_by_time) is modelled as an even split
+        return CostInputs(
+            schedule="gpipe", recompute=a.checkpoint, stage_balance=tuple(a.balance) if a.balance else None
+        )
 
     @classmethod
     def checkpoint_refusal(cls, cfg: BenchConfig) -> None:

@@ -86,7 +86,13 @@ class PipelineAdapter(Adapter):
     def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
         # the schedule runs the whole step (sends, bubbles, the dp gradient reduction) in one timed phase
         # a language model's tied embedding spans the first and last stage (adapters/_pipeline.py TiedPair)
-        return CostInputs(schedule=cfg.adapter.schedule, step_phase="forward_backward", tied_embedding_stages=True)
+        a = cfg.adapter
+        return CostInputs(
+            schedule=a.schedule,
+            step_phase="forward_backward",
+            tied_embedding_stages=True,
+            stage_balance=tuple(a.balance) if a.balance else None,
+        )
 
     @classmethod
     def checkpoint_refusal(cls, cfg: BenchConfig) -> None:

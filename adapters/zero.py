@@ -97,8 +97,15 @@ class ZeroAdapter(Adapter):
         **Adapter.phase_semantics,
         "forward": "engine forward; stage 3 all-gathers each layer's parameters here (prefetched)",
         "backward": "engine.backward: stage 3 re-gathers parameters; gradients are reduced (stage 0-1: "
-        "all-reduce, 2-3: reduce-scatter into partitions), overlapped per overlap_comm",
-        "optimizer": "engine.step: clip, step the partition; stages 1-2 all-gather the updated parameters here",
+        "all-reduce, 2-3: reduce-scatter into partitions), overlapped per overlap_comm. DeepSpeed's own host "
+        "syncs here: stages 1-2 with overlap_comm wait for the whole device at the end of backward "
+        "(independent_gradient_partition_epilogue); stage 3 waits for its reduce stream there, and for the "
+        "oldest reduce event when too many are in flight",
+        "optimizer": "engine.step: clip, step the partition; stages 1-2 all-gather the updated parameters here. "
+        "DeepSpeed's own host syncs here, every step: the gradient norm's validity (is_invalid_grad_norm, the "
+        "bool of a device tensor: stage 0 in bf16, stages 1-2 in fp16 or with bf16 check_grad_overflow, "
+        "DeepSpeed's default true, stage 3 always), and stages 1-2's overflow check in fp16 and bf16 (an "
+        "all-reduced flag read with .item(); stage 3: fp16 only)",
     }
     checkpoint_format = "deepspeed engine.save_checkpoint/load_checkpoint"
     compile_how = "deepspeed engine.compile(backend=trainer.compile_backend)"
@@ -132,6 +139,9 @@ class ZeroAdapter(Adapter):
             # keeps the parameters gathered in forward for backward (no backward re-gather)
             grad_bucket_all_reduce=a.stage in (1, 2),
             live_params_limit=1_000_000_000 if a.stage == 3 else 0,
+            # stage 3's own rules as passed to DeepSpeed (zero_config): the memory model's gathered parameters
+            param_persistence_threshold=a.param_persistence_threshold if a.stage == 3 else None,
+            prefetch_bucket_size=a.allgather_bucket_size if a.stage == 3 else None,
         )
 
     @classmethod

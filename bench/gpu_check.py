@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +33,7 @@ import time
 from pathlib import Path
 
 from ptbench.adapters import available, get_adapter_class
+from ptbench.core.environments import cuda_error, cuda_error_line, nvidia_smi_versions  # noqa: F401
 from ptbench.core.errors import ConfigError
 from ptbench.core.records import nvml_gpus
 from ptbench.run_point import run_bench
@@ -65,60 +64,6 @@ def common(cpu: bool) -> list[str]:
         "trainer.progress=false",
         "trainer.count_syncs=true",
     ]
-
-
-def nvidia_smi_versions(run=None) -> tuple[str | None, str | None]:
-    """(driver version, newest CUDA the driver supports) from nvidia-smi's header; (None, None) without it.
-    `run() -> stdout` is injectable (tests feed recorded output)."""
-    if run is None:
-        if not shutil.which("nvidia-smi"):
-            return None, None
-
-        def run():
-            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
-
-    try:
-        out = run()
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-    driver = re.search(r"Driver Version:\s*([\d.]+)", out)
-    cuda = re.search(r"CUDA Version:\s*([\d.]+)", out)
-    return (driver.group(1) if driver else None), (cuda.group(1) if cuda else None)
-
-
-def _version(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", v)[:2])
-
-
-def cuda_error_line(
-    available: bool, torch_version: str, torch_cuda: str | None, driver: str | None, driver_cuda: str | None
-) -> str | None:
-    """None when torch sees a GPU, else the one line saying why not and the fix."""
-    if available:
-        return None
-    head = f"error: CUDA required but torch.cuda.is_available() is False (torch {torch_version}"
-    if torch_cuda is None:
-        return f"{head}, a CPU-only build: torch.version.cuda is None); install a CUDA build of torch"
-    if driver is None:
-        return f"{head} built for CUDA {torch_cuda}): nvidia-smi finds no NVIDIA driver; run on a GPU node"
-    if driver_cuda and _version(driver_cuda) < _version(torch_cuda):
-        return (
-            f"{head}): driver/CUDA mismatch: torch.version.cuda={torch_cuda} but driver {driver} supports CUDA "
-            f"<= {driver_cuda}; install a torch build for CUDA <= {driver_cuda} or a driver for CUDA {torch_cuda}"
-        )
-    return (
-        f"{head}, torch.version.cuda={torch_cuda}, driver {driver} supports CUDA {driver_cuda}): no device visible "
-        "to torch; check CUDA_VISIBLE_DEVICES and the runner's GPU binding (docker --gpus)"
-    )
-
-
-def cuda_error() -> str | None:
-    """`cuda_error_line` for this machine (nvidia-smi asked only when torch sees no GPU)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return None
-    return cuda_error_line(False, torch.__version__, torch.version.cuda, *nvidia_smi_versions())
 
 
 def cuda_ok_line() -> str:

@@ -112,8 +112,8 @@ def _wall_ms(fn) -> float:
 
 def loss_peak(cpu: bool) -> dict:
     """Peak bytes of the loss path beyond its inputs, per N x V: allocator statistics on a GPU, torch.profiler's
-    memory events on the CPU (memory_model.StepPeak)."""
-    from ptbench.core.memory_model import StepPeak
+    memory events on the CPU (memory.StepPeak)."""
+    from ptbench.core.memory import StepPeak
 
     dev = _device(cpu)
     n, v = SIZES["loss"][cpu]

@@ -7,7 +7,8 @@ ddp, zero, fsdp, megatron TP=1, tensor_parallel 1, gpipe with one partition, hor
 that cannot run at any size <= N is *skipped with its reason*, as is one whose framework is not
 installed — except under CI=true, where a missing framework, and any skip, is a failure (CI installs them
 all and sizes the runner for every adapter; a Gloo-only Horovod build on a GPU machine is such a skip).
-`--require-cuda` (the GPU CI) fails in one line unless torch sees a GPU: no silent CPU fallback.
+`--require-cuda` (the GPU CI) fails in one line unless torch sees a GPU: no silent CPU fallback; nor
+without it on a host where nvidia-smi lists GPUs that torch cannot see (the line names why).
 Exit 1 only on a real failure. Each run has a timeout (--timeout) that ends its launcher and ranks.
 """
 
@@ -84,13 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         "--require-cuda", action="store_true", help="fail in one line unless torch sees a GPU (the GPU CI's flag)"
     )
     args = p.parse_args(argv)
-    if args.require_cuda:
-        from ptbench.gpu_check import cuda_error
+    from ptbench.core.environments import cuda_error, unseen_gpus_line
 
-        error = cuda_error()
-        if error:
-            print(error, file=sys.stderr)
-            return 2
+    error = cuda_error() if args.require_cuda else None
+    unseen = None if error else unseen_gpus_line()  # a GPU host must not pass its smoke on CPU ranks
+    if error or unseen:
+        print(error or f"error: {unseen}", file=sys.stderr)
+        return 2
     world = args.world_size or visible_gpus() or 2
     names = args.adapters or available()
     unknown = [n for n in names if n not in available()]

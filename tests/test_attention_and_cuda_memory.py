@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ptbench.core import memory_model as mm
+from ptbench.core.memory import SavedTensorLedger, StepPeak
 from tests.helpers import bench, check_ok, only_run, summary
 
 # --- Megatron: the SDPA core attention equals the unfused one -----------------------------------------------
@@ -81,7 +82,7 @@ def _megatron_rank(rank: int, port: int, out: str) -> None:
         result["sdpa_train_loss"] = sdpa(x, pos, mask, labels=x).mean()
     # Megatron's vocab-parallel loss on bf16 logits [s, b, V]: what its forward and backward hold at most
     logits = torch.randn(s, b, vocab, dtype=torch.bfloat16, requires_grad=True)
-    with mm.StepPeak() as p:
+    with StepPeak() as p:
         tensor_parallel.vocab_parallel_cross_entropy(logits, x.t().contiguous()).mean().backward()
     result["loss_peak"] = (p.peak, s * b, vocab)
     torch.save(result, out)
@@ -143,7 +144,7 @@ def test_sdpa_keeps_the_scores_on_a_cpu_only_with_dropout(dropout):
     dropout the math form saves s x s tensors (softmax, mask, dropped scores). attention_keeps_scores says so."""
     b, a, s, hn = 2, 4, 128, 16
     q, k, v = (torch.randn(b, a, s, hn, requires_grad=True) for _ in range(3))
-    with torch.enable_grad(), mm.SavedTensorLedger([]) as ledger:
+    with torch.enable_grad(), SavedTensorLedger([]) as ledger:
         F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
     scores = 4 * a * s * s * b  # one fp32 [b, a, s, s] tensor
     kept = ledger.total >= 3 * scores
@@ -187,7 +188,7 @@ def _loss_peak(loss_fn, dtype) -> tuple[int, int]:
     n, v = 512, 1024
     logits = torch.randn(n, v, dtype=dtype, requires_grad=True)
     target = torch.randint(0, v, (n,))
-    with mm.StepPeak() as p:
+    with StepPeak() as p:
         loss_fn(logits, target).backward()
     return n * v, p.peak
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from ptbench.core.memory import SavedTensorLedger
 from ptbench.core.memory_model import (
-    SavedTensorLedger,
     activation_elements,
     pipeline_layers,
     predict,

@@ -11,6 +11,7 @@ import torch
 
 from ptbench import memory_study as ms
 from ptbench.core import memory_model as mm
+from ptbench.core.memory import StepPeak
 
 SLACK = 64  # bytes: the optimizer's 4-byte step counters and scalars beside the temporaries
 
@@ -45,7 +46,7 @@ def test_torch_optimizer_temporaries_on_cpu_match_the_profiler(name, wd, expecte
     cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
     opt = cls(groups, lr=1e-3, **({"momentum": 0.9} if name == "sgd" else {}))
     opt.step()  # the state (moments, momentum buffers) is made at the first step: measure the second
-    with mm.StepPeak() as p:
+    with StepPeak() as p:
         opt.step()
     assert expected <= p.peak <= expected + SLACK and abs(p.net) <= SLACK
     step_groups = [(SHAPES[:2], wd), (SHAPES[2:], 0.0)]
@@ -137,7 +138,7 @@ def _ds_rank(rank: int, port: int, out: str) -> None:
         if step == 0:
             engine.step()
             continue
-        with mm.StepPeak() as p:
+        with StepPeak() as p:
             engine.step()
     with open(f"{out}.{rank}", "w") as f:
         f.write(str(p.peak))

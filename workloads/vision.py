@@ -100,6 +100,13 @@ def use_channels_last(setting: bool | None, device_type: str) -> bool:
     return device_type == "cuda" if setting is None else bool(setting)
 
 
+def use_cudnn_benchmark(setting: bool | None, device_type: str) -> bool:
+    """workload.cudnn_benchmark: None (auto) = on for CUDA, where cuDNN then times its convolution algorithms
+    for each new input shape once and keeps the fastest (a benchmark's shapes are fixed: the first, untimed
+    steps pay for it); no effect on CPU, so off there."""
+    return device_type == "cuda" if setting is None else bool(setting)
+
+
 def build_vision_model(
     arch: str, num_classes: int, image_size: int = 224, width_div: int = 1, dropout: float = 0.5
 ) -> nn.Module:
@@ -179,7 +186,9 @@ class VisionWorkload(Workload):
         super().__init__(cfg, data)
         self._flops: float | None = None
         self._first_layer_flops = 0.0
-        self.channels_last = use_channels_last(cfg.channels_last, "cuda" if torch.cuda.is_available() else "cpu")
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.channels_last = use_channels_last(cfg.channels_last, device_type)
+        self.cudnn_benchmark = use_cudnn_benchmark(cfg.cudnn_benchmark, device_type)
         self._data_facts: dict = {}
 
     def build_model(self) -> nn.Module:
@@ -187,6 +196,7 @@ class VisionWorkload(Workload):
         # workload.dropout: VGG's classifier dropout (torchvision: 0.5); 0 makes runs comparable across
         # pipelines, whose micro-batching draws dropout masks in a different order. ResNet has none.
         model = build_vision_model(c.arch, c.num_classes, c.image_size, c.width_div, c.dropout)
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark  # process-wide: this rank's convolutions
         if not self.channels_last:
             return model
         # channels_last activations: the first convolution's input is made NHWC (a hook on that module, so
@@ -203,6 +213,7 @@ class VisionWorkload(Workload):
         facts = {
             "channels_last": self.channels_last,
             "channels_last_weights": self.channels_last and self.channels_last_weights,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,  # as this process runs (workload.cudnn_benchmark)
         }
         if d.source == "imagefolder":
             facts.update(decoder=d.decoder, cache_decoded=d.cache_decoded, **self._data_facts)

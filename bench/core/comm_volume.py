@@ -323,27 +323,27 @@ HALF = ("bf16", "fp16")
 
 def volume_run(cfg, plan, build_model) -> dict:
     """`volume` for a composed config (`BenchConfig`) and its run plan (`RunPlan`), with the same
-    parameter count, layout and micro-batch as the memory prediction (memory_model.predict_run's
-    inputs: a padded vocabulary included). The layout and the element sizes come from the plan's
-    layout and the adapter's cost inputs: `half_states` (DeepSpeed's bf16/fp16 modes: 2-byte parameters
-    and gradients), `half_gather` (FSDP2 gathers 2-byte parameters and reduce-scatters fp32 gradients),
+    parameter count, layout and micro-batch as the memory prediction: the model's facts the plan carries
+    (`plan.facts`, counted once per launch, a padded vocabulary included; counted here from `build_model`
+    when the plan has none). The layout and the element sizes come from the plan's layout and the
+    adapter's cost inputs: `half_states` (DeepSpeed's bf16/fp16 modes: 2-byte parameters and gradients),
+    `half_gather` (FSDP2 gathers 2-byte parameters and reduce-scatters fp32 gradients),
     `half_activation_comm` (tensor-parallel activations are outputs of bf16 matmuls); everything else
     runs autocast around fp32 weights, so gradients stay 4 bytes, and a pipeline's stage outputs (the
     residual stream, fp32 under autocast) stay 4 bytes."""
-    from ptbench.core.memory_model import model_facts, predict_run
-
     layout, cost = plan.layout, plan.cost
-    if cfg.workload.kind == "language":
-        inputs = predict_run(cfg, plan, build_model, device="cpu", shapes=False)["inputs"]
-    else:  # vision: Ψ only (predict_run's activation count is not needed here)
+    facts = getattr(plan, "facts", None)
+    if facts is None:
         import torch
 
+        from ptbench.core.memory_model import run_facts
+
         with torch.device("meta"):
-            inputs = {"params": model_facts(build_model())["params"]}
+            facts = run_facts(cfg.workload, cost, build_model())
     half = cfg.trainer.precision in HALF
     accum = int(cfg.trainer.grad_accum)
     kw = dict(
-        params=int(inputs["params"]),
+        params=int(facts.params),
         world_size=layout.devices,
         dp=layout.dp,
         tp=layout.tp,
@@ -363,11 +363,11 @@ def volume_run(cfg, plan, build_model) -> dict:
             kw.update(layers=1, hidden=1, seq_len=1, micro_batch=1)
         else:
             kw.update(
-                layers=int(inputs["layers"]),
-                hidden=int(inputs["hidden"]),
-                seq_len=int(inputs["seq_len"]),
-                micro_batch=int(inputs["micro_batch"]),
-                microbatches=int(inputs["microbatches"]) * accum,
+                layers=facts.layers,
+                hidden=facts.hidden,
+                seq_len=facts.seq_len,
+                micro_batch=math.ceil(plan.local_batch / layout.microbatches),  # as the memory model's
+                microbatches=layout.microbatches * accum,
             )
     notes = []
     if accum > 1 and cost.sharding in ("zero0", "zero1", "zero2", "zero3", "fsdp"):

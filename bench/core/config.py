@@ -35,6 +35,9 @@ class WorkloadConfig:
     # vision: conv weights (and so activations) in channels_last memory format; None = on CUDA only
     # (tensor-core convolutions want NHWC), off on CPU (workloads/vision.py use_channels_last)
     channels_last: bool | None = None
+    # vision: torch.backends.cudnn.benchmark (cuDNN times its convolution algorithms per input shape and keeps
+    # the fastest); None = on CUDA only (workloads/vision.py use_cudnn_benchmark), recorded in data_pipeline
+    cudnn_benchmark: bool | None = None
 
 
 @dataclass

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
+import subprocess
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -127,3 +129,96 @@ def slurm_port(job_id: str, step_id: str | None = None) -> int:
     have different SLURM_JOB_IDs, so they get different ports."""
     step = int(step_id) if step_id and step_id.isdigit() else 0
     return 20000 + (int(job_id) * 31 + step) % 40000
+
+
+# --- a GPU host whose torch cannot see its GPUs ------------------------------------------------------
+# (here, not in the GPU check's command module: the runner and the smoke ask too, and import no command)
+
+
+def nvidia_smi_versions(run=None) -> tuple[str | None, str | None]:
+    """(driver version, newest CUDA the driver supports) from nvidia-smi's header; (None, None) without it.
+    `run() -> stdout` is injectable (tests feed recorded output)."""
+    if run is None:
+        if not shutil.which("nvidia-smi"):
+            return None, None
+
+        def run():
+            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+
+    try:
+        out = run()
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    driver = re.search(r"Driver Version:\s*([\d.]+)", out)
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", out)
+    return (driver.group(1) if driver else None), (cuda.group(1) if cuda else None)
+
+
+def nvidia_smi_gpus() -> list[str]:
+    """The GPUs `nvidia-smi -L` lists ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: ...)"); [] without nvidia-smi."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.startswith("GPU ")]
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:2])
+
+
+def cuda_error_line(
+    available: bool,
+    torch_version: str,
+    torch_cuda: str | None,
+    driver: str | None,
+    driver_cuda: str | None,
+    head: str = "error: CUDA required but torch.cuda.is_available() is False",
+) -> str | None:
+    """None when torch sees a GPU, else the one line saying why not and the fix (`head` first)."""
+    if available:
+        return None
+    head = f"{head} (torch {torch_version}"
+    if torch_cuda is None:
+        return f"{head}, a CPU-only build: torch.version.cuda is None); install a CUDA build of torch"
+    if driver is None:
+        return f"{head} built for CUDA {torch_cuda}): nvidia-smi finds no NVIDIA driver; run on a GPU node"
+    if driver_cuda and _version(driver_cuda) < _version(torch_cuda):
+        return (
+            f"{head}): driver/CUDA mismatch: torch.version.cuda={torch_cuda} but driver {driver} supports CUDA "
+            f"<= {driver_cuda}; install a torch build for CUDA <= {driver_cuda} or a driver for CUDA {torch_cuda}"
+        )
+    return (
+        f"{head}, torch.version.cuda={torch_cuda}, driver {driver} supports CUDA {driver_cuda}): no device visible "
+        "to torch; check CUDA_VISIBLE_DEVICES and the runner's GPU binding (docker --gpus)"
+    )
+
+
+def cuda_error() -> str | None:
+    """`cuda_error_line` for this machine (nvidia-smi asked only when torch sees no GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return cuda_error_line(False, torch.__version__, torch.version.cuda, *nvidia_smi_versions())
+
+
+def unseen_gpus_line(env: Mapping[str, str] = os.environ) -> str | None:
+    """One line (no "error: ") when nvidia-smi lists GPUs but torch sees none, so a run would quietly take
+    CPU ranks instead: why (the driver/CUDA mismatch, a CPU-only torch, ...) and the fix. None when torch
+    sees a GPU, when nvidia-smi lists none, or when CUDA_VISIBLE_DEVICES hides them on purpose ("" or -1)."""
+    import torch
+
+    if torch.cuda.is_available() or env.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return None
+    gpus = nvidia_smi_gpus()
+    if not gpus:
+        return None
+    head = (
+        f"nvidia-smi lists {len(gpus)} GPU(s) ({gpus[0].split(' (UUID')[0]}) but torch.cuda.is_available() is "
+        "False, so this would run on CPU ranks"
+    )
+    line = cuda_error_line(False, torch.__version__, torch.version.cuda, *nvidia_smi_versions(), head=head)
+    return f"{line} (CUDA_VISIBLE_DEVICES= runs on the CPU on purpose)"

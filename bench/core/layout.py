@@ -2,7 +2,7 @@
 
 Each adapter returns both from one class method each (`Adapter.layout(cfg, world_size)`,
 `Adapter.cost_inputs(cfg)`); the run plan carries them and the summary records the layout, so the
-memory model (core/memory_model.py), the communication volume (core/comm_volume.py) and analysis
+memory model (core/memory_model/), the communication volume (core/comm_volume.py) and analysis
 read numbers, never adapter names. A new adapter states its own and touches no other module.
 """
 
@@ -86,6 +86,11 @@ class CostInputs:
     vocab_parallel_loss: bool = False  # TP: embedding output, output-layer input grad and the loss all-reduced
     tied_embedding_stages: bool = False  # first and last pipeline stage share the tied embedding (grads all-reduced)
     root_unit_gathered: bool = False  # the root shard unit is not resharded after forward (no backward re-gather)
+    # stage 3: DeepSpeed's stage3_param_persistence_threshold and stage3_prefetch_bucket_size (elements) as the
+    # adapter passes them (stage3_max_reuse_distance is live_params_limit); None: not stated
+    param_persistence_threshold: int | None = None
+    prefetch_bucket_size: int | None = None
+    stage_balance: tuple[int, ...] | None = None  # layers per pipeline stage as the adapter splits; None: even
 
     def __post_init__(self) -> None:
         for key, val, allowed in (

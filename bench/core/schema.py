@@ -324,7 +324,8 @@ SUMMARY = (
     F("data_workers", "count", "DataLoader workers per rank"),
     OPEN(
         "data_pipeline",
-        "loader and input settings as used (pin_memory, persistent_workers; vision: channels_last, decoder, cache)",
+        "loader and input settings as used (pin_memory, persistent_workers; vision: channels_last, cudnn_benchmark, "
+        "decoder, cache)",
     ),
     F(
         "compile",
@@ -469,6 +470,15 @@ SUMMARY = (
         F("merged_trace", "", "all ranks in one trace (pid = rank)"),
         F("merge_error", "", "why no merged trace was written"),
         F("note", "", "why there is no measurement"),
+        F(
+            "export",
+            "",
+            "stopping the profiler, writing and reading back each rank's trace: after the last profiled step's timer",
+            F("seconds", "s", "per rank, what it took", kind="list"),
+            F("in_step_times", "", "whether any step time holds it (false)"),
+            F("in_epoch_time", "", "whether the epoch time holds it (false)"),
+            F("note", "", "where it ran"),
+        ),
         T(
             "ranks",
             "per rank, per profiled step",

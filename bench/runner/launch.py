@@ -10,6 +10,7 @@ and its error).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -22,11 +23,18 @@ from omegaconf import DictConfig, OmegaConf
 from ptbench.adapters import get_adapter_class
 from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext, default_backend, free_port
-from ptbench.core.environments import SlurmEnvironment, TorchrunEnvironment, detect, in_srun_step
+from ptbench.core.environments import (
+    SlurmEnvironment,
+    TorchrunEnvironment,
+    detect,
+    in_srun_step,
+    unseen_gpus_line,
+)
 from ptbench.core.errors import ConfigError
 from ptbench.core.records import RunWriter, mark_killed, point_folders
 from ptbench.core.sinks import write_sinks
 from ptbench.core.stopping import STOP_SIGNALS
+from ptbench.core.torch_support import torch_warnings
 from ptbench.runner.checks import check_devices, contention_warnings, rank_cpus, slurm_warnings, start_method
 from ptbench.runner.compose import in_multirun, typed
 from ptbench.runner.plan import RunPlan, make_plan, run_dir_of
@@ -36,6 +44,9 @@ from ptbench.runner.rank import packages, run_rank
 def launch(cfg: DictConfig) -> int:
     """Run one benchmark point; returns the process exit code (0 ok/preempted, 1 failed, 2 bad input)."""
     cfg = typed(cfg)  # once in this process: the ranks it becomes or forks take it as it is
+    unseen = unseen_gpus_line()  # a GPU host whose torch sees none: no quiet CPU run in its place
+    if unseen:
+        raise ConfigError(unseen)
     OmegaConf.resolve(cfg)  # every rank sees the values the launcher saw (${visible_gpus_or:2} ...)
     adapter_cls = get_adapter_class(cfg.adapter.name)
     environment = detect(adapter_cls, cfg.launcher.name)
@@ -73,13 +84,16 @@ def launch(cfg: DictConfig) -> int:
         )
         if ctx.rank == 0:  # the rank that writes the summary: a Slurm allocation that oversubscribes its cores
             threads = cfg.launcher.threads_per_rank or int(os.environ.get("SLURM_CPUS_PER_TASK") or 1)
-            plan = dataclasses.replace(plan, warnings=tuple(slurm_warnings(ctx.local_world_size, threads)))
+            warnings = (*torch_warnings(), *slurm_warnings(ctx.local_world_size, threads))
+            plan = dataclasses.replace(plan, warnings=warnings)
             for w in plan.warnings:
                 print(f"warning: {w}", file=sys.stderr, flush=True)
         return run_rank(cfg, plan, ctx, run_dir=None)
 
     plan, _ = plan_run(cfg, "local")
-    plan = dataclasses.replace(plan, warnings=tuple(contention_warnings(cfg, plan.world_size)))
+    # an untested torch first: one line before launch, kept in the record with the others
+    warnings = (*torch_warnings(), *contention_warnings(cfg, plan.world_size))
+    plan = dataclasses.replace(plan, warnings=warnings)
     for w in plan.warnings:  # before our own record exists: it is not one of the other runs
         print(f"warning: {w}", file=sys.stderr, flush=True)
     command = adapter_cls.launch_command(cfg, plan.world_size)
@@ -98,11 +112,16 @@ def launch(cfg: DictConfig) -> int:
     port = cfg.launcher.master_port or free_port()
     print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {plan.world_size} rank(s)", flush=True)
     sampler = _start_sampler(plan)  # contention during the run (bench/runner/contention.py)
+    # variables CUDA reads when it starts (CUDA_DEVICE_MAX_CONNECTIONS=1 for megatron TP > 1): in each rank's
+    # environment from its first instruction, since a rank that sets them itself may be too late
+    rank_env = adapter_cls.rank_environment(cfg)
     try:
         if command:
-            code = run_with_launcher(command, cfg.launcher.master_addr, port, writer)
+            code = run_with_launcher(command, cfg.launcher.master_addr, port, writer, rank_env)
         else:
-            code = spawn_local(OmegaConf.to_container(cfg, resolve=True), plan, port, writer, plan.start_method)
+            code = spawn_local(
+                OmegaConf.to_container(cfg, resolve=True), plan, port, writer, plan.start_method, rank_env
+            )
         _record_sampled(writer, sampler.stop(), plan.world_size, cfg.launcher.threads_per_rank or 1)
         write_sinks(
             writer.dir,
@@ -189,6 +208,10 @@ def plan_run(
     if not memory and backend is None:
         return plan, None
     model = meta_model(workload)
+    if not isinstance(model, Exception):  # the model's facts, counted once for both predictions
+        from ptbench.core.memory_model import run_facts
+
+        plan = dataclasses.replace(plan, facts=run_facts(cfg.workload, plan.cost, model))
     prediction = None
     if memory:
         record, prediction = predicted_memory(cfg, plan, model, refuse)
@@ -223,7 +246,7 @@ def _builder(model):
 
 
 def predicted_memory(cfg, plan: RunPlan, model, refuse: bool | None = None) -> tuple[dict, dict | None]:
-    """(record field, full prediction) of the memory model (bench/core/memory_model.py, as its `plan_memory`):
+    """(record field, full prediction) of the memory model (bench/core/memory_model/, as its `plan_memory`):
     a run predicted not to fit the device is refused here, before launch, or warned about in one line with the
     numbers (`refuse` True / False = refuse / say nothing; None: trainer.memory_check, default warn). A
     prediction that fails otherwise is recorded, not fatal."""
@@ -273,9 +296,17 @@ def _launch_t0() -> str:
     return str(psutil.Process().create_time())  # startup_s counts from the user's command
 
 
-def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter, method: str = "spawn") -> int:
-    """Start the ranks with `method` (spawn | fork: ptbench.runner.checks.start_method), forward stop
-    signals to them, wait, and record a failed run's outcome."""
+def spawn_local(
+    cfg_dict: dict,
+    plan: RunPlan,
+    port: int,
+    writer: RunWriter,
+    method: str = "spawn",
+    rank_env: dict[str, str] | None = None,
+) -> int:
+    """Start the ranks with `method` (spawn | fork: ptbench.runner.checks.start_method) and `rank_env` in
+    their environment from the start (`Adapter.rank_environment`), forward stop signals to them, wait, and
+    record a failed run's outcome."""
     import torch.multiprocessing as mp
 
     start = time.time()
@@ -318,13 +349,14 @@ def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter, met
         _preload(plan.adapter_cls.framework_module)
     sys.stdout.flush()  # a forked rank would print the launcher's unflushed output again
     sys.stderr.flush()
-    procs = mp.start_processes(
-        _spawned_rank,
-        args=(cfg_dict, plan, port, str(writer.dir)),
-        nprocs=plan.world_size,
-        start_method=method,
-        join=False,
-    )
+    with environment(rank_env or {}):  # what a spawned or forked rank inherits; this process keeps its own
+        procs = mp.start_processes(
+            _spawned_rank,
+            args=(cfg_dict, plan, port, str(writer.dir)),
+            nprocs=plan.world_size,
+            start_method=method,
+            join=False,
+        )
     started.append(procs)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
     for signum in pending:
@@ -357,6 +389,21 @@ def spawn_local(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter, met
 JOIN_GRACE_S = 3.0  # after a rank failed: the others' time to end by themselves, then again after SIGTERM
 
 
+@contextlib.contextmanager
+def environment(extra: dict[str, str]):
+    """os.environ with `extra` set for the block (processes started in it inherit them), restored after."""
+    before = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _preload(module: str) -> None:
     """Import the adapter's framework in the launcher before forking its ranks (~2 s less per rank for
     DeepSpeed or Megatron). One that fails to import is left to the ranks, whose error the record carries."""
@@ -368,14 +415,22 @@ def _preload(module: str) -> None:
         pass
 
 
-def run_with_launcher(command: list[str], addr: str, port: int, writer: RunWriter) -> int:
+def run_with_launcher(
+    command: list[str], addr: str, port: int, writer: RunWriter, rank_env: dict[str, str] | None = None
+) -> int:
     """Ranks started by the framework's own launcher (horovodrun); each runs
     `python -m ptbench.runner.rank RUN_DIR` and reads the config this process wrote there. Our process
-    group's address goes in the environment."""
+    group's address and `rank_env` go in the environment."""
     import subprocess
 
     start = time.time()
-    env = {**os.environ, "MASTER_ADDR": addr, "MASTER_PORT": str(port), "BENCH_LAUNCH_T0": _launch_t0()}
+    env = {
+        **os.environ,
+        **(rank_env or {}),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+        "BENCH_LAUNCH_T0": _launch_t0(),
+    }
     proc = subprocess.Popen([*command, sys.executable, "-m", "ptbench.runner.rank", str(writer.dir)], env=env)
 
     def forward(signum, frame):  # horovodrun stops its ranks on SIGTERM (SIGUSR1 would kill it outright)
@@ -459,3 +514,33 @@ def _spawned_rank(local_rank: int, cfg_dict: dict, plan: RunPlan, port: int, run
     code = run_rank(typed(cfg_dict), plan, ctx, Path(run_dir))
     if code:
         sys.exit(code)
+
+
+def rank_environment_lines(overrides: list[str]) -> list[str]:
+    """NAME=VALUE for each variable the point's adapter needs in every rank's environment from the rank's
+    start (`Adapter.rank_environment`; megatron TP > 1: CUDA_DEVICE_MAX_CONNECTIONS=1). slurm/run.sbatch
+    exports them before srun: a rank started without them sets them too late for CUDA."""
+    from ptbench.runner.compose import compose
+
+    cfg = typed(compose(overrides))
+    return [f"{k}={v}" for k, v in get_adapter_class(cfg.adapter.name).rank_environment(cfg).items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ptbench.runner.launch --rank-env OVERRIDE ...`: `rank_environment_lines`, one per line."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] != ["--rank-env"]:
+        print("usage: python -m ptbench.runner.launch --rank-env [hydra overrides]", file=sys.stderr)
+        return 2
+    try:
+        lines = rank_environment_lines([a for a in args[1:] if a.strip()])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if lines:
+        print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,6 +14,7 @@ from pathlib import Path
 from ptbench.adapters import get_adapter_class
 from ptbench.core.config import BenchConfig
 from ptbench.core.layout import CostInputs, Layout
+from ptbench.core.memory_model import ModelFacts
 from ptbench.core.records import new_run_id, results_folder
 from ptbench.runner.checks import check_config, check_results_dir
 from ptbench.workloads import build_workload
@@ -36,7 +37,10 @@ class RunPlan:
     tokens_per_sample: int
     train_flops_per_sample: float
     adapter_cls: type = field(repr=False, compare=False)
-    # bench/core/memory_model.py's prediction for this run (launcher=local computes it before launch)
+    # the model's facts (Ψ, shapes, dimensions), counted once per launch from its meta-device build: what the
+    # memory model and the comm volume both read (None: not counted, e.g. in a rank; each model counts them)
+    facts: ModelFacts | None = field(default=None, repr=False, compare=False)
+    # bench/core/memory_model's prediction for this run (launcher=local computes it before launch)
     predicted_memory: dict | None = field(default=None, repr=False, compare=False)
     # bench/core/comm_volume.py's bytes per optimizer step per rank (the launcher computes it before the
     # ranks start, for every launcher); recorded as `comm_volume`
@@ -93,7 +97,7 @@ class RunPlan:
         d = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("adapter_cls", "predicted_memory", "comm_volume", "layout", "cost")
+            if f.name not in ("adapter_cls", "facts", "predicted_memory", "comm_volume", "layout", "cost")
         }
         d.update(
             layout=self.layout.as_dict(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -133,6 +134,8 @@ class StepProfiler:
         self._patched: list[tuple[object, str, object]] = []
         self.result: dict | None = None  # this rank's analysis, when the window has ended
         self.path: Path | None = None
+        self._ending = False  # the window's last step ran: `end_window` stops the profiler
+        self.export_s: float | None = None  # stopping the profiler, writing and reading the trace
 
     @classmethod
     def of(cls, cfg, plan, ctx, run_dir: Path | None, adapter=None) -> StepProfiler:
@@ -224,10 +227,19 @@ class StepProfiler:
             return
         with torch.profiler.record_function(f"{ledger.STEP}{global_step}"):
             yield
-        if global_step == start + count - 1:
-            self._stop()
+        self._ending = global_step == start + count - 1  # stopped by `end_window`, after the step's timer
+
+    def end_window(self) -> float:
+        """After the timer has ended the step: stop the profiler and write this rank's trace if the window's
+        last step has just run. Returns the seconds that took (0.0 otherwise), which no step time contains."""
+        if not self._ending:
+            return 0.0
+        self._ending = False
+        self._stop()
+        return self.export_s
 
     def _stop(self) -> None:
+        t0 = time.perf_counter()
         if self.ctx.is_cuda:
             torch.cuda.synchronize()
         self.prof.__exit__(None, None, None)
@@ -242,6 +254,7 @@ class StepProfiler:
         prof.export_chrome_trace(str(self.path))
         with open(self.path) as f:
             self.result = ledger.analyse(json.load(f), self.dp)
+        self.export_s = time.perf_counter() - t0
 
     def wait_in(self, first_step: int, last_step: int) -> float | None:
         """Seconds per profiled step this rank's communication was exposed (it waited in collectives), over
@@ -260,6 +273,7 @@ class StepProfiler:
         if self.result is not None:
             mine = {k: v for k, v in self.result.items() if k != "collectives"}
             mine["path"] = str(self.path)
+            mine["export_s"] = self.export_s
         every = [None] * self.ctx.world_size
         dist.all_gather_object(every, mine)
         if self.ctx.rank != 0:
@@ -280,6 +294,13 @@ class StepProfiler:
         except OSError as e:  # ranks on hosts without a shared results folder
             rec["merge_error"] = f"{type(e).__name__}: {e}"
         rec["traces"] = [info["path"] for info in every]
+        rec["export"] = {
+            "seconds": [info.get("export_s") for info in every],
+            "in_step_times": False,
+            "in_epoch_time": False,
+            "note": "stopping the profiler, writing and reading back the trace ran after the last profiled step's "
+            "timer and is left out of its epoch's time",
+        }
         rec["merged_trace"] = str(merged) if merged else None
         rec["ranks"] = [
             dict(

@@ -58,6 +58,8 @@ def frameworks_imported() -> list[str]:
 def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | None) -> int:
     """Everything one rank does, on the config typed once in this process. `run_dir` None: rank 0 creates
     the record and tells the others."""
+    required = plan.adapter_cls.rank_environment(cfg)
+    at_start = {k: os.environ.get(k) for k in (*RECORDED_ENV, *required)}  # first: before anything starts CUDA
     threads = set_cpu_threads(cfg.launcher.threads_per_rank)
     apply_tf32(cfg.trainer.tf32)
     import torch.distributed as dist
@@ -67,11 +69,12 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
 
     stop = StopFlag()
     stop.install()
-    os.environ.update(plan.adapter_cls.rank_environment(cfg))  # read when CUDA starts, in init_process_group
+    _late_environment(required, at_start, ctx)
     init_process_group(ctx, dist_timeout_s(cfg.trainer))
     stop.prepare()  # its CPU group now, not inside the timed loop at the first stop check
     adapter = None
     watchdog = None
+    failed = False
     try:
         run_dir, resume_from, resume_info = _agree_on_run_dir(cfg, plan, ctx, run_dir)
         writer = RunWriter(run_dir, plan.identity())
@@ -146,6 +149,7 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
                 conventions=CONVENTIONS,
                 frameworks_imported=frameworks_imported(),
                 cpu_threads_per_rank=threads,
+                rank_environment={"required": required, "at_start": at_start},
             )
             record_external(sampler, summary, ctx.local_world_size, threads)  # its node's contention, if sampled
             writer.finish(summary)
@@ -166,20 +170,64 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
                 writer.finish({**summary, "requeue": {**summary["requeue"], "error": error}})
         return 0
     except BaseException as e:  # record every failure, then let it end the rank
+        failed = True
         if run_dir is not None:
             # a KeyboardInterrupt here came before the stop handlers (they turn SIGINT into a stop)
             status = "oom" if _is_oom(e) else "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
             _record_rank_error(
                 RunWriter(run_dir, plan.identity()), ctx, status, f"{type(e).__name__}: {e}", traceback.format_exc()
             )
+        abort_process_groups()
         raise
     finally:
         if watchdog is not None:
             watchdog.stop()
-        if adapter is not None:
+        # a failed rank's groups are aborted: no teardown that talks to the peers (adapter.close destroys
+        # Megatron's groups), each could wait for work that never completes
+        if adapter is not None and not failed:
             adapter.close()
-        if dist.is_initialized():
+        if dist.is_initialized() and not failed:
             dist.destroy_process_group()
+
+
+# recorded as the process had them when it started (summary rank_environment.at_start), beside the adapter's own
+RECORDED_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS",)
+
+
+def _late_environment(required: dict[str, str], at_start: dict[str, str | None], ctx: DistContext) -> None:
+    """Set what the adapter needs in this rank's environment; on CUDA, one line (rank 0) for a value the
+    process did not start with: CUDA may have read it already (torchrun/srun started this rank without it)."""
+    late = {k: v for k, v in required.items() if at_start.get(k) != v}
+    os.environ.update(required)
+    if late and ctx.is_cuda and ctx.rank == 0:
+        names = " ".join(f"{k}={v}" for k, v in late.items())
+        print(
+            f"warning: this rank started without {names} (set now, after the start, it may not take effect): "
+            f"export {names} before {ctx.launcher} starts the ranks (slurm/run.sbatch does)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this rank (ProcessGroup.abort), not destroy it: destroy_process_group
+    waits for the group's outstanding collectives, which a peer may never join (until the backend's timeout)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    world = getattr(c10d, "_world", None)  # every group, the default one last (torch's own abort order)
+    groups = sorted(getattr(world, "pg_names", {}), key=lambda g: g is dist.group.WORLD) or [dist.group.WORLD]
+    for group in groups:
+        abort = getattr(group, "abort", None)
+        if abort is None:  # a torch without ProcessGroup.abort: leaving the process does not wait either
+            continue
+        try:
+            abort()
+        except Exception:  # noqa: BLE001 - the rank is ending with its own error already recorded
+            pass
 
 
 def _main_thread_at() -> tuple[bool, str]:

@@ -29,7 +29,7 @@ from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext
 from ptbench.core.errors import ConfigError
 from ptbench.core.loaders import data_workers, eval_loader, train_loader
-from ptbench.core.memory_model import SavedTensorLedger, StepPeak
+from ptbench.core.memory import SavedTensorLedger, StepPeak
 from ptbench.core.records import RunRecord
 from ptbench.core.schedule import Schedule
 from ptbench.core.stopping import StopFlag, Watchdog
@@ -211,6 +211,7 @@ class Trainer:
             self.sampling.start_epoch()
         self.state.epoch_t0 = time.perf_counter()
         self.train_steps(it, steps - done, bar)
+        self.adapter.end_epoch()  # work an adapter keeps in flight across steps ends here (a pipeline's drain)
         for d in self.adapter.devices():  # every device this process drives (GPipe: several)
             if torch.device(d).type == "cuda":
                 torch.cuda.synchronize(d)
@@ -286,6 +287,8 @@ class Trainer:
             if schedule is not None:
                 schedule.step()
             self.timer.end_step()
+            # trainer.profile: the trace's export after the step's timer, and out of the epoch's time
+            self.state.epoch_t0 += self.profiler.end_window()
             if self.first_step_end is None:  # startup ends when step 1 has run, not when it was queued
                 for d in self.adapter.devices():
                     if torch.device(d).type == "cuda":

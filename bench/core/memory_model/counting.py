@@ -1,0 +1,145 @@
+"""What autograd really saves, counted on the meta device (no memory, no FLOPs) with the memory ledger's
+instrument (ptbench.core.memory.SavedTensorLedger): the counted side of the activations (README.md, "Activations,
+the harness GPT-2" and "Activations, vision"). Each function imports torch when called."""
+
+from __future__ import annotations
+
+import copy
+
+
+def activation_elements(model, sample_shape, dtype=None) -> float:
+    """What autograd really saves for backward for ONE sample of `sample_shape` (without the batch
+    dimension), in fp32 elements (bytes / 4): a forward on the meta device (no memory, no FLOPs) under
+    `torch.autograd.graph.saved_tensors_hooks`, counting each saved tensor's storage once (a view and its
+    base, or one tensor saved by two consumers, are one storage), parameters and buffers excluded. Max-pool
+    indices (int64), BatchNorm's statistics and residual adds count as saved; an output nobody saves (a
+    leaf module's output that is only an input to an in-place op or a view) does not. `model` must be on the
+    meta device (build it under `torch.device("meta")`)."""
+    import torch
+
+    from ptbench.core.memory import SavedTensorLedger
+
+    # two samples, halved: BatchNorm in training mode refuses one value per channel (a 1x1 map)
+    x = torch.empty((2, *sample_shape), device="meta", dtype=dtype or torch.float32)
+    with torch.enable_grad(), SavedTensorLedger([model]) as ledger:
+        out = model(x)
+        saved = ledger.total
+        del out
+    return saved / 4 / 2
+
+
+def pipeline_layers(model) -> list:
+    """A vision model's layers in the order its pipeline form runs them (the same list as workloads/vision.py
+    `vision_sequential`, tests check it): top-level children in order, nn.Sequential children expanded, a
+    Flatten before the first Linear."""
+    from torch import nn
+
+    layers, flat = [], False
+    for child in model.children():
+        for m in child if isinstance(child, nn.Sequential) else [child]:
+            if isinstance(m, nn.Linear) and not flat:
+                layers.append(nn.Flatten(1))
+            flat = flat or isinstance(m, (nn.Linear, nn.Flatten))
+            layers.append(m)
+    return layers
+
+
+def even_split(layers: int, stages: int) -> list[int]:
+    """Layers per stage by count; the first `layers % stages` stages take one more (adapters/_pipeline.py's)."""
+    q, r = divmod(layers, stages)
+    return [q + (i < r) for i in range(stages)]
+
+
+def stage_input_elements(model, sample_shape, balance: list[int]) -> list[float]:
+    """Per sample, the elements of each pipeline stage's input (layers per stage: `balance`; meta device):
+    what torchgpipe's checkpointing keeps of each micro-batch."""
+    import torch
+    from torch import nn
+
+    layers = pipeline_layers(model)
+    x = torch.empty((2, *sample_shape), device="meta")
+    out, start = [], 0
+    for n in balance:
+        out.append(x.numel() / 2)
+        with torch.no_grad():
+            x = nn.Sequential(*layers[start : start + n])(x)
+        start += n
+    return out
+
+
+def stage_activation_elements(model, sample_shape, balance: list[int]) -> list[float]:
+    """`activation_elements` of each pipeline stage (layers per stage: `balance`): each stage counted on its
+    own, its input a tensor that requires grad as a received activation does (its first op saves it)."""
+    import torch
+    from torch import nn
+
+    from ptbench.core.memory import SavedTensorLedger
+
+    layers = pipeline_layers(model)
+    if sum(balance) != len(layers):
+        raise ValueError(f"balance {balance} does not cover the model's {len(layers)} layers")
+    x = torch.empty((2, *sample_shape), device="meta")
+    out, start = [], 0
+    for i, n in enumerate(balance):
+        stage = nn.Sequential(*layers[start : start + n])
+        start += n
+        x = x.detach().requires_grad_(i > 0)
+        with torch.enable_grad(), SavedTensorLedger([model]) as ledger:
+            y = stage(x)
+            out.append(ledger.total / 4 / 2)
+        x = y
+    return out
+
+
+def _block_quadratic(block, b: int, h: int, seq_len: int, scores: bool) -> float:
+    """What one block saves per sample at seq_len tokens, from the CPU at 4, 8 and 16 tokens: on the meta device
+    scaled_dot_product_attention runs its math form (which keeps the s x s scores); the CPU's flash kernel keeps
+    the output and a log-sum-exp, as CUDA's fused kernels do (with dropout > 0 the CPU keeps s x s terms too).
+    What a block saves is a quadratic in the tokens, so three small token counts give it exactly at seq_len."""
+    import torch
+
+    from ptbench.core.memory import SavedTensorLedger
+
+    def block_elements(tokens: int) -> float:
+        xs = torch.zeros((b, tokens, h), requires_grad=True)
+        with torch.enable_grad(), SavedTensorLedger([block]) as ledger:
+            block(xs)
+            return ledger.total / 4 / b
+
+    t1, t2, t3 = 4, 8, 16
+    y1, y2, y3 = (block_elements(t) for t in (t1, t2, t3))
+    c2 = ((y3 - y2) / (t3 - t2) - (y2 - y1) / (t2 - t1)) / (t3 - t1)
+    c1 = (y2 - y1) / (t2 - t1) - c2 * (t1 + t2)
+    c0 = y1 - c1 * t1 - c2 * t1 * t1
+    return c0 + c1 * seq_len + (c2 * seq_len * seq_len if scores else 0.0)
+
+
+def gpt2_saved_elements(model, seq_len: int, scores: bool = True) -> dict | None:
+    """What the harness GPT-2 (workloads/gpt2.py: wte, wpe, drop, blocks, ln_f, lm_head) saves per sample,
+    counted by `SavedTensorLedger` in fp32 elements (embeddings and head on the meta device, one block on the
+    CPU, `_block_quadratic`): {layer (one block), embed (the embeddings and their dropout), head (final LayerNorm
+    and the tied head's input)}. None for another model. scores=False leaves out the s x s terms the CPU keeps
+    with attention dropout (CUDA's kernels fuse it)."""
+    import torch
+
+    from ptbench.core.memory import SavedTensorLedger
+
+    if not all(hasattr(model, n) for n in ("wte", "wpe", "drop", "blocks", "ln_f", "lm_head")):
+        return None
+    b = 2
+    idx = torch.zeros((b, seq_len), dtype=torch.int64, device="meta")
+
+    def count(fn, *args) -> float:
+        with torch.enable_grad(), SavedTensorLedger([model]) as ledger:
+            fn(*args)
+            return ledger.total / 4 / b
+
+    h = model.wte.embedding_dim
+    x = torch.empty((b, seq_len, h), device="meta", requires_grad=True)
+    block = copy.deepcopy(model.blocks[0]).to_empty(device="cpu")
+    layer = _block_quadratic(block, b, h, seq_len, scores)
+    return {
+        "embed": count(lambda: model.drop(model.wte(idx) + model.wpe(torch.arange(seq_len, device="meta")))),
+        "layer": layer,
+        "head": count(lambda: model.lm_head(model.ln_f(x))),
+    }
