@@ -92,7 +92,7 @@ paper-demo: $(STAMP)
 	@echo "paper demo: records in $(PAPER_DEMO)/, report in $(PAPER_DEMO)/report/report.md"
 
 # The suite runs every path `make smoke` runs on a CPU (2 ranks), so `make test` no longer runs the smoke
-# after it (issue 20). Smoke case (bench/smoke.py, world size 2) -> the test that runs the same adapter path:
+# after it. Smoke case (bench/smoke.py, world size 2) -> the test that runs the same adapter path:
 #   ddp              tests/test_launch.py (conftest smoke_run: experiment=smoke, 2 local ranks), test_spine.py
 #   zero             tests/test_sharded.py::test_gpt2_zero_stages_and_fsdp_train_like_ddp (stages 0-3, 2 ranks)
 #   fsdp             tests/test_sharded.py::test_gpt2_zero_stages_and_fsdp_train_like_ddp (2 ranks)

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = root / EXPERIMENT
     if folder.exists() and not args.keep:
         # only the previous demo's runs (folders holding a record file); anything else a user saved under
-        # RESULTS/demo/ (a figure, notes) stays, and the report is written over (issue 31)
+        # RESULTS/demo/ (a figure, notes) stays, and the report is written over
         for d in folder.iterdir():
             if d.is_dir() and any((d / f).is_file() for f in ("summary.json", "env.json", "config.yaml")):
                 shutil.rmtree(d)

@@ -183,7 +183,7 @@ def _user_cache_dir() -> Path:
 def cache_dirs(text_path: Path, cache_dir: str | None) -> list[Path]:
     """Where the cache may live, in order: data.cache_dir, $BENCH_CACHE_DIR, the user's cache folder
     ($XDG_CACHE_HOME/trainbench, default ~/.cache/trainbench: never into a dataset folder, which may be
-    shared, issue 31), <root>/.bench_cache (only when the user's cache folder is not writable, and where
+    shared), <root>/.bench_cache (only when the user's cache folder is not writable, and where
     an older version left a cache)."""
     if cache_dir:
         return [Path(cache_dir)]

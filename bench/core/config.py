@@ -128,7 +128,7 @@ class TrainerConfig:
     untimed_steps: int = 2  # excluded from step statistics (stated in the record)
     eval_every_epoch: bool = True
     # validation batches per rank per epoch; None = trainer.max_steps when that is set (a 20 s run no longer
-    # validates for 40 s: issue 31), else all; 0 = the whole validation set (the epoch event's val_samples)
+    # validates for 40 s), else all; 0 = the whole validation set (the epoch event's val_samples)
     max_eval_batches: int | None = None
     grad_clip: float = 0.0  # 0 = off; always passed explicitly to frameworks that clip by default
     precision: str = "fp32"  # fp32 | bf16 | fp16 (GPU only)
@@ -158,7 +158,7 @@ class TrainerConfig:
     # batches (torchtitan's log_freq); 0 = none
     log_every: int = 10
     log_step_losses: bool = True
-    # sampled timing (issue 29, bench/runner/sampling.py): end each epoch once the 95 % interval of the mean step
+    # sampled timing (bench/runner/sampling.py): end each epoch once the 95 % interval of the mean step
     # time is within +-this % of it (or after timing_sample_cap timed steps, 0 = no cap); the epoch's time is then
     # recorded as an estimate (epoch_time_estimate). 0 = full epochs (the default)
     timing_sample: float = 0.0

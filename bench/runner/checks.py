@@ -259,7 +259,7 @@ def running_harness_runs(results_root, exclude_pids=()) -> list[str]:
 
 
 def contention_warnings(cfg: BenchConfig, world_size: int, cpus: int | None = None) -> list[str]:
-    """Before launch (issue 29): what will make this run's times suspect, as one-line warnings for the
+    """Before launch: what will make this run's times suspect, as one-line warnings for the
     record's `warnings`: local ranks x threads per rank above the CPUs of the process's affinity, and
     other runs of this harness going on this host (their steps and ours share the cores)."""
     out = []

@@ -50,7 +50,7 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-# Config keys renamed so that no two say the same word for different things (issue 26): the lr schedule
+# Config keys renamed so that no two say the same word for different things: the lr schedule
 # group beside adapter.schedule (a pipeline schedule), untimed steps beside lr_schedule.warmup, skipping a
 # finished point beside trainer.resume. An old key is refused with the new name, before Hydra sees it.
 RENAMED = {
@@ -71,7 +71,7 @@ def renamed_key(override: str) -> str | None:
 
 
 # Keys whose value names one folder of a record's path (results.root/results.experiment/results.run_id):
-# one path component each, so that a record always lands inside results.root (issue 28).
+# one path component each, so that a record always lands inside results.root.
 FOLDER_KEYS = ("results.experiment", "results.run_id")
 
 

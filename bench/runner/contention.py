@@ -1,4 +1,4 @@
-"""Contention DURING a run (issue 29): a light sampler in the launching process, and its verdict.
+"""Contention DURING a run: a light sampler in the launching process, and its verdict.
 
 One daemon thread samples every `INTERVAL_S` (1 s) while the ranks run:
 - the CPUs of this process's affinity (psutil per-CPU times): their busy time (user + system + nice + irq +

@@ -147,7 +147,7 @@ class Meter:
             "step_time_p50_s": step_stats["p50"],
             "step_time_p95_s": step_stats["p95"],
             "step_time_cv": step_stats["cv"],
-            # the timed steps' times (slowest rank per step), rounded to the us: the step-time interval (issue 29)
+            # the timed steps' times (slowest rank per step), rounded to the us: the step-time interval
             "step_times_s": [round(float(v), 6) for v in step_times],
             **{f"{c}_time_mean_s": v for c, v in phase_means.items()},
             "data_share": phase_means["data"] / step_stats["mean"] if step_stats["mean"] else None,

@@ -16,7 +16,7 @@ point already has an ok record under results.root/results.experiment is skipped 
 A point whose run ends `oom` is run once more with half its per-device batch, as its own point with
 `extra.batch_reduced_from` (`oom_retry`).
 
-Repeats (`python -m ptbench.sweep run --repeats N`, issue 29) run every point N times, interleaved (all
+Repeats (`python -m ptbench.sweep run --repeats N`) run every point N times, interleaved (all
 points once, then all again); each run carries `results.repeat` (not part of the point id) and, with
 `--vary-seed`, trainer.seed + repeat under the same pinned point id (`repeat_overrides`); skip_done
 skips only a repeat that already has an ok record.

@@ -1,4 +1,4 @@
-"""Optional sampled timing (issue 29): `trainer.timing_sample=PCT` measures an epoch's steps only until the 95 %
+"""Optional sampled timing: `trainer.timing_sample=PCT` measures an epoch's steps only until the 95 %
 interval of the mean step time is within ±PCT % of it (or `trainer.timing_sample_cap` timed steps), then ends
 the epoch and records its time as an ESTIMATE: the event's `epoch_time_estimate` (value, interval, steps
 measured), the epoch flagged `partial` as any cut-short epoch. Full epochs stay the default (timing_sample=0).
