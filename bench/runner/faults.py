@@ -1,7 +1,7 @@
 """Failures on purpose, for the tests of failure capture and of resume (trainer.inject_fault, inject_stop),
-and a known slowdown for the noise-floor check (trainer.inject_fault=slow@FRACTION: every rank's every step
-takes FRACTION longer: a known slowdown for the A/A check), and a straggler (trainer.inject_fault=straggler@RANK:FRACTION: that rank's
-every step takes FRACTION longer, the others wait for it in their collectives: the straggler check).
+a known slowdown for the A/B check of run-to-run spread (trainer.inject_fault=slow@FRACTION: every rank's every
+step takes FRACTION longer), and a straggler (trainer.inject_fault=straggler@RANK:FRACTION: that rank's every step
+takes FRACTION longer, the others wait for it in their collectives).
 
 Checked before launch (bench/runner/checks.py, bench/core/checkpoint.py); here only their effect.
 """
