@@ -119,3 +119,13 @@ def test_sync_counter_counts_host_reads_per_timed_step_with_their_lines():
     (site, n), *_ = result["sites"].items()
     assert n == 4 and site.startswith("implicit tests/test_gpu_check_cpu.py:")  # 2 reads x 2 timed steps
     assert torch.Tensor.item.__name__ == "item"  # uninstalled: torch's own method again
+
+
+def test_the_cpu_profiler_prints_no_gpu_error():
+    """torch.profiler's Kineto (StepPeak, trainer.profile) says "gpuGetDeviceCount failed" on every CPU start
+    unless KINETO_LOG_LEVEL quiets it: a CPU run's console stays clean."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    p = subprocess.run([sys.executable, "-m", "ptbench.gpu_micro", "loss", "--cpu"], capture_output=True, text=True,
+                       timeout=300, env=env)  # fmt: skip
+    assert p.returncode == 0 and json.loads(p.stdout)["per_NV"] > 0, p.stderr
+    assert "gpuGetDeviceCount" not in p.stderr and "profiler_start" not in p.stderr, p.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
 import torch
 
@@ -158,6 +159,7 @@ class StepPeak:
     def __enter__(self):
         from torch.profiler import ProfilerActivity, profile
 
+        quiet_cpu_profiler()
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
         return self
@@ -325,3 +327,12 @@ class _Held:
 
 def _unpack(held):
     return held.t if isinstance(held, _Held) else held
+
+
+def quiet_cpu_profiler() -> None:
+    """Without a GPU, torch.profiler's Kineto prints its stage markers and "ERROR: ... gpuGetDeviceCount failed
+    with code 35" to stderr at every start: noise in a run that asked for no GPU, taken for a failure. Kineto reads
+    KINETO_LOG_LEVEL when a profiler starts; 6 is above its last level (USDT = 5). A user's own setting wins, and
+    on a GPU its errors stay visible."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")

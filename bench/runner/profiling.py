@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ptbench.core import trace_ledger as ledger
 from ptbench.core.errors import ConfigError
+from ptbench.core.memory import quiet_cpu_profiler
 
 COLLECTIVES = (
     "all_reduce",
@@ -220,6 +221,7 @@ class StepProfiler:
             if self.ctx.is_cuda:
                 acts.append(ProfilerActivity.CUDA)
             self._patch()
+            quiet_cpu_profiler()
             self.prof = profile(activities=acts, record_shapes=True)
             self.prof.__enter__()
         if self.prof is None:
