@@ -122,11 +122,16 @@ def add_jobs(out: Path, ids: list[str]) -> None:
 
 def wait(out: Path, timeout: float, poll: float = 2.0) -> int:
     """Until no job of OUT/jobs.txt is queued or running (the file is read again at every poll, so the
-    arrays phase 2 submits while it runs are waited for too); 1 on timeout."""
+    arrays phase 2 submits while it runs are waited for too); 1 on timeout, 2 when OUT holds no submitted plan."""
+    if not (out / "jobs.txt").is_file():
+        what = "no such folder" if not out.is_dir() else "no jobs.txt in it: nothing was submitted"
+        print(f"error: wait {out}: {what}; give the --out folder of `python -m ptbench.paper plan --submit`",
+              file=sys.stderr)  # fmt: skip
+        return 2
     start = time.time()
     deadline, said, said_at = start + timeout, None, 0.0
     while True:
-        ids = (out / "jobs.txt").read_text().split() if (out / "jobs.txt").exists() else []
+        ids = (out / "jobs.txt").read_text().split()
         rows = (
             subprocess.run(
                 ["squeue", "-h", "-o", "%i %T %r", "-j", ",".join(ids)], capture_output=True, text=True
@@ -134,7 +139,8 @@ def wait(out: Path, timeout: float, poll: float = 2.0) -> int:
             if ids
             else []
         )
-        queued = [r.split()[0] for r in rows if r.split()]
+        # squeue lists an array's pending tasks one row each (1234_[2-5] or 1234_1): count jobs, not rows
+        queued = sorted({r.split()[0].split("_")[0] for r in rows if r.split()})
         for job in [r.split()[0] for r in rows if r.endswith("DependencyNeverSatisfied")]:
             # phase 2 waits for phase 1 with afterok: a failed phase-1 point leaves it pending for ever
             print(f"wait: job {job} can never start (a job it depends on failed): cancelled", file=sys.stderr)

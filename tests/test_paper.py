@@ -314,3 +314,10 @@ def test_stateff_epochs_from_the_plan(tmp_path):
     )
     (chosen,) = choose_stateff(out, results)
     assert [o for o in chosen if o.startswith("trainer.epochs=")] == ["trainer.epochs=3"]
+
+
+def test_wait_on_a_folder_without_a_submitted_plan_fails_in_one_line(tmp_path):
+    """`ptbench.paper wait DIR` never reads a missing or never-submitted plan as "every job has left the queue"."""
+    for folder, says in ((tmp_path / "missing", "no such folder"), (tmp_path, "nothing was submitted")):
+        p = subprocess.run([sys.executable, "-m", "ptbench.paper", "wait", str(folder)], capture_output=True, text=True)
+        assert p.returncode == 2 and says in p.stderr and p.stderr.count("\n") == 1, p.stderr
