@@ -27,9 +27,9 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+from ptbench.core.records import command_root
 from ptbench.run_point import run_bench
 from ptbench.runner.points import COMM_ARGS
 
@@ -335,10 +335,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="ledger: skip the bus-bandwidth measurement (python -m ptbench.comm into <root>/ledger/comm/)",
     )
-    ap.add_argument("--root", type=Path, help="results root (default: a temporary folder)")
+    ap.add_argument("--root", type=Path, help="results root (default: results/ledger-<time>/)")
     ap.add_argument("--json", type=Path, help="write every row to this file")
     args = ap.parse_args(argv)
-    root = args.root or Path(tempfile.mkdtemp(prefix="ptbench-ledger-"))
+    root = args.root or command_root("ledger")
+    print(f"ledger: records under {root}/", flush=True)
     out: dict = {}
     if args.only in (None, "bytes"):
         busbw = None if args.no_comm else measure_busbw(root)

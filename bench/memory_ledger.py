@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
+from ptbench.core.records import command_root
 from ptbench.run_point import run_bench
 
 ADAPTERS = {
@@ -57,10 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapters", nargs="+", default=list(ADAPTERS), choices=list(ADAPTERS))
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--tolerance", type=float, default=0.10, help="largest |predicted/counted - 1| accepted")
-    p.add_argument("--root", type=Path, default=None, help="where the records go (default: a temporary folder)")
+    p.add_argument(
+        "--root", type=Path, default=None, help="where the records go (default: results/memory-ledger-<time>/)"
+    )
     p.add_argument("--timeout", type=float, default=600)
     args = p.parse_args(argv)
-    root = args.root or Path(tempfile.mkdtemp(prefix="memory_ledger_"))
+    root = args.root or command_root("memory-ledger")
+    print(f"memory_ledger: records under {root}/", flush=True)
     rows, bad = [], 0
     print(
         f"{'adapter':<16} {'workload':<14} {'predicted KiB':>14} {'counted KiB per rank (gpipe: partition)':>38} {'ratio':>7}"

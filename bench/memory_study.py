@@ -63,6 +63,7 @@ import time
 from pathlib import Path
 
 from ptbench.core.memory_model import numel, predict
+from ptbench.core.records import command_root
 from ptbench.run_point import run_bench
 
 VARIANTS = {
@@ -691,9 +692,7 @@ def measure_step(variant: str, precision: str, ranks: int = 2, extra: list[str] 
     record's memory ledger holds each rank's optimizer-phase peak in the second step, when the optimizer's state
     exists (the trainer's `StepPeak`), beside the memory model's step_transient for the run. Returns {variant,
     precision, ranks, measured: [{peak} per rank], predicted: the record's predicted_memory}."""
-    import tempfile
-
-    root = Path(root or tempfile.mkdtemp(prefix="ptbench-step-"))
+    root = Path(root or command_root("memory-step"))
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-step-{precision}"
     over = [*STEP_OVERRIDES, f"trainer.precision={precision}", "results.mllog=false", *(extra or [])]
     s = run_point(variant, ranks, over, root, stamp, steps=2, warmup=2, timeout=600)

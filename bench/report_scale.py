@@ -378,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             with tempfile.TemporaryDirectory(prefix="report-scale-") as tmp:
                 rc |= run_one(n, Path(tmp), args.seed)
+            print(f"report_scale: {tmp} deleted; --keep DIR keeps records and report", flush=True)
     return rc
 
 

@@ -106,6 +106,12 @@ def results_folder(results) -> Path:
     return Path(results.dir or Path(results.root) / results.experiment)
 
 
+def command_root(command: str) -> Path:
+    """Where a measuring command's runs go without --root: results/<command>-<time>/ under the working directory,
+    beside every other record (never the system's temporary folder, which a cluster cleans and a laptop fills)."""
+    return Path("results") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def point_folders(results) -> set[Path]:
     """Where earlier records of a point may be (`results`: the config's results group):
     results.root/results.experiment, and results.dir (a sweep's folder) or else results.root."""
