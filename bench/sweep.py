@@ -22,6 +22,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 from ptbench.core.errors import ConfigError
@@ -95,7 +96,7 @@ def _run(args) -> int:
     extra = [*args.extra, *(["results.skip_done=true"] if args.resume else [])]
     if not args.no_comm:  # the measured network, once per sweep and world size, beside the records
         measure_comm(points, args.extra, dry_run=args.dry_run, resume=args.resume)
-    failed = []
+    failed, tally = [], Counter()
     repeats = max(1, args.repeats)
     # interleaved: every point once, then every point again (ABCABC): a drift of the machine spreads over all
     order = [(r, i) for r in range(repeats) for i in range(len(points))]
@@ -119,9 +120,18 @@ def _run(args) -> int:
             run = run_bench(retry, capture=False, run_name=name)
         if run.returncode:
             failed.append((i, run.returncode))
+        tally[outcome(run)] += 1
     for i, code in failed:
         print(f"point {i} ({shlex.join(points[i])}) exited {code}", file=sys.stderr)
+    if not args.dry_run:
+        print(f"sweep: {len(order)} run(s): {', '.join(f'{n} {k}' for k, n in sorted(tally.items()))}", flush=True)
     return 1 if failed else 0
+
+
+def outcome(run) -> str:
+    """A run's line in the closing tally: its record's final status, or `skipped` (results.skip_done found the
+    point already ok, so no record was written)."""
+    return "skipped" if run.returncode == 0 and not run.summary else run.status
 
 
 def _run_step_time(run) -> float | None:

@@ -4,15 +4,21 @@ training with each optimizer the README lists. Each runs the command a user woul
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
+import runpy
+import shlex
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
+from ptbench.core.errors import ConfigError
 from ptbench.runner.compose import compose, typed
+from ptbench.runner.points import expand_grid
 from ptbench.runner.plan import make_plan
 from tests.helpers import REPO, assert_loss_falls, bench, check_ok, events, run, run_dirs, summary
 
@@ -40,6 +46,7 @@ def test_sweep_goes_on_after_a_failed_first_point(tmp_path):
     got = sorted((s["status"], s.get("failed_rank")) for s in records(root))
     assert got == [("failed", 0), ("ok", None)], got
     assert "[2/2]" in proc.stdout  # the sweep reached its last point
+    assert "sweep: 2 run(s): 1 failed, 1 ok" in proc.stdout  # the closing tally
 
 
 def test_local_multirun_gives_one_ok_record_per_point(tmp_path):
@@ -182,3 +189,145 @@ def test_optimizer_trains(optimizer_runs, optimizer):
     assert len(losses) == 8
     assert_loss_falls(losses, by=OPTIMIZERS[optimizer], what=optimizer)
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["optimizer"]["name"] == optimizer
+
+
+# --- every command the README and the reference pages show -------------------------------------------------
+# Each command found on a page is checked against the real thing it names: a `python -m ptbench.X` command's
+# arguments are parsed by X's own argument parser (stopped right after parsing), a run's overrides compose
+# into its typed config, a make target and its variables are in the Makefile, a script, notebook or pip
+# extra exists. Running them all would take hours (ledger alone 9 minutes); the tests above and the other
+# test files run them.
+PAGES = ("README.md", "bench/README.md", "analysis/README.md", "adapters/README.md", "slurm/README.md", "results/README.md")  # fmt: skip
+INLINE = re.compile(r"`((?:[A-Z_]+=\S+ )*(?:\.venv/bin/)?(?:python -m ptbench|torchrun -m ptbench|make [a-z])[^`]*)`")
+# what a page writes for "your value here", and a value of that kind
+PLACEHOLDERS = {"N": "2", "i": "0", "DIR": "results/smoke", "FILE": "results/sweep.txt", "<root>": "results"}
+DROPPED = {"...", "[overrides]", "<overrides>", "OVERRIDES"}  # "any overrides": none is a valid choice
+MAIN_FLAGS = {"-m", "--help", "--cfg", "job", "--plan"}  # Hydra's own, and --plan (bench/__main__.py)
+NOT_OURS = {"srun", "sinfo", "export", "unset", "mkdir"}  # Slurm's and the shell's: nothing of ours to check
+
+
+def page_commands(page: str) -> list[str]:
+    """The commands of a page: every line of its ```bash blocks (comments cut, continuations joined), and
+    every inline `python -m ptbench...`, `torchrun -m ptbench...` and `make ...` of its prose."""
+    text = (REPO / page).read_text()
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line := re.sub(r"(^|\s+)#.*$", "", line).strip():
+                cmds.append(line)
+    prose = re.sub(r"```.*?```", "", text, flags=re.S).replace("\n", " ")
+    return cmds + [" ".join(m.split()) for m in INLINE.findall(prose)]
+
+
+def words(cmd: str) -> list[str]:
+    """The command's words with the page's placeholders filled in and optional brackets opened."""
+    out = []
+    for w in shlex.split(cmd):
+        if w in DROPPED:
+            continue
+        w = PLACEHOLDERS.get(w, w).replace("<experiment>", "smoke")
+        out += [w.strip("[]")] if w.strip("[]") else []
+    return out
+
+
+class _Parsed(Exception):
+    pass
+
+
+def parse_only(module: str, args: list[str], monkeypatch) -> None:
+    """Run `python -m MODULE ARGS` in this process up to its argument parser, and stop there. A parser error
+    (an unknown or malformed flag) is argparse's own exit 2."""
+    real_known, depth = argparse.ArgumentParser.parse_known_args, [0]
+
+    def known(self, args=None, namespace=None):  # also called by a subcommand's parser: stop at the outer one
+        depth[0] += 1
+        try:
+            got = real_known(self, args, namespace)
+        finally:
+            depth[0] -= 1
+        if depth[0]:
+            return got
+        raise _Parsed(got)
+
+    def full(self, args=None, namespace=None):
+        try:
+            known(self, args, namespace)
+        except _Parsed as parsed:
+            if parsed.args[0][1]:
+                self.error(f"unrecognized arguments: {' '.join(parsed.args[0][1])}")
+            raise
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", known)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", full)
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    with pytest.raises(_Parsed):
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def check_overrides(overrides: list[str]) -> None:
+    for point in expand_grid(overrides) if overrides else [[]]:
+        typed(compose(point))
+
+
+def check_make(args: list[str]) -> None:
+    makefile = (REPO / "Makefile").read_text()
+    target, variables = args[0], [a.split("=")[0] for a in args[1:]]
+    assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"make {target}: no such target"
+    for var in variables:
+        assert f"$({var})" in makefile or re.search(rf"^{var}\s*\??=", makefile, re.M), f"make: {var} unused"
+
+
+def check_pip(args: list[str]) -> None:
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    asked = [x for a in args if "[" in a for x in a.split("[")[1].rstrip("]").split(",")]
+    assert asked and set(asked) <= extras, (args, sorted(extras))
+
+
+def check_command(cmd: str, monkeypatch) -> None:
+    w = words(cmd)
+    while w and re.match(r"^[A-Z_]+=", w[0]):  # VAR=value before the command
+        w.pop(0)
+    prog = w[0].removeprefix(".venv/bin/")
+    if prog in ("python", "torchrun") and w[1:3] in (["-m", "ptbench"], ["-m", "bench"]):
+        assert w[2] == "ptbench", cmd
+        check_overrides([a for a in w[3:] if a not in MAIN_FLAGS])
+    elif prog == "python" and w[1] == "-m" and w[2] == "ptbench.runner.launch":
+        from ptbench.runner.launch import main
+
+        assert main([*w[3:], "adapter=megatron", "adapter.tensor_parallel=2"]) == 0, cmd
+    elif prog == "python" and w[1] == "-m" and w[2] == "ptbench.core.schema":
+        from ptbench.core.schema import markdown, readme_block
+
+        assert readme_block((REPO / w[3]).read_text()) == markdown(), cmd  # the command would change nothing
+    elif prog == "python" and w[1] == "-m" and w[2].startswith("ptbench."):
+        parse_only(w[2], w[3:], monkeypatch)
+    elif prog == "make":
+        check_make(w[1:])
+    elif prog == "pip":
+        check_pip(w[1:])
+    elif prog == "bash" or prog == "sbatch":
+        script = next(a for a in w if a.startswith("slurm/"))
+        assert (REPO / script).is_file(), cmd
+        if prog == "bash":
+            source = (REPO / script).read_text()
+            assert all(f"{a})" in source or a in source for a in w[2:]), cmd  # its subcommand and options
+        elif script.endswith("run.sbatch"):
+            check_overrides(w[w.index(script) + 1 :])
+    elif prog in ("jupyter", "papermill"):
+        assert all((REPO / a).exists() for a in w if a.startswith("analysis/")), cmd
+    else:
+        assert prog in NOT_OURS, f"{cmd}: a command of a kind this test does not check; teach check_command it"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_command_on_the_page_is_real(page, monkeypatch):
+    cmds = list(dict.fromkeys(page_commands(page)))
+    assert len(cmds) >= 3, cmds  # the extraction found the page's commands
+    failed = []
+    for cmd in cmds:
+        try:
+            with monkeypatch.context() as m:
+                check_command(cmd, m)
+        except (AssertionError, ConfigError, SystemExit, pytest.fail.Exception) as e:
+            failed.append(f"{cmd}: {type(e).__name__} {e}")
+    assert not failed, "\n".join(failed)
