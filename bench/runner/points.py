@@ -29,7 +29,10 @@ import json
 import os
 import shlex
 import sys
+from collections import Counter
 from pathlib import Path
+
+from hydra.experimental.callback import Callback
 
 from ptbench.core.errors import ConfigError
 from ptbench.core.records import point_folders, point_records, results_folder
@@ -282,3 +285,15 @@ def comm_targets(points: list[list[str]], extra: list[str]) -> list[tuple[Path, 
 def comm_measured(folder: Path, ranks: int) -> bool:
     """The folder already holds a measurement at this world size (what --resume keeps)."""
     return any(folder.glob(f"*-{ranks}.json"))
+
+
+class MultirunTally(Callback):
+    """A Hydra callback (conf/config.yaml hydra.callbacks): when a multirun ends, one line counting its points'
+    records by final status. The records are read from the sweep folder, so it holds for every launcher, the
+    jobs of submitit's run in other processes included; a point refused before launch writes no record."""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        folder = Path(str(config.hydra.sweep.dir))
+        statuses = Counter(json.loads(p.read_text()).get("status", "?") for p in folder.glob("*/summary.json"))
+        counts = ", ".join(f"{n} {status}" for status, n in sorted(statuses.items())) or "no record written"
+        print(f"multirun: {sum(statuses.values())} record(s) in {folder}: {counts}", flush=True)
