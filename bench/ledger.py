@@ -95,9 +95,8 @@ def measure_busbw(root: Path, timeout: float = 600) -> Path | None:
 
 def ledger_runs(root: Path, names=None, timeout: float = 600) -> list[dict]:
     rows = []
-    for name, over in LEDGER_RUNS.items():
-        if names and name not in names:
-            continue
+    todo = [(name, over) for name, over in LEDGER_RUNS.items() if not names or name in names]
+    for n, (name, over) in enumerate(todo, 1):
         nprocs = next((int(o.split("=")[1]) for o in over if o.startswith("launcher.nprocs=")), 2)
         run = run_bench(
             [*BASE, "launcher.nprocs=2", "trainer.batch_size=4", "trainer.max_steps=5", "trainer.profile=3:2", *over],
@@ -107,6 +106,7 @@ def ledger_runs(root: Path, names=None, timeout: float = 600) -> list[dict]:
             run_name=(name, "gpt2_tiny", nprocs),
         )
         prof = run.summary.get("profile") or {}
+        progress("ledger", n, len(todo), name, run)
         if not run.ok or not prof.get("ledger"):
             rows.append(dict(run=name, error=run.summary.get("error") or run.stderr.strip()[-300:] or run.status))
             continue
@@ -169,8 +169,9 @@ def bubble_runs(
     """Every case of the table, `repeats` times, interleaved (case after case, then again), so that a slow spell
     of a shared machine spreads over the cases instead of falling on one."""
     runs = []  # (case, repeat, row): the table's order is case by case, its repeats together
+    cases = bubble_cases(adapters, stages)
     for rep in range(repeats):
-        for case, (p, adapter, schedule, m) in enumerate(bubble_cases(adapters, stages)):
+        for case, (p, adapter, schedule, m) in enumerate(cases):
             label = f"{BUBBLE_ADAPTERS[adapter][0]} {schedule}"
             run = run_bench(
                 [
@@ -198,12 +199,18 @@ def bubble_runs(
                 run_name=(f"{adapter}-{schedule}-m{m}", "gpt2_tiny", p),
             )
             b = (run.summary.get("profile") or {}).get("bubble")
+            progress("bubble", rep * len(cases) + case + 1, repeats * len(cases), f"{label} p={p} m={m}", run)
             if not run.ok or not b:
                 err = run.summary.get("error") or run.stderr[-300:]
                 runs.append((case, rep, dict(stages=p, schedule=label, m=m, repeat=rep, error=err)))
                 continue
             runs.append((case, rep, dict(b, schedule=label, m=m, repeat=rep, record=str(run.run_dir))))
     return [row for _, _, row in sorted(runs, key=lambda t: t[:2])]
+
+
+def progress(what: str, n: int, total: int, name: str, run) -> None:
+    """One line per finished run: a command of several minutes is never silent for long."""
+    print(f"{what} [{n}/{total}] {name}: {run.status} in {run.wall_s:.0f}s", flush=True)
 
 
 def _mb(x) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -76,6 +77,7 @@ def test_ledger_command_measures_busbw_and_the_report_times_each_kind_at_it(tmp_
     comm = json.loads((tmp_path / "ledger" / "comm" / "gloo-2.json").read_text())
     assert {r["op"] for r in comm["results"]} == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
     assert f"python -m ptbench.analysis report {tmp_path}" in proc.stdout
+    assert re.search(r"^ledger \[1/1\] ddp: ok in \d+s$", proc.stdout, re.M), proc.stdout  # its progress line
     lines = "\n".join(why_lines(load(tmp_path), load_comm(tmp_path))).splitlines()
     head = next(line for line in lines if line.startswith("| run") and "ms at measured busbw" in line)
     col = [c.strip() for c in head.split("|")].index("ms at measured busbw")
