@@ -10,16 +10,16 @@ import re
 import runpy
 import shlex
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from ptbench.core.errors import ConfigError
 from ptbench.runner.compose import compose, typed
-from ptbench.runner.points import expand_grid
 from ptbench.runner.plan import make_plan
+from ptbench.runner.points import expand_grid
 from tests.helpers import REPO, assert_loss_falls, bench, check_ok, events, run, run_dirs, summary
 
 TINY = ["experiment=smoke", "launcher.nprocs=1", "workload.vocab_size=256", "trainer.max_steps=2"]
@@ -57,6 +57,7 @@ def test_local_multirun_gives_one_ok_record_per_point(tmp_path):
     had_multirun = (REPO / "multirun").exists()
     proc = bench("-m", "adapter=zero,ddp", "experiment=smoke", "workload.vocab_size=256", results=tmp_path, timeout=600)
     check_ok(proc)
+    assert re.search(r"multirun: 2 record\(s\) in \S+: 2 ok", proc.stdout), proc.stdout[-2000:]  # the tally
     recs = {d: summary(d) for d in run_dirs(tmp_path)}
     assert sorted((s["status"], s["world_size"], s["adapter"]) for s in recs.values()) == [
         ("ok", 2, "ddp"),
@@ -225,8 +226,8 @@ def words(cmd: str) -> list[str]:
     for w in shlex.split(cmd):
         if w in DROPPED:
             continue
-        w = PLACEHOLDERS.get(w, w).replace("<experiment>", "smoke")
-        out += [w.strip("[]")] if w.strip("[]") else []
+        w = w.strip("[]")
+        out += [PLACEHOLDERS.get(w, w).replace("<experiment>", "smoke")] if w else []
     return out
 
 
@@ -260,6 +261,7 @@ def parse_only(module: str, args: list[str], monkeypatch) -> None:
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", known)
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", full)
     monkeypatch.setattr(sys, "argv", [module, *args])
+    monkeypatch.delitem(sys.modules, module, raising=False)  # run as __main__, not beside its imported copy
     with pytest.raises(_Parsed):
         runpy.run_module(module, run_name="__main__", alter_sys=True)
 
@@ -298,7 +300,7 @@ def check_command(cmd: str, monkeypatch) -> None:
     elif prog == "python" and w[1] == "-m" and w[2] == "ptbench.core.schema":
         from ptbench.core.schema import markdown, readme_block
 
-        assert readme_block((REPO / w[3]).read_text()) == markdown(), cmd  # the command would change nothing
+        assert readme_block((REPO / w[3]).read_text()) == markdown().strip("\n"), cmd  # it would change nothing
     elif prog == "python" and w[1] == "-m" and w[2].startswith("ptbench."):
         parse_only(w[2], w[3:], monkeypatch)
     elif prog == "make":
@@ -328,6 +330,25 @@ def test_every_command_on_the_page_is_real(page, monkeypatch):
         try:
             with monkeypatch.context() as m:
                 check_command(cmd, m)
-        except (AssertionError, ConfigError, SystemExit, pytest.fail.Exception) as e:
+        except (AssertionError, ConfigError, ImportError, SystemExit, pytest.fail.Exception) as e:
             failed.append(f"{cmd}: {type(e).__name__} {e}")
     assert not failed, "\n".join(failed)
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    heads = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_link_between_the_pages_lands(page):
+    """A relative link of a page names a file of the checkout and, after '#', one of that file's headings."""
+    links = re.findall(r"\]\(([^)\s]+)\)", (REPO / page).read_text())
+    broken = []
+    for link in (x for x in links if "://" not in x):
+        path, _, anchor = link.partition("#")
+        target = (REPO / page).parent / path if path else REPO / page
+        if not target.exists() or (anchor and anchor not in anchors(target)):
+            broken.append(link)
+    assert not broken, f"{page}: {broken}"
