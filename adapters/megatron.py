@@ -564,7 +564,8 @@ class MegatronAdapter(Adapter):
         sharded, _ = self._checkpoint_state()
         with self._compat():
             loaded = dist_checkpointing.load(sharded, str(Path(path) / "megatron"))
-        own = torch.load(Path(path) / f"megatron-rank{self.ctx.rank}.pt", weights_only=False)
+        # step counts and RNG tracker tensors only: weights-only, so a planted pickle is refused, never run
+        own = torch.load(Path(path) / f"megatron-rank{self.ctx.rank}.pt", weights_only=True)
         self.model.module.load_state_dict(loaded["model"], strict=True)
         optim = loaded["optimizer"]
         for i, step in own["optimizer_steps"].items():

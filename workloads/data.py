@@ -14,6 +14,7 @@ framework sees the same data; only the model init and the sampling order follow 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import re
@@ -198,55 +199,45 @@ def token_cache(
     cache_dir: str | None = None,
     local_rank: int = 0,
     wait_s: float | None = None,
+    say=None,
 ) -> Path:
     """Path of the uint16 token-id file for `text_path`, building it if needed.
 
     The name is keyed by the text file's name, size and mtime and a hash of the tokenizer files,
-    so an edited file or another tokenizer gives a new cache. `local_rank` 0 builds (temp file,
-    then an atomic rename, so concurrent builders on a shared file system are harmless); other
-    ranks wait for the final file, at most `wait_s` seconds (default 300 s + 2 s per MB of text,
-    env BENCH_DATA_WAIT_S overrides).
+    so an edited file or another tokenizer gives a new cache, and ends with the token count it was
+    written with (KEY.N.u16): a file whose size is not 2 N bytes (cut short by a full disk, a copy, a
+    crash of the file system) is rebuilt, with one line to `say` (default: stderr) saying so, instead
+    of training on part of the text. `local_rank` 0 builds (temp file, then an atomic rename, so
+    concurrent builders on a shared file system are harmless); other ranks wait for a complete file,
+    at most `wait_s` seconds (default 300 s + 2 s per MB of text, env BENCH_DATA_WAIT_S overrides).
     """
     text_path = Path(text_path)
     st = text_path.stat()
-    name = (
-        f"{text_path.parent.name}.{text_path.name}.{st.st_size}.{st.st_mtime_ns}"
-        f".{tokenizer_fingerprint(tokenizer_dir)}.u16"
+    key = (
+        f"{text_path.parent.name}.{text_path.name}.{st.st_size}.{st.st_mtime_ns}.{tokenizer_fingerprint(tokenizer_dir)}"
     )
     candidates = cache_dirs(text_path, cache_dir)
 
-    def existing() -> Path | None:
-        for d in candidates:
-            if (d / name).is_file():
-                return d / name
-        return None
-
-    found = existing()
+    found, damaged = _cached(candidates, key)
     if found is not None:
         return found
     if local_rank != 0:
-        if wait_s is None:
-            wait_s = float(os.environ.get("BENCH_DATA_WAIT_S", 300 + 2 * st.st_size / 1e6))
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            found = existing()
-            if found is not None:
-                return found
-        raise TimeoutError(
-            f"local rank {local_rank} waited {wait_s:.0f} s for the token cache {name} "
-            f"(built by local rank 0) in {', '.join(map(str, candidates))}"
+        return _wait_for_cache(candidates, key, local_rank, wait_s, st.st_size)
+    for path, tokens in damaged:
+        (say or _stderr)(
+            f"warning: token cache {path} holds {path.stat().st_size} bytes, not the {2 * tokens} of its "
+            f"{tokens} tokens (cut short after it was written): rebuilding it from {text_path}"
         )
-
+        path.unlink(missing_ok=True)
     target_dir = next((d for d in candidates if _writable_dir(d)), None)
     if target_dir is None:
         raise ConfigError(
             f"data.cache_dir: none of {', '.join(map(str, candidates))} is writable; "
             "set data.cache_dir=<writable folder>"
         )
-    ids = encode_text(gpt2_tokenizer(tokenizer_dir), text_path.read_text(encoding="utf-8"))
-    final = target_dir / name
-    tmp = target_dir / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    ids = encode_text(gpt2_tokenizer(tokenizer_dir), read_utf8(text_path))
+    final = target_dir / f"{key}.{ids.size}.u16"
+    tmp = target_dir / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         with open(tmp, "wb") as f:
             ids.tofile(f)
@@ -257,6 +248,63 @@ def token_cache(
         if tmp.exists():
             tmp.unlink()
     return final
+
+
+def _cached(candidates: list[Path], key: str) -> tuple[Path | None, list[tuple[Path, int]]]:
+    """(the first cache file of `key` whose size matches the token count in its name, or None;
+    [(file, its count)] of those that do not)."""
+    pattern = re.compile(re.escape(key) + r"\.(\d+)\.u16")
+    damaged = []
+    for d in candidates:
+        for path in sorted(d.glob(f"{glob.escape(key)}.*.u16")) if d.is_dir() else []:
+            m = pattern.fullmatch(path.name)
+            if not m:
+                continue
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:  # replaced by another builder meanwhile
+                continue
+            if size == 2 * int(m.group(1)):
+                return path, []
+            damaged.append((path, int(m.group(1))))
+    return None, damaged
+
+
+def _wait_for_cache(candidates: list[Path], key: str, local_rank: int, wait_s: float | None, text_bytes: int) -> Path:
+    if wait_s is None:
+        wait_s = float(os.environ.get("BENCH_DATA_WAIT_S", 300 + 2 * text_bytes / 1e6))
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        found, _ = _cached(candidates, key)
+        if found is not None:
+            return found
+    raise TimeoutError(
+        f"local rank {local_rank} waited {wait_s:.0f} s for the token cache {key}.*.u16 "
+        f"(built by local rank 0) in {', '.join(map(str, candidates))}"
+    )
+
+
+def read_utf8(path: Path) -> str:
+    """The text of `path`, strict UTF-8. Invalid bytes end the run with one line naming the file and the
+    byte offset, rather than being decoded with replacement characters: WikiText is UTF-8, so such a byte
+    means a damaged or a wrong file, and replacing it would train, silently, on other tokens than the
+    dataset's (a benchmark's token count and loss would no longer compare with anyone's)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            f"data.root: {path} is not valid UTF-8 at byte {e.start} (line {line}, byte 0x{data[e.start]:02x}): "
+            "restore the file, or convert it to UTF-8 (iconv -f <its encoding> -t utf-8)"
+        ) from None
+
+
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
 
 
 def blank_text(path: str | os.PathLike, probe: int = 1 << 16) -> bool:
@@ -370,44 +418,153 @@ def decode_rgb(path: str | os.PathLike) -> torch.Tensor:
     return decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
 
 
-class ImageFiles(Dataset):
+BAD_IMAGES = ("fail", "skip")
+# what a damaged or unreadable file raises: torchvision.io RuntimeError, PIL OSError (UnidentifiedImageError,
+# "image file is truncated"), a read error OSError; caught around the decode only, never the transforms
+DECODE_ERRORS = (OSError, RuntimeError, ValueError)
+
+
+class BadImage(ConfigError):
+    """An image file that cannot be decoded, with data.bad_images=fail. Raised in a DataLoader worker, it
+    reaches the rank re-made by torch from the worker's formatted traceback ("Caught BadImage in DataLoader
+    worker process 0. Original Traceback ..."): the one line is taken back out of that text, so the
+    console and the record name the file, not the worker's traceback."""
+
+    def __init__(self, message: str):
+        if message.startswith("Caught "):
+            lines = re.findall(rf"{type(self).__name__}: (.*)$", message, re.M)
+            message = lines[-1] if lines else message
+        super().__init__(message)
+
+
+class DamagedImages:
+    """data.bad_images for a dataset of image files (`samples`: [(path, label)]). fail: the first damaged
+    file ends the run in one line naming it. skip: it is named once in one line, marked, and every item
+    that would be it is the next good file (with its own label); `skipped()` counts the files marked.
+
+    The marks live in shared memory (multiprocessing.RawArray), so the DataLoader workers that find
+    damaged files, and the rank that writes the record, see the same ones."""
+
+    def _init_damage(self, policy: str) -> None:
+        import ctypes
+        import multiprocessing
+
+        if policy not in BAD_IMAGES:
+            raise ConfigError(f"data.bad_images={policy}: choose {' or '.join(BAD_IMAGES)}")
+        self.bad_images = policy
+        self._bad = multiprocessing.RawArray(ctypes.c_bool, max(1, len(self.samples)))
+
+    def skipped(self) -> int:
+        return sum(self._bad[: len(self.samples)])
+
+    def skipped_files(self, limit: int = 10) -> list[str]:
+        return [str(self.samples[j][0]) for j in range(len(self.samples)) if self._bad[j]][:limit]
+
+    def damaged(self, j: int, e: BaseException) -> None:
+        """File j failed to decode with `e`: raise (fail) or mark it and say so once (skip)."""
+        path = self.samples[j][0]
+        text = re.sub(r"^.*\.cpp:\d+, ", "", str(e).strip().split("\n")[0])  # torchvision's C++ source location
+        text = text.split(". ")[0][:120]  # its first sentence
+        why = f"{type(e).__name__}: {text}" if text else type(e).__name__
+        if self.bad_images == "fail":
+            raise BadImage(
+                f"data.root: image {path} cannot be decoded ({why}): replace or remove the file, or set "
+                "data.bad_images=skip to skip such files and count them in the record"
+            ) from None
+        if not self._bad[j]:
+            self._bad[j] = True
+            _stderr(f"warning: image {path} cannot be decoded ({why}): skipped and counted (data.bad_images=skip)")
+
+    def first_good(self, i: int, load):
+        """(j, load(j)) for the first file from item i on that decodes (skipping marked ones)."""
+        n = len(self.samples)
+        for k in range(n):
+            j = (i + k) % n
+            if self._bad[j]:
+                continue
+            try:
+                return j, load(j)
+            except DECODE_ERRORS as e:
+                self.damaged(j, e)
+        raise BadImage(f"data.root: none of the {n} images under {self.root} can be decoded: check the folder")
+
+
+class ImageFiles(DamagedImages, Dataset):
     """ImageFolder's listing (<root>/<class>/*, classes sorted) decoded by torchvision.io, the reference
     transforms applied to uint8 tensors, then converted to float and normalised per image.
 
     `cache_decoded`: every image is decoded once, here, into a list of uint8 tensors in RAM
     (`cache_time_s`, `cache_bytes` say what it cost), so a step only crops and flips. Items are the
-    same tensors with or without the cache (same seed): decoding is deterministic.
+    same tensors with or without the cache (same seed): decoding is deterministic. A damaged file:
+    `bad_images` (`DamagedImages`).
     """
 
     def __init__(
-        self, root: str | os.PathLike, image_size: int, train: bool, augment: bool = True, cache_decoded: bool = False
+        self,
+        root: str | os.PathLike,
+        image_size: int,
+        train: bool,
+        augment: bool = True,
+        cache_decoded: bool = False,
+        bad_images: str = "fail",
     ):
         from torchvision.datasets import ImageFolder
 
         listing = ImageFolder(str(root))  # scans the folders only; its PIL loader is never called
+        self.root = str(root)
         self.samples, self.classes, self.targets = listing.samples, listing.classes, listing.targets
+        self._init_damage(bad_images)
         # train: the reference RandomResizedCrop + flip (CropFlip: the same numbers, cheaper); val: Resize + CenterCrop
         self.transform = (
             CropFlip(image_size) if train and augment else imagenet_transforms(image_size, train, augment, uint8=True)
         )
-        self.images: list[torch.Tensor] | None = None
+        self.images: list[torch.Tensor | None] | None = None
         self.cache_time_s = 0.0
         self.cache_bytes = 0
         if cache_decoded:
             t0 = time.perf_counter()
             with warnings.catch_warnings():  # torchvision 0.29 warns at every decode that TorchCodec succeeds it
                 warnings.simplefilter("ignore", DeprecationWarning)
-                self.images = [decode_rgb(path) for path, _ in self.samples]
+                self.images = [self._decode_once(j) for j in range(len(self.samples))]
             self.cache_time_s = time.perf_counter() - t0
-            self.cache_bytes = sum(im.numel() for im in self.images)
+            self.cache_bytes = sum(im.numel() for im in self.images if im is not None)
+
+    def _decode_once(self, j: int) -> torch.Tensor | None:
+        try:
+            return decode_rgb(self.samples[j][0])
+        except DECODE_ERRORS as e:
+            self.damaged(j, e)  # marked (skip): never read from the cache
+            return None
+
+    def _load(self, j: int) -> torch.Tensor:
+        return self.images[j] if self.images is not None else decode_rgb(self.samples[j][0])
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int):
-        path, label = self.samples[i]
-        image = self.images[i] if self.images is not None else decode_rgb(path)
-        return normalize_uint8(self.transform(image)), label
+        j, image = self.first_good(i, self._load)
+        return normalize_uint8(self.transform(image)), self.samples[j][1]
+
+
+class PilImages(DamagedImages, Dataset):
+    """torchvision's ImageFolder with its PIL loader and the reference transforms on PIL images (the
+    reference path), with data.bad_images (`DamagedImages`)."""
+
+    def __init__(self, root: str | os.PathLike, transform, bad_images: str = "fail"):
+        from torchvision.datasets import ImageFolder
+
+        self.folder = ImageFolder(str(root), transform=transform)
+        self.root, self.samples = str(root), self.folder.samples
+        self.classes, self.targets, self.transform = self.folder.classes, self.folder.targets, transform
+        self._init_damage(bad_images)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        j, image = self.first_good(i, lambda j: self.folder.loader(self.samples[j][0]))
+        return self.transform(image), self.samples[j][1]
 
 
 DECODERS = ("torchvision", "pil")
@@ -420,21 +577,21 @@ def image_folder(
     augment: bool = True,
     decoder: str = "torchvision",
     cache_decoded: bool = False,
+    bad_images: str = "fail",
 ):
     """<root>/<split>/<class>/* as a dataset of (image [3,S,S] float32 normalised, label int).
 
-    decoder=pil: torchvision's ImageFolder with the reference transforms on PIL images (the reference
-    path); decoder=torchvision: `ImageFiles` (same transforms on uint8 tensors, optional RAM cache)."""
+    decoder=pil: `PilImages` (torchvision's ImageFolder, the reference transforms on PIL images: the reference
+    path); decoder=torchvision: `ImageFiles` (same transforms on uint8 tensors, optional RAM cache).
+    bad_images: what a file that cannot be decoded does (`DamagedImages`): fail | skip."""
     train = split == "train"
     if decoder == "pil":
         if cache_decoded:
             raise ConfigError("data.cache_decoded=true needs data.decoder=torchvision (the PIL path decodes per item)")
-        from torchvision.datasets import ImageFolder
-
-        return ImageFolder(str(Path(root) / split), transform=imagenet_transforms(image_size, train, augment))
+        return PilImages(Path(root) / split, imagenet_transforms(image_size, train, augment), bad_images)
     if decoder != "torchvision":
         raise ConfigError(f"data.decoder={decoder}: choose {' or '.join(DECODERS)}")
-    return ImageFiles(Path(root) / split, image_size, train, augment, cache_decoded)
+    return ImageFiles(Path(root) / split, image_size, train, augment, cache_decoded, bad_images)
 
 
 def decoded_bytes_estimate(split_dir: str | os.PathLike) -> int:

@@ -190,6 +190,7 @@ class VisionWorkload(Workload):
         self.channels_last = use_channels_last(cfg.channels_last, device_type)
         self.cudnn_benchmark = use_cudnn_benchmark(cfg.cudnn_benchmark, device_type)
         self._data_facts: dict = {}
+        self._image_sets: tuple = ()
 
     def build_model(self) -> nn.Module:
         c = self.cfg
@@ -217,6 +218,13 @@ class VisionWorkload(Workload):
         }
         if d.source == "imagefolder":
             facts.update(decoder=d.decoder, cache_decoded=d.cache_decoded, **self._data_facts)
+            # this rank's files that could not be decoded (data.bad_images=skip; fail ends the run at the first)
+            sets = self._image_sets
+            facts.update(
+                bad_images=d.bad_images,
+                images_skipped=sum(s.skipped() for s in sets),
+                images_skipped_files=[f for s in sets for f in s.skipped_files()][:10],
+            )
         return facts
 
     def sequential(self, model: nn.Module) -> nn.Sequential:
@@ -267,6 +275,8 @@ class VisionWorkload(Workload):
                     f"data.root: {Path(root) / split} has {n} class folders but "
                     f"workload.num_classes={self.cfg.num_classes}; set workload.num_classes={n}"
                 )
+        if self.data.bad_images not in D.BAD_IMAGES:
+            raise ConfigError(f"data.bad_images={self.data.bad_images}: choose {' or '.join(D.BAD_IMAGES)}")
         if self.data.decoder not in D.DECODERS:
             raise ConfigError(f"data.decoder={self.data.decoder}: choose {' or '.join(D.DECODERS)}")
         if self.data.cache_decoded:
@@ -300,9 +310,10 @@ class VisionWorkload(Workload):
                 D.SyntheticImages(d.val_samples, c.num_classes, c.image_size, "val"),
             )
         sets = tuple(
-            D.image_folder(d.root, split, c.image_size, d.augment, d.decoder, d.cache_decoded)
+            D.image_folder(d.root, split, c.image_size, d.augment, d.decoder, d.cache_decoded, d.bad_images)
             for split in ("train", "val")
         )
+        self._image_sets = sets  # their damaged-file counts go into the record (`describe`)
         if d.cache_decoded:
             self._data_facts = {
                 "cache_build_s": sum(s.cache_time_s for s in sets),

@@ -27,6 +27,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -178,6 +179,7 @@ def commit(tmp: Path, meta: dict) -> Path:
     files = manifest(tmp)
     meta = {**meta, "bytes": sum(f["bytes"] for f in files.values()), "files": len(files) + 1, "manifest": files}
     write_json(tmp / META, meta)
+    make_private(tmp)
     _fsync_tree(tmp)
     if final.exists():  # the same step saved before (a resumed run stopped again at once): replace it
         shutil.rmtree(final)
@@ -230,11 +232,14 @@ def crash_hook(step: int) -> None:
 
 # --- each rank's own state -----------------------------------------------------------------------
 def rng_state() -> dict:
+    """Every RNG's state as tensors, lists and numbers only, so that the file loads with weights_only=True
+    (numpy's key array as a list: an ndarray would need numpy's reconstructors allowlisted)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
     }
 
 
@@ -242,8 +247,10 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
 def save_rank_state(path: Path, rank: int, state: dict) -> None:
@@ -251,8 +258,47 @@ def save_rank_state(path: Path, rank: int, state: dict) -> None:
 
 
 def load_rank_state(path: Path, rank: int) -> dict:
-    # our own file, holding numpy/python RNG tuples: not weights-only
-    return torch.load(Path(path) / f"trainer-rank{rank}.pt", weights_only=False)
+    """This rank's own state: tensors, lists, dicts and numbers (`rng_state`), so weights-only: a pickle
+    planted in a results folder (often a group's shared space) is refused, never run."""
+    import pickle
+
+    file = Path(path) / f"trainer-rank{rank}.pt"
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's message is a page on how to load it unsafely: one line instead
+        raise ConfigError(
+            f"checkpoint {file} holds objects other than tensors, lists and numbers (an older ptbench's "
+            f"numpy RNG state, or something planted): not loaded ({str(e).split('. ')[0]}); set "
+            "trainer.resume=never to start over"
+        ) from None
+
+
+def unsafe_to_resume(path: Path) -> str | None:
+    """One line refusing checkpoint `path` when someone but this user could have written into it, or None.
+
+    Every adapter's format holds pickles that loading runs (DCP's .metadata, DeepSpeed's and Megatron's
+    torch.load(weights_only=False) files): like ssh with a key file others can write, a checkpoint folder,
+    or a file or folder in it, that is not this user's or that group or others may write is refused,
+    naming it and its mode. (A folder swapped in by another user is theirs: the owner check refuses it.)"""
+    me = os.getuid()
+    for p in [Path(path), *sorted(Path(path).rglob("*"))]:
+        st = p.lstat()
+        if st.st_uid != me or st.st_mode & 0o022:
+            who = f"owned by uid {st.st_uid}, not you (uid {me})" if st.st_uid != me else "writable by others"
+            return (
+                f"not resuming from {p}: mode {stat.S_IMODE(st.st_mode):04o}, {who} (loading a checkpoint can run "
+                f"code): chmod -R go-w {path} if you trust it, or set trainer.resume=never"
+            )
+    return None
+
+
+def make_private(path: Path) -> None:
+    """Group and others lose write access to a committed checkpoint (a umask of 002, usual in shared group
+    folders, would leave them writable and `unsafe_to_resume` would refuse the run's own checkpoint)."""
+    for p in [Path(path), *Path(path).rglob("*")]:
+        mode = p.lstat().st_mode
+        if mode & 0o022 and not stat.S_ISLNK(mode):
+            p.chmod(stat.S_IMODE(mode) & ~0o022)
 
 
 def read_meta(path: Path) -> dict:
@@ -284,6 +330,9 @@ def find_resumable(
                 "it is, and this run starts from step 0 in a record of its own"
             )
             continue
+        refusal = unsafe_to_resume(ckpt)
+        if refusal:
+            raise ConfigError(refusal)
         when = read_meta(ckpt).get("time", 0)
         if best is None or when > best[0]:
             best = (when, run_dir, ckpt)

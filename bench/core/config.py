@@ -83,6 +83,9 @@ class DataConfig:
     # imagefolder: decode every image once into RAM (uint8) before training, so steps only crop/flip;
     # for small datasets (refused when the estimate exceeds a quarter of the free memory)
     cache_decoded: bool = False
+    # imagefolder: a file that cannot be decoded: fail = end the run in one line naming it; skip = name it
+    # once, use the next good file in its place, and count it in the record (data_pipeline.images_skipped)
+    bad_images: str = "fail"
 
 
 @dataclass

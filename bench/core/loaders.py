@@ -114,6 +114,68 @@ def ignore_interrupt(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+class WorkerDied(RuntimeError):
+    """A DataLoader worker of this rank ended while the rank waited for its batch (a signal: the OOM
+    killer, a kill from outside; or an exit), named by worker id, pid and signal."""
+
+
+class Loader(DataLoader):
+    """A DataLoader whose multi-process iterator names a worker that died: torch reports it as a
+    ConnectionResetError, an EOFError or "worker (pid(s) N) exited unexpectedly", depending on which of its
+    checks sees the death first; this one waits for the dead worker's exit status and says which worker,
+    which pid and which signal (`WorkerDied`)."""
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        return _watched_iterator(self)
+
+
+def _watched_iterator(loader: DataLoader):
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    class WatchedIterator(_MultiProcessingDataLoaderIter):
+        def _next_data(self):
+            try:
+                return super()._next_data()
+            except (OSError, EOFError, RuntimeError) as e:  # how torch sees a worker's death (not StopIteration)
+                # a worker's own exception comes re-raised with its traceback ("Caught ..."): no death to wait for
+                dead = dead_worker(self._workers, wait_s=0.0 if "Caught " in str(e) else 5.0)
+                if dead is None:
+                    raise
+                self._shutdown_workers()  # the others, and torch's SIGCHLD check of them, end here
+                raise WorkerDied(dead) from e
+
+    return WatchedIterator(loader)
+
+
+def dead_worker(workers, wait_s: float = 5.0) -> str | None:
+    """One line on the first of `workers` (multiprocessing.Process, index = worker id) that died (a signal,
+    a nonzero exit), or None. A worker killed by a signal closes its pipes a moment before it can be
+    reaped: wait for that, at most `wait_s` seconds."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        ended = [(i, w) for i, w in enumerate(workers) if w.exitcode not in (None, 0)]  # 0: shut down
+        if ended or time.monotonic() > deadline:
+            break
+        try:
+            time.sleep(0.01)
+        except RuntimeError:  # torch's SIGCHLD handler raises "worker ... is killed by signal" wherever it runs
+            pass
+    if not ended:
+        return None
+    worker_id, w = ended[0]
+    if w.exitcode < 0:
+        how = f"was killed by signal {signal.Signals(-w.exitcode).name} ({signal.strsignal(-w.exitcode)})"
+        hint = "the OOM killer sends SIGKILL when memory runs out (see dmesg): lower data.num_workers"
+    else:
+        how, hint = f"exited with code {w.exitcode}", "its dataset or transform ended the process"
+    return f"DataLoader worker {worker_id} (pid {w.pid}) {how} while loading a batch; {hint}"
+
+
 def train_loader(
     dataset: Dataset,
     replicas: int,
@@ -125,7 +187,7 @@ def train_loader(
     device_type: str | None = None,
 ):
     sampler = StepShardedSampler(dataset, replicas, rank, batch_size, grad_accum, seed)
-    loader = DataLoader(
+    loader = Loader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -147,7 +209,7 @@ def eval_loader(dataset: Dataset, replicas: int, rank: int, batch_size: int, wor
         n = min(n, max_batches * batch_size * replicas)
     per_rank = math.ceil(n / replicas)
     padded = WeightedEvalSet(torch.utils.data.Subset(dataset, range(n)), per_rank * replicas)
-    return DataLoader(
+    return Loader(
         padded,
         batch_size=batch_size,
         sampler=StridedSampler(len(padded), rank, replicas),

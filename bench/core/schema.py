@@ -326,6 +326,13 @@ SUMMARY = (
         "data_pipeline",
         "loader and input settings as used (pin_memory, persistent_workers; vision: channels_last, cudnn_benchmark, "
         "decoder, cache)",
+        F("bad_images", "", "imagefolder: data.bad_images (fail: a damaged file ends the run; skip: counted here)"),
+        F(
+            "images_skipped",
+            "count",
+            "imagefolder: image files rank 0 found damaged and skipped (data.bad_images=skip)",
+        ),
+        F("images_skipped_files", "", "imagefolder: the first 10 of those files", kind="list"),
     ),
     F(
         "compile",
