@@ -1,5 +1,9 @@
-"""The report's closing "Which adapter" section: the answers, each from one computation over the finished runs.
+"""The report's answers, each from one computation over the finished runs: the short "Answers" that open
+report.md (`answers_lines`) and the "Which adapter" section of report-details.md with every comparison and run
+(`which_adapter_lines`).
 
+- Fastest per device count: points ranked by the geometric mean of their runs' time per training sample, with
+  its 95 % interval; called fastest only when it beats every other point there (`ptbench.analysis.stats.rank`).
 - Fastest to the target: points (series x device count) ranked by the geometric mean of their runs' time to a
   target fixed in advance (ptbench.analysis.target), interpolated between epoch ends; the headline names the
   point that ranks first, and it is called faster than every other point only when Welch's test on logs,
@@ -20,8 +24,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ptbench.analysis.stats import MARGIN, geo_interval, rank, repeats_for
-from ptbench.analysis.tables import Study, time_to_target
+from ptbench.analysis.stats import (
+    EQUIVALENT,
+    FASTER,
+    MARGIN,
+    NOT_DISTINGUISHABLE,
+    _pct,
+    geo_interval,
+    rank,
+    repeats_for,
+)
+from ptbench.analysis.tables import Study, time_to_target, without_contention
 
 
 def _point(label, devices) -> str:
@@ -80,10 +93,10 @@ def _fastest_to_target(t: pd.DataFrame, margin: float) -> tuple[dict | None, lis
     done = t.groupby(["label", "devices"]).agg(
         every=("reached", "all"), reached_runs=("reached", "sum"), runs=("reached", "count")
     )
-    for (lab, d), row in done[~done["every"]].iterrows():
-        undecided.append(
-            f"time to target: {_point(lab, d)} reached it in {int(row['reached_runs'])} of {row['runs']} runs"
-        )
+    short = [f"{_point(lab, d)} ({int(row['reached_runs'])} of {row['runs']})" for (lab, d), row in
+             done[~done["every"]].iterrows()]  # fmt: skip
+    if short:
+        undecided.append(f"time to target: not every run reached it: {', '.join(short)}")
     ok = t[t.set_index(["label", "devices"]).index.isin(done[done["every"]].index)]
     if ok.empty:
         return None, undecided + ["time to target: no point reached the target in every run"]
@@ -174,6 +187,23 @@ def _best_scaling(r: pd.DataFrame, sp: pd.DataFrame, wl, margin: float) -> tuple
     return sc, said
 
 
+def _fastest_per_count(r: pd.DataFrame, margin: float) -> list[dict]:
+    """Per device count: the point with the lowest geometric-mean time per training sample, with its 95 %
+    interval; `fastest` only when it beats every other point there (`rank`: Welch on logs, Holm-adjusted)."""
+    if "time_per_sample_used_s" not in r:
+        return []
+    have = r.assign(t=pd.to_numeric(r["time_per_sample_used_s"], errors="coerce")).dropna(subset=["t"])
+    out = []
+    for d, sub in have.groupby(have["devices"].astype(int)):
+        values = {lab: g["t"].tolist() for lab, g in sub.groupby("label")}
+        ranked = rank(values, margin)
+        best = ranked["best"]
+        out.append(dict(devices=int(d), label=best, time=geo_interval(values[best]), points=len(values),
+                        fastest=ranked["fastest"], versus=ranked["versus"],
+                        runs=sorted(sub.loc[sub["label"] == best, "run_id"])))  # fmt: skip
+    return out
+
+
 def _spread_notes(r: pd.DataFrame) -> list[str]:
     out = []
     gbs = sorted(
@@ -195,13 +225,6 @@ def _spread_notes(r: pd.DataFrame) -> list[str]:
     return out
 
 
-def _without_contention(study: Study, include_contended: bool) -> tuple[Study, list[str]]:
-    if include_contended or "contention" not in study.epochs or study.epochs["contention"].isna().all():
-        return study, []
-    bad = study.epochs["contention"].notna()
-    return Study(study.epochs[~bad]), sorted(set(study.epochs.loc[bad, "run_id"]))
-
-
 def which_adapter(
     data: pd.DataFrame | Study,
     baseline: str | None = "best",
@@ -211,11 +234,12 @@ def which_adapter(
     margin: float = MARGIN,
 ) -> dict:
     """The "Which adapter" answers per workload: {workload: {"fastest": {...} | None, "memory": [...],
-    "scaling": {...} | None, "undecided": [reasons]}}. Runs whose record warns of contention are left out unless
+    "scaling": {...} | None, "per_count": [fastest per device count], "undecided": [reasons]}}. Runs whose
+    record warns of contention are left out unless
     `include_contended`. `noise`: the A/A run-to-run spread, which plans repeats and moves no verdict;
     `target`: the time-to-target metric value (default: fixed from the baseline point's runs)."""
     out: dict = {}
-    study, contended = _without_contention(Study.of(data), include_contended)
+    study, contended = without_contention(data, include_contended)
     per_run = study.ok_runs if len(study.ok_epochs) else pd.DataFrame()
     if per_run.empty:
         return out
@@ -225,7 +249,7 @@ def which_adapter(
     except Exception:  # noqa: BLE001 - a baseline this workload lacks: scaling undecided below
         sp = pd.DataFrame()
     for wl, r in per_run.groupby("workload"):
-        v: dict = {"fastest": None, "memory": [], "scaling": None, "undecided": []}
+        v: dict = {"fastest": None, "memory": [], "scaling": None, "undecided": [], "per_count": []}
         if contended:
             v["undecided"].append(
                 f"left out for contention (their records warn of shared CPUs or other runs): {_ids(contended)}"
@@ -244,6 +268,7 @@ def which_adapter(
                 v["undecided"].append(f"time to target leaves out runs without a validation metric: {_ids(without)}")
         v["memory"], said = _lowest_memory(r)
         v["undecided"] += said
+        v["per_count"] = _fastest_per_count(r, margin)
         v["scaling"], said = _best_scaling(r, sp, wl, margin)
         v["undecided"] += said + _spread_notes(r)
         out[wl] = v
@@ -260,6 +285,14 @@ def _fastest_line(f: dict) -> str:
         f"{len(runs)} run(s), crossing at epoch {f['epoch']:.2f}; runs {_ids(runs)})" + f["versus"] + ". Wall time "
         "counts from the first epoch's start, includes validation, and is interpolated between epoch ends."
     )
+
+
+def _per_count_detail(f: dict) -> str:
+    """The fastest point at one device count with every comparison behind it (its Holm level each)."""
+    iv, verdicts = f["time"], "; ".join(x["text"] for x in f["versus"])
+    ci = f" [{1e3 * iv.lo:.3g}, {1e3 * iv.hi:.3g}]" if iv.finite else ""
+    return (f"- **Fastest at {f['devices']} device(s)** (time per sample): **{_point(f['label'], f['devices'])}** "
+            f"{1e3 * iv.value:.3g} ms/sample{ci} (runs {_ids(f['runs'])})" + (f"; {verdicts}" if verdicts else "") + ".")  # fmt: skip
 
 
 def which_adapter_lines(
@@ -279,11 +312,15 @@ def which_adapter_lines(
         lines += [f"Run-to-run spread (A/A, `python -m ptbench.sweep noise`): {100 * noise:.1f} % (sd of log time); "
                   f"{repeats_for(noise)} runs per point find a {100 * MARGIN:.0f} % difference 80 % of the time. "
                   "It plans repeats; it does not move verdicts.", ""]  # fmt: skip
+    if not verdicts and len(study.ok_runs):
+        return lines + ["Every finished run warns of contention and is left out: nothing to compare "
+                        "(`--include-contended` keeps them).", ""]  # fmt: skip
     if not verdicts:
         return lines + ["No finished run: nothing to compare.", ""]
     bad = study.not_finished
     for wl, v in verdicts.items():
         lines += [f"### {wl}", ""]
+        lines += [_per_count_detail(f) for f in v["per_count"]]
         if v["fastest"]:
             lines.append(_fastest_line(v["fastest"]))
         for m in v["memory"]:
@@ -312,4 +349,122 @@ def which_adapter_lines(
             )
         lines.append("- **Could not decide**: " + ("; ".join(undecided) if undecided else "nothing left open") + ".")
         lines.append("")
+    return lines
+
+
+# --- the short answers that open report.md ---------------------------------------------------------------
+def _compact_versus(best: str, versus: list[dict]) -> str:
+    """The comparisons of the best point, grouped: not distinguishable from ..., equivalent to ..., faster than."""
+    same = [f"`{v['b']}`" for v in versus if v["kind"] == NOT_DISTINGUISHABLE and v["speed"].finite]
+    bare = [f"`{v['b']}`" for v in versus if v["kind"] == NOT_DISTINGUISHABLE and not v["speed"].finite]
+    equal = [f"`{v['b']}`" for v in versus if v["kind"] == EQUIVALENT]
+    beaten = []
+    for v in versus:
+        if v["kind"] == FASTER and v["faster"] == best:
+            s = v["speed"]
+            beaten.append(f"`{v['b']}` by {_pct(s.value)} [{_pct(s.lo)}, {_pct(s.hi)}]")
+        elif v["kind"] == FASTER:
+            beaten.append(v["text"])
+    parts = [f"not distinguishable from {', '.join(same)}"] if same else []
+    parts += [f"no interval against {', '.join(bare)} (one run: repeat points)"] if bare else []
+    parts += [f"equivalent within ±{100 * MARGIN:.0f} % to {', '.join(equal)}"] if equal else []
+    parts += [f"faster than {'; '.join(beaten)}"] if beaten else []
+    return "; ".join(parts)
+
+
+def _per_count_line(f: dict) -> str:
+    d, iv = f["devices"], f["time"]
+    head = f"- **Fastest at {d} device{'s' if d > 1 else ''}**: "
+    if f["points"] < 2:
+        return head + f"only `{f['label']}` ran there, nothing to compare."
+    ci = f" [{1e3 * iv.lo:.3g}, {1e3 * iv.hi:.3g}]" if iv.finite else " (no interval: one run)"
+    said = "faster than every other point" if f["fastest"] else "not shown faster than every other point"
+    return head + (f"**`{f['label']}`** {1e3 * iv.value:.3g} ms/sample{ci}; {said}: "
+                   f"{_compact_versus(f['label'], f['versus'])}.")  # fmt: skip
+
+
+def _memory_answer(memory: list[dict]) -> str:
+    per = [f"{m['devices']} device{'s' if m['devices'] > 1 else ''} **`{m['label']}`** {m['mib']:.4g} MiB"
+           + _runner_up(m["ranking"], True, " MiB") for m in memory]  # fmt: skip
+    return f"- **Lowest memory per rank** (`{memory[0]['metric']}`, a ranking, no verdict): " + "; ".join(per) + "."
+
+
+def _short_answers(v: dict) -> list[str]:
+    lines = [_per_count_line(f) for f in v["per_count"]]
+    sc = v["scaling"]
+    if sc:
+        ci = f" [{sc['efficiency_lo']:.3g}, {sc['efficiency_hi']:.3g}]" if np.isfinite(sc["efficiency_lo"]) else ""
+        lines.append(f"- **Best scaling at {sc['devices']} devices**: **`{sc['label']}`** efficiency "
+                     f"{sc['efficiency']:.3g}{ci} (speedup {sc['speedup']:.3g} against {sc['baseline']}).")  # fmt: skip
+    if v["memory"]:
+        lines.append(_memory_answer(v["memory"]))
+    f = v["fastest"]
+    if f:
+        name = "perplexity ≤" if f["metric"] == "val_perplexity" else "accuracy ≥"
+        said = "faster than every other point" if f["fastest"] else "not shown faster than every other point"
+        lines.append(f"- **Fastest to the target** (validation {name} {f['target']:.4g}): "
+                     f"**{_point(f['label'], f['devices'])}** {f['time_s']:.4g} s of wall time; {said}.")  # fmt: skip
+    return lines
+
+
+def _claim_counts(found: list[dict] | None) -> str:
+    if not found:
+        return "- **Paper claims**: none checked (no finished run the verdicts use)."
+    holds, fails, undecided, unmeasured = (
+        sum(c["verdict"] == k for c in found) for k in ("holds", "does not hold", "undecided", "not measured")
+    )
+    return (f"- **Paper claims**: {holds} hold{'s' if holds == 1 else ''}, {fails} do{'es' if fails == 1 else ''} "
+            f"not hold, {undecided} undecided; {unmeasured} not measured (table under Paper claims).")  # fmt: skip
+
+
+def _contention_note(study: Study, contended: list[str], include_contended: bool) -> list[str]:
+    runs = study.ok_runs
+    col = runs["contention"] if "contention" in runs else pd.Series(dtype=object)
+    warned = col.dropna()
+    if warned.empty:
+        return []
+    example = str(warned.iloc[0]).removeprefix("contention:").split(": times are not comparable")[0].strip()
+    if include_contended:
+        return [f"**{len(warned)} of {len(runs)} finished runs warn of contention** and are kept "
+                f"(`--include-contended`): their times may not compare (e.g. {example}).", ""]  # fmt: skip
+    return [f"**{len(contended)} of {len(runs)} finished runs warn of contention**: left out of every answer and "
+            f"verdict, marked in the tables (e.g. {example}). `--include-contended` keeps them.", ""]  # fmt: skip
+
+
+def answers_lines(
+    data: pd.DataFrame | Study,
+    baseline: str | None = "best",
+    include_contended: bool = False,
+    target: float | None = None,
+    claims: dict | None = None,
+) -> list[str]:
+    """The "Answers" that open report.md: per workload the fastest point per device count with its interval or
+    "not distinguishable", the best scaling, the lowest memory, the paper claims' verdicts counted (`claims`:
+    workload -> checks) and what could not be decided, and why."""
+    study = Study.of(data)
+    used, contended = without_contention(study, include_contended)
+    lines = ["## Answers", "", "From the finished runs of this folder (every comparison and its runs: "
+             f"[report-details.md](report-details.md)). Speed: time per training sample, geometric mean with its 95 % "
+             f"interval (ms/sample), Welch's t on log times, Holm-adjusted; equivalence margin ±{100 * MARGIN:.0f} %.",
+             ""]  # fmt: skip
+    lines += _contention_note(study, contended, include_contended)
+    verdicts = which_adapter(study, baseline, include_contended, target=target) if len(used.ok_epochs) else {}
+    bad = study.not_finished
+    workloads = sorted({*study.ok_runs.get("workload", []), *bad.get("workload", [])})
+    for wl in workloads:
+        lines += [f"### {wl}", ""]
+        v = verdicts.get(wl)
+        wl_bad = bad[bad["workload"] == wl] if len(bad) else bad
+        undecided = [u for u in (v or {}).get("undecided", []) if not u.startswith("left out for contention")]
+        if v:
+            lines += _short_answers(v)
+        elif (study.ok_runs.get("workload", pd.Series(dtype=object)) == wl).any():
+            undecided.append("every finished run warns of contention, so no time compares; run the timing points "
+                             "on a quiet machine, one at a time (or `--include-contended`)")  # fmt: skip
+        else:
+            undecided.append("no run finished")
+        lines.append(_claim_counts((claims or {}).get(wl)))
+        if len(wl_bad):
+            undecided.append(f"{len(wl_bad)} run(s) did not finish (table under Runs that did not finish)")
+        lines += ["- **Could not decide**: " + ("; ".join(undecided) if undecided else "nothing left open") + ".", ""]
     return lines

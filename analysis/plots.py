@@ -105,15 +105,40 @@ def _plot(ax, xs, ys, style: dict, label: str):
     return ax.plot(xs, ys, **style, label=label, markerfacecolor="none", markeredgewidth=1.4, markersize=7)
 
 
-def _lines(ax, data: pd.DataFrame, x: str, y: str, by: str, colors: dict, band: tuple[str, str] | None = None) -> None:
+DODGE_OCTAVES = 0.3  # the dodged series of one x spread over this part of an octave on the log2 axis
+
+
+def dodge_factors(names, octaves: float = DODGE_OCTAVES) -> dict:
+    """{series: x factor} that sets the series side by side around each x on a log axis (the middle one
+    unmoved, the rest at most `octaves` / 2 either way), so points and error bars at one device count do
+    not stack; one series stays where it is."""
+    names = sorted(set(names))
+    if len(names) < 2:
+        return {n: 1.0 for n in names}
+    step = octaves / (len(names) - 1)
+    return {n: 2 ** ((i - (len(names) - 1) / 2) * step) for i, n in enumerate(names)}
+
+
+def _lines(
+    ax,
+    data: pd.DataFrame,
+    x: str,
+    y: str,
+    by: str,
+    colors: dict,
+    band: tuple[str, str] | None = None,
+    dodge: dict | None = None,
+) -> None:
     """One labelled line per `by` value (its label is the series name, so tests and legends find it); `band`:
-    the (lo, hi) columns of an interval, drawn as asymmetric error bars (log-scale intervals are not symmetric)."""
+    the (lo, hi) columns of an interval, drawn as asymmetric error bars (log-scale intervals are not symmetric);
+    `dodge`: {series: factor} multiplying its x (`dodge_factors`)."""
     for name, sub in data.groupby(by, sort=True):
         sub = sub.sort_values(x)
-        _plot(ax, sub[x], sub[y], colors[name], name)
+        xs = sub[x] * (dodge or {}).get(name, 1.0)
+        _plot(ax, xs, sub[y], colors[name], name)
         if band is not None and sub[band[0]].notna().any():
             err = [(sub[y] - sub[band[0]]).fillna(0), (sub[band[1]] - sub[y]).fillna(0)]
-            ax.errorbar(sub[x], sub[y], yerr=err, fmt="none", ecolor=colors[name]["color"], capsize=3)
+            ax.errorbar(xs, sub[y], yerr=err, fmt="none", ecolor=colors[name]["color"], capsize=3)
 
 
 COINCIDE_NOTE = "= X: same values as series X, drawn on top of it"
@@ -213,16 +238,20 @@ def _list_failed(ax, study: Study, workload: str) -> pd.DataFrame:
 def epoch_time(data: pd.DataFrame | Study, out=None, name: str = "epoch_time") -> Figure:
     """Epoch time per run vs number of devices (log2 axis), one line per series: the epoch time
     speedup uses (`epoch_time_used_s`: the summary's steady epoch time, else the mean of the complete
-    epochs after the first, else the first epoch; partial epochs left out), bars = 95 % interval over repeats."""
+    epochs after the first, else the first epoch; partial epochs left out), bars = 95 % interval over repeats.
+    The series are dodged: each drawn at its device count times a factor of its own (`fig.bench_dodge`: workload -> series -> factor), so
+    points at one device count sit side by side; the ticks stay at the device counts."""
     study = Study.of(data)
     data = study.epoch_time
     workloads = sorted(data["workload"].unique())
     fig, axes = _grid(1, len(workloads))
     colors = _palette(data["label"])
-    failed = []
+    failed, dodge = [], {}
     for ax, wl in zip(axes[0], workloads):
         sub = data[data["workload"] == wl]
-        _lines(ax, sub, "devices", "epoch_time_s", "label", colors, band=("epoch_time_lo", "epoch_time_hi"))  # 95 %
+        dodge[wl] = dodge_factors(sub["label"])
+        band = ("epoch_time_lo", "epoch_time_hi")  # 95 %
+        _lines(ax, sub, "devices", "epoch_time_s", "label", colors, band=band, dodge=dodge[wl])
         bad = _mark_failed(ax, study, wl)
         failed.append(bad)
         _log2_devices(ax, [*sub["devices"], *bad["devices"]])
@@ -231,6 +260,7 @@ def epoch_time(data: pd.DataFrame | Study, out=None, name: str = "epoch_time") -
         ax.set_title(f"{wl}: epoch time")
     _legend(fig)
     fig.bench_data = data
+    fig.bench_dodge = dodge
     fig.bench_failed = _concat(failed)
     return save(fig, out, name)
 

@@ -1,4 +1,5 @@
-"""A report without Jupyter: every figure (PNG + SVG), the tidy tables as CSV, and report.md.
+"""A report without Jupyter: every figure (PNG + SVG), the tidy tables as CSV, report.md (the answers first, then
+the figures, then the summary tables) and report-details.md (per-run tables and ledgers), which report.md links.
 
 python -m ptbench.analysis report RESULTS_DIR [--out DIR (default RESULTS_DIR/report)] [--baseline best|per-series|LABEL]
 """
@@ -13,17 +14,27 @@ from pathlib import Path
 import pandas as pd
 
 from ptbench.analysis import plots
-from ptbench.analysis.answers import _point, run_spread, which_adapter, which_adapter_lines  # noqa: F401 - API
-from ptbench.analysis.claims import claims_lines
+from ptbench.analysis.answers import (  # noqa: F401 - which_adapter: API
+    _point,
+    answers_lines,
+    run_spread,
+    which_adapter,
+    which_adapter_lines,
+)
+from ptbench.analysis.claims import claims, claims_lines
 from ptbench.analysis.load import AnalysisError, load, load_comm
 from ptbench.analysis.stats import point_stats
 from ptbench.analysis.tables import (
     EPOCH_TIME_SOURCES,
+    IN_VERDICTS,
     PROFILE_PART_TEXT,
     Study,
     comm_table,
+    marked,
     summary_table,
     time_to_target,  # noqa: F401 - ptbench.analysis.report.time_to_target, as before
+    verdict_marks,
+    without_contention,
 )
 
 FIGURES = {
@@ -35,6 +46,7 @@ FIGURES = {
     "breakdown": "Time per step by phase (Fig. 7)",
 }
 WARNING = "**Warning:**"
+DETAILS = "report-details.md"
 
 
 def _gb(v) -> str:
@@ -161,35 +173,53 @@ def _memory_lines(study: Study) -> list[str]:
     return lines
 
 
+INTERVAL_COLUMNS = ("epoch_time_used", "samples_per_s", "step_time_median")
+INTERVALS_HEAD = [
+    "",
+    "### Intervals over repeats",
+    "",
+    "Geometric mean over a point's repeats with a 95 % Student-t interval on the logs, back-transformed (`_lo`, "
+    "`_hi`; one repeat: none); `step_time_median`: the same over the runs' median step times (the steps of one run "
+    "are not independent samples); comparisons use these runs (ptbench.analysis.stats).",
+    "",
+]
+
+
+def _has_intervals(ok_runs: pd.DataFrame) -> bool:
+    steps = "step_times_s" in ok_runs and ok_runs["step_times_s"].map(lambda x: isinstance(x, list)).any()
+    return not ok_runs.empty and (
+        steps or ok_runs.groupby(["workload", "label", "devices"])["run_id"].count().max() > 1
+    )
+
+
 def interval_lines(ok_runs: pd.DataFrame, out: Path | None = None) -> list[str]:
     """With repeated points (`python -m ptbench.sweep run --repeats N`): per point, the geometric means over
     repeats of epoch time, throughput and the runs' median step times with 95 % log-scale intervals (*_lo / *_hi;
     intervals.csv, `ptbench.analysis.stats.point_stats`)."""
-    steps = "step_times_s" in ok_runs and ok_runs["step_times_s"].map(lambda x: isinstance(x, list)).any()
-    if ok_runs.empty or (not steps and ok_runs.groupby(["workload", "label", "devices"])["run_id"].count().max() < 2):
+    if not _has_intervals(ok_runs):
         return []
     t = point_stats(ok_runs, ("workload", "label", "devices"))
     if out is not None:
         t.to_csv(Path(out) / "intervals.csv", index=False)
-    shown = t[
-        [
-            c
-            for c in t.columns
-            if c in ("workload", "label", "devices", "repeats")
-            or c.startswith(("epoch_time_used", "samples_per_s", "step_time_median"))
-        ]
-    ]
-    return [
-        "",
-        "### Intervals over repeats",
-        "",
-        "Geometric mean over a point's repeats with a 95 % Student-t interval on the logs, back-transformed "
-        "(`_lo`, `_hi`; one repeat: none); `step_time_median`: the same over the runs' median step times (the "
-        "steps of one run are not independent samples); comparisons below use these runs (ptbench.analysis.stats).",
-        "",
-        markdown_table(shown),
-        "",
-    ]
+    shown = [c for c in t.columns if c in ("workload", "label", "devices", "repeats") or c.startswith(INTERVAL_COLUMNS)]
+    return [*INTERVALS_HEAD, markdown_table(t[shown]), ""]
+
+
+def intervals_of(study: Study, used: Study, contended: list[str], out: Path | None) -> list[str]:
+    """`interval_lines` over the runs the verdicts use, the points they leave out kept and marked `in verdicts`."""
+    if not _has_intervals(study.ok_runs):
+        return []
+    keys = ("workload", "label", "devices")
+    t = marked(
+        point_stats(used.ok_runs, keys) if len(used.ok_runs) else pd.DataFrame(),
+        point_stats(study.ok_runs, keys),
+        verdict_marks(study, contended),
+        after="repeats",
+    )
+    if out is not None:
+        t.to_csv(Path(out) / "intervals.csv", index=False)
+    shown = [c for c in t.columns if c in (*keys, "repeats", IN_VERDICTS) or c.startswith(INTERVAL_COLUMNS)]
+    return [*INTERVALS_HEAD, markdown_table(t[shown]), ""]
 
 
 def estimate_lines(ok_epochs: pd.DataFrame) -> list[str]:
@@ -218,10 +248,18 @@ def estimate_lines(ok_epochs: pd.DataFrame) -> list[str]:
     ]
 
 
-def comm_lines(data: pd.DataFrame | Study, reports: list[dict], out: Path | None = None) -> list[str]:
+def comm_lines(
+    data: pd.DataFrame | Study, reports: list[dict], out: Path | None = None, contended: list[str] | None = None
+) -> list[str]:
     """The "Communication" section: per point the measured step time, the phase(s) holding its
-    collectives, the recorded volume per step and the time it takes at the measured bus bandwidth."""
+    collectives, the recorded volume per step and the time it takes at the measured bus bandwidth. With
+    `contended` (the run ids the verdicts leave out), each point as the verdicts see it, marked `in verdicts`."""
     table = comm_table(data, reports)
+    if contended is not None and not table.empty:
+        used = without_contention(data)[0] if contended else Study.of(data)
+        kept = comm_table(used, reports) if contended and len(used.ok_runs) else table if not contended else table[:0]
+        table = marked(*(t.rename(columns={"series": "label"}) for t in (kept, table)),
+                       verdict_marks(data, contended), after="runs").rename(columns={"label": "series"})  # fmt: skip
     if table.empty or table["comm MB/step"].isna().all():  # records from before `comm_volume`: no section
         return []
     if out is not None:
@@ -488,6 +526,157 @@ def _memory_row(out: dict, point: str, led) -> None:
     }
 
 
+SUMMARY_COLUMNS = {
+    "label": "series",
+    "epoch_time_s": "epoch time (s)",
+    "epoch_time_from": "epoch time from",
+    "step_ms": "step (ms)",
+    "samples_per_s": "samples/s",
+    "final_val": "final val",
+    "peak_mib": "peak MiB/rank",
+    "states_mib": "model states MiB",
+}
+SHOWN_NOT_FINISHED = 10  # report.md lists this many runs that did not finish; report-details.md every one
+
+
+def _summary(study: Study, used: Study, contended: list[str], baseline: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the summary table as the verdicts see it, the speedup table its baseline lines describe): points the
+    verdicts use from their runs, points they leave out from every run, each marked `in verdicts`."""
+    every = summary_table(study, baseline)
+    try:
+        table = summary_table(used, baseline) if contended and len(used.ok_epochs) else every
+        sp = used.speedup(baseline) if contended and len(used.ok_epochs) else study.speedup(baseline)
+    except (ValueError, AnalysisError):  # the baseline's runs are all left out: every row from every run
+        table, sp = every, study.speedup(baseline)
+    return marked(table, every, verdict_marks(study, contended), after="runs"), sp
+
+
+def summary_lines(study: Study, used: Study, contended: list[str], baseline: str, out: Path) -> list[str]:
+    """The "Summary (finished runs)" section: per point the numbers behind the figures, marked as the verdicts
+    treat its runs; the notes on epoch time and memory under it."""
+    table, sp = _summary(study, used, contended, baseline)
+    table.to_csv(out / "summary.csv", index=False)
+    lines = ["## Summary (finished runs)", "", *_baseline_lines(sp, baseline), ""]
+    lines += [
+        "Series labels come from each run's own record: adapter, settings, and `gb=` the global batch as its batch "
+        "policy sets it (`gb=B/replica`: B per data-parallel replica; `gb=B/device`: B per device; `gb=B/microbatch`: "
+        "B per micro-batch; `gb=B`: fixed). `in verdicts`: how the answers and verdicts treat the point's runs (`1 "
+        "run: no interval`; runs that warn of contention are left out, and a point with none left keeps its numbers "
+        "over every run and its speedup against the baseline over every run).",
+        "",
+    ]
+    warn = batch_warnings(study)
+    lines += [*warn, ""] if warn else []
+    metrics = table["metric"].dropna().unique() if "metric" in table else []
+    shown = table.drop(columns=["epoch_time_from"])  # said under the table, and in summary.csv
+    if len(metrics) == 1:  # one metric: its name heads the column
+        shown = shown.drop(columns="metric").rename(columns={"final_val": f"final {metrics[0]}"})
+    lines += [markdown_table(shown.rename(columns=SUMMARY_COLUMNS)), ""]
+    if (study.ok_epochs.groupby("workload")["samples_per_epoch"].nunique() > 1).any():
+        lines += [
+            "Epochs of one workload hold different numbers of samples (trainer.max_steps or a growing global batch): "
+            "speedup is computed per training sample, so it stays comparable.",
+            "",
+        ]
+    lines += [*_epoch_time_lines(study.runs), "Epoch time excludes validation.", ""]
+    return lines + [*_memory_lines(study), ""]
+
+
+def not_finished_lines(study: Study, cap: int | None = SHOWN_NOT_FINISHED) -> list[str]:
+    """The "Runs that did not finish" section: the first `cap` runs (all with cap None)."""
+    bad = study.not_finished
+    lines = [
+        "## Runs that did not finish",
+        "",
+        "Any status but `ok` (failed, oom, timeout, preempted, missing, skipped; `diverged`: the training loss became "
+        "non-finite, at the step its error names; `damaged`: a record file cut short, the reason in its error): left "
+        "out of the curves, speedup and efficiency, marked on every figure.",
+        "",
+    ]
+    if bad.empty:
+        return [*lines, "_none_", ""]
+    cols = ["run_id", "label", "workload", "devices", "status", "error"]
+    more = [] if cap is None or len(bad) <= cap else [f"... and {len(bad) - cap} more in [{DETAILS}]({DETAILS}).", ""]
+    return [*lines, markdown_table(bad[cols].head(cap) if cap else bad[cols]), "", *more]
+
+
+def _short(text: str, n: int = 160) -> str:
+    """A claim's numbers cut at a "; " before n characters (the whole text is in report-details.md)."""
+    if len(text) <= n:
+        return text
+    cut = text[:n].rfind("; ")
+    return (text[:cut] if cut > 0 else text[:n]) + " ..."
+
+
+def claims_table_lines(found: dict, include_contended: bool) -> list[str]:
+    """The "Paper claims" section of report.md: each check's verdict and its numbers, cut short (the whole
+    table, with the runs, in report-details.md)."""
+    lines = [
+        "## Paper claims",
+        "",
+        "The findings of Lin et al. checked against these records (analysis/claims.py states each test): a claim "
+        "holds when the 90 % interval of its ratio lies inside the paper's range, does not hold when wholly outside "
+        "it, else (or without repeats) it is undecided; runs that warn of contention are "
+        + ("kept (asked for)." if include_contended else "left out.")
+        + f" Every number and run: [{DETAILS}]({DETAILS}).",
+        "",
+    ]
+    if not found:
+        return [*lines, "_no finished run the verdicts use_", ""]
+    for wl, checks in found.items():
+        rows = [(c["claim"], f"**{c['verdict']}**", _short(c["numbers"])) for c in checks]
+        lines += [f"### {wl}", "", markdown_table(pd.DataFrame(rows, columns=["claim", "verdict", "numbers"])), ""]
+    return lines
+
+
+def figure_lines(study: Study, out: Path, baseline: str) -> list[str]:
+    skipped = plots.save_all(study, out / "figures", baseline=baseline)
+    lines = ["## Figures", ""]
+    for key, title in FIGURES.items():
+        if skipped.get(key) is None:
+            lines += [f"### {title}", "", f"![{title}](figures/{key}.png) ([SVG](figures/{key}.svg))", ""]
+            lines += breakdown_caption(study) if key == "breakdown" else []
+        else:
+            lines += [f"### {title}", "", f"_not drawn: {skipped.get(key)}_", ""]
+    return lines
+
+
+def _runs_lines(study: Study, contended: list[str], include_contended: bool) -> list[str]:
+    counts = study.runs["status"].value_counts()
+    said = ", ".join(f"{n} {s}" for s, n in counts.items()) + f" ({len(study.runs)} runs). "
+    if contended:
+        said += f"{len(contended)} warn of contention: left out of the verdicts, marked in the tables. "
+    elif include_contended and "contention" in study.runs and study.runs["contention"].notna().any():
+        said += f"{int(study.runs['contention'].notna().sum())} warn of contention, kept (--include-contended). "
+    return [
+        "## Runs",
+        "",
+        said + "Only `ok` runs make the curves; the others are marked with a red x on every figure and listed below.",
+        "",
+    ]
+
+
+def _details_lines(study, used, contended, baseline, include_contended, target, out, results_dir) -> list[str]:
+    """report-details.md: the per-run and per-point tables and the ledgers behind report.md."""
+    reports = load_comm(results_dir)
+    lines = [
+        f"# Benchmark report details: {results_dir}",
+        "",
+        "The tables behind [report.md](report.md): intervals, communication, ledgers, every claim and answer with "
+        "its runs, every run that did not finish.",
+        "",
+    ]
+    if len(study.ok_epochs):
+        timing = [*intervals_of(study, used, contended, out), *estimate_lines(study.ok_epochs)]
+        lines += ["## Timing per point", *timing] if timing else []
+        lines += comm_lines(study, reports, out, contended)
+        lines += why_lines(study.epochs, reports)
+    lines += not_finished_lines(study, cap=None)
+    lines += claims_lines(study.runs, include_contended)
+    noise = run_spread(results_dir)
+    return lines + which_adapter_lines(study, baseline, include_contended, noise=noise, target=target)
+
+
 def write_report(
     results_dir: str | Path,
     out: str | Path,
@@ -495,8 +684,9 @@ def write_report(
     include_contended: bool = False,
     target: float | None = None,
 ) -> Path:
-    """Figures into out/figures, tables into out/*.csv, and out/report.md; returns report.md's path. `target`:
-    the time-to-target metric value, fixed in advance (default: from the baseline point's runs)."""
+    """Figures into out/figures, tables into out/*.csv, out/report.md (answers, figures, the summary tables) and
+    out/report-details.md (per-run tables and ledgers); returns report.md's path. `target`: the time-to-target
+    metric value, fixed in advance (default: from the baseline point's runs)."""
     results_dir, out = Path(results_dir), Path(out)
     baseline = baseline or "best"
     df = load(results_dir)  # a missing results folder: said before any output folder is made
@@ -509,111 +699,29 @@ def write_report(
     lines = [
         f"# Benchmark report: {results_dir}",
         "",
-        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `python -m ptbench.analysis report`. "
-        f"Tables: `epochs.csv` (one row per run x epoch), `runs.csv` (one row per run), `summary.csv`.",
+        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `python -m ptbench.analysis report`. Per-run tables and "
+        f"ledgers: [{DETAILS}]({DETAILS}). CSV: `epochs.csv` (one row per run x epoch), `runs.csv` (one row per "
+        "run), `summary.csv`.",
         "",
     ]
+    path = out / "report.md"
     if df.empty:
         print(f"note: no run records under {results_dir}: the report says so and holds nothing else", file=sys.stderr)
-        lines += ["No run records found under this folder.", ""]
-        path = out / "report.md"
-        path.write_text("\n".join(lines))
+        path.write_text("\n".join([*lines[:2], "No run records found under this folder.", ""]))
         return path
     df.drop(columns=["step_times_s"], errors="ignore").to_csv(out / "epochs.csv", index=False)  # lists: not CSV
     study = Study(df)  # every table below and every figure is computed once, from this
-    per_run = study.runs
-    per_run.drop(columns=["step_times_s"], errors="ignore").to_csv(out / "runs.csv", index=False)
-
-    counts = per_run["status"].value_counts()
-    lines += [
-        "## Runs",
-        "",
-        (
-            ", ".join(f"{n} {s}" for s, n in counts.items()) + f" ({len(per_run)} runs). "
-            "Only `ok` runs make the curves; the others are marked with a red x on every figure "
-            "and listed below."
-        ),
-        "",
-    ]
-
-    table = summary_table(study, baseline) if len(study.ok_epochs) else pd.DataFrame()
-    if not table.empty:
-        table.to_csv(out / "summary.csv", index=False)
-        sp = study.speedup(baseline)
-        lines += ["## Summary (finished runs)", ""]
-        lines += _baseline_lines(sp, baseline)
-        lines += [
-            "",
-            (
-                "Series labels come from each run's own record: adapter, settings, and `gb=` the global batch "
-                "as its batch policy sets it (`gb=B/replica`: B per data-parallel replica; `gb=B/device`: B per "
-                "device; `gb=B/microbatch`: B per micro-batch; `gb=B`: fixed). The `global_batch` column gives "
-                "each point's actual value."
-            ),
-            "",
-        ]
-        warn = batch_warnings(study)
-        if warn:
-            lines += [*warn, ""]
-        lines += [
-            "",
-            markdown_table(
-                table.rename(
-                    columns={
-                        "label": "series",
-                        "epoch_time_s": "epoch time (s)",
-                        "epoch_time_from": "epoch time from",
-                        "step_ms": "step (ms)",
-                        "samples_per_s": "samples/s",
-                        "final_val": "final val",
-                        "peak_mib": "peak MiB/rank",
-                        "states_mib": "model states MiB",
-                    }
-                )
-            ),
-        ]
-        lines += interval_lines(study.ok_runs, out)
-        lines += estimate_lines(study.ok_epochs)
-        capped = study.ok_epochs.groupby("workload")["samples_per_epoch"].nunique()
-        if (capped > 1).any():
-            lines += [
-                (
-                    "Epochs of one workload hold different numbers of samples (trainer.max_steps or a growing "
-                    "global batch): speedup is computed per training sample, so it stays comparable."
-                ),
-                "",
-            ]
-        lines += [*_epoch_time_lines(per_run), "Epoch time excludes validation.", ""]
-        lines += [*_memory_lines(study), ""]
-        lines += comm_lines(study, load_comm(results_dir), out)
-        lines += why_lines(df, load_comm(results_dir))  # issue 30: ledger, bubble, stragglers from profiled runs
-
-    bad = study.not_finished
-    lines += [
-        "## Runs that did not finish",
-        "",
-        (
-            "Any status but `ok` (failed, oom, timeout, preempted, missing, skipped; `diverged`: the training "
-            "loss became non-finite, at the step its error names; `damaged`: a record file cut short, the "
-            "reason in its error): left out of the curves, speedup and efficiency, marked on every figure."
-        ),
-        "",
-        markdown_table(bad[["run_id", "label", "workload", "devices", "status", "error"]]) if len(bad) else "_none_\n",
-        "",
-    ]
-
-    lines += claims_lines(
-        per_run, include_contended
-    )  # the paper's findings checked against these records (analysis/claims.py)
-    skipped = plots.save_all(study, out / "figures", baseline=baseline)
-    lines += ["## Figures", ""]
-    for key, title in FIGURES.items():
-        if skipped.get(key) is None:
-            lines += [f"### {title}", "", f"![{title}](figures/{key}.png)", "", f"[SVG](figures/{key}.svg)", ""]
-            lines += breakdown_caption(study) if key == "breakdown" else []
-        else:
-            lines += [f"### {title}", "", f"_not drawn: {skipped.get(key)}_", ""]
-    lines += which_adapter_lines(study, baseline, include_contended, noise=run_spread(results_dir), target=target)
-    path = out / "report.md"
+    study.runs.drop(columns=["step_times_s"], errors="ignore").to_csv(out / "runs.csv", index=False)
+    used, contended = without_contention(study, include_contended)
+    found = claims(study.runs, include_contended)
+    lines += answers_lines(study, baseline, include_contended, target=target, claims=found)
+    lines += figure_lines(study, out, baseline)
+    lines += _runs_lines(study, contended, include_contended)
+    if len(study.ok_epochs):
+        lines += summary_lines(study, used, contended, baseline, out)
+    lines += not_finished_lines(study)
+    lines += claims_table_lines(found, include_contended)
+    details = _details_lines(study, used, contended, baseline, include_contended, target, out, results_dir)
+    (out / DETAILS).write_text("\n".join(details))
     path.write_text("\n".join(lines))
     return path

@@ -621,3 +621,57 @@ def _comm_table(r: pd.DataFrame, reports: list[dict]) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows)
+
+
+# --- the runs the verdicts use -----------------------------------------------------------------------
+POINT = ["workload", "label", "devices"]
+IN_VERDICTS = "in verdicts"
+
+
+def without_contention(data: pd.DataFrame | Study, include_contended: bool = False) -> tuple[Study, list[str]]:
+    """(the runs the verdicts use, the run ids left out): every run with `include_contended`, else those whose
+    record does not warn of contention (a busy machine makes times incomparable)."""
+    study = Study.of(data)
+    e = study.epochs
+    if include_contended or "contention" not in e or e["contention"].isna().all():
+        return study, []
+    bad = e["contention"].notna()
+    return Study(e[~bad]), sorted(set(e.loc[bad, "run_id"]))
+
+
+def _mark(n: int, left_out: int) -> str:
+    used = n - left_out
+    if used == 0:
+        return f"no: {left_out} contended run{'s' if left_out > 1 else ''}"
+    text = "yes" if not left_out else f"{used} of {n} runs: {left_out} contended"
+    return text if used > 1 else ("1 run: no interval" if not left_out else f"{text}; no interval")
+
+
+def verdict_marks(data: pd.DataFrame | Study, contended: list[str]) -> pd.DataFrame:
+    """Per finished point (workload, label, devices): its runs, those the verdicts use, and `in verdicts`, how
+    they treat it: `yes`, `1 run: no interval`, `k of n runs: m contended` or `no: m contended runs`."""
+    r = Study.of(data).ok_runs
+    if r.empty:
+        return pd.DataFrame(columns=[*POINT, "n", "used", IN_VERDICTS])
+    r = r.assign(devices=r["devices"].astype(int), _out=r["run_id"].isin(contended))
+    g = r.groupby(POINT, as_index=False).agg(n=("run_id", "count"), left_out=("_out", "sum"))
+    g["used"] = g["n"] - g["left_out"]
+    g[IN_VERDICTS] = [_mark(int(n), int(k)) for n, k in zip(g["n"], g["left_out"])]
+    return g.drop(columns="left_out")
+
+
+def marked(used: pd.DataFrame, every: pd.DataFrame, marks: pd.DataFrame, after: str) -> pd.DataFrame:
+    """A per-point table as the verdicts see it: `used`'s rows (computed over the runs they use) for points they
+    use, `every`'s rows (over every run) for points they leave out, each with its `in verdicts` mark after
+    column `after`."""
+    parts = []
+    for t, which in ((used, marks["used"] > 0), (every, marks["used"] == 0)):
+        if len(t) and which.any():
+            t = t.assign(devices=t["devices"].astype(int))
+            parts.append(t.merge(marks.loc[which, [*POINT, IN_VERDICTS]], on=POINT))
+    if not parts:
+        return pd.DataFrame()
+    out = pd.concat(parts, ignore_index=True).sort_values(POINT, kind="stable").reset_index(drop=True)
+    cols = [c for c in out.columns if c != IN_VERDICTS]
+    at = cols.index(after) + 1 if after in cols else len(cols)
+    return out[[*cols[:at], IN_VERDICTS, *cols[at:]]]

@@ -7,7 +7,7 @@ the bytes by the corrected formula (bench/core/comm_volume.py `corrected`) besid
 traces' c10d operators (goal: within 2 %), the measured time and the exposed (non-overlapped) communication.
 Before those runs it measures the bus bandwidth of the same collectives at 2 ranks (`python -m ptbench.comm`,
 stored in <root>/ledger/comm/ as a sweep stores it), so that `python -m ptbench.analysis report <root>` sets
-each kind's bytes beside the time they take at that bandwidth (report.md, "Why", column `ms at measured
+each kind's bytes beside the time they take at that bandwidth (report-details.md, "Why", column `ms at measured
 busbw`; --no-comm skips the measurement).
 Then the pipeline bubble of torch's GPipe and 1F1B schedules and megatron-core's 1F1B at 2 and 4 stages and
 m = 4, 8 micro-batches beside the theory (p-1)/(m+p-1) (goal: within 20 %).
@@ -354,7 +354,9 @@ def main(argv=None) -> int:
         print_ledger(out["ledger"])
         if busbw:
             print(f"bus bandwidth measured at 2 ranks: {busbw.with_suffix('.txt')}")
-            print(f"each kind's time at that bandwidth: python -m ptbench.analysis report {root}  (report.md, Why)")
+            print(
+                f"each kind's time at that bandwidth: python -m ptbench.analysis report {root}  (report-details.md, Why)"
+            )
     if args.only in (None, "bubble"):
         out["bubble"] = bubble_runs(root, adapters=args.bubble_adapters, repeats=args.repeats, stages=args.stages)
         print_bubble(out["bubble"])

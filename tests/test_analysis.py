@@ -311,7 +311,10 @@ def test_report_cli_without_out_writes_into_the_results_folder(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"report: {root / 'report' / 'report.md'}"
-    assert "| one |" in _squash((root / "report" / "report.md").read_text())
+    assert "| wl | ddp gb=8/replica | 1 | 1 | 1 run: no interval |" in _squash(
+        (root / "report" / "report.md").read_text()
+    )
+    assert "| one |" in _squash((root / "report" / "report-details.md").read_text())  # the claims' runs
     proc = subprocess.run(
         [sys.executable, "-m", "ptbench.analysis", "report", str(tmp_path / "nope")],
         capture_output=True,

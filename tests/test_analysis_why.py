@@ -35,7 +35,8 @@ def results(tmp_path_factory):
 @pytest.fixture(scope="module")
 def report(results, tmp_path_factory):
     out = tmp_path_factory.mktemp("why_report")
-    return write_report(results, out)
+    write_report(results, out)
+    return out / "report-details.md"  # the ledgers sit beside report.md, which links them
 
 
 def _records(results) -> dict:
@@ -115,7 +116,7 @@ def test_why_lists_mfu_both_ways_and_the_memory_ledger(results, report):
             _fmt(ml["ratio"]),
         ], (name, row)
     assert fc["convention"] in mfu
-    assert "the parts add up to the profiled step" in text
+    assert "the parts add up to the profiled step" in report.with_name("report.md").read_text()  # under Figures
 
 
 def test_why_bubble_table_carries_the_records_wall_and_steady_figures(results, report):

@@ -64,6 +64,7 @@ def test_a_loose_target_stops_early_and_full_epochs_stay_the_default(tmp_path):
     # the report labels it an estimate, with its interval
     from ptbench.analysis.report import write_report
 
-    text = write_report(tmp_path / "s", tmp_path / "out").read_text()
+    write_report(tmp_path / "s", tmp_path / "out")
+    text = (tmp_path / "out" / "report-details.md").read_text()  # per-epoch rows: in the details
     assert "### Estimated epoch times (sampled timing)" in text and "**estimate**" in text
     assert f"from {MIN_STEPS + 1} of 50 steps" in text  # 200 samples, batch 4
