@@ -95,6 +95,17 @@ class PipelineConfig(AdapterConfig):
 
 
 @dataclass
+class PipedreamConfig(AdapterConfig):
+    name: str = "pipedream"
+    batch_policy: str = "fixed"  # the paper's policy: trainer.batch_size is the mini-batch, whatever the stage count
+    schedule: str = "pipedream"  # pipedream (weight stashing, SOSP 2019) | 2bw (PipeDream-2BW, ICML 2021)
+    pipeline_parallel: int = 0  # stages; 0 = every rank (one stage per rank, no stage replication)
+    balance: list[int] | None = None  # layers per stage; None = an even split by layer count
+    microbatches: int = 0  # per mini-batch; 0 = 1 for pipedream (whole mini-batches), the stage count for 2bw
+    flush_every: int = 0  # drain the pipeline every K mini-batches; 0 = only at each epoch's end
+
+
+@dataclass
 class HorovodConfig(AdapterConfig):
     name: str = "horovod"
     # Horovod 0.28.1's own defaults, written out (older releases used 64 MB, 5 ms) and recorded as read
@@ -112,6 +123,7 @@ SCHEMAS: dict[str, type[AdapterConfig]] = {
     "tensor_parallel": TensorParallelConfig,
     "gpipe": GPipeConfig,
     "pipeline": PipelineConfig,
+    "pipedream": PipedreamConfig,
     "horovod": HorovodConfig,
 }
 

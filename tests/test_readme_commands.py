@@ -95,7 +95,7 @@ def test_help_lists_the_config_groups():
         assert re.search(rf"^{group}: .*\b{option}\b", groups, re.M), (group, option, groups)
     # only what a user chooses (issue 31): no adapter schemas, no preset-x-adapter exceptions
     assert "_schema" not in groups and "paper_adapter" not in groups and "experiment_adapter" not in groups, groups
-    assert re.search(r"^adapter: ddp, fsdp, gpipe, horovod, megatron, pipeline, tensor_parallel, zero, zero1, zero2, zero3$", groups, re.M), groups  # fmt: skip
+    assert re.search(r"^adapter: ddp, fsdp, gpipe, horovod, megatron, pipedream, pipeline, tensor_parallel, zero, zero1, zero2, zero3$", groups, re.M), groups  # fmt: skip
 
 
 def test_preset_exceptions_for_one_adapter_still_compose():

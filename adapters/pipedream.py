@@ -1,0 +1,532 @@
+"""PipeDream's asynchronous pipeline: a re-implementation of PipeDream's published semantics.
+
+No maintained library runs it on current torch (msr-fiddle/pipedream stops at torch 1.4; fairscale's AMPnet
+pipe keeps no weight stash), so this adapter implements the update rules itself, on the `pipeline` adapter's
+stages (`workload.sequential()` split by layer count or `adapter.balance`, adapters/_pipeline.py) with
+torch.distributed's public point-to-point calls (isend/recv); no private pipelining API is used.
+
+Schedules (`adapter.schedule`), one rank per stage, stage s of S, mini-batch t, d_s = S-1-s:
+  - `pipedream` (Narayanan et al., SOSP 2019): 1F1B without a flush. Stage s forwards mini-batch t, then runs
+    the backward of the oldest one in flight and steps its own optimizer: w_s(t+1) = w_s(t) - lr * grad of
+    mini-batch t at w_s(t - d_s). Weight stashing: a mini-batch's forward and backward use the same version,
+    so stage s holds d_s stashed versions beside its live weights. With `adapter.microbatches` m > 1, each
+    mini-batch is m micro-batches in 1F1B order sharing one version and one step (delay ceil(d_s / m)).
+  - `2bw` (Narayanan et al., ICML 2021): m micro-batches per mini-batch, gradients accumulated over them,
+    every stage w(t+1) = w(t) - lr * grad f(w(t-1)); two versions (live and one stashed). Needs m >= S-1 so that
+    w(t-1) exists on the first stage when mini-batch t starts.
+
+Stash without recomputation: a mini-batch runs through `torch.func.functional_call` on leaves that alias the
+storage of the stage's weights at that time (`Tensor.data`). Before the optimizer step writes in place, the
+live weights move to fresh storage when a mini-batch in flight still holds the old one (copy on write), so
+no tensor autograd saved is ever modified; the old storage is the stash and dies with its last mini-batch.
+
+No flush inside an epoch: the pipeline drains at the epoch's end (`end_epoch`, before validation) and every
+`adapter.flush_every` mini-batches when set (0: never). The trainer's stop check (every
+`trainer.stop_check_every` steps) is the only collective between stages inside an epoch.
+
+GPT-2's tied embedding / head: the weight belongs to the embedding's stage. That stage sends the version its
+mini-batch uses to the head's stage with the mini-batch, and the head's stage sends its summed gradient back
+after the mini-batch's backward; the sum updates the weight with the embedding stage's delay.
+
+BatchNorm buffers are not stashed (as PipeDream): running statistics are the live ones, updated per micro-batch.
+Gradient clipping (`trainer.grad_clip`) is per stage: a global norm would need every stage's gradient of one
+mini-batch, which asynchronous stages compute at different times. More ranks than stages (PipeDream's stage
+replication) is refused before launch, as are checkpoints (the stash and the mini-batches in flight are not saved)
+and trainer.profile (torch's profiler crashes when a c10d send started in its window completes after it, and
+these sends complete a step later by design); the record's recv_wait_fraction_per_stage stands in for the bubble.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ptbench.adapters import _pipeline as P
+from ptbench.adapters.base import Adapter, Batch, tensor_bytes
+from ptbench.core.config import BenchConfig
+from ptbench.core.errors import ConfigError
+from ptbench.core.layout import CostInputs, Layout
+from ptbench.core.optim import build_optimizer
+from ptbench.core.precision import autocast
+from ptbench.core.timing import PhaseTimer
+from ptbench.workloads import build_workload
+
+SCHEDULES = ("pipedream", "2bw")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+# point-to-point tags: one stream per kind between two stages, matched in order (gloo by tag, NCCL by order)
+ACT, GRAD, TIED, TIED_GRAD, EVAL = 1, 2, 3, 4, 5
+
+
+@dataclass
+class InFlight:
+    """One micro-batch whose forward ran on this stage and whose backward has not."""
+
+    version: int  # the stage's update count when its weights were bound (its mini-batch's version)
+    minibatch: int
+    last: bool  # the last micro-batch of its mini-batch: its backward completes the mini-batch
+    inp: torch.Tensor | None  # the received activation (a leaf: its gradient goes back)
+    out: torch.Tensor  # the stage output, or on the last stage the scaled loss
+    leaves: dict[str, torch.Tensor]  # the weights it ran with: leaves over the stashed storage
+
+
+class PipedreamAdapter(Adapter):
+    name = "pipedream"
+    checkpoint_format = "none (refused: the stashed versions and the mini-batches in flight are not saved)"
+    phase_semantics = {
+        **Adapter.phase_semantics,
+        "forward_backward": "this stage's share of one mini-batch: forward of its m micro-batches and backward "
+        "of the oldest ones in flight (stashed weights), in 1F1B order, with the stage-to-stage sends, receives "
+        "and the waits for them; no flush (the pipeline fills in the first steps, drains at the epoch's end)",
+        "optimizer": "this stage's own step for the mini-batch whose backward completed (per-stage clip, copy on "
+        "write of weights still held by mini-batches in flight); no collective between stages",
+    }
+
+    # --- before launch ---------------------------------------------------------------------------
+    @classmethod
+    def smoke_overrides(cls, devices: int) -> list[str]:
+        return [f"launcher.nprocs={devices}"]
+
+    @classmethod
+    def num_stages(cls, cfg: BenchConfig, world_size: int) -> int:
+        a = cfg.adapter
+        return len(a.balance) if a.balance is not None else (a.pipeline_parallel or world_size)
+
+    @classmethod
+    def microbatches(cls, cfg: BenchConfig, stages: int) -> int:
+        return cfg.adapter.microbatches or (stages if cfg.adapter.schedule == "2bw" else 1)
+
+    @staticmethod
+    def delays(schedule: str, stages: int, m: int) -> list[int]:
+        """Each stage's staleness in optimizer updates: its mini-batch's gradient is taken at w(t - delay)."""
+        if schedule == "2bw":
+            return [1] * stages
+        return [math.ceil((stages - 1 - s) / m) for s in range(stages)]
+
+    @classmethod
+    def stash_copies(cls, cfg: BenchConfig, world_size: int) -> list[int]:
+        """Extra copies of each stage's parameters (beyond the live ones) that the stash holds at its peak:
+        the memory model adds copies x the stage's parameter bytes (S-1-s for pipedream, 1 for 2bw). The steady
+        state's peak: a flush (adapter.flush_every) after fewer than 2 x copies mini-batches keeps it lower."""
+        stages = cls.num_stages(cfg, world_size)
+        m = cls.microbatches(cfg, stages)
+        if cfg.adapter.schedule == "2bw":
+            return [1] * stages
+        return cls.delays("pipedream", stages, m)
+
+    @classmethod
+    def layout(cls, cfg: BenchConfig, world_size: int) -> Layout:
+        stages = cls.num_stages(cfg, world_size)
+        return Layout(world_size=world_size, dp=1, pp=stages, microbatches=cls.microbatches(cfg, stages))
+
+    @classmethod
+    def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
+        # activations alive as under 1F1B (at most S-s micro-batches on stage s); per micro-batch one activation
+        # forward and one gradient back, as 1F1B; the stash is not in these inputs (stash_copies says it)
+        return CostInputs(schedule="1f1b", step_phase="forward_backward")
+
+    @classmethod
+    def checkpoint_refusal(cls, cfg: BenchConfig) -> str | None:
+        return (
+            "adapter=pipedream does not save its stashed weight versions and the mini-batches in flight, so a "
+            "resumed run would not follow PipeDream's update rule"
+        )
+
+    @classmethod
+    def check(cls, cfg: BenchConfig, world_size: int) -> None:
+        a, t = cfg.adapter, cfg.trainer
+        if a.schedule not in SCHEDULES:
+            raise ConfigError(f"adapter.schedule={a.schedule}: choose {', '.join(SCHEDULES)}")
+        if t.precision == "fp16":
+            raise ConfigError(
+                "trainer.precision=fp16: adapter=pipedream has no gradient scaler (stages step at different "
+                "times, so an overflow cannot skip one step everywhere); use trainer.precision=bf16 or fp32"
+            )
+        if t.profile:
+            raise ConfigError(
+                "trainer.profile: adapter=pipedream's sends complete in a later step by design, and torch's profiler "
+                "crashes (SIGSEGV) when a c10d send started in its window completes after it; drop trainer.profile "
+                "(the record's recv_wait_fraction_per_stage gives the bubble)"
+            )
+        if t.grad_accum != 1:
+            raise ConfigError(
+                f"trainer.grad_accum={t.grad_accum}: adapter=pipedream steps once per mini-batch and splits it "
+                f"itself; set trainer.grad_accum=1 and adapter.microbatches={t.grad_accum}"
+            )
+        if a.flush_every < 0:
+            raise ConfigError(f"adapter.flush_every={a.flush_every} must be >= 0 (0: no flush inside an epoch)")
+        stages = cls.num_stages(cfg, world_size)
+        if stages != world_size:
+            raise ConfigError(
+                f"adapter=pipedream runs one stage per rank and does not replicate stages: {world_size} ranks "
+                f"for {stages} stages; set launcher.nprocs={stages}"
+            )
+        where = f"adapter.balance ({stages} entries)" if a.balance is not None else f"{stages} ranks"
+        workload = build_workload(cfg.workload, cfg.data)
+        P.check_split(a.balance, P.layer_count(workload), stages, cfg.workload.name, where)
+        m = cls.microbatches(cfg, stages)
+        P.check_microbatches(cls.local_batch_size(cfg, world_size), m, "the mini-batch")
+        if a.schedule == "2bw" and m < stages - 1:
+            raise ConfigError(
+                f"adapter.schedule=2bw needs adapter.microbatches >= stages - 1 = {stages - 1} (PipeDream-2BW's "
+                f"m >= pipeline depth: w(t-1) must exist on the first stage when mini-batch t starts); got {m}"
+            )
+
+    # --- on each rank ----------------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return 0  # every stage reads the same mini-batch (the first stage its inputs, the last its targets)
+
+    @property
+    def reports_metrics(self) -> bool:
+        return self.is_last
+
+    def setup(self) -> None:
+        cfg, a = self.cfg, self.cfg.adapter
+        S = self.S = self.ctx.world_size
+        s = self.stage = self.ctx.rank
+        self.is_first, self.is_last = s == 0, s == S - 1
+        self.schedule = a.schedule
+        self.m = self.microbatches(cfg, S)
+        self.depth = S - 1 - s  # micro-batches in flight beyond the newest (1F1B)
+        # every rank builds the whole model from the same seed, keeps its stage's layers, drops the rest
+        seq = self.workload.sequential(self.workload.build_model())
+        self.balance = P.check_split(a.balance, len(seq), S, cfg.workload.name, "adapter.balance")
+        self.ties = self._untie(seq)
+        self.tied_bytes = [seq.get_parameter(mn).numel() * seq.get_parameter(mn).element_size() for mn, *_ in self.ties]
+        slices = P.stage_slices(self.balance)
+        layers = list(seq.named_children())
+        copies = {c for _, c, _, _ in self.ties}
+        self.stage_param_bytes = [  # what one stashed copy of each stage costs (a tied copy is not stashed)
+            sum(
+                p.numel() * p.element_size()
+                for n, p in nn.Sequential(OrderedDict(layers[sl])).named_parameters()
+                if n not in copies
+            )
+            for sl in slices
+        ]
+        self.module = nn.Sequential(OrderedDict(layers[slices[s]])).to(self.device)
+        del seq, layers
+        self.trained = [(n, p) for n, p in self.module.named_parameters() if n not in copies]
+        self.optimizer = build_optimizer([p for _, p in self.trained], cfg.optimizer)
+        self.version = 0  # optimizer steps taken on this stage
+        self.minibatch = 0  # mini-batches started on this stage (over the whole run)
+        self.inflight: deque[InFlight] = deque()
+        self.bound: tuple[int, dict] | None = None  # the version the current mini-batch runs with
+        self.prev: tuple[int, dict] | None = None  # 2bw: the version before the last step
+        self.pending: list[tuple[list, torch.Tensor | None]] = []  # completed mini-batches' gradients
+        self.tied_grad: torch.Tensor | None = None
+        self.sends: list = []
+        self.shapes: dict = {}
+        self.segment = 0  # mini-batches since the last flush
+        self.flushes = 0
+        self.observed = [None, None]  # min, max delay seen by this stage's steps
+        self.stash_peak = 0
+        self.wait_s = self.busy_s = 0.0  # host time blocked in receives / in train_step and drains (gloo)
+        self.stage_stats: list[dict] | None = None  # every stage's, gathered at each epoch's end
+
+    def _untie(self, seq: nn.Sequential) -> list[tuple[str, str, int, int]]:
+        """Tied weights whose users land on different stages: the copy gets its own Parameter (its values come
+        from the main stage with each mini-batch); returns (main, copy, main stage, copy stage)."""
+        out = []
+        for main, copy in self.workload.tied_parameters(sequential=True):
+            s_main = P.stage_of_layer(self.balance, P.layer_index(seq, main))
+            s_copy = P.stage_of_layer(self.balance, P.layer_index(seq, copy))
+            if s_main != s_copy:
+                if s_main > s_copy:
+                    raise ConfigError(f"tied weight {main} lies after its copy {copy}: not supported by pipedream")
+                out.append((main, copy, s_main, s_copy))
+        P.untie(seq, [(mn, c) for mn, c, _, _ in out])
+        return out
+
+    def modules(self):
+        return [self.module]
+
+    # --- point to point --------------------------------------------------------------------------
+    def _send(self, t: torch.Tensor, peer: int, tag: int, every_shape: bool = False) -> None:
+        t = t.detach().contiguous()
+        if every_shape or (peer, tag) not in self.shapes:  # training shapes are fixed: sent once per stream
+            self.shapes[(peer, tag)] = (t.dtype, t.shape)
+            head = torch.zeros(8, dtype=torch.int64, device=t.device)
+            head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
+            head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+            self.sends.append((dist.isend(head, peer, tag=tag), head))
+        self.sends.append((dist.isend(t, peer, tag=tag), t))
+
+    def _recv(self, peer: int, tag: int, every_shape: bool = False) -> torch.Tensor:
+        spec = None if every_shape else self.shapes.get((peer, tag))
+        if spec is None:
+            head = torch.empty(8, dtype=torch.int64, device=self.device)
+            dist.recv(head, peer, tag=tag)
+            h = head.tolist()
+            spec = self.shapes[(peer, tag)] = (_DTYPES[h[0]], torch.Size(h[2 : 2 + h[1]]))
+        buf = torch.empty(spec[1], dtype=spec[0], device=self.device)
+        t0 = time.perf_counter()
+        dist.recv(buf, peer, tag=tag)
+        self.wait_s += time.perf_counter() - t0
+        return buf
+
+    def _reap(self, wait: bool = False) -> None:
+        """Forget completed sends (their tensors must live until then); wait for all of them at a flush."""
+        if wait:
+            for work, _ in self.sends:
+                work.wait()
+            self.sends = []
+        else:
+            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+
+    # --- weight versions -------------------------------------------------------------------------
+    def _live(self) -> dict[str, torch.Tensor]:
+        """The live weights as tensors over their storage, outside autograd's version counting (`.data`): the
+        optimizer's in-place step never writes storage a mini-batch holds (`_copy_on_write`)."""
+        return {n: p.data for n, p in self.trained}
+
+    def _bind(self) -> None:
+        """The version mini-batch `self.minibatch` runs with on this stage, and the tied weight's exchange."""
+        t = self.minibatch
+        if self.schedule == "pipedream":
+            self.bound = (self.version, self._live())
+        else:  # 2bw: w(t-1) for every stage
+            want = max(t - 1, 0)
+            if self.version == want:
+                self.bound = (want, self._live())
+            elif self.prev is not None and self.prev[0] == want:
+                self.bound = (want, dict(self.prev[1]))
+            else:
+                raise RuntimeError(f"2bw: stage {self.stage} has version {self.version}, mini-batch {t} needs {want}")
+        for main, copy, s_main, s_copy in self.ties:
+            if self.stage == s_main:
+                self._send(self.bound[1][main], s_copy, TIED)
+            elif self.stage == s_copy:
+                w = self._recv(s_main, TIED)
+                self.module.get_parameter(copy).data = w  # the head's copy is the version just received
+                self.bound[1][copy] = w
+
+    def _copy_on_write(self) -> None:
+        """Before an in-place step: move the live weights to fresh storage when a mini-batch in flight (or 2bw's
+        previous version) still holds them; the old storage becomes the stash."""
+        held = {e.version for e in self.inflight}
+        if self.bound is not None:
+            held.add(self.bound[0])
+        keep = self.schedule == "2bw"
+        if self.prev is not None and self.prev[0] not in held:
+            self.prev = None  # released before the clone, so the peak is one stashed copy
+        if self.version in held or keep:
+            old = self._live()
+            for _, p in self.trained:
+                p.data = p.data.clone()
+            if keep:
+                self.prev = (self.version, old)
+
+    def _stash_bytes(self) -> int:
+        """Bytes of weight storage held by mini-batches in flight and 2bw's previous version, beyond the live."""
+        live = {p.data.untyped_storage().data_ptr() for _, p in self.trained}
+        held = [e.leaves for e in self.inflight] + ([self.prev[1]] if self.prev else [])
+        names = {n for n, _ in self.trained}
+        seen: dict[int, int] = {}
+        for leaves in held:
+            for n, w in leaves.items():
+                st = w.untyped_storage()
+                if n in names and st.data_ptr() not in live:
+                    seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+
+    # --- the schedule ----------------------------------------------------------------------------
+    def _forward(self, x: torch.Tensor, y: torch.Tensor, i: int) -> torch.Tensor | None:
+        if i == 0:
+            self._bind()
+        version, weights = self.bound
+        inp = None if self.is_first else self._recv(self.stage - 1, ACT).requires_grad_()
+        leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+        with autocast(self.cfg.trainer.precision, self.device):
+            out = torch.func.functional_call(self.module, leaves, (x if self.is_first else inp,))
+            if self.is_last:
+                out = self.workload.loss(out, y) / self.m
+        if not self.is_last:
+            self._send(out, self.stage + 1, ACT)
+        last = i == self.m - 1
+        self.inflight.append(InFlight(version, self.minibatch, last, inp, out, leaves))
+        if last:
+            self.bound = None  # all its micro-batches hold the version now
+        return out.detach() if self.is_last else None
+
+    def _backward(self) -> None:
+        e = self.inflight.popleft()
+        names = list(e.leaves)
+        inputs = [e.leaves[n] for n in names] + ([e.inp] if e.inp is not None else [])
+        grad_out = None if self.is_last else self._recv(self.stage + 1, GRAD)
+        grads = torch.autograd.grad(e.out, inputs, grad_out, allow_unused=True)
+        if e.inp is not None:
+            self._send(grads[-1], self.stage - 1, GRAD)
+        by_name = dict(zip(names, grads))
+        for n, p in self.trained:
+            g = by_name.get(n)
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        for _, copy, _, s_copy in self.ties:
+            if self.stage == s_copy and by_name.get(copy) is not None:
+                g = by_name[copy]
+                self.tied_grad = g if self.tied_grad is None else self.tied_grad.add_(g)
+        if e.last:
+            self._complete(e)
+
+    def _complete(self, e: InFlight) -> None:
+        """Mini-batch `e.minibatch`'s backward is done here: exchange the tied gradient now (the stream's order)
+        and set its gradients aside for its step."""
+        for main, _, s_main, s_copy in self.ties:
+            if self.stage == s_copy:
+                self._send(self.tied_grad, s_main, TIED_GRAD)
+                self.tied_grad = None
+            elif self.stage == s_main:
+                g = self._recv(s_copy, TIED_GRAD)
+                p = self.module.get_parameter(main)
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        self.pending.append(([p.grad for _, p in self.trained], e.version))
+        for _, p in self.trained:
+            p.grad = None
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        accumulating = [p.grad for _, p in self.trained]  # the next mini-batch's first micro-batches
+        for grads, version in self.pending:
+            for (_, p), g in zip(self.trained, grads):
+                p.grad = g
+            clip = self.cfg.trainer.grad_clip
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_([p for _, p in self.trained], clip)
+            self._copy_on_write()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            delay = self.version - version
+            lo, hi = self.observed
+            self.observed = [delay if lo is None else min(lo, delay), delay if hi is None else max(hi, delay)]
+            self.version += 1
+            self.stash_peak = max(self.stash_peak, self._stash_bytes())
+        self.pending = []
+        for (_, p), g in zip(self.trained, accumulating):
+            p.grad = g
+
+    def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer):
+        (x, y), losses, t0 = micro_batches[0], [], time.perf_counter()
+        with timer.phase("forward_backward"):
+            for i, (xi, yi) in enumerate(zip(x.chunk(self.m), y.chunk(self.m))):
+                loss = self._forward(xi, yi, i)
+                if loss is not None:
+                    losses.append(loss)
+                if len(self.inflight) > self.depth:
+                    self._backward()
+            self.minibatch += 1
+            self.segment += 1
+        with timer.phase("optimizer"):
+            self._step()  # deferred to the end of the call: binds happen at its start, so the rule is the same
+        if self.cfg.adapter.flush_every and self.segment % self.cfg.adapter.flush_every == 0:
+            with timer.phase("forward_backward"):
+                self._flush()
+        self._reap()
+        self.busy_s += time.perf_counter() - t0
+        return torch.stack(losses).sum() if self.is_last else None
+
+    def _flush(self) -> None:
+        """Drain: the backward and step of every mini-batch in flight, then the head gets the live tied weight."""
+        while self.inflight:
+            self._backward()
+            self._step()
+        for main, copy, s_main, s_copy in self.ties:
+            if self.stage == s_main:
+                self._send(self.module.get_parameter(main), s_copy, TIED)
+            elif self.stage == s_copy:
+                self.module.get_parameter(copy).data = self._recv(s_main, TIED)
+        self._reap(wait=True)
+        self.segment = 0
+        self.flushes += 1
+
+    def end_epoch(self) -> None:
+        """The epoch's end: drain the pipeline, then share every stage's delays and stash bytes (a collective)."""
+        if self.segment or self.inflight:  # not just flushed by adapter.flush_every
+            t0 = time.perf_counter()
+            self._flush()
+            self.busy_s += time.perf_counter() - t0
+        mine = {
+            "delay_observed": self.observed,
+            "stash_bytes": self.stash_peak,
+            "flushes": self.flushes,
+            "recv_wait_fraction": self.wait_s / self.busy_s if self.busy_s > 0 else None,
+        }
+        stats: list = [None] * self.S
+        dist.all_gather_object(stats, mine)
+        self.stage_stats = stats
+
+    @torch.no_grad()
+    def eval_step(self, inputs, targets, weight):
+        if self.inflight:
+            self._flush()
+        with autocast(self.cfg.trainer.precision, self.device):
+            h = inputs if self.is_first else self._recv(self.stage - 1, EVAL, every_shape=True)
+            out = self.module(h)
+        if not self.is_last:
+            self._send(out, self.stage + 1, EVAL, every_shape=True)
+            self._reap(wait=True)
+            return torch.zeros(3, dtype=torch.float64, device=self.device)
+        return self.workload.eval_sums(out, targets, weight)
+
+    def state_bytes(self) -> dict[str, int]:
+        out = tensor_bytes(self.modules(), self.optimizer)
+        copies = self.stash_copies(self.cfg, self.S)[self.stage]
+        out["stash"] = self.stash_peak  # counted: the peak over the run of the storage the stash held
+        out["stash_predicted"] = copies * self.stage_param_bytes[self.stage]
+        return out
+
+    def describe(self) -> dict:
+        a, S = self.cfg.adapter, self.S
+        copies = self.stash_copies(self.cfg, S)
+        stats = self.stage_stats or []
+        return {
+            "implementation": "a re-implementation of PipeDream's published semantics (weight stashing, SOSP "
+            "2019; PipeDream-2BW, ICML 2021) on torch.distributed point-to-point calls",
+            "schedule": a.schedule,
+            "stages": S,
+            "balance": self.balance,
+            "balance_by": "config" if a.balance is not None else "layer_count",
+            "microbatches": self.m,
+            "micro_batch_size": self.local_batch_size(self.cfg, S) // self.m,
+            "update_rule": "w_s(t+1) = w_s(t) - lr * grad f_t(w_s(t - delay_s))",
+            "delay_per_stage": self.delays(a.schedule, S, self.m),
+            "delay_observed_per_stage": [st["delay_observed"] for st in stats],
+            "stash_copies_per_stage": copies,
+            "stage_param_bytes": self.stage_param_bytes,
+            "stash_bytes_predicted_per_stage": [c * b for c, b in zip(copies, self.stage_param_bytes)],
+            "stash_bytes_counted_per_stage": [st["stash_bytes"] for st in stats],
+            # the bubble as each stage sees it: host time blocked in receives / its time in train_step and drains
+            # (gloo; includes fill and drain, and CPU contention when ranks share cores)
+            "recv_wait_fraction_per_stage": [st["recv_wait_fraction"] for st in stats],
+            "stash": "no recomputation: torch.func.functional_call on the weights' storage at forward time, "
+            "copy on write before a step",
+            "flush_every": a.flush_every,
+            "flushes": stats[0]["flushes"] if stats else self.flushes,
+            "flush_at": "each epoch's end" + (f" and every {a.flush_every} mini-batches" if a.flush_every else ""),
+            "batchnorm_buffers": "not stashed: running statistics are live and updated per micro-batch",
+            "stage_replication": "refused (one stage per rank)",
+            "grad_clip": "per stage" if self.cfg.trainer.grad_clip > 0 else "off",
+            "tied_weights": [
+                f"{c} on stage {sc} = the version of {mn} stage {sm} used, sent with each mini-batch; its gradient "
+                f"is sent back and summed on stage {sm}"
+                for mn, c, sm, sc in self.ties
+            ],
+            # beside the record's comm_volume (activation and gradient sends per micro-batch, as 1F1B): the tied
+            # weight goes forward and its gradient back once per mini-batch, point to point (no all-reduce)
+            "sends_per_minibatch": {
+                "activation": "m per stage boundary, forward",
+                "activation_grad": "m per stage boundary, backward",
+                "tied_weight_bytes": self.tied_bytes,
+                "tied_grad_bytes": self.tied_bytes,
+            },
+        }
+
+
+ADAPTER = PipedreamAdapter
