@@ -94,6 +94,7 @@ def _run(args) -> int:
         print(f"error: {args.file} has no points", file=sys.stderr)
         return 2
     extra = [*args.extra, *(["results.skip_done=true"] if args.resume else [])]
+    stop = StopRequest().install()  # from here: a stop signal ends the sweep after the point it is in
     if not args.no_comm:  # the measured network, once per sweep and world size, beside the records
         measure_comm(points, args.extra, dry_run=args.dry_run, resume=args.resume)
     failed, tally = [], Counter()
@@ -101,6 +102,8 @@ def _run(args) -> int:
     # interleaved: every point once, then every point again (ABCABC): a drift of the machine spreads over all
     order = [(r, i) for r in range(repeats) for i in range(len(points))]
     for n, (r, i) in enumerate(order):
+        if stop.signal_name:
+            return stop.report(args, order, n, tally)
         point = points[i]
         tag = f" repeat {r}" if repeats > 1 else ""
         print(f"[{n + 1}/{len(order)}] point {point_id([*point, *args.extra])}{tag}: {shlex.join(point)}", flush=True)
@@ -111,7 +114,7 @@ def _run(args) -> int:
             continue
         name = run_name([*point, *extra])
         run = run_bench([*point, *extra], capture=False, run_name=name)  # a failed point does not stop the sweep
-        retry = oom_retry([*point, *extra]) if run.status == "oom" else None
+        retry = oom_retry([*point, *extra]) if run.status == "oom" and not stop.signal_name else None
         if retry:  # the paper halved the per-GPU batch by hand where a point ran out of memory
             print(
                 f"  point {i} ran out of memory: once more with trainer.batch_size={retry[-2].split('=')[1]}",
@@ -121,11 +124,72 @@ def _run(args) -> int:
         if run.returncode:
             failed.append((i, run.returncode))
         tally[outcome(run)] += 1
+        stop.last = run
+    if stop.signal_name:  # during the last point: nothing is left, its record is final all the same
+        return stop.report(args, order, len(order), tally)
+    stop.uninstall()
     for i, code in failed:
         print(f"point {i} ({shlex.join(points[i])}) exited {code}", file=sys.stderr)
     if not args.dry_run:
         print(f"sweep: {len(order)} run(s): {', '.join(f'{n} {k}' for k, n in sorted(tally.items()))}", flush=True)
     return 1 if failed else 0
+
+
+class StopRequest:
+    """SIGINT (Ctrl-C) or SIGTERM (scancel) to `sweep run`: the running point gets the same signal (its launcher
+    runs in a session of its own, so a terminal's Ctrl-C reaches only this process) and ends as it would alone,
+    with a final record (interrupted, preempted); no further point starts. `--resume` then runs what is left."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self.last = None  # the last point's run (its record)
+        self._previous = {}
+
+    def install(self) -> StopRequest:
+        import signal
+
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def uninstall(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handler(self, signum, frame) -> None:
+        import signal
+
+        import psutil
+
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+        for child in psutil.Process().children():  # the running point's launcher (it tells its ranks)
+            try:
+                child.send_signal(signum)
+            except psutil.Error:
+                pass
+
+    def report(self, args, order: list, done: int, tally: Counter) -> int:
+        """One line on what ran and what is left; exit 128 + the signal, as a shell reports it."""
+        import signal
+
+        self.uninstall()
+        last = self.last
+        record = (
+            f"its record {last.run_dir} is final (status {last.status})"
+            if last is not None and last.run_dir is not None
+            else "no point had started"
+        )
+        left = len(order) - done
+        ran = ", ".join(f"{v} {k}" for k, v in sorted(tally.items())) or "none"
+        then = f"`python -m ptbench.sweep run {args.file} --resume` runs every point without an ok record"
+        print(
+            f"sweep stopped by {self.signal_name} after {done} of {len(order)} run(s) ({ran}); {record}; "
+            f"{left} not started: {then}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + int(getattr(signal, self.signal_name))
 
 
 def outcome(run) -> str:

@@ -96,7 +96,8 @@ def set_cpu_threads(requested: int) -> int:
     return torch.get_num_threads()
 
 
-def init_process_group(ctx: DistContext, timeout_s: int) -> None:
+def init_process_group(ctx: DistContext, timeout_s: int, store: dist.Store | None = None) -> None:
+    """The default process group; `store`: one the ranks met on already (None: MASTER_ADDR/PORT's own)."""
     os.environ.update(
         MASTER_ADDR=ctx.master_addr,
         MASTER_PORT=str(ctx.master_port),
@@ -115,4 +116,5 @@ def init_process_group(ctx: DistContext, timeout_s: int) -> None:
             world_size=ctx.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=ctx.device if ctx.is_cuda else None,
+            store=store,
         )

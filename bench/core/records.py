@@ -41,18 +41,43 @@ STATUSES = ("running", "ok", "failed", "oom", "timeout", "preempted", "interrupt
 
 def atomic_write(path: Path, text: str) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise storage_error(e, path) from e
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise storage_error(e, path) from e
         raise
+
+
+# what the storage under a run refuses (a full disk, a quota, a read-only mount, no permission): the run's
+# fault only in where it writes, so its one line names the path and what to change
+STORAGE_ERRNOS = {
+    errno.ENOSPC: "free space there",
+    errno.EDQUOT: "free space in your quota there (quota -s)",
+    errno.EROFS: "it is on a read-only file system",
+    errno.EACCES: "make it writable for this user",
+    errno.EPERM: "make it writable for this user",
+}
+
+
+def storage_error(e: OSError, path: Path, fix: str = "or choose another results.root=PATH") -> OSError:
+    """`e` as one line naming `path` and the fix when the storage refused the write (STORAGE_ERRNOS, errno
+    kept: a full disk is still told apart), else `e` itself. A message already named is kept as it is."""
+    what = STORAGE_ERRNOS.get(e.errno)
+    if what is None or str(e.strerror).startswith("cannot write "):
+        return e
+    return OSError(e.errno, f"cannot write {path} ({e.strerror or e}): {what}, {fix}")
 
 
 def write_json(path: Path, obj) -> None:
@@ -251,7 +276,8 @@ class RunWriter:
         try:
             self.record.create(config_yaml, packages)
             self.record.write_summary({"status": "running", **self.identity, "owner": owner()})
-        except OSError as e:  # a full disk, a read-only folder: one line, no empty record folder left behind
+        except OSError as named:  # a full disk, a read-only folder: one line, no empty record folder left behind
+            e = named.__cause__ if isinstance(named.__cause__, OSError) else named  # as the system said it
             if made:
                 shutil.rmtree(self.dir, ignore_errors=True)
             from ptbench.core.errors import ConfigError

@@ -31,7 +31,7 @@ from ptbench.core.environments import (
     unseen_gpus_line,
 )
 from ptbench.core.errors import ConfigError
-from ptbench.core.records import RunWriter, mark_killed, point_folders
+from ptbench.core.records import STORAGE_ERRNOS, RunWriter, mark_killed, point_folders
 from ptbench.core.sinks import write_sinks
 from ptbench.core.stopping import STOP_SIGNALS
 from ptbench.core.torch_support import torch_warnings
@@ -78,9 +78,15 @@ def launch(cfg: DictConfig) -> int:
                 f"{adapter_cls.processes(cfg)} ranks: use hydra/launcher=bench_slurm "
                 "(conf/hydra/launcher/bench_slurm.yaml), which sizes each job"
             )
-        # the one rank that writes the summary records the comm volume; the memory check is the local launcher's
+        # the one rank that writes the summary records the comm volume; every rank checks the memory (a refusal
+        # ends them all alike), rank 0 alone says so: under torchrun / srun no launcher of ours checked before
         plan, _ = plan_run(
-            cfg, environment.name, ctx.world_size, memory=False, backend=ctx.backend if ctx.rank == 0 else None
+            cfg,
+            environment.name,
+            ctx.world_size,
+            backend=ctx.backend if ctx.rank == 0 else None,
+            on_host=ctx.local_world_size,
+            quiet=ctx.rank != 0,
         )
         if ctx.rank == 0:  # the rank that writes the summary: a Slurm allocation that oversubscribes its cores
             threads = cfg.launcher.threads_per_rank or int(os.environ.get("SLURM_CPUS_PER_TASK") or 1)
@@ -133,6 +139,11 @@ def launch(cfg: DictConfig) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside the ranks' training (before they started, after they ended)
         writer.fail("interrupted", "interrupted (SIGINT) before the ranks trained", stop_signal="SIGINT")
         code = _exit_code(writer)  # an outcome already written is kept (the first word wins)
+    except OSError as e:  # the record's own storage refuses its final status (records.storage_error names it)
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        print(f"run failed: {e.strerror}; {writer.dir} keeps status running (no final record)", file=sys.stderr)
+        code = 1
     return code
 
 
@@ -181,6 +192,8 @@ def plan_run(
     memory: bool = True,
     refuse: bool | None = None,
     backend: str | None = "auto",
+    on_host: int | None = None,
+    quiet: bool = False,
 ) -> tuple[RunPlan, dict | None]:
     """The plan of one launch with its predictions: what `launch` runs and `python -m ptbench --plan` prints,
     from this one function so the two cannot drift.
@@ -188,8 +201,10 @@ def plan_run(
     `make_plan` (every check when `check`; environment local: the devices and the start method too), then the
     workload's model built ONCE on the meta device for both the memory prediction (`memory`; `refuse`: refuse
     a run that does not fit, None = trainer.memory_check) and the comm volume at `backend` ("auto": the launcher's
-    choice; None: not computed). Returns the plan carrying both as record fields, and the memory model's full
-    prediction (its formulas, for a table; None when not predicted or when the model failed)."""
+    choice; None: not computed). `on_host`: the ranks sharing this host (default: all); `quiet`: a rank that
+    neither warns nor names a refusal (rank 0 does), it only ends. Returns the plan carrying both as record
+    fields, and the memory model's full prediction (its formulas, for a table; None when not predicted or when
+    the model failed)."""
     from ptbench.workloads import build_workload
 
     workload = build_workload(cfg.workload, cfg.data)
@@ -214,7 +229,7 @@ def plan_run(
         plan = dataclasses.replace(plan, facts=run_facts(cfg.workload, plan.cost, model))
     prediction = None
     if memory:
-        record, prediction = predicted_memory(cfg, plan, model, refuse)
+        record, prediction = predicted_memory(cfg, plan, model, refuse, on_host, quiet)
         plan = dataclasses.replace(plan, predicted_memory=record)
     if backend is not None:
         volume = comm_volume(cfg, plan, default_backend(cfg.launcher.backend if backend == "auto" else backend), model)
@@ -245,7 +260,9 @@ def _builder(model):
     return build
 
 
-def predicted_memory(cfg, plan: RunPlan, model, refuse: bool | None = None) -> tuple[dict, dict | None]:
+def predicted_memory(
+    cfg, plan: RunPlan, model, refuse: bool | None = None, on_host: int | None = None, quiet: bool = False
+) -> tuple[dict, dict | None]:
     """(record field, full prediction) of the memory model (bench/core/memory_model/, as its `plan_memory`):
     a run predicted not to fit the device is refused here, before launch, or warned about in one line with the
     numbers (`refuse` True / False = refuse / say nothing; None: trainer.memory_check, default warn). A
@@ -258,12 +275,18 @@ def predicted_memory(cfg, plan: RunPlan, model, refuse: bool | None = None) -> t
         raise
     except Exception as e:  # noqa: BLE001 - the prediction must never stop a run it cannot model
         return {"error": f"{type(e).__name__}: {e}"}, None
-    cap, what = device_bytes(plan.world_size)
+    cap, what = device_bytes(on_host or plan.world_size)
     mode = cfg.trainer.memory_check if refuse is None else ("refuse" if refuse else "off")
     if mode == "refuse":
-        check_fits(pred, cap, what)
-    elif mode == "warn" and not fits(pred["total"], cap):
-        print(memory_warning(pred, cap, what), file=sys.stderr)
+        try:
+            check_fits(pred, cap, what)
+        except ConfigError:
+            if quiet:
+                raise SystemExit(2) from None
+            raise
+    elif mode == "warn" and not fits(pred["total"], cap) and not quiet:
+        # flushed: under srun the batch log interleaves the ranks' output, this line must come before theirs
+        print(memory_warning(pred, cap, what), file=sys.stderr, flush=True)
     record = {
         **record_fields(pred),
         "device_bytes": None if cap is None else int(cap),
@@ -430,6 +453,7 @@ def run_with_launcher(
         "MASTER_ADDR": addr,
         "MASTER_PORT": str(port),
         "BENCH_LAUNCH_T0": _launch_t0(),
+        "BENCH_LAUNCHER_PID": str(os.getpid()),  # the ranks end themselves once it is gone (rank.watch_launcher)
     }
     proc = subprocess.Popen([*command, sys.executable, "-m", "ptbench.runner.rank", str(writer.dir)], env=env)
 
@@ -511,7 +535,13 @@ def _spawned_rank(local_rank: int, cfg_dict: dict, plan: RunPlan, port: int, run
     )
     if plan.rank_cpus:  # launcher.cpu_bind=cores: first, so that every thread this rank starts inherits it
         os.sched_setaffinity(0, plan.rank_cpus[local_rank])
-    code = run_rank(typed(cfg_dict), plan, ctx, Path(run_dir))
+    try:
+        code = run_rank(typed(cfg_dict), plan, ctx, Path(run_dir))
+    except (KeyboardInterrupt, SystemExit, Exception):
+        raise
+    except BaseException as e:  # a framework's own BaseException (torch DCP's CheckpointException): torch's spawn
+        # wrapper passes on only an Exception, multiprocessing would print this one's traceback on the console
+        raise RuntimeError(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
     if code:
         sys.exit(code)
 

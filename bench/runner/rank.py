@@ -60,6 +60,7 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
     the record and tells the others."""
     required = plan.adapter_cls.rank_environment(cfg)
     at_start = {k: os.environ.get(k) for k in (*RECORDED_ENV, *required)}  # first: before anything starts CUDA
+    launcher = _launcher_pid(ctx)  # now, while the launcher surely lives
     threads = set_cpu_threads(cfg.launcher.threads_per_rank)
     apply_tf32(cfg.trainer.tf32)
     import torch.distributed as dist
@@ -69,8 +70,23 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
 
     stop = StopFlag()
     stop.install()
+    running = {}  # the trainer, once made: the launcher watcher reads its step
+    if launcher and run_dir is not None:  # from the start: a launcher killed during start-up leaves no rank behind
+        killed = RunWriter(run_dir, plan.identity())
+        watch_launcher(*launcher, lambda: _launcher_killed(killed, ctx, launcher[0], running.get("trainer")))
     _late_environment(required, at_start, ctx)
-    init_process_group(ctx, dist_timeout_s(cfg.trainer))
+    try:
+        store = assemble(ctx, dist_timeout_s(cfg.trainer)) if ctx.launcher != "local" else None
+        init_process_group(ctx, dist_timeout_s(cfg.trainer), store)
+    except NeverAssembled as e:  # one line; the traceback would only repeat where torch waited
+        print(f"run never assembled: {e}", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as e:  # torchrun / srun: a peer left while the group started (rank 0 gave up on one)
+        if ctx.launcher == "local":
+            raise
+        said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"run never assembled: rank {ctx.rank}: the process group did not start ({said})", file=sys.stderr)
+        return 1
     stop.prepare()  # its CPU group now, not inside the timed loop at the first stop check
     adapter = None
     watchdog = None
@@ -122,6 +138,7 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
             resume_from=resume_from,
             resume_info=resume_info,
         )
+        running["trainer"] = trainer
         summary = trainer.run()
         requeue = None
         if ctx.rank == 0 and summary["status"] == "preempted" and trainer.saved_on_stop:
@@ -171,14 +188,24 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
         return 0
     except BaseException as e:  # record every failure, then let it end the rank
         failed = True
+        # a KeyboardInterrupt here came before the stop handlers (they turn SIGINT into a stop)
+        status = "oom" if _is_oom(e) else "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        where = None
         if run_dir is not None:
-            # a KeyboardInterrupt here came before the stop handlers (they turn SIGINT into a stop)
-            status = "oom" if _is_oom(e) else "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-            _record_rank_error(
-                RunWriter(run_dir, plan.identity()), ctx, status, f"{type(e).__name__}: {e}", traceback.format_exc()
-            )
+            try:
+                _record_rank_error(
+                    RunWriter(run_dir, plan.identity()), ctx, status, f"{type(e).__name__}: {e}", traceback.format_exc()
+                )
+                where = run_dir / f"error-rank{ctx.rank}.json"
+            except OSError as unwritten:  # the record's storage refuses too: the console line says so
+                where = f"nowhere: {unwritten}"
         abort_process_groups()
-        raise
+        if ctx.launcher == "local" or isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise  # the launcher of ours records the run and says why in one line
+        # torchrun / srun: no launcher of ours to say it; one line per failed rank, its traceback in its file
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"run {status}: rank {ctx.rank}: {type(e).__name__}: {message} (traceback: {where})", file=sys.stderr)
+        return 1
     finally:
         if watchdog is not None:
             watchdog.stop()
@@ -188,6 +215,121 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
             adapter.close()
         if dist.is_initialized() and not failed:
             dist.destroy_process_group()
+
+
+def _launcher_pid(ctx: DistContext) -> tuple[int, bool] | None:
+    """(pid, whether it is this rank's parent) of the launcher process of ours that waits for this rank
+    (launcher=local: it records a failed run's outcome; BENCH_LAUNCHER_PID when horovodrun started the rank),
+    else None (torchrun / srun: rank 0 writes the record itself)."""
+    if ctx.launcher != "local":
+        return None
+    pid = int(os.environ.get("BENCH_LAUNCHER_PID") or 0)
+    return (pid, False) if pid and pid != os.getppid() else (os.getppid(), True)
+
+
+def launcher_gone(pid: int, parent: bool) -> bool:
+    """Whether the launcher `pid` has ended. This rank's parent: the rank was reparented (at once when the
+    parent dies, before anyone reaps it). Another process (horovodrun's ranks): no such pid, or a zombie."""
+    if parent:
+        return os.getppid() != pid
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def watch_launcher(pid: int, parent: bool, on_gone, every_s: float = 0.5) -> None:
+    """A daemon thread that calls `on_gone` once the launcher `pid` has ended, then ends this process: a
+    launcher killed outright (SIGKILL, the OOM killer) can neither record the run nor end its ranks, so
+    each rank does both for itself within `every_s`, even while its main thread waits in a collective."""
+    import threading
+
+    def watch() -> None:
+        while not launcher_gone(pid, parent):
+            time.sleep(every_s)
+        try:
+            on_gone()
+        finally:
+            os._exit(137)  # as the launcher's own end: SIGKILL
+
+    threading.Thread(target=watch, name="bench-launcher-watch", daemon=True).start()
+
+
+def _launcher_killed(writer: RunWriter, ctx: DistContext, pid: int, trainer) -> None:
+    """The final status `killed`, with the step reached and the time, written by the first rank that
+    finds the launcher gone (a status already final is kept); one line on the console (the launcher's)."""
+    step = trainer.global_step if trainer is not None else None
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+    where = f"at step {step}" if step is not None else "before the first step"
+    error = (
+        f"the launcher (pid {pid}) was killed outright (SIGKILL, the OOM killer) {where}; rank {ctx.rank} "
+        f"found it gone at {at} and ended the ranks"
+    )
+    import fcntl
+
+    fd = os.open(writer.dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the ranks notice together: one writes, one line on the console
+        if (writer.record.summary() or {}).get("status") not in (None, "running"):
+            return
+        writer.fail("killed", error, None, steps=step)
+    finally:
+        os.close(fd)
+    print(f"run killed: {error}: {writer.dir} is final (status killed)", file=sys.stderr, flush=True)
+
+
+class NeverAssembled(RuntimeError):
+    """The ranks of a job did not all meet within the process-group timeout."""
+
+
+def assemble(ctx: DistContext, timeout_s: int):
+    """torchrun / srun: the ranks meet on rank 0's TCPStore (MASTER_ADDR:MASTER_PORT), each saying it is
+    there, before the process group starts on that store. A rank that never started is then named, and the
+    job ends within `timeout_s` (trainer.dist_timeout_s), where torch would only count clients. Returns the store."""
+    import datetime
+
+    import torch.distributed as dist
+
+    where = f"{ctx.master_addr}:{ctx.master_port}"
+    fix = (
+        f"start every rank ({ctx.launcher}: WORLD_SIZE={ctx.world_size} processes, e.g. torchrun --nproc-per-node, "
+        f"srun --ntasks) and let them reach {where}; no record was written"
+    )
+    # torchrun's agent hosts the store at MASTER_PORT itself (as torch's own rendezvous finds it); keys per restart
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    key = f"ptbench/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/joined/"
+    try:
+        store = dist.TCPStore(
+            ctx.master_addr,
+            ctx.master_port,
+            None,
+            ctx.rank == 0 and not agent,
+            datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
+        store.set(f"{key}{ctx.rank}", socket.gethostname())
+    except (RuntimeError, OSError) as e:  # DistStoreError / DistNetworkError: rank 0 never listened there
+        said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise NeverAssembled(
+            f"rank {ctx.rank} of {ctx.world_size} could not reach rank 0 at {where} within {timeout_s}s ({said}): {fix}"
+        ) from None
+    if ctx.rank == 0:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [r for r in range(ctx.world_size) if not store.check([f"{key}{r}"])]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                names = ", ".join(map(str, missing))
+                raise NeverAssembled(
+                    f"rank(s) {names} of {ctx.world_size} never joined rank 0 at {where} within {timeout_s}s "
+                    f"(trainer.dist_timeout_s, 0 = trainer.hang_timeout_s + 60): {fix}"
+                )
+            time.sleep(0.2)
+    return store
 
 
 # recorded as the process had them when it started (summary rank_environment.at_start), beside the adapter's own
@@ -321,7 +463,9 @@ def _agree_on_run_dir(cfg, plan: RunPlan, ctx: DistContext, run_dir: Path | None
 
 
 def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(e).lower()
+    # the CPU allocator's own refusal ("DefaultCPUAllocator: can't allocate memory") is an out of memory too
+    text = str(e).lower()
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in text or "can't allocate" in text
 
 
 def rank_main(run_dir: str) -> int:

@@ -28,7 +28,7 @@ from ptbench.adapters.base import Adapter
 from ptbench.core import checkpoint as ckpt
 from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext
-from ptbench.core.records import RunRecord, atomic_write, dumps, write_json
+from ptbench.core.records import STORAGE_ERRNOS, RunRecord, atomic_write, dumps, write_json
 from ptbench.core.schedule import Schedule
 from ptbench.core.stopping import Watchdog
 from ptbench.core.timing import PhaseTimer
@@ -192,6 +192,7 @@ class Checkpointer:
             meta = ckpt.read_meta(final)
             meta["save_time_s"] = time.perf_counter() - start  # up to the commit
             write_json(final / ckpt.META, meta)
+            ckpt.make_private(final)  # meta.json written again: under umask 002 it would be group-writable
             ckpt.prune(self.run_dir, self.cfg.trainer.checkpoint_keep)
             entry.update(name=final.name, bytes=meta["bytes"])
         dist.barrier()  # committed before any rank goes on (or exits)
@@ -212,10 +213,15 @@ class Checkpointer:
             if e is None:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
+            keep = self.cfg.trainer.checkpoint_keep
+            fix = (
+                f"free space under {self.run_dir.parent} or lower trainer.checkpoint_keep ({keep})"
+                if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                else f"{tmp.parent}: {STORAGE_ERRNOS.get(e.errno, 'check it')}, or choose another results.root=PATH"
+            )
             raise OSError(
                 e.errno,
-                f"checkpoint {ckpt.name(step)} not saved, the partial save removed ({e.strerror or e}); free space "
-                f"under {self.run_dir.parent} or lower trainer.checkpoint_keep ({self.cfg.trainer.checkpoint_keep})",
+                f"checkpoint {ckpt.name(step)} not saved, the partial save removed ({_strerror(e)}); {fix}",
             ) from exc
 
     def restore(self, path: Path) -> int:
@@ -290,9 +296,17 @@ def _full_disk(exc: BaseException, where: Path) -> OSError | None:
         free = shutil.disk_usage(where if where.exists() else where.parent).free
     except OSError:
         return None
-    if free < 1 << 20 or "write failed" in str(exc):
+    # torch's zip writer after a short write: "unexpected pos N vs M" (DCP: in each rank's failure)
+    said = " ".join(str(x) for x in (exc, *(getattr(exc, "failures", None) or {}).values()))
+    if free < 1 << 20 or any(m in said for m in ("write failed", "unexpected pos")):
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) if free < 1 << 20 else f"write failed, {free} B free")
     return None
+
+
+def _strerror(e: OSError) -> str:
+    """What the system said, also when a write of the record named it already (records.storage_error)."""
+    cause = e.__cause__ if isinstance(e.__cause__, OSError) else e
+    return cause.strerror or str(cause)
 
 
 def _os_error(e: BaseException, depth: int = 0) -> OSError | None:
