@@ -29,6 +29,7 @@ from ptbench.core.loaders import WorkerDied, train_loader
 from ptbench.core.records import read_json, write_json
 from ptbench.workloads import data as D
 from tests.helpers import SMOKE, bench, check_ok, kill_group, only_run, start, summary
+from tests.test_checkpoint import TINY as CHECKPOINT_TINY
 
 
 # --- token cache and text -------------------------------------------------------------------------
@@ -299,17 +300,7 @@ def test_a_planted_rank_state_never_runs(tmp_path):
     assert not marker.exists()
 
 
-TINY = [
-    "experiment=smoke",
-    "workload.vocab_size=256",
-    "data.train_samples=64",
-    "trainer.max_steps=0",
-    "trainer.stop_check_every=1",
-    "trainer.progress=false",
-    "trainer.resume=auto",
-    "trainer.checkpoint_every=2",
-    "results.point=planted",
-]
+TINY = [*CHECKPOINT_TINY, "trainer.resume=auto", "trainer.checkpoint_every=2", "results.point=planted"]
 
 
 def test_a_checkpoint_others_can_write_is_refused_before_its_pickle_runs(tmp_path):
