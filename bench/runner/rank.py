@@ -200,6 +200,7 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
             except OSError as unwritten:  # the record's storage refuses too: the console line says so
                 where = f"nowhere: {unwritten}"
         abort_process_groups()
+        end_within(FAILED_EXIT_S)
         if ctx.launcher == "local" or isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise  # the launcher of ours records the run and says why in one line
         # torchrun / srun: no launcher of ours to say it; one line per failed rank, its traceback in its file
@@ -349,6 +350,21 @@ def _late_environment(required: dict[str, str], at_start: dict[str, str | None],
             file=sys.stderr,
             flush=True,
         )
+
+
+FAILED_EXIT_S = 10  # a failed rank's time to leave after its record is written and its groups aborted
+
+
+def end_within(seconds: int) -> None:
+    """A failed rank's last resort: SIGALRM at its default action ends the process if leaving still waits. On
+    torch 2.11 an aborted gloo group still waits at the interpreter's exit for a collective a peer never joins
+    (2.14 does not); the error record and the traceback for the launcher are written before this fires."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():  # signal handlers: the main thread's only
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(seconds)
 
 
 def abort_process_groups() -> None:
