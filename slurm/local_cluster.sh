@@ -17,7 +17,7 @@
 # (which may run at the same time) are untouched. Use it with `export SLURM_CONF=$SLURM_LOCAL_MULTI/etc/slurm.conf`.
 set -uo pipefail
 
-CPUS=${SLURM_LOCAL_CPUS:-$(nproc)}   # the cores there are: a job's timings never share them with another job
+CPUS=${SLURM_LOCAL_CPUS:-$(nproc --all)}   # the cores there are (plain nproc obeys a caller's OMP_NUM_THREADS=1)
 MEM=${SLURM_LOCAL_MEM:-8000}
 TIMEOUT=${SLURM_LOCAL_TIMEOUT:-90}
 STATE=${SLURM_LOCAL_STATE:-/var/run/trainbench-slurm}
@@ -97,7 +97,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 # config_overrides: trust CPUs= below as given (no drain when SLURM_LOCAL_CPUS says more than the box has;
-# the default is its nproc, so that jobs never share cores and their timings compare).
+# the default is its nproc --all, so that jobs never share cores and their timings compare).
 SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=5
