@@ -45,9 +45,14 @@ class TestPtbenchLocalLauncherIntegration(IntegrationTestSuite):
     pass
 
 
+# a time limit well past bench_slurm's signal_delay_s (120 s): with timeout_min=1 or 2, Slurm signals the job
+# (USR2, submitit's timeout handling) as it starts, and a job slower than that on a busy machine fails
+SLURM_LIMIT = "hydra.launcher.timeout_min=10"
+
+
 @pytest.mark.slurm
 @pytest.mark.usefixtures("slurm")
-@pytest.mark.parametrize("launcher_name, overrides", [("bench_slurm", ["hydra.launcher.timeout_min=2", PTBENCH_CONF])])
+@pytest.mark.parametrize("launcher_name, overrides", [("bench_slurm", [SLURM_LIMIT, PTBENCH_CONF])])
 class TestBenchSlurmLauncher(LauncherTestSuite):
     pass
 
@@ -57,7 +62,7 @@ class TestBenchSlurmLauncher(LauncherTestSuite):
 @pytest.mark.parametrize(
     "task_launcher_cfg, extra_flags",
     [({}, ["-m", "hydra/hydra_logging=disabled", "hydra/job_logging=disabled", "hydra/launcher=bench_slurm",
-           PTBENCH_CONF, "hydra.launcher.timeout_min=1"])],
+           PTBENCH_CONF, SLURM_LIMIT])],
 )  # fmt: skip
 class TestBenchSlurmLauncherIntegration(IntegrationTestSuite):
     pass
