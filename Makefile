@@ -78,16 +78,19 @@ demo: $(STAMP)
 
 # The paper's protocol at CPU scale on the local Slurm cluster (started here if down; needs root):
 # `ptbench.paper plan --submit` (phase 1 epoch time, phase 2 statistical efficiency after it, phase 3
-# memory) for ddp, zero and pipeline at 1 and 2 ranks on a tiny GPT-2, then the report with its
-# "Paper claims" section. Records and report under results/paper-demo-<time>/.
+# memory) for ddp, zero, pipeline and pipedream (2 ranks; phase 2 adds 2BW, 1F1B and DDP at its global batch)
+# at 1 and 2 ranks on a tiny GPT-2, then the report with its "Paper claims" section. --one-at-a-time: every task
+# runs alone, so no timing run shares the node's cores with another. Records and report under
+# results/paper-demo-<time>/.
 PAPER_DEMO := results/paper-demo-$(shell date +%Y%m%d-%H%M%S)
 PAPER_DEMO_SIZE := data=synthetic data.train_samples=128 data.val_samples=32 workload.vocab_size=256 \
 	trainer.batch_size=8 trainer.untimed_steps=1 trainer.progress=false
 paper-demo: $(STAMP)
 	bash slurm/local_cluster.sh status >/dev/null 2>&1 || bash slurm/local_cluster.sh start
-	RESULTS=$(abspath $(PAPER_DEMO)) $(PY) -m ptbench.paper plan --workloads gpt2_tiny --adapters ddp,zero,pipeline \
-		--gpus 1,2 --stateff-epochs 3 --out $(PAPER_DEMO)/plan --submit -- $(PAPER_DEMO_SIZE)
-	$(PY) -m ptbench.paper wait $(PAPER_DEMO)/plan --timeout 900
+	RESULTS=$(abspath $(PAPER_DEMO)) $(PY) -m ptbench.paper plan --workloads gpt2_tiny \
+		--adapters ddp,zero,pipeline,pipedream --gpus 1,2 --stateff-epochs 3 --out $(PAPER_DEMO)/plan --submit \
+		--one-at-a-time -- $(PAPER_DEMO_SIZE)
+	$(PY) -m ptbench.paper wait $(PAPER_DEMO)/plan --timeout 2400
 	$(PY) -m ptbench.analysis report $(PAPER_DEMO) --out $(PAPER_DEMO)/report
 	@echo "paper demo: records in $(PAPER_DEMO)/, report in $(PAPER_DEMO)/report/report.md"
 

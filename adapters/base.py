@@ -9,6 +9,7 @@ Class-level hooks run before any rank starts, so bad input fails in the parent w
     `validate` runs the checks every adapter needs and then this one, so none is skipped
   - `processes(cfg)`: how many processes to launch (GPipe drives several devices from one)
   - `layout(cfg, world_size)`: dp x tp x pp, devices per process, micro-batches (ptbench.core.layout.Layout)
+  - `paper_layout(gpus, gpus_per_node, layers)`: how `python -m ptbench.paper` places it on a GPU count
   - `cost_inputs(cfg)`: what the memory and communication models need beyond the layout (CostInputs):
     they read these, never the adapter's name, so a new adapter touches its own file only
   - `launch_command(cfg, world_size)`: a framework launcher that must start the ranks (horovodrun)
@@ -89,6 +90,9 @@ class Adapter(ABC):
     environments: ClassVar[tuple[type[ClusterEnvironment], ...]] = ()
     checkpoint_format: ClassVar[str] = "torch.distributed.checkpoint (get_state_dict/set_state_dict)"
     compile_how: ClassVar[str] = ""  # what is compiled (recorded as compile.how)
+    # why this framework builds Triton kernels on CUDA whatever trainer.compile says ("" = it does not): the
+    # pre-launch check then asks for the host's C compiler and Python headers (runner/checks.py)
+    compiles_on_cuda: ClassVar[str] = ""
     # workload.channels_last: False where the framework needs contiguous parameters (it flattens, shards or
     # broadcasts them as flat buffers): the vision workload then makes the activations channels_last only
     channels_last_weights: ClassVar[bool] = True
@@ -175,6 +179,19 @@ class Adapter(ABC):
         """What this framework does that the cost models cannot see in the layout; default: replicated fp32
         states under autocast, gradients all-reduced in backward."""
         return CostInputs()
+
+    @classmethod
+    def paper_layout(cls, gpus: int, gpus_per_node: int, layers: int) -> list[str] | str:
+        """`python -m ptbench.paper`: the overrides that put this adapter on `gpus` devices (`gpus_per_node` per
+        node, 0: CPU ranks on one node; `layers`: the workload's layer count), or why it cannot run there (a str).
+        Default: one data-parallel rank per device."""
+        return [f"launcher.nprocs={gpus}"]
+
+    @classmethod
+    def paper_companions(cls, point: list[str]) -> list[list[str]]:
+        """`python -m ptbench.paper`'s statistical-efficiency phase: points to train beside this adapter's chosen
+        `point` (its overrides) so that a claim compares like with like; default none."""
+        return []
 
     @classmethod
     def devices_per_process(cls, cfg: BenchConfig) -> int:

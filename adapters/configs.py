@@ -130,5 +130,5 @@ SCHEMAS: dict[str, type[AdapterConfig]] = {
 
 def store_schemas(cs: ConfigStore) -> None:
     for name, schema in SCHEMAS.items():
-        # outside the `adapter` group, so `--help` lists only adapters a user can choose (issue 31)
+        # outside the `adapter` group, so `--help` lists only adapters a user can choose
         cs.store(name=f"adapter_{name}_schema", node=schema)

@@ -64,6 +64,12 @@ class GPipeAdapter(Adapter):
         return 1  # one process drives all partitions; launcher.nprocs does not apply
 
     @classmethod
+    def paper_layout(cls, gpus: int, gpus_per_node: int, layers: int) -> list[str] | str:
+        if gpus_per_node and gpus > gpus_per_node:
+            return "one process drives every partition (one node)"
+        return ["launcher.nprocs=1", f"adapter.pipeline_parallel={gpus}"]
+
+    @classmethod
     def layout(cls, cfg: BenchConfig, world_size: int) -> Layout:
         """One process (one replica) driving k partitions, one device each; paper: micro-batches = 4 x GPUs."""
         k = cls.partitions(cfg)

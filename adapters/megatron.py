@@ -95,6 +95,7 @@ class MegatronAdapter(Adapter):
     framework = "megatron-core"
     framework_module = "megatron.core"
     extra = "megatron"
+    compiles_on_cuda = "its fusions go through torch.compile"
     checkpoint_format = "megatron.core.dist_checkpointing (torch_dist): GPTModel.sharded_state_dict + optimizer state"
     phase_semantics = {
         **Adapter.phase_semantics,
@@ -136,6 +137,11 @@ class MegatronAdapter(Adapter):
         """The attention kernel (ptbench.core.layout.ATTENTION): Transformer Engine's fused attention with its
         layer spec (CUDA, TE installed), else the local spec with torch's SDPA as core attention (`_spec`)."""
         return "te" if cuda and importlib.util.find_spec("transformer_engine") else "sdpa"
+
+    @classmethod
+    def paper_layout(cls, gpus: int, gpus_per_node: int, layers: int) -> list[str]:
+        # tensor parallel inside a node, data parallel across nodes
+        return [f"launcher.nprocs={gpus}", f"adapter.tensor_parallel={min(gpus, gpus_per_node or gpus)}"]
 
     @classmethod
     def layout(cls, cfg, world_size: int) -> Layout:

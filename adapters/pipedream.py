@@ -111,14 +111,37 @@ class PipedreamAdapter(Adapter):
 
     @classmethod
     def stash_copies(cls, cfg: BenchConfig, world_size: int) -> list[int]:
-        """Extra copies of each stage's parameters (beyond the live ones) that the stash holds at its peak:
-        the memory model adds copies x the stage's parameter bytes (S-1-s for pipedream, 1 for 2bw). The steady
-        state's peak: a flush (adapter.flush_every) after fewer than 2 x copies mini-batches keeps it lower."""
+        """Extra copies of each stage's parameters (beyond the live ones) that the stash holds at its peak, by the
+        memory model's rule for the weight versions `cost_inputs` states (S-1-s for pipedream, ceil((S-1-s)/m)
+        with m micro-batches, 1 for 2bw; a drain every adapter.flush_every < 2 x copies mini-batches keeps it
+        lower: `ptbench.core.memory_model.stash_copies`)."""
+        from ptbench.core.memory_model import stash_copies
+
         stages = cls.num_stages(cfg, world_size)
-        m = cls.microbatches(cfg, stages)
-        if cfg.adapter.schedule == "2bw":
-            return [1] * stages
-        return cls.delays("pipedream", stages, m)
+        rule = cls.cost_inputs(cfg, layers=False).weight_stash
+        return stash_copies(rule, stages, cls.microbatches(cfg, stages), cfg.adapter.flush_every)
+
+    @classmethod
+    def paper_layout(cls, gpus: int, gpus_per_node: int, layers: int) -> list[str] | str:
+        if gpus < 2:
+            return "one stage is no pipeline (plain SGD, no staleness to measure)"
+        if gpus > layers:  # one stage per rank, stages not replicated
+            return f"one stage per rank and no stage replication: {gpus} ranks for {layers} layers"
+        return [f"launcher.nprocs={gpus}"]
+
+    @classmethod
+    def paper_companions(cls, point: list[str]) -> list[list[str]]:
+        """Beside a PipeDream point, at its rank count, global batch and learning rate: PipeDream-2BW, the flushing
+        pipeline (1F1B) and DDP (the same fixed global batch split over the ranks): the staleness claim's
+        comparators (analysis/claims.py)."""
+        own = [o for o in point if not o.startswith(("adapter=", "adapter."))]
+        ranks = next((o.split("=", 1)[1] for o in point if o.startswith("launcher.nprocs=")), "1")
+        out = []
+        if not any(o.startswith("adapter.schedule=") for o in point):
+            out.append([*point, "adapter.schedule=2bw"])
+        out.append([*own, "adapter=pipeline", "adapter.schedule=1f1b", f"adapter.pipeline_parallel={ranks}"])
+        out.append([*own, "adapter=ddp", "adapter.batch_policy=fixed"])
+        return out
 
     @classmethod
     def layout(cls, cfg: BenchConfig, world_size: int) -> Layout:
@@ -126,10 +149,31 @@ class PipedreamAdapter(Adapter):
         return Layout(world_size=world_size, dp=1, pp=stages, microbatches=cls.microbatches(cfg, stages))
 
     @classmethod
-    def cost_inputs(cls, cfg: BenchConfig) -> CostInputs:
+    def cost_inputs(cls, cfg: BenchConfig, layers: bool = True) -> CostInputs:
         # activations alive as under 1F1B (at most S-s micro-batches on stage s); per micro-batch one activation
-        # forward and one gradient back, as 1F1B; the stash is not in these inputs (stash_copies says it)
-        return CostInputs(schedule="1f1b", step_phase="forward_backward")
+        # forward and one gradient back, as 1F1B. The stash: the weight versions this schedule keeps and what one
+        # version of each layer holds (the memory model splits them by the balance and the layout's stages)
+        a = cfg.adapter
+        return CostInputs(
+            schedule="1f1b",
+            step_phase="forward_backward",
+            stage_balance=tuple(a.balance) if a.balance else None,
+            weight_stash="double_buffered" if a.schedule == "2bw" else "weight_stashing",
+            flush_every=a.flush_every,
+            layer_params=cls.layer_params(cfg) if layers else None,
+        )
+
+    @classmethod
+    def layer_params(cls, cfg: BenchConfig) -> tuple[int, ...]:
+        """Parameter elements of each layer of `workload.sequential()`, counted on the meta device, a tied
+        weight once (under its first layer: the head's copy is sent with each mini-batch, not stashed)."""
+        workload = build_workload(cfg.workload, cfg.data)
+        with torch.device("meta"):
+            seq = workload.sequential(workload.build_model())
+        counts = dict.fromkeys(dict(seq.named_children()), 0)
+        for name, p in seq.named_parameters():  # a shared Parameter is listed once
+            counts[name.split(".", 1)[0]] += p.numel()
+        return tuple(counts.values())
 
     @classmethod
     def checkpoint_refusal(cls, cfg: BenchConfig) -> str | None:
@@ -477,10 +521,17 @@ class PipedreamAdapter(Adapter):
 
     def state_bytes(self) -> dict[str, int]:
         out = tensor_bytes(self.modules(), self.optimizer)
-        copies = self.stash_copies(self.cfg, self.S)[self.stage]
         out["stash"] = self.stash_peak  # counted: the peak over the run of the storage the stash held
-        out["stash_predicted"] = copies * self.stage_param_bytes[self.stage]
+        out["stash_predicted"] = self.stash_predicted()[self.stage]
         return out
+
+    def stash_predicted(self) -> list[int]:
+        """The memory model's stash per stage (its `stash_per_stage`, from this adapter's layout and cost inputs)."""
+        from ptbench.core.memory_model import Inputs, ModelFacts, stash_per_stage
+
+        cfg = self.cfg
+        inp = Inputs(layout=self.layout(cfg, self.S), cost=self.cost_inputs(cfg), model=ModelFacts(params=0))
+        return [int(round(b)) for b in stash_per_stage(inp, [])[0]]
 
     def describe(self) -> dict:
         a, S = self.cfg.adapter, self.S
@@ -500,7 +551,7 @@ class PipedreamAdapter(Adapter):
             "delay_observed_per_stage": [st["delay_observed"] for st in stats],
             "stash_copies_per_stage": copies,
             "stage_param_bytes": self.stage_param_bytes,
-            "stash_bytes_predicted_per_stage": [c * b for c, b in zip(copies, self.stage_param_bytes)],
+            "stash_bytes_predicted_per_stage": self.stash_predicted(),  # the memory model's
             "stash_bytes_counted_per_stage": [st["stash_bytes"] for st in stats],
             # the bubble as each stage sees it: host time blocked in receives / its time in train_step and drains
             # (gloo; includes fill and drain, and CPU contention when ranks share cores)

@@ -73,6 +73,12 @@ class PipelineAdapter(Adapter):
         return cfg.adapter.pipeline_parallel or world_size
 
     @classmethod
+    def paper_layout(cls, gpus: int, gpus_per_node: int, layers: int) -> list[str]:
+        # stages up to the layer count, data parallel beyond
+        pp = max(d for d in range(1, min(gpus, layers) + 1) if gpus % d == 0)
+        return [f"launcher.nprocs={gpus}", f"adapter.pipeline_parallel={pp}"]
+
+    @classmethod
     def layout(cls, cfg: BenchConfig, world_size: int) -> Layout:
         pp = cls.pipeline_size(cfg, world_size)
         return Layout(

@@ -55,6 +55,11 @@ class TensorParallelAdapter(Adapter):
         return None
 
     @classmethod
+    def paper_layout(cls, gpus: int, gpus_per_node: int, layers: int) -> list[str]:
+        # tensor parallel inside a node, data parallel across nodes
+        return [f"launcher.nprocs={gpus}", f"adapter.tensor_parallel={min(gpus, gpus_per_node or gpus)}"]
+
+    @classmethod
     def layout(cls, cfg, world_size: int) -> Layout:
         tp = cfg.adapter.tensor_parallel
         return Layout(world_size=world_size, dp=world_size // tp if tp >= 1 else 0, tp=tp)

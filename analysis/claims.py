@@ -19,23 +19,38 @@ any part does not. ZeRO is compared with the DDP point of the same device count 
 - pipeline (gpipe, pipeline) memory per GPU falls by more than 10 % at its first step, then plateaus (the last
   step within ±10 %; needs 3 GPU counts);
 - Megatron's per-GPU memory is U-shaped: some inner count lies more than SHAPE_MARGIN below both ends;
+- PipeDream (adapter pipedream, weight stashing or 2BW) needs more epochs to a validation target than a flushing
+  pipeline (gpipe, pipeline 1f1b/gpipe) or DDP at the same global batch and learning rate: the 90 % interval of
+  the ratio of epochs to a validation target lies above 1 (holds), below 1 (does not hold), else undecided. The
+  target is fixed from the comparator's runs alone before any run is ranked (its worst best value, loosened by
+  1 %: `ptbench.analysis.target.default_target`), so each of them reaches it. A PipeDream run that never does
+  counts at its epoch count, a lower bound: then the check holds (none reached it in as many epochs as every
+  comparator run needed, or the interval lies above 1) or is undecided, never fails. PipeDream at one stage (no
+  staleness) and runs with fewer than 2 validated epochs are not compared;
+- PipeDream's weight stash costs memory: every stage's stash counted in the record (`state_bytes.stash`) beside
+  the memory model's prediction, and its share of the stage's model states; holds where every point counts the
+  stash it predicts to be non-zero, fails where one counts none;
 - the fastest framework per workload and GPU count: `ptbench.analysis.stats.rank` (a measurement).
-With records of `python -m ptbench.paper`, memory checks read its memory phase (paper-memory-*) and time
-checks its epoch-time phase (paper-epoch-*); other records are used as they are.
+A claim whose runs were left out (contention, a failed or killed run) names them and why beside its numbers.
+With records of `python -m ptbench.paper`, memory checks read its memory phase (paper-memory-*), time checks its
+epoch-time phase (paper-epoch-*) and the epochs-to-target check its statistical-efficiency phase
+(paper-stateff-*); other records are used as they are.
 Also listed: every point that was retried with a smaller batch after running out of memory
 (`extra.batch_reduced_from`, bench/runner/points.py `oom_retry`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import yaml
 
-from ptbench.analysis.load import read_yaml
+from ptbench.analysis.load import load, read_yaml
 from ptbench.analysis.stats import CLAIM_LEVEL, Interval, geo_interval, rank, ratio_interval
+from ptbench.analysis.target import crossing, default_target
 
 HOLDS, FAILS, UNDECIDED, NOT_MEASURED, MEASURED = "holds", "does not hold", "undecided", "not measured", "measured"
 ZERO_MEMORY_SHARE = (0.42, 0.66)
@@ -43,6 +58,8 @@ ZERO_TIME_RANGE = (0.0, 1.15)  # ZeRO time / DDP's: at most 15 % slower (one-sid
 FLAT = 0.10  # DDP memory "flat" and the pipeline's plateau: within ±10 %; the pipeline's first fall: > 10 %
 SHAPE_MARGIN = 0.05  # U-shape: an inner point more than 5 % below both ends
 PIPELINES = ("gpipe", "pipeline")
+ASYNC_PIPELINES = ("pipedream",)  # no flush: weight staleness (PipeDream's weight stashing, 2BW)
+SYNCHRONOUS = (*PIPELINES, "ddp")  # what the staleness claim compares against: flushing pipelines, data parallel
 
 
 def _num(s) -> pd.Series:
@@ -216,6 +233,146 @@ def megatron_memory_u_shape(runs: pd.DataFrame) -> dict:
     return _claim(name, _all(v for v, _ in found), head + "; ".join(t for _, t in found), meg)
 
 
+def _epochs_of(runs: pd.DataFrame, epochs: pd.DataFrame | None) -> pd.DataFrame:
+    """Per-epoch rows (validation metric, epoch) of `runs`: from `epochs` when given, else read from their folders."""
+    if epochs is None:
+        dirs = [d for d in runs["run_dir"].dropna().astype(str) if Path(d).is_dir()] if "run_dir" in runs else []
+        epochs = load(*dirs) if dirs else pd.DataFrame()
+    if epochs.empty or "val_metric" not in epochs:
+        return pd.DataFrame()
+    e = epochs[epochs["run_id"].astype(str).isin(runs["run_id"].astype(str)) & epochs["val_metric"].notna()]
+    e = e.assign(run_id=e["run_id"].astype(str))
+    # a curve needs two validated epochs: one epoch's best is its only value, and a common target from it says
+    # nothing about how fast the curves fall
+    return e[e.groupby("run_id")["epoch"].transform("nunique") >= 2]
+
+
+def _epochs_to(e: pd.DataFrame, ids, target: float, lower: bool) -> tuple[list[float], list[float]]:
+    """(the fractional epochs each run that reached `target` needed, the epoch counts of those that never did)."""
+    reached, missed = [], []
+    for rid in ids:
+        run = e[e["run_id"] == rid]
+        ep = crossing(run, target, lower)[1]
+        (reached if np.isfinite(ep) else missed).append(ep if np.isfinite(ep) else float(run["epoch"].max()) + 1)
+    return reached, missed
+
+
+def _same_setup(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    """The runs of `b` at a global batch (and learning rate, where both record one) that `a` ran at."""
+    for col in ("global_batch", "lr"):
+        if col in a and col in b and _num(a[col]).size and _num(b[col]).size:
+            b = b[pd.to_numeric(b[col], errors="coerce").isin(_num(a[col]))]
+    return b
+
+
+def _stale_verdict(ea: list[float], missed: list[float], ec: list[float]) -> tuple[str, Interval]:
+    """PipeDream's epochs (`ea` reached, `missed`: the epoch counts of runs that never reached, lower bounds) over
+    the comparator's (`ec`, every run reached): above 1 holds, below 1 does not hold; lower bounds can only hold."""
+    iv = _ratio(pd.Series(ea + missed, dtype=float), pd.Series(ec, dtype=float))
+    if missed and not ea:  # no PipeDream run got there in as many epochs as every comparator run needed
+        return (HOLDS if min(missed) >= max(ec) else UNDECIDED), iv
+    if not iv.finite:
+        return UNDECIDED, iv
+    if iv.lo > 1:
+        return HOLDS, iv
+    return (FAILS if iv.hi < 1 and not missed else UNDECIDED), iv
+
+
+def _stale_pair(e: pd.DataFrame, a: pd.DataFrame, c: pd.DataFrame) -> tuple[str, str]:
+    """(verdict, text) of one PipeDream point `a` against one synchronous point `c`, the target fixed from `c`'s
+    runs alone (`ptbench.analysis.target.default_target`: every one of them reaches it)."""
+    metric = e["val_metric_name"].iloc[0]
+    (a_label, a_n), (c_label, c_n) = ((f["label"].iloc[0], int(f["devices"].iloc[0])) for f in (a, c))
+    target, lower = default_target(e, metric, c_label, c_n), metric == "val_perplexity"
+    ea, missed = _epochs_to(e, a["run_id"].astype(str).tolist(), target, lower)
+    ec, _ = _epochs_to(e, c["run_id"].astype(str).tolist(), target, lower)
+    verdict, iv = _stale_verdict(ea, missed, ec)
+    gb = _num(a["global_batch"]) if "global_batch" in a else pd.Series(dtype=float)
+    text = f"{a_label} x{a_n} / {c_label} x{c_n}" + (f" (global batch {gb.iloc[0]:.0f})" if len(gb) else "")
+    text += f", to {metric} {target:.4g}: "
+    pd_said = f"{geo_interval(ea).value:.2f}" if ea else "none"
+    if missed:
+        pd_said += f", {len(missed)} of {len(ea) + len(missed)} never in {max(missed):.0f} epochs"
+    bound = ">= " if missed else ""  # runs that never reached it count at their epochs: a lower bound
+    return verdict, text + f"{bound}{iv.value:.2f}x the epochs{_ci(iv)} ({pd_said} vs {geo_interval(ec).value:.2f})"
+
+
+def pipedream_needs_more_epochs(runs: pd.DataFrame, epochs: pd.DataFrame | None = None) -> dict:
+    name = "PipeDream needs more epochs to a validation target than a flushing pipeline or DDP at the same global batch"
+    stale, sync = _of(runs, ASYNC_PIPELINES), _of(runs, SYNCHRONOUS)
+    stale = stale[pd.to_numeric(stale["devices"], errors="coerce") >= 2]  # one stage: no pipeline, no staleness
+    e = _epochs_of(pd.concat([stale, sync]), epochs) if len(stale) and len(sync) else pd.DataFrame()
+    pairs = []
+    for _, a in stale.groupby(["label", stale["devices"].astype(int)]) if len(e) else []:
+        a = a[a["run_id"].astype(str).isin(e["run_id"])]
+        matched = _same_setup(a, sync)
+        matched = matched[matched["run_id"].astype(str).isin(e["run_id"])]
+        pairs += [(a, c) for _, c in matched.groupby(["label", matched["devices"].astype(int)]) if len(a)]
+    if not pairs:
+        return _claim(name, NOT_MEASURED, "needs PipeDream at 2 or more stages and a flushing pipeline or DDP with "
+                      "validation curves of 2 or more epochs at one global batch and learning rate")  # fmt: skip
+    found = [_stale_pair(e, a, c) for a, c in pairs]
+    used = pd.concat([pd.concat([a, c]) for a, c in pairs]).drop_duplicates("run_id")
+    return _claim(name, _all(v for v, _ in found), "; ".join(t for _, t in found), used)
+
+
+def _summary(run_dir) -> dict:
+    path = Path(str(run_dir)) / "summary.json"
+    try:
+        s = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return s if isinstance(s, dict) else {}
+
+
+def _stash_record(s: dict) -> tuple[tuple, tuple, int, int] | None:
+    """(counted per stage, predicted per stage, the stage with the most, that stage's model states) of one record;
+    None when it states no stash."""
+    ranks = s.get("state_bytes_per_rank") or []
+    if not any("stash" in r for r in ranks):
+        return None
+    counted = tuple(r.get("stash") or 0 for r in ranks)
+    predicted = tuple(
+        (s.get("predicted_memory") or {}).get("stash_per_stage") or [r.get("stash_predicted") for r in ranks]
+    )
+    states = [(r.get("params") or 0) + (r.get("grads") or 0) + (r.get("optimizer") or 0) for r in ranks]
+    top = max(range(len(counted)), key=lambda i: counted[i])
+    return counted, predicted, top, states[top]
+
+
+def _stash_point(label: str, n: int, summaries: list[dict]) -> list[tuple[str | None, str]]:
+    """(verdict, text) per distinct stash of one PipeDream point's records (settings outside the label, such as
+    adapter.flush_every, can differ): does not hold where a stage counts none of a stash predicted, holds where
+    some is counted, None (no verdict) where none is predicted (one stage; a drain after every mini-batch)."""
+    out = []
+    for counted, predicted, top, states in dict.fromkeys(r for r in map(_stash_record, summaries) if r):
+        if any(p and not c for c, p in zip(counted, predicted)):
+            verdict = FAILS
+        else:
+            verdict = HOLDS if any(counted) else None if not any(p or 0 for p in predicted) else UNDECIDED
+        same = "= predicted" if counted == predicted else f"(predicted {', '.join(_mib(p or 0) for p in predicted)})"
+        text = f"{label} x{n}: stash per stage {', '.join(_mib(c) for c in counted)} counted {same}"
+        share = f"{100 * counted[top] / states:.0f} %" if states else "?"
+        if any(counted):
+            text += f"; stage {top}'s is {share} of its model states ({_mib(states)})"
+        else:
+            text += ", none counted" if any(p or 0 for p in predicted) else ", none predicted"
+        out.append((verdict, text))
+    return out
+
+
+def pipedream_stash_costs_memory(runs: pd.DataFrame) -> dict:
+    name = "PipeDream's weight stash costs memory (stashed parameter versions per stage)"
+    stale = _of(runs, ASYNC_PIPELINES)
+    found = []
+    for (label, n), sub in stale.groupby(["label", stale["devices"].astype(int)]) if len(stale) else []:
+        found += _stash_point(label, n, [_summary(d) for d in sub.get("run_dir", pd.Series(dtype=object))])
+    if not any(v for v, _ in found):
+        why = "needs PipeDream records with a stash predicted and counted (state_bytes.stash, 2 or more stages)"
+        return _claim(name, NOT_MEASURED, "; ".join([why, *(t for _, t in found)]))
+    return _claim(name, _all(v for v, _ in found if v), "; ".join(t for _, t in found), stale)
+
+
 def fastest(runs: pd.DataFrame) -> list[dict]:
     """Per GPU count: the series with the lowest geometric-mean time per training sample, called fastest only
     when it beats every other series there (`ptbench.analysis.stats.rank`: Welch on logs, Holm-adjusted)."""
@@ -239,29 +396,96 @@ def fastest(runs: pd.DataFrame) -> list[dict]:
 
 MEMORY_CHECKS = (zero_memory_share, zero_memory_falls_ddp_flat, pipeline_memory_plateaus, megatron_memory_u_shape)
 TIME_CHECKS = (zero_time_close_to_ddp, fastest)
+# the adapters whose runs each check reads: a run of theirs left out of the verdicts is named beside it
+CHECK_ADAPTERS = {
+    zero_memory_share: ("ddp", "zero"),
+    zero_memory_falls_ddp_flat: ("ddp", "zero"),
+    zero_time_close_to_ddp: ("ddp", "zero"),
+    pipeline_memory_plateaus: PIPELINES,
+    megatron_memory_u_shape: ("megatron",),
+    pipedream_needs_more_epochs: (*ASYNC_PIPELINES, *SYNCHRONOUS),
+    pipedream_stash_costs_memory: ASYNC_PIPELINES,
+}
 
 
 def _phase(runs: pd.DataFrame, prefix: str) -> pd.DataFrame:
-    """The runs of one phase of `python -m ptbench.paper` (experiment paper-epoch-* / paper-memory-*) when
-    the records hold that phase; otherwise every run."""
+    """The runs of one phase of `python -m ptbench.paper` (experiment paper-epoch-* / paper-memory-* /
+    paper-stateff-*) when the records hold that phase; otherwise every run."""
     mine = runs[runs["experiment"].astype(str).str.startswith(prefix)] if "experiment" in runs else runs.iloc[:0]
     return mine if len(mine) else runs
 
 
-def claims(per_run: pd.DataFrame, include_contended: bool = False) -> dict[str, list[dict]]:
+def _left_out(per_run: pd.DataFrame, include_contended: bool) -> pd.DataFrame:
+    """The runs the verdicts do not use, with why: their status (failed, oom, killed, ...) or contention."""
+    if per_run.empty or "status" not in per_run:
+        return per_run.assign(why=pd.Series(dtype=object))
+    why = pd.Series(np.where(per_run["status"] != "ok", per_run["status"].astype(str), None), index=per_run.index)
+    if not include_contended and "contention" in per_run:
+        why = why.where(why.notna() | per_run["contention"].isna(), "contention")
+    return per_run[why.notna()].assign(why=why[why.notna()])
+
+
+def _left_out_text(left: pd.DataFrame) -> str:
+    """'left out: ddp x1 (contention), zero x2 (2 runs: failed)'; '' when none."""
+    if left.empty:
+        return ""
+    parts = []
+    for (label, n), sub in left.groupby(["label", pd.to_numeric(left["devices"], errors="coerce").fillna(0)]):
+        reasons = ", ".join(sorted(set(sub["why"])))
+        parts.append(f"{label} x{int(n)} ({f'{len(sub)} runs: ' if len(sub) > 1 else ''}{reasons})")
+    return "left out: " + ", ".join(parts)
+
+
+def _with_left_out(claim: dict, left: pd.DataFrame) -> dict:
+    said = _left_out_text(left)
+    return {**claim, "numbers": f"{claim['numbers']} ({said})" if said else claim["numbers"], "left_out": said}
+
+
+def _phases_of(sub: pd.DataFrame, everything: pd.DataFrame, prefix: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the used runs of a phase, the left-out runs of that phase: all of them where no record names phases)."""
+    has = "experiment" in everything and everything["experiment"].astype(str).str.startswith(prefix).any()
+    left = everything[everything["experiment"].astype(str).str.startswith(prefix)] if has else everything
+    return _phase(sub, prefix), left
+
+
+def claims(per_run: pd.DataFrame, include_contended: bool = False, epochs: pd.DataFrame | None = None) -> dict:
     """workload -> the checks over its finished runs (rows of `ptbench.analysis.tables.runs` with status ok):
-    memory checks on the paper's memory phase, time checks on its epoch-time phase, where present."""
+    memory checks on the paper's memory phase, time checks on its epoch-time phase, the epochs-to-target check on
+    its statistical-efficiency phase, where present. `epochs`: the per-epoch frame (`ptbench.analysis.load.load`)
+    the epochs-to-target check reads; None: read from the runs' folders. Each check names the runs of its adapters
+    that were left out (contention, failed, ...) beside its numbers (`left_out`)."""
     done = per_run[(per_run["status"] == "ok")] if len(per_run) else per_run
     if not include_contended and "contention" in done:  # records that warn of contention: out of the verdicts
         done = done[done["contention"].isna()]
     if "mem_plot_bytes" not in done:
         done = done.assign(mem_plot_bytes=np.nan)
+    left = _left_out(per_run, include_contended) if len(per_run) else per_run
     out = {}
-    for w, sub in done.groupby("workload"):
-        memory, timed = _phase(sub, "paper-memory-"), _phase(sub, "paper-epoch-")
-        found = [check(memory) for check in MEMORY_CHECKS[:2]] + [zero_time_close_to_ddp(timed)]
-        out[w] = found + [check(memory) for check in MEMORY_CHECKS[2:]] + fastest(timed)
+    for w, sub in done.groupby("workload"):  # a workload with no run left is the answers' "could not decide"
+        gone = left[left["workload"] == w]
+        (memory, lm), (timed, lt), (trained, ls) = (
+            _phases_of(sub, gone, p) for p in ("paper-memory-", "paper-epoch-", "paper-stateff-")
+        )
+        checks = [(c, memory, lm) for c in MEMORY_CHECKS[:2]] + [(zero_time_close_to_ddp, timed, lt)]
+        checks += [(c, memory, lm) for c in MEMORY_CHECKS[2:]]
+        found = [_with_left_out(c(used), _of(lo, CHECK_ADAPTERS[c])) for c, used, lo in checks]
+        found.append(_with_left_out(pipedream_needs_more_epochs(trained, epochs), _of(ls, CHECK_ADAPTERS[
+            pipedream_needs_more_epochs])))  # fmt: skip
+        found.append(_with_left_out(pipedream_stash_costs_memory(memory), _of(lm, ASYNC_PIPELINES)))
+        out[w] = found + _fastest_with_left_out(timed, lt)
     return out
+
+
+def _fastest_with_left_out(timed: pd.DataFrame, left: pd.DataFrame) -> list[dict]:
+    """`fastest` per GPU count, each naming the runs left out at that count; a count whose every run was left out
+    gets a row saying so."""
+    n_of = lambda f: pd.to_numeric(f["devices"], errors="coerce")  # noqa: E731
+    found = [_with_left_out(c, left[n_of(left) == int(c["claim"].rsplit("x", 1)[1])]) for c in fastest(timed)]
+    seen = set(n_of(timed).dropna().astype(int))
+    for n in sorted(set(n_of(left).dropna().astype(int)) - seen):
+        found.append(_with_left_out(_claim(f"fastest framework at x{n}", NOT_MEASURED, f"no run at x{n} is used"),
+                                    left[n_of(left) == n]))  # fmt: skip
+    return sorted(found, key=lambda c: int(c["claim"].rsplit("x", 1)[1]))
 
 
 def oom_retried(per_run: pd.DataFrame) -> pd.DataFrame:

@@ -23,6 +23,7 @@ from ptbench.analysis.answers import (  # noqa: F401 - which_adapter: API
 )
 from ptbench.analysis.claims import claims, claims_lines
 from ptbench.analysis.load import AnalysisError, load, load_comm
+from ptbench.analysis.predicted import predicted_lines
 from ptbench.analysis.stats import point_stats
 from ptbench.analysis.tables import (
     EPOCH_TIME_SOURCES,
@@ -47,6 +48,16 @@ FIGURES = {
 }
 WARNING = "**Warning:**"
 DETAILS = "report-details.md"
+# report.md's sections, in the order it gives them to a folder with finished and unfinished runs: the answers,
+# the figures, then the tables ("Predicted vs measured" joins before the unfinished runs where a record predicted)
+SECTIONS = (
+    "## Answers",
+    "## Figures",
+    "## Runs",
+    "## Summary (finished runs)",
+    "## Runs that did not finish",
+    "## Paper claims",
+)
 
 
 def _gb(v) -> str:
@@ -317,7 +328,7 @@ def breakdown_caption(study: Study) -> list[str]:
 
 
 def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
-    """The "Why" section (issue 30): from the records of runs profiled with trainer.profile, the communication
+    """The "Why" section: from the records of runs profiled with trainer.profile, the communication
     ledger (formula vs measured bytes, with the framework differences that correct the formula), exposed
     communication, the pipeline bubble beside (p-1)/(m+p-1), and the slowest rank of each epoch; with
     `python -m ptbench.comm` reports, each kind's formula bytes at the measured bus bandwidth."""
@@ -719,6 +730,7 @@ def write_report(
     lines += _runs_lines(study, contended, include_contended)
     if len(study.ok_epochs):
         lines += summary_lines(study, used, contended, baseline, out)
+    lines += predicted_lines(results_dir)
     lines += not_finished_lines(study)
     lines += claims_table_lines(found, include_contended)
     details = _details_lines(study, used, contended, baseline, include_contended, target, out, results_dir)

@@ -1,8 +1,9 @@
 """The paper's protocol as one command: three sweeps, the second chosen from the first.
 
-    python -m ptbench.paper plan --workloads gpt2_small --adapters ddp,zero,megatron,gpipe,pipeline \\
-        --gpus 1,2,4,8,16,32,64 --gpus-per-node 4 [--out results/paper] [--submit | --dry-run] [-- overrides]
-    python -m ptbench.paper stateff results/paper [--submit | --run] [--gpus-per-node 4]   # phase 2, from phase 1's records
+    python -m ptbench.paper plan --workloads gpt2_small --adapters ddp,zero,megatron,gpipe,pipeline,pipedream \\
+        --gpus 1,2,4,8,16,32,64 --gpus-per-node 4 [--out results/paper] [--submit | --dry-run] [--one-at-a-time]
+        [-- overrides]
+    python -m ptbench.paper stateff results/paper [--submit | --run] [--gpus-per-node 4] [--one-at-a-time]  # phase 2
     python -m ptbench.paper run results/paper   # all three phases here, one after another (CPU scale)
     python -m ptbench.paper wait results/paper  # until every job of the plan (phase 2's arrays too) has left the queue,
                                                 # a line when what it waits for changes and every minute
@@ -14,23 +15,30 @@ As in "How to Train Your Neural Network" (Lin et al.):
    second is a steady one; speedup uses `epoch_time_steady_s`);
 2. statistical efficiency: full training for each framework at the GPU count where its epoch time was
    lowest (`stateff.txt`, written from phase 1's records when phase 2 starts: with --submit a small
-   job that depends on phase 1 with `--dependency=afterok`);
+   job that depends on phase 1 with `--dependency=afterok`), with what its adapter compares it with beside it
+   (`Adapter.paper_companions`; PipeDream: 2BW, the flushing 1F1B pipeline and DDP at its rank count and global
+   batch, for the staleness claim in analysis/claims.py);
 3. memory at every GPU count (`memory.txt`: a few steps, no validation).
 Each adapter's batch policy is its own (adapter.batch_policy: per-device for DDP/ZeRO, linear for
-Megatron, per micro-batch for GPipe, fixed for the pipeline schedules); layouts per GPU count come
-from `layout()`. A point that runs out of memory is retried once with half the per-device batch
-(bench/runner/points.py `oom_retry`, recorded as `extra.batch_reduced_from`).
+Megatron, per micro-batch for GPipe, fixed for the pipeline schedules and PipeDream); layouts per GPU count
+come from each adapter (`Adapter.paper_layout`: data parallel, tensor parallel inside a node, one process for
+gpipe, pipeline stages, one PipeDream stage per rank from 2 ranks). --one-at-a-time runs every task of the plan
+alone (each array held, throttled to one task and released; one singleton job name per plan). A point that runs
+out of memory is retried once with half the per-device batch (bench/runner/points.py `oom_retry`, recorded as
+`extra.batch_reduced_from`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 from ptbench.runner.points import read_points, write_points
@@ -48,23 +56,25 @@ PRESET = {
 PHASES = ("epoch", "stateff", "memory")
 
 
+@functools.cache
+def adapter_class(name: str):
+    """The adapter class behind `adapter=NAME` (a preset such as zero2 names its adapter in its config)."""
+    from ptbench.adapters import get_adapter_class
+    from ptbench.runner.compose import compose
+
+    return get_adapter_class(compose([f"adapter={name}"]).adapter.name)
+
+
+def placement(adapter: str, gpus: int, gpus_per_node: int, layers: int = 12) -> list[str] | str:
+    """Overrides that put `adapter` on `gpus` devices, or why it cannot run there: each adapter's own rule
+    (`Adapter.paper_layout`)."""
+    return adapter_class(adapter).paper_layout(gpus, gpus_per_node, layers)
+
+
 def layout(adapter: str, gpus: int, gpus_per_node: int, layers: int = 12) -> list[str] | None:
     """Overrides that put `adapter` on `gpus` devices, or None where it cannot run there."""
-    if adapter in ("ddp", "zero", "zero1", "zero2", "zero3", "fsdp", "horovod"):
-        return [f"launcher.nprocs={gpus}"]
-    if adapter in ("megatron", "tensor_parallel"):  # tensor parallel inside a node, data parallel across
-        tp = min(gpus, gpus_per_node or gpus)
-        return [f"launcher.nprocs={gpus}", f"adapter.tensor_parallel={tp}"]
-    if adapter == "gpipe":  # one process drives every partition: one node at most
-        return (
-            None
-            if gpus_per_node and gpus > gpus_per_node
-            else ["launcher.nprocs=1", f"adapter.pipeline_parallel={gpus}"]
-        )
-    if adapter == "pipeline":  # stages up to the layer count, data parallel beyond
-        pp = max(d for d in range(1, min(gpus, layers) + 1) if gpus % d == 0)
-        return [f"launcher.nprocs={gpus}", f"adapter.pipeline_parallel={pp}"]
-    return [f"launcher.nprocs={gpus}"]
+    found = placement(adapter, gpus, gpus_per_node, layers)
+    return None if isinstance(found, str) else found
 
 
 def plan(workloads: list[str], adapters: list[str], gpus: list[int], gpus_per_node: int, extra: list[str]) -> dict:
@@ -78,9 +88,9 @@ def plan(workloads: list[str], adapters: list[str], gpus: list[int], gpus_per_no
         layers = compose([f"workload={w}"]).workload.n_layer
         for a in adapters:
             for n in gpus:
-                lay = layout(a, n, gpus_per_node, layers)
-                if lay is None:
-                    phases["skipped"].append(f"{w} {a} x{n}: one process drives every partition (one node)")
+                lay = placement(a, n, gpus_per_node, layers)
+                if isinstance(lay, str):
+                    phases["skipped"].append(f"{w} {a} x{n}: {lay}")
                     continue
                 base = [f"experiment={PRESET[w]}", f"workload={w}", f"adapter={a}", *lay, *extra]
                 phases["epoch"].append([*base, "trainer.epochs=2", f"results.experiment=paper-epoch-{w}"])
@@ -112,6 +122,29 @@ def write_plan(out: Path, phases: dict, args_line: str, stateff_epochs: int = 0,
         )
         + "\n"
     )
+
+
+def serial_args(out: Path) -> list[str]:
+    """sbatch options that make the plan's tasks run one at a time (--one-at-a-time; timing runs that share a
+    node's cores measure each other): every array is held at submission, throttled to one task and released
+    (`release_serial`), and one job name per plan with a singleton dependency keeps two arrays from running
+    together (Slurm's singleton alone lets an array's tasks run side by side)."""
+    return [
+        "--hold",
+        "--dependency=singleton",
+        f"--job-name=bench-paper-{zlib.crc32(str(out.absolute()).encode()):08x}",
+    ]
+
+
+def release_serial(ids: list[str]) -> int:
+    """Throttle each held array to one task at a time, then release it; 1 (said in one line) if Slurm refused."""
+    for job in ids:
+        for cmd in (["scontrol", "update", f"JobId={job}", "ArrayTaskThrottle=1"], ["scontrol", "release", job]):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                print(f"error: {shlex.join(cmd)}: {proc.stderr.strip() or proc.stdout.strip()}", file=sys.stderr)
+                return 1
+    return 0
 
 
 def add_jobs(out: Path, ids: list[str]) -> None:
@@ -183,11 +216,15 @@ def choose_stateff(out: Path, results: Path) -> list[list[str]]:
         key = (s["workload"], s["adapter"])
         if key not in best or t < best[key][0]:
             best[key] = (t, point)
-    chosen = []
-    for (w, _), (_, point) in sorted(best.items()):
+    chosen, seen = [], set()
+    for (w, a), (_, point) in sorted(best.items()):
         kept = [o for o in point if not o.startswith(("trainer.epochs=", "results.experiment=", "results.repeat="))]
         epochs = [f"trainer.epochs={stateff_epochs}"] if stateff_epochs else []  # else the preset's
-        chosen.append([*kept, *epochs, f"results.experiment=paper-stateff-{w}"])
+        # beside it, what its adapter compares it with at the same global batch (PipeDream: 2BW, 1F1B, DDP)
+        for p in [kept, *adapter_class(a).paper_companions(kept)]:
+            if _point_id(p) not in seen:
+                seen.add(_point_id(p))
+                chosen.append([*p, *epochs, f"results.experiment=paper-stateff-{w}"])
     chosen = with_repeats(chosen, repeats, vary_seed=True)  # --repeats: curves with bands (seed + repeat)
     write_points(out / "stateff.txt", chosen, "phase stateff: each adapter at its fastest GPU count of phase epoch")
     return chosen
@@ -216,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--dry-run", action="store_true", help="print the sbatch lines only; writes nothing")
     pl.add_argument("--sbatch", action="append", default=[], metavar="ARG")
     pl.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="run the plan's tasks (phase 2's too) one after another, never two at once (CPU nodes: no contention)",
+    )
+    pl.add_argument(
         "--stateff-epochs",
         type=int,
         default=0,
@@ -234,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--submit", action="store_true")
     st.add_argument("--run", action="store_true")
     st.add_argument("--gpus-per-node", type=int, default=0)
+    st.add_argument("--one-at-a-time", action="store_true", help="--submit: one task at a time (as plan's)")
     rn = sub.add_parser("run", help="run phases epoch, stateff, memory here, one after another")
     rn.add_argument("out", type=Path)
     rn.add_argument("--results", type=Path, default=None, help="records (default: $RESULTS or results/)")
@@ -268,14 +311,17 @@ def main(argv: list[str] | None = None) -> int:
             print("".join(f"skipped: {why}\n" for why in phases["skipped"]), end="")
         if not (args.submit or args.dry_run):
             return 0
+        serial = args.one_at_a_time and not args.dry_run
+        sbatch = [*args.sbatch, *(serial_args(args.out) if args.one_at_a_time else [])]
         code, ids = submit_arrays(
             args.out / "epoch.txt",
             [],
             gpus_per_node=args.gpus_per_node,
-            sbatch=args.sbatch,
+            sbatch=sbatch,
             dry_run=args.dry_run,
             points=phases["epoch"] if args.dry_run else None,
         )
+        code = code or (release_serial(ids) if serial else 0)
         if not args.dry_run:
             (args.out / "jobs.txt").write_text("")
             add_jobs(args.out, ids)
@@ -288,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             "--ntasks=1",
             f"--output={results_root().absolute() / 'slurm'}/%x-%j.out",
             f"--wrap={sys.executable} -m ptbench.paper stateff {args.out.absolute()} --submit "
-            f"--gpus-per-node {args.gpus_per_node}",
+            f"--gpus-per-node {args.gpus_per_node}" + (" --one-at-a-time" if args.one_at_a_time else ""),
         ]
         print(shlex.join(phase2), flush=True)
         if not args.dry_run and code == 0:
@@ -300,10 +346,11 @@ def main(argv: list[str] | None = None) -> int:
             args.out / "memory.txt",
             [],
             gpus_per_node=args.gpus_per_node,
-            sbatch=args.sbatch,
+            sbatch=sbatch,
             dry_run=args.dry_run,
             points=phases["memory"] if args.dry_run else None,
         )
+        code2 = code2 or (release_serial(ids3) if serial else 0)
         if not args.dry_run:
             add_jobs(args.out, ids3)
         return code or code2
@@ -311,9 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         chosen = choose_stateff(args.out, args.results)
         print(f"stateff: {len(chosen)} points -> {args.out / 'stateff.txt'}")
         if args.submit:
-            code, ids = submit_arrays(args.out / "stateff.txt", [], gpus_per_node=args.gpus_per_node)
+            sbatch = serial_args(args.out) if args.one_at_a_time else []
+            code, ids = submit_arrays(args.out / "stateff.txt", [], gpus_per_node=args.gpus_per_node, sbatch=sbatch)
             add_jobs(args.out, ids)  # before this job ends, so `wait` sees them
-            return code
+            return code or (release_serial(ids) if args.one_at_a_time else 0)
         if args.run:
             return subprocess.run(
                 [sys.executable, "-m", "ptbench.sweep", "run", str(args.out / "stateff.txt")]

@@ -25,29 +25,30 @@ from ptbench.core.records import RunWriter, atomic_write, environment, write_jso
 
 EXPERIMENT = "report-scale"
 RANKS = (1, 2, 4, 8, 16, 32, 64)
-# (adapter, workload, config overrides of the series): a paper-like grid of series
+# (adapter, workload, adapter overrides of the series, scaling exponent of its synthetic epoch time): a
+# paper-like grid of series; each adapter lays a point out itself (its smoke_overrides and layout)
 SERIES = (
     *(
-        (a, "gpt2_tiny", o)
-        for a, o in (
-            ("ddp", {}),
-            ("zero", {"stage": 1}),
-            ("zero", {"stage": 2}),
-            ("zero", {"stage": 3}),
-            ("fsdp", {}),
-            ("megatron", {}),
-            ("gpipe", {}),
-            ("pipeline", {"microbatches": 4}),
+        (a, "gpt2_tiny", o, eff)
+        for a, o, eff in (
+            ("ddp", {}, 0.9),
+            ("zero", {"stage": 1}, 0.82),
+            ("zero", {"stage": 2}, 0.79),
+            ("zero", {"stage": 3}, 0.76),
+            ("fsdp", {}, 0.83),
+            ("megatron", {}, 0.75),
+            ("gpipe", {}, 0.7),
+            ("pipeline", {"microbatches": 4}, 0.72),
         )
     ),
     *(
-        (a, "resnet50_tiny", o)
-        for a, o in (
-            ("ddp", {}),
-            ("zero", {"stage": 2}),
-            ("fsdp", {}),
-            ("gpipe", {}),
-            ("pipeline", {"microbatches": 4}),
+        (a, "resnet50_tiny", o, eff)
+        for a, o, eff in (
+            ("ddp", {}, 0.9),
+            ("zero", {"stage": 2}, 0.79),
+            ("fsdp", {}, 0.83),
+            ("gpipe", {}, 0.7),
+            ("pipeline", {"microbatches": 4}, 0.72),
         )
     ),
 )
@@ -61,67 +62,55 @@ PHASES = ("data", "forward", "forward_backward", "backward", "optimizer")
 MARKER = ".report_scale.json"  # in the records folder: what this driver wrote there (hidden: no run folder)
 
 
-def layout(adapter: str, world: int) -> dict:
-    """dp / tp / pp of a point the way its adapter would lay it out (gpipe: one process, N devices)."""
-    tp = pp = 1
-    devices_per_process = 1
-    if adapter == "megatron":
-        tp = min(world, 4)
-        pp = max(1, world // (tp * 4)) if world >= 16 else 1
-    elif adapter == "pipeline":
-        pp = min(world, 4)
-    elif adapter == "gpipe":
-        devices_per_process, pp = world, world
-    processes = 1 if adapter == "gpipe" else world
-    return {
-        "world_size": processes,
-        "dp": processes // (tp * (1 if adapter == "gpipe" else pp)),
-        "tp": tp,
-        "pp": pp,
-        "devices_per_process": devices_per_process,
-        "microbatches": 4 if pp > 1 else 1,
-    }
-
-
 class Configs:
-    """config.yaml texts from the composed config (Hydra, as `python -m ptbench` composes it), one
-    composition per series and one YAML dump per distinct setting; the run id is put in per record."""
+    """A series' point at N devices as its adapter lays it out: the composed config (Hydra, as `python -m
+    ptbench` composes it, with the adapter's own overrides for N devices), its layout, sharding and global
+    batch, one composition per point; the config.yaml text gets the run id per record."""
 
     def __init__(self):
-        self.base: dict = {}
-        self.text: dict = {}
+        self.points: dict = {}
 
-    def get(self, adapter: str, workload: str, extra: dict, lay: dict, epochs: int, run_id: str) -> str:
-        from omegaconf import OmegaConf
+    def point(self, adapter: str, workload: str, extra: dict, devices: int) -> dict:
+        key = (adapter, workload, tuple(sorted(extra.items())), devices)
+        if key not in self.points:
+            from omegaconf import OmegaConf
 
-        key = (adapter, workload, tuple(sorted(extra.items())), tuple(sorted(lay.items())), epochs)
-        if key not in self.text:
-            if (adapter, workload) not in self.base:
-                from ptbench.runner.compose import compose
+            from ptbench.adapters import get_adapter_class
+            from ptbench.runner.compose import compose, typed
 
-                cfg = compose([f"adapter={adapter}", f"workload={workload}", "data=synthetic"])
-                self.base[(adapter, workload)] = OmegaConf.to_container(cfg, resolve=True)
-            d = json.loads(json.dumps(self.base[(adapter, workload)]))
-            a = d["adapter"]
-            a.update({k: v for k, v in extra.items() if k in a})
-            if "tensor_parallel" in a:
-                a["tensor_parallel"], a["pipeline_parallel"] = lay["tp"], lay["pp"]
-            if "microbatches" in a and lay["pp"] > 1:
-                a["microbatches"] = lay["microbatches"]
-            d["launcher"]["nprocs"] = lay["world_size"]
-            d["trainer"]["epochs"] = epochs
-            d["results"].update(experiment=EXPERIMENT, run_id="@RUN_ID@")
-            self.text[key] = OmegaConf.to_yaml(OmegaConf.create(d))
-        return self.text[key].replace("@RUN_ID@", run_id)
+            cls = get_adapter_class(adapter)
+            overrides = [f"adapter={adapter}", f"workload={workload}", "data=synthetic", "trainer.batch_size=8"]
+            overrides += [*cls.smoke_overrides(devices), *(f"adapter.{k}={v}" for k, v in extra.items())]
+            overrides += [f"results.experiment={EXPERIMENT}", "results.run_id=@RUN_ID@"]
+            cfg = compose(overrides)
+            run = typed(cfg)
+            lay = cls.layout(run, cls.processes(run))
+            self.points[key] = {
+                "layout": lay.as_dict(),
+                "sharding": cls.cost_inputs(run).sharding,
+                "global_batch": cls.local_batch_size(run, lay.world_size) * lay.dp,
+                "config": OmegaConf.to_container(cfg, resolve=True),
+                "text": {},
+            }
+        return self.points[key]
+
+    @staticmethod
+    def get(point: dict, epochs: int, run_id: str) -> str:
+        """config.yaml of a run of `point` with `epochs` epochs (one YAML dump per distinct setting)."""
+        if epochs not in point["text"]:
+            from omegaconf import OmegaConf
+
+            point["config"]["trainer"]["epochs"] = epochs
+            point["text"][epochs] = OmegaConf.to_yaml(OmegaConf.create(point["config"]))
+        return point["text"][epochs].replace("@RUN_ID@", run_id)
 
 
-def comm_volume(adapter: str, lay: dict, stage: int, params: int) -> dict | None:
+def comm_volume(adapter: str, lay: dict, sharding: str, params: int) -> dict | None:
     """The record's comm_volume from the one comm-volume model (None if that model refuses the point)."""
     try:
         from ptbench.core.comm_volume import record_fields, volume
 
         kw = dict(params=params, world_size=lay["world_size"] * lay["devices_per_process"], tp=lay["tp"], pp=lay["pp"])
-        sharding = f"zero{stage}" if adapter == "zero" else ("fsdp" if adapter == "fsdp" else "none")
         if lay["tp"] > 1 or lay["pp"] > 1:
             kw.update(layers=4, hidden=128, seq_len=32, micro_batch=2, microbatches=lay["microbatches"])
         return record_fields(volume(sharding, label=adapter, **kw), "gloo")
@@ -129,12 +118,22 @@ def comm_volume(adapter: str, lay: dict, stage: int, params: int) -> dict | None
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def shards(sharding: str, lay: dict) -> tuple[int, int, int]:
+    """What parameters, gradients and optimizer state are divided by on a device, from the adapter's sharding
+    (ptbench.core.layout.SHARDING) and layout: a model-parallel shard, times dp where the states are sharded."""
+    model, dp = lay["tp"] * lay["pp"], lay["dp"]
+    over_dp = {"zero1": (1, 1, dp), "zero2": (1, dp, dp), "zero3": (dp, dp, dp), "fsdp": (dp, dp, dp)}
+    over_dp["distributed_optimizer"] = (1, 1, dp)
+    return tuple(model * k for k in over_dp.get(sharding, (1, 1, 1)))
+
+
 def write_record(root: Path, i: int, rng: random.Random, configs: Configs, env: dict) -> str:
     """One run's record folder; returns its status."""
-    adapter, workload, extra = SERIES[i % len(SERIES)]
+    adapter, workload, extra, eff = SERIES[i % len(SERIES)]
     ranks = RANKS[(i // len(SERIES)) % len(RANKS)]
     repeat = i // (len(SERIES) * len(RANKS))
-    lay = layout(adapter, ranks)
+    point_cfg = configs.point(adapter, workload, extra, ranks)
+    lay, sharding = point_cfg["layout"], point_cfg["sharding"]
     devices = lay["world_size"] * lay["devices_per_process"]
     status = rng.choices([s for s, _ in OUTCOMES], [w for _, w in OUTCOMES])[0]
     if status == "oom" and devices < 4:
@@ -154,7 +153,7 @@ def write_record(root: Path, i: int, rng: random.Random, configs: Configs, env: 
     run_dir = root / run_id
     writer = RunWriter(run_dir, identity)
     run_dir.mkdir(parents=True)
-    atomic_write(run_dir / "config.yaml", configs.get(adapter, workload, extra, lay, epochs, run_id))
+    atomic_write(run_dir / "config.yaml", configs.get(point_cfg, epochs, run_id))
     write_json(run_dir / "env.json", env)
     writer.record.write_summary({"status": "running", **writer.identity})
     if status in ("oom", "failed", "timeout"):
@@ -162,17 +161,10 @@ def write_record(root: Path, i: int, rng: random.Random, configs: Configs, env: 
         return status
 
     params = 7_000_000 if language else 23_500_000
-    stage = int(extra.get("stage", 0))
-    global_batch = 8 * lay["dp"] * (lay["microbatches"] if adapter == "pipeline" else 1)
+    global_batch = point_cfg["global_batch"]
     steps = max(1, 4096 // global_batch)
-    eff = {"ddp": 0.9, "zero": 0.85 - 0.03 * stage, "fsdp": 0.83, "megatron": 0.75, "gpipe": 0.7, "pipeline": 0.72}[
-        adapter
-    ]
     base = (60.0 if language else 90.0) / devices**eff
-    shard = {
-        "zero": {1: (1, 1, devices), 2: (1, devices, devices), 3: (devices, devices, devices)}.get(stage, (1, 1, 1)),
-        "fsdp": (devices, devices, devices),
-    }.get(adapter, (lay["tp"] * lay["pp"],) * 3)
+    shard = shards(sharding, lay)
     state = {"params": 4 * params // shard[0], "grads": 4 * params // shard[1], "optimizer": 8 * params // shard[2]}
     n_epochs = epochs if status == "ok" else rng.randint(1, epochs)
     wall, epoch_times = 0.0, []
@@ -279,7 +271,7 @@ def write_record(root: Path, i: int, rng: random.Random, configs: Configs, env: 
         "plan": {**identity, "global_batch": global_batch},
         "precision": "fp32",
         "predicted_memory": None,
-        "comm_volume": comm_volume(adapter, lay, stage, params),
+        "comm_volume": comm_volume(adapter, lay, sharding, params),
         "extra": {},
         "batch_reduced_from": None,
         "phase_semantics": {},

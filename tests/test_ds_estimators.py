@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ptbench import memory_study as ms
+from ptbench import memory_study_ds as ds
 
 PSI, LARGEST, N = 1_000_000, 100_000, 4  # a known parameter count; hand-computed bytes below (bf16, Adam)
 
@@ -16,7 +17,7 @@ def _row(rows, variant, n=N):
 
 
 def test_table_numbers_match_hand_computed_bytes():
-    rows = ms.ds_rows("hand", PSI, LARGEST, [N, 64])
+    rows = ds.ds_rows("hand", PSI, LARGEST, [N, 64])
     # stage 2: ours 2Ψ bf16 params + (2 bf16 grads + 8 moments + 4 master) Ψ/N; DeepSpeed 2Ψ + 18Ψ/N
     z2 = _row(rows, "zero2")
     assert z2["ours"] == 2 * PSI + 14 * PSI / N == 5_500_000
@@ -45,16 +46,16 @@ def test_table_numbers_match_hand_computed_bytes():
 
 
 def test_deepspeed_estimators_called_directly_agree():
-    assert ms.ds_estimate(2, PSI, LARGEST, N, False, False) == 6_500_000
-    assert ms.ds_estimate(3, PSI, LARGEST, 16, False, False) == 4 * LARGEST + 18 * PSI // 16
-    assert ms.ds_nodes(64, 8) == (8, 8) and ms.ds_nodes(2, 8) == (2, 1)
+    assert ds.ds_estimate(2, PSI, LARGEST, N, False, False) == 6_500_000
+    assert ds.ds_estimate(3, PSI, LARGEST, 16, False, False) == 4 * LARGEST + 18 * PSI // 16
+    assert ds.ds_nodes(64, 8) == (8, 8) and ds.ds_nodes(2, 8) == (2, 1)
     with pytest.raises(ValueError, match="--gpus 12 is not a multiple of --gpus-per-node 8"):
-        ms.ds_nodes(12, 8)
+        ds.ds_nodes(12, 8)
 
 
 def test_model_to_params_of_gpt2_tiny():
     # V h (tied embedding and head, counted once) + s h + L (12 h^2 + 13 h) + 2 h, V=50257, h=128, s=64, L=2
-    total, largest = ms.ds_model_params(["workload=gpt2_tiny"])
+    total, largest = ds.ds_model_params(["workload=gpt2_tiny"])
     assert total == 50257 * 128 + 64 * 128 + 2 * (12 * 128**2 + 13 * 128) + 2 * 128 == 6_837_888
     assert largest == 50257 * 128  # the token embedding / LM head
 
@@ -63,7 +64,7 @@ def test_command_prints_the_comparison(capsys):
     assert ms.main(["--deepspeed-estimators", "--workloads", "gpt2_tiny", "--gpus", "1", "2"]) == 0
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("gpt2_tiny ")]
-    assert len(rows) == len(ms.DS_ROWS) * 2
+    assert len(rows) == len(ds.DS_ROWS) * 2
     # zero2 at 2 GPUs: Ψ = 6,837,888 -> ours (2Ψ + 7Ψ) = 58.7 MiB, at the step + 2Ψ (4Ψ/N) = DeepSpeed (2Ψ + 9Ψ)
     z2 = next(r for r in rows if r.split()[1:3] == ["zero2", "2"]).split()
     assert z2[3:8] == ["58.7", "71.7", "-", "71.7", "1.000"]

@@ -195,3 +195,27 @@ def test_one_run_needs_no_other_command():
     names = {n for _, ns in imported(main.read_text(), "ptbench.__main__", False) for n in ns}
     assert {n for n in names if layer(n) == "drivers"} == set()
     assert {"ptbench.runner.points.apply_hydra_context", "ptbench.runner.points.skip_if_done"} <= names
+
+
+MAX_LINES = 800  # a file a newcomer can read in one sitting
+
+
+def test_no_product_file_is_over_800_lines():
+    long = {
+        str(p.relative_to(REPO)): n for p in project_modules() if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these files below {MAX_LINES} lines: {long}"
+
+
+def test_no_product_comment_names_an_issue():
+    """Comments say why, not which issue: the issue tracker is not part of the product."""
+    import re
+
+    said = re.compile(r"\bissues? #?\d+\b", re.IGNORECASE)
+    found = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in project_modules()
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if said.search(line)
+    ]
+    assert not found, f"say why, not which issue: {found}"

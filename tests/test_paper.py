@@ -240,6 +240,9 @@ def test_claims_hold_on_records_that_show_them():
         "ZeRO epoch time within 15 % of DDP's": "holds",
         "pipeline memory per GPU falls, then plateaus": "holds",
         "Megatron per-GPU memory is U-shaped": "holds",
+        "PipeDream needs more epochs to a validation target than a flushing pipeline or DDP at the same global "
+        "batch": "not measured",
+        "PipeDream's weight stash costs memory (stashed parameter versions per stage)": "not measured",
         "fastest framework at x1": "measured",
         "fastest framework at x2": "measured",
         "fastest framework at x4": "measured",
@@ -254,9 +257,9 @@ def test_claims_hold_on_records_that_show_them():
     assert share.startswith("zero2 x1 / ddp: 60 % [60, 60] (90 %, n=2); zero2 x2 / ddp: 49 %"), share
     assert found["Megatron per-GPU memory is U-shaped"]["runs"] == [f"meg-x{n}-{i}" for n in (1, 2, 4) for i in (0, 1)]
     # the same records without repeats: no interval, so every claim is undecided
-    assert {k: x for k, x in verdicts(frame(HOLD)).items() if not k.startswith("fastest")} == dict.fromkeys(
-        list(v)[:5], "undecided"
-    )
+    assert {
+        k: x for k, x in verdicts(frame(HOLD)).items() if not k.startswith(("fastest", "PipeDream"))
+    } == dict.fromkeys(list(v)[:5], "undecided")
 
 
 def test_claims_fail_on_records_that_contradict_them():

@@ -42,6 +42,7 @@ CASES = {
         ("pipedream_m2", ["adapter=pipedream", "adapter.microbatches=2"]),
         ("2bw_m4", ["adapter=pipedream", "adapter.schedule=2bw", "adapter.microbatches=4"]),
         ("nostash_m1", ["adapter=pipedream", "adapter.microbatches=1"]),
+        ("flush4_m1", ["adapter=pipedream", "adapter.microbatches=1", "adapter.flush_every=4"]),
         ("1f1b_m4", ["adapter=pipeline", "adapter.schedule=1f1b", "adapter.microbatches=4"]),
     ],
 }
@@ -208,6 +209,16 @@ def test_recorded_delays_and_stash_bytes_per_stage(ranks):
         assert d["flushes"] == 1 and d["flush_every"] == 0
 
 
+def test_a_drain_every_few_mini_batches_keeps_the_stash_lower_as_predicted(ranks):
+    """A flush every 4 mini-batches at 4 stages: stage 0 never reaches its 3 copies (1), stage 1 its 2 (2); the
+    memory model's stash (each rank's stash_predicted) equals what each stage counted."""
+    info = ranks(4)["flush4_m1"]["info"]
+    d = info[0]["describe"]
+    assert d["stash_copies_per_stage"] == [1, 2, 1, 0] and d["flushes"] == 2
+    assert [r["state"]["stash"] for r in info] == [r["state"]["stash_predicted"] for r in info]
+    assert [r["state"]["stash"] for r in info] == [c * b for c, b in zip([1, 2, 1, 0], d["stage_param_bytes"])]
+
+
 def test_four_stage_run_records_its_semantics(tmp_path):
     """As a user runs it (4 ranks, tiny GPT-2, a flush every 6 mini-batches, so stage 0 reaches its 3 copies): the record states the delays, the
     stash counted beside the prediction, the flushes, the phase semantics and the stage-to-stage sends."""
@@ -238,6 +249,14 @@ def test_four_stage_run_records_its_semantics(tmp_path):
     assert a["flushes"] == 3 and a["flush_every"] == 6  # after mini-batches 6 and 12, and at the epoch's end
     assert len(a["recv_wait_fraction_per_stage"]) == 4
     assert [r["stash"] for r in s["state_bytes_per_rank"]] == a["stash_bytes_counted_per_stage"]
+    # the memory model's stash term (the runner's prediction, from the adapter's layout and cost inputs only)
+    # equals what each stage counted, and is part of the busiest stage's model states
+    pm = s["predicted_memory"]
+    print(json.dumps({"predicted": pm["stash_per_stage"], "counted": [r["stash"] for r in s["state_bytes_per_rank"]]}))
+    assert pm["stash_per_stage"] == a["stash_bytes_counted_per_stage"]
+    assert [r["stash_predicted"] for r in s["state_bytes_per_rank"]] == pm["stash_per_stage"]
+    assert pm["busiest"] == "first" and pm["stash"] == pm["stash_per_stage"][0]
+    assert pm["model_states"] == pm["params"] + pm["grads"] + pm["optimizer"] + pm["master"] + pm["stash"]
     assert "stashed weights" in s["phase_semantics"]["forward_backward"]
     sends = {c["name"]: c for c in s["comm_volume"]["collectives"]}
     assert sends["pp_activation_send"]["op"] == sends["pp_gradient_send"]["op"] == "send_recv"
@@ -264,6 +283,10 @@ def test_resnet_with_batchnorm_runs(tmp_path):
     check_ok(proc)
     s = summary(only_run(tmp_path))
     assert s["adapter_settings"]["microbatches"] == 2 and "not stashed" in s["adapter_settings"]["batchnorm_buffers"]
+    # 2 stages, 2bw: one stashed copy per stage, counted equal to the memory model's prediction
+    counted = [r["stash"] for r in s["state_bytes_per_rank"]]
+    assert s["predicted_memory"]["stash_per_stage"] == counted and all(c > 0 for c in counted)
+    assert counted == s["adapter_settings"]["stage_param_bytes"]
     assert all(math.isfinite(x) for x in step_losses(only_run(tmp_path)))
 
 
@@ -309,3 +332,40 @@ def test_fp16_is_refused_by_the_adapter_itself():
     with pytest.raises(Exception, match="adapter=pipedream has no gradient scaler") as e:
         PipedreamAdapter.check(cfg, 2)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "schedule, m, copies", [("weight_stashing", 1, [3, 2, 1, 0]), ("weight_stashing", 2, [2, 1, 1, 0]),
+                            ("double_buffered", 4, [1, 1, 1, 1])],
+)  # fmt: skip
+def test_memory_model_stash_term(schedule, m, copies):
+    """The stash as the memory model composes it: copies x each stage's parameters (layer counts split by the
+    balance) x the states' bytes, inside model_states; nothing without a stash."""
+    from ptbench.core import memory_model as mm
+
+    layers = (1000, 300, 300, 200, 100)
+    kw = dict(params=sum(layers), world_size=4, pp=4, microbatches=m, optimizer="sgd", device="cpu")
+    got = mm.predict("none", weight_stash=schedule, layer_params=layers, stage_balance=(2, 1, 1, 1), **kw)
+    assert mm.stash_copies(schedule, 4, m) == copies
+    if schedule == "weight_stashing":  # a drain every K mini-batches: min(c, max(1, K - c)), none with K = 1
+        assert mm.stash_copies(schedule, 4, m, flush_every=1) == [0, 0, 0, 0]
+        assert mm.stash_copies(schedule, 4, m, flush_every=2 * copies[0]) == copies
+    assert got["stash_per_stage"] == [4.0 * c * p for c, p in zip(copies, (1300, 300, 200, 100))]
+    plain = mm.predict("none", **kw)
+    assert plain["stash"] == 0 and plain["stash_per_stage"] == [] and "stash" not in mm.record_fields(plain)
+    first = mm.predict("none", weight_stash=schedule, layer_params=layers, **kw)  # even split: [2, 1, 1, 1] too
+    assert first["model_states"] == plain["model_states"] + first["stash"]
+    assert first["stash"] == first["stash_per_stage"][0]  # the busiest of the stages the model compares (first)
+    assert mm.record_fields(first)["stash_per_stage"] == [int(b) for b in first["stash_per_stage"]]
+
+
+def test_the_adapter_states_its_stash_through_cost_inputs():
+    """The stash rule and each layer's parameters come from PipedreamAdapter.cost_inputs (a tied weight once)."""
+    cfg = config(["adapter=pipedream", "launcher.nprocs=4"])
+    cost = PipedreamAdapter.cost_inputs(cfg)
+    w = cfg.workload
+    assert cost.weight_stash == "weight_stashing" and len(cost.layer_params) == w.n_layer + 2
+    assert cost.layer_params[0] == (w.vocab_size + w.seq_len) * w.n_embd  # wte + wpe
+    assert cost.layer_params[-1] == 2 * w.n_embd  # ln_f only: the head's tied copy is not stashed
+    two = PipedreamAdapter.cost_inputs(config(["adapter=pipedream", "adapter.schedule=2bw"]))
+    assert two.weight_stash == "double_buffered"

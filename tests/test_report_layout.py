@@ -10,7 +10,7 @@ import pandas as pd
 from test_analysis import MIB, _two_epochs, write_run
 
 from ptbench.analysis import load, plots
-from ptbench.analysis.report import write_report
+from ptbench.analysis.report import SECTIONS, write_report
 
 BUSY = "contention: during the run other processes kept 1.6 CPU(s) busy: times are not comparable; run alone"
 
@@ -56,14 +56,7 @@ def test_the_report_answers_first_and_links_its_details(tmp_path):
     path = write_report(root, tmp_path / "out")
     text = path.read_text()
     assert text.splitlines()[0] == f"# Benchmark report: {root}"
-    assert _sections(text) == [
-        "## Answers",
-        "## Figures",
-        "## Runs",
-        "## Summary (finished runs)",
-        "## Runs that did not finish",
-        "## Paper claims",
-    ]
+    assert _sections(text) == list(SECTIONS)
     assert "[report-details.md](report-details.md)" in text
     answers = text.split("## Answers")[1].split("## Figures")[0]
     # fastest per device count: the best point with its interval, "not distinguishable" where it is not shown

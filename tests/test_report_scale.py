@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from ptbench.analysis import load, runs
+from ptbench.analysis.report import SECTIONS
 from tests.helpers import REPO
 
 
@@ -32,13 +33,6 @@ def test_report_scale_writes_records_and_times_a_whole_report(tmp_path):
     assert int(fields["figures"]) == 6 and len(list((out / "figures").glob("*.svg"))) == 6
     assert {p.name for p in out.glob("*.csv")} >= {"epochs.csv", "runs.csv", "summary.csv"}
     md = (out / "report.md").read_text()
-    for section in (
-        "## Answers",
-        "## Figures",
-        "## Runs",
-        "## Summary (finished runs)",
-        "## Runs that did not finish",
-        "## Paper claims",
-    ):
+    for section in SECTIONS:
         assert section in md, section
     assert "## Which adapter" in (out / "report-details.md").read_text()

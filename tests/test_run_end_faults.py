@@ -171,6 +171,23 @@ def test_a_rank_that_never_starts_is_named_within_the_timeout(tmp_path):
     assert run_dirs(tmp_path) == [] and took < 65 + 60, took  # the timeout, plus the start-up of one process
 
 
+def test_a_missing_rank_0_is_named_within_the_timeout(tmp_path):
+    """WORLD_SIZE=2, only rank 1 started (the store's host, rank 0, never came up): rank 1 ends within the
+    timeout (65 s) with one line naming rank 0, where torch's own connect retried past it with C++ traces."""
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(free_port())
+    t0 = time.time()
+    proc = bench(*SMOKE, "launcher=torchrun", "trainer.hang_timeout_s=5", results=tmp_path, timeout=300, env=env)
+    took = time.time() - t0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    print(lines[0])
+    assert lines[0].startswith(f"run never assembled: rank(s) 0 of 2 never listened at 127.0.0.1:{env['MASTER_PORT']}")
+    assert "within 65s (rank 1 waited: Connection refused;" in lines[0], lines
+    assert lines[0].endswith("no record was written"), lines
+    assert run_dirs(tmp_path) == [] and 65 <= took < 65 + 60, took
+
+
 # --- an interrupted sweep: the running point ends with a final record, no other starts, --resume finishes it ----
 POINTS = [
     "experiment=smoke workload.vocab_size=256 trainer.seed=1",
@@ -220,6 +237,54 @@ def test_an_interrupted_sweep_stops_after_its_point_and_resume_runs_the_rest(tmp
     assert {d: _files(d) for d in (first, second)} == before  # no record rewritten, the ok one not rerun
     new = [d for d in run_dirs(root) if d not in before]
     assert sorted(summary(d)["status"] for d in new) == ["ok", "ok"] and len(new) == 2, new
+
+
+MULTIRUN = ["experiment=smoke", "workload.vocab_size=256", "trainer.max_steps=60", "data.train_samples=4096"]
+
+
+@pytest.mark.parametrize("launcher", ["basic", "ptbench_local"])  # points in the sweep's process; a job each
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])  # Ctrl-C; scancel
+def test_an_interrupted_multirun_stops_after_its_point(tmp_path, sig, launcher):
+    """`python -m ptbench -m ...` gets the signal while its second point trains: that point's record is final,
+    the third never starts, and results.skip_done=true then runs only what is left."""
+    cmd = [sys.executable, "-m", "ptbench", "-m", f"hydra/launcher={launcher}", *MULTIRUN, "trainer.seed=1,2,3"]
+    cmd.append(f"results.root={tmp_path}")
+    proc = start(cmd)
+    try:
+        deadline = time.time() + 300
+        while len(run_dirs(tmp_path)) < 2:  # the second point has its record: it is starting or training
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        proc.send_signal(sig)  # the multirun process alone, as `kill` or scancel's batch step signal
+        _, err = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+        proc.wait()
+    first, second = run_dirs(tmp_path)  # no third record
+    status = {signal.SIGINT: "interrupted", signal.SIGTERM: "preempted"}[sig]
+    assert summary(first)["status"] == "ok" and summary(second)["status"] == status, summary(second)
+    assert proc.returncode == 128 + sig, (proc.returncode, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("multirun stopped")]
+    print(lines)
+    ran = {signal.SIGINT: "1 interrupted, 1 ok", signal.SIGTERM: "1 ok, 1 preempted"}[sig]
+    which = (
+        f"point #1: its record {second} is final (status {status})"
+        if launcher == "basic"
+        else "point(s) #1: their records are final"
+    )
+    assert lines == [
+        f"multirun stopped by {sig.name} during {which}; no later point starts (2 record(s) in {second.parent}: "
+        f"{ran}): the same command with results.skip_done=true runs every point without an ok record"
+    ], err[-3000:]
+    if sig == signal.SIGTERM or launcher != "basic":
+        return
+    before = {d: _files(d) for d in (first, second)}
+    again = run([*cmd, "results.skip_done=true"], timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert {d: _files(d) for d in (first, second)} == before  # no record rewritten, the ok point not rerun
+    new = [d for d in run_dirs(tmp_path) if d not in before]
+    assert sorted(summary(d)["status"] for d in new) == ["ok", "ok"], new
 
 
 @pytest.mark.slurm

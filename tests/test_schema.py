@@ -24,12 +24,20 @@ from tests.helpers import bench, check_ok, events, only_run, summary
 
 REPO = Path(__file__).resolve().parents[1]
 READERS = sorted((REPO / "analysis").rglob("*.py")) + [
-    REPO / p for p in ("bench/core/sinks.py", "bench/memory_study.py", "bench/runner/console.py")
+    REPO / p
+    for p in ("bench/core/sinks.py", "bench/memory_study.py", "bench/memory_study_ds.py", "bench/runner/console.py")
 ]
 KEY = re.compile(r"^[a-z][a-z0-9_]*$")  # record keys are snake_case; "MLLOG" names, "comm MB/step" labels are not
 # read by those files but no run record's: the `python -m ptbench.comm` report (bench/comm.py) that analysis
-# joins to the records, names of the analysis's own request arguments, and a multiprocessing start method
+# joins to the records, the predictions.jsonl that `python -m ptbench.predict` writes (bench/predict/table.py),
+# names of the analysis's own request arguments, and a multiprocessing start method
 NOT_RECORD = {
+    "predicted_step_s",
+    "measured_step_s",
+    "err_pct",
+    "noise_pct",
+    "link_mbit",
+    "memory_bytes_per_rank",
     "fork",
     "tool",
     "results",

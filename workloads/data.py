@@ -167,14 +167,19 @@ def encode_text(tok, text: str, chunk_chars: int = 1 << 16) -> np.ndarray:
 
 
 def _writable_dir(d: Path) -> bool:
+    return _unwritable(d) is None
+
+
+def _unwritable(d: Path) -> OSError | None:
+    """Why no file can be made in `d` (made if missing), or None if one can."""
     try:
         d.mkdir(parents=True, exist_ok=True)
         probe = d / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         probe.touch()
         probe.unlink()
-        return True
-    except OSError:
-        return False
+        return None
+    except OSError as e:
+        return e
 
 
 def _user_cache_dir() -> Path:
@@ -229,25 +234,39 @@ def token_cache(
             f"{tokens} tokens (cut short after it was written): rebuilding it from {text_path}"
         )
         path.unlink(missing_ok=True)
-    target_dir = next((d for d in candidates if _writable_dir(d)), None)
+    target_dir, why = None, {}
+    for d in candidates:  # in order, up to the first writable one: a later one is not made needlessly
+        why[d] = _unwritable(d)
+        if why[d] is None:
+            target_dir = d
+            break
     if target_dir is None:
-        raise ConfigError(
-            f"data.cache_dir: none of {', '.join(map(str, candidates))} is writable; "
-            "set data.cache_dir=<writable folder>"
-        )
+        said = ", ".join(f"{d} ({e.strerror or e})" for d, e in why.items())
+        raise ConfigError(f"data.cache_dir: no file can be made in {said}; set data.cache_dir=<a writable folder>")
     ids = encode_text(gpt2_tokenizer(tokenizer_dir), read_utf8(text_path))
     final = target_dir / f"{key}.{ids.size}.u16"
-    tmp = target_dir / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    _write_cache(ids, final, target_dir / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    return final
+
+
+def _write_cache(ids: np.ndarray, final: Path, tmp: Path) -> None:
+    """`ids` into `final` through `tmp` (an atomic rename); a storage that refuses (a full disk, a quota, a
+    read-only file system) ends in one line naming the file, its size and the fix, the partial file removed."""
+    from ptbench.core.records import storage_error
+
     try:
         with open(tmp, "wb") as f:
-            ids.tofile(f)
+            f.write(memoryview(ids))  # not ids.tofile: a full disk would be an OSError without its errno
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
+    except OSError as e:
+        size = f"{ids.nbytes / 2**20:.1f} MiB" if ids.nbytes >= 2**20 else f"{-(-ids.nbytes // 1024)} KiB"
+        fix = f"or set data.cache_dir=<a folder with {size} free> (the token cache)"
+        raise storage_error(e, final, fix) from e
     finally:
         if tmp.exists():
             tmp.unlink()
-    return final
 
 
 def _cached(candidates: list[Path], key: str) -> tuple[Path | None, list[tuple[Path, int]]]:

@@ -16,6 +16,9 @@ from ptbench.core.errors import ConfigError
 SHARDING = ("none", "distributed_optimizer", "zero0", "zero1", "zero2", "zero3", "fsdp")
 RECOMPUTE = ("never", "except_last", "always")
 SCHEDULES = ("none", "1f1b", "interleaved_1f1b", "gpipe")
+# weight versions an asynchronous pipeline keeps beside the live weights (memory_model.stash_copies):
+# weight_stashing (PipeDream: stage s of p keeps ceil((p-1-s)/m)), double_buffered (PipeDream-2BW: one per stage)
+WEIGHT_STASH = ("none", "weight_stashing", "double_buffered")
 # the attention kernel a language model calls: torch's scaled_dot_product_attention, Transformer Engine's fused
 # attention, or one that keeps the [b, a, s, s] scores (memory_model.attention_keeps_scores reads it)
 ATTENTION = ("sdpa", "te", "unfused")
@@ -91,6 +94,11 @@ class CostInputs:
     param_persistence_threshold: int | None = None
     prefetch_bucket_size: int | None = None
     stage_balance: tuple[int, ...] | None = None  # layers per pipeline stage as the adapter splits; None: even
+    weight_stash: str = "none"  # WEIGHT_STASH: the extra weight versions each pipeline stage keeps
+    flush_every: int = 0  # an asynchronous pipeline drains every this many mini-batches (0: only at epoch ends)
+    # parameter elements of each layer of the pipeline's sequential form, a tied copy left out (it is not
+    # stashed): what one stashed version of a stage holds; None: not stated (the stash is then taken as Ψ/p)
+    layer_params: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for key, val, allowed in (
@@ -98,11 +106,12 @@ class CostInputs:
             ("recompute", self.recompute, RECOMPUTE),
             ("schedule", self.schedule, SCHEDULES),
             ("attention", self.attention, ATTENTION),
+            ("weight_stash", self.weight_stash, WEIGHT_STASH),
         ):
             if val not in allowed:
                 raise ConfigError(f"cost inputs: {key}={val!r} is not one of {', '.join(allowed)}")
-        if self.padded_vocab < 0 or self.fusion_buffer_bytes < 0:
-            raise ConfigError("cost inputs: padded_vocab and fusion_buffer_bytes must be >= 0")
+        if self.padded_vocab < 0 or self.fusion_buffer_bytes < 0 or self.flush_every < 0:
+            raise ConfigError("cost inputs: padded_vocab, fusion_buffer_bytes and flush_every must be >= 0")
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -60,6 +60,12 @@ STATE_BYTES = (
     F("grads_peak_backward", "bytes", "ZeRO: the full gradients held during backward, before the reduction"),
     F("params_tp_sharded", "bytes", "Megatron: the part of params split over tensor-parallel ranks"),
     F("device", "", "where the states are: a device, or {part: device} (offload)"),
+    F(
+        "stash",
+        "bytes",
+        "pipedream: weight storage its stash held beside the live weights, counted (the peak over the run)",
+    ),
+    F("stash_predicted", "bytes", "pipedream: the memory model's stash for this rank's stage (stash_per_stage)"),
     T("per_partition", "GPipe: the states of each partition and its device", closed=False),
     T("per_device", "the states on each device of the rank", closed=False),
 )
@@ -451,6 +457,17 @@ SUMMARY = (
         F("activations", "bytes", ""),
         F("saved_activations", "bytes", "the part of activations autograd saves (the memory ledger's prediction)"),
         F("formula", "", "per part, the formula used (framework settings named)"),
+        F(
+            "stash",
+            "bytes",
+            "an asynchronous pipeline's stashed weight versions on the busiest stage (in model_states)",
+        ),
+        F(
+            "stash_per_stage",
+            "bytes",
+            "each stage's stash: copies (pipedream S-1-s, 2bw 1) x the stage's parameter bytes",
+            kind="list",
+        ),
         F("total", "bytes", "the predicted peak"),
         F("device_bytes", "bytes", "memory of the device"),
         F("fits", "", "total <= device_bytes"),

@@ -158,8 +158,11 @@ def check_triton(cfg: BenchConfig, which=None, include_dir: str | None = None) -
     uses = []
     if t.compile and t.compile_backend == "inductor":
         uses.append("trainer.compile=true (inductor)")
-    if cfg.adapter.name == "megatron":
-        uses.append("adapter=megatron (its fusions go through torch.compile)")
+    from ptbench.adapters import get_adapter_class
+
+    cls = get_adapter_class(cfg.adapter.name)
+    if cls.compiles_on_cuda:
+        uses.append(f"adapter={cls.name} ({cls.compiles_on_cuda})")
     if not uses or not torch.cuda.is_available():
         return
     missing = triton_missing(which, include_dir)
@@ -167,7 +170,7 @@ def check_triton(cfg: BenchConfig, which=None, include_dir: str | None = None) -
         raise ConfigError(
             f"{' and '.join(uses)} on CUDA builds Triton kernels, which need {' and '.join(missing)}: install "
             "them (e.g. apt-get install gcc python3-dev, or set CC)"
-            + (", or set trainer.compile=false" if t.compile and cfg.adapter.name != "megatron" else "")
+            + (", or set trainer.compile=false" if t.compile and not cls.compiles_on_cuda else "")
         )
 
 

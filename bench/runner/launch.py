@@ -35,6 +35,7 @@ from ptbench.core.records import STORAGE_ERRNOS, RunWriter, mark_killed, point_f
 from ptbench.core.sinks import write_sinks
 from ptbench.core.stopping import STOP_SIGNALS
 from ptbench.core.torch_support import torch_warnings
+from ptbench.runner import multirun
 from ptbench.runner.checks import check_devices, contention_warnings, rank_cpus, slurm_warnings, start_method
 from ptbench.runner.compose import in_multirun, typed
 from ptbench.runner.plan import RunPlan, make_plan, run_dir_of
@@ -96,6 +97,7 @@ def launch(cfg: DictConfig) -> int:
                 print(f"warning: {w}", file=sys.stderr, flush=True)
         return run_rank(cfg, plan, ctx, run_dir=None)
 
+    multirun.hold()  # a stop signal from here on ends a multirun after this point, not the process
     plan, _ = plan_run(cfg, "local")
     # an untested torch first: one line before launch, kept in the record with the others
     warnings = (*torch_warnings(), *contention_warnings(cfg, plan.world_size))
@@ -112,6 +114,7 @@ def launch(cfg: DictConfig) -> int:
         plan = dataclasses.replace(plan, start_method=None)
     if cfg.launcher.master_port:
         _check_port(cfg.launcher.master_port)  # before the record: rank 0 would fail, the others wait for it
+    multirun.stop_before_point()
     mark_killed(point_folders(cfg.results), plan.point)  # a record its killed launcher left `running`
     writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
     writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
@@ -144,6 +147,7 @@ def launch(cfg: DictConfig) -> int:
             raise
         print(f"run failed: {e.strerror}; {writer.dir} keeps status running (no final record)", file=sys.stderr)
         code = 1
+    multirun.stop_after_point(writer.dir, (writer.record.summary() or {}).get("status"))
     return code
 
 
@@ -340,6 +344,7 @@ def spawn_local(
     interrupts = []  # SIGINTs so far: the second ends the ranks at once
 
     def forward(signum, frame):  # a stop signal to the launcher reaches every rank
+        multirun.note(signum)
         if signum == signal.SIGINT:
             interrupts.append(time.time())
             if len(interrupts) == 2:
@@ -358,6 +363,7 @@ def spawn_local(
                 os.kill(p.pid, signal.SIGKILL if hard else signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in stop_signals}
+    pending += multirun.received()  # a multirun's stop that came after its point's record was made
     # multiprocessing's resource tracker, started by the first spawn, *unblocks* SIGINT and SIGTERM in
     # this process as a side effect: start it first (a signal meanwhile is caught and kept), then block
     from multiprocessing import resource_tracker
@@ -458,6 +464,7 @@ def run_with_launcher(
     proc = subprocess.Popen([*command, sys.executable, "-m", "ptbench.runner.rank", str(writer.dir)], env=env)
 
     def forward(signum, frame):  # horovodrun stops its ranks on SIGTERM (SIGUSR1 would kill it outright)
+        multirun.note(signum)
         proc.send_signal(signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGUSR1, signal.SIGTERM)}

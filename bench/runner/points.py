@@ -293,7 +293,11 @@ class MultirunTally(Callback):
     jobs of submitit's run in other processes included; a point refused before launch writes no record."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        folder = Path(str(config.hydra.sweep.dir))
-        statuses = Counter(json.loads(p.read_text()).get("status", "?") for p in folder.glob("*/summary.json"))
-        counts = ", ".join(f"{n} {status}" for status, n in sorted(statuses.items())) or "no record written"
-        print(f"multirun: {sum(statuses.values())} record(s) in {folder}: {counts}", flush=True)
+        print(f"multirun: {tally(Path(str(config.hydra.sweep.dir)))}", flush=True)
+
+
+def tally(folder: Path) -> str:
+    """A sweep folder's records by final status, as "N record(s) in FOLDER: n1 STATUS1, n2 STATUS2"."""
+    statuses = Counter(json.loads(p.read_text()).get("status", "?") for p in folder.glob("*/summary.json"))
+    counts = ", ".join(f"{n} {status}" for status, n in sorted(statuses.items())) or "no record written"
+    return f"{sum(statuses.values())} record(s) in {folder}: {counts}"

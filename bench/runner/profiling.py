@@ -15,7 +15,9 @@ removed when the window ends.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from ptbench.core import trace_ledger as ledger
 from ptbench.core.errors import ConfigError
 from ptbench.core.memory import quiet_cpu_profiler
+from ptbench.core.records import STORAGE_ERRNOS, storage_error
 
 COLLECTIVES = (
     "all_reduce",
@@ -251,11 +254,15 @@ class StepProfiler:
             import tempfile
 
             self.dir = Path(tempfile.mkdtemp(prefix="ptbench-traces-"))
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / f"rank{self.ctx.rank}.json"
-        prof.export_chrome_trace(str(self.path))
-        with open(self.path) as f:
-            self.result = ledger.analyse(json.load(f), self.dp)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(self.path))  # writes PATH.tmp, renamed; a failed write leaves no PATH
+            with open(self.path) as f:
+                trace = json.load(f)
+        except (OSError, ValueError) as e:  # ValueError: a trace cut short
+            raise trace_unwritten(self.path, e) from e
+        self.result = ledger.analyse(trace, self.dp)
         self.export_s = time.perf_counter() - t0
 
     def wait_in(self, first_step: int, last_step: int) -> float | None:
@@ -293,7 +300,9 @@ class StepProfiler:
             merged = self.dir / "merged.json"
             with open(merged, "w") as f:
                 json.dump(ledger.merge(traces), f)
-        except OSError as e:  # ranks on hosts without a shared results folder
+        except OSError as e:  # ranks on hosts without a shared results folder; a storage that refuses: the run's end
+            if merged is not None and refusal(merged, e) is not None:
+                raise trace_unwritten(merged, e) from e
             rec["merge_error"] = f"{type(e).__name__}: {e}"
         rec["traces"] = [info["path"] for info in every]
         rec["export"] = {
@@ -321,6 +330,43 @@ class StepProfiler:
         if self.pp > 1 and self.dp == 1 and len(every) == self.pp:
             rec["bubble"] = ledger.bubble(every, self.m, self.schedule)
         return rec
+
+
+TRACE_FIX = "or choose another results.root=PATH, or drop trainer.profile"
+
+
+def refusal(path: Path, e: BaseException) -> OSError | None:
+    """The storage's refusal behind a failed write of `path`: `e` itself when it says so (a full disk, a quota, a
+    read-only file system, no permission), else what the file system under `path` shows now. torch's trace
+    export says nothing when its write fails, and a cut trace only fails to parse."""
+    if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+        return e
+    where = next((p for p in (path.parent, *path.parents) if p.exists()), None)
+    try:
+        st = os.statvfs(where) if where is not None else None
+    except OSError:
+        return None
+    if st is None:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return OSError(errno.EROFS, os.strerror(errno.EROFS))
+    if st.f_bavail * st.f_frsize < 1 << 20:  # what the failed write left free: before its partial file goes
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if not os.access(where, os.W_OK):
+        return OSError(errno.EACCES, os.strerror(errno.EACCES))
+    return None
+
+
+def trace_unwritten(path: Path, e: BaseException) -> BaseException:
+    """A trace that could not be written: one line naming `path` and the fix where the storage refused it (its
+    partial file removed, so the record still has room for its final status), else `e` itself."""
+    cause = refusal(path, e)
+    if cause is None:
+        return e
+    for partial in (path, path.with_name(path.name + ".tmp")):
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+    return storage_error(cause, path, TRACE_FIX)
 
 
 def ledger_table(every: list[dict], formula: dict | None) -> list[dict]:

@@ -301,13 +301,21 @@ def assemble(ctx: DistContext, timeout_s: int):
     # torchrun's agent hosts the store at MASTER_PORT itself (as torch's own rendezvous finds it); keys per restart
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     key = f"ptbench/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/joined/"
+    deadline = time.monotonic() + timeout_s
+    if ctx.rank != 0 or agent:  # a client: torch's own connect retries past its timeout, with a C++ trace each time
+        said = _reach(ctx.master_addr, ctx.master_port, deadline)
+        if said is not None:
+            raise NeverAssembled(
+                f"rank(s) 0 of {ctx.world_size} never listened at {where} within {timeout_s}s (rank {ctx.rank} "
+                f"waited: {said}; trainer.dist_timeout_s, 0 = trainer.hang_timeout_s + 60): {fix}"
+            )
     try:
         store = dist.TCPStore(
             ctx.master_addr,
             ctx.master_port,
             None,
             ctx.rank == 0 and not agent,
-            datetime.timedelta(seconds=timeout_s),
+            datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())),
             wait_for_workers=False,
             multi_tenant=True,
         )
@@ -318,7 +326,6 @@ def assemble(ctx: DistContext, timeout_s: int):
             f"rank {ctx.rank} of {ctx.world_size} could not reach rank 0 at {where} within {timeout_s}s ({said}): {fix}"
         ) from None
     if ctx.rank == 0:
-        deadline = time.monotonic() + timeout_s
         while True:
             missing = [r for r in range(ctx.world_size) if not store.check([f"{key}{r}"])]
             if not missing:
@@ -331,6 +338,22 @@ def assemble(ctx: DistContext, timeout_s: int):
                 )
             time.sleep(0.2)
     return store
+
+
+def _reach(host: str, port: int, deadline: float) -> str | None:
+    """Connect to `host:port` until `deadline` (time.monotonic): None once something accepts there, else what
+    the last try met (a rank 0 that never started: connection refused, or a host that does not answer)."""
+    said = "nothing answered"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return said
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, left)):
+                return None
+        except OSError as e:
+            said = e.strerror or str(e) or type(e).__name__
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 # recorded as the process had them when it started (summary rank_environment.at_start), beside the adapter's own

@@ -12,7 +12,8 @@ device_bytes)` says whether a total fits a device; `device_bytes()` is the memor
 
 The modules: inputs.py (the input groups), states.py (model states), activations.py, step.py (the optimizer
 step's temporaries), compose.py (`predict`), counting.py (what autograd saves, counted on the meta device),
-facts.py (the model's facts, once per launch), run.py (from a config and plan; records and the table). The
+facts.py (the model's facts, once per launch), stash.py (an asynchronous pipeline's stashed weight
+versions), run.py (from a config and plan; records and the table). The
 runtime instruments the ledger compares against (StepPeak, SavedTensorLedger) are in ptbench.core.memory.
 """
 
@@ -54,6 +55,7 @@ from ptbench.core.memory_model.run import (
     record_fields,
     table,
 )
+from ptbench.core.memory_model.stash import stage_params, stash_copies, stash_per_stage
 from ptbench.core.memory_model.states import (
     flat_partition,
     gpt2_replicated_under_tp,
@@ -112,6 +114,9 @@ __all__ = [
     "rank_step_groups",
     "record_fields",
     "run_facts",
+    "stage_params",
+    "stash_copies",
+    "stash_per_stage",
     "stage_activation_elements",
     "stage_input_elements",
     "table",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ptbench.core.memory_model.activations import activations
 from ptbench.core.memory_model.inputs import PRECISIONS, Inputs
+from ptbench.core.memory_model.stash import stash_of, stash_per_stage
 from ptbench.core.memory_model.states import optimizer_state_bytes, stage_shards, states
 from ptbench.core.memory_model.step import step_transient
 
@@ -22,20 +23,24 @@ def compose(inp: Inputs) -> dict:
     """The prediction for the grouped inputs: {adapter (the label), sharding, world_size, dp, tp, pp, precision,
     optimizer_name, optimizer_bytes_per_elem, kind, busiest, params_per_rank (elements of the model-parallel
     shard), the bytes of each of PARTS, step_transient, step_optimizer, saved_activations, model_states, total,
-    formula (per part what was used), notes (what is uncertain)}; every byte field is a float. `model_states` =
-    params + grads + optimizer + master; `transient`: what forward / backward hold beside the activations;
+    formula (per part what was used), notes (what is uncertain), stash, stash_per_stage}; every byte field is a
+    float. `model_states` = params + grads + optimizer + master + stash (an asynchronous pipeline's stashed weight
+    versions, per stage in `stash_per_stage`; 0 and [] without one); `transient`: what forward / backward hold beside the activations;
     `step_transient`: what the optimizer step alone holds after backward freed the activations and those buffers;
     `total` = model_states + max(transient + activations, step_transient); `busiest` names the stage taken."""
     _check(inp)
     notes: list[str] = []
     shared: dict[str, str] = {}
     results = []
+    stash, stash_rule = stash_per_stage(inp, notes)
     for stage_name, P in stage_shards(inp, shared, notes):
         formula = dict(shared)
         out, part = states(inp, P, formula, notes)
+        if stash:
+            out["stash"], formula["stash"] = stash_of(stage_name, stash), stash_rule
         out["step_transient"], out["step_optimizer"], formula["step_transient"] = step_transient(inp, P, part, notes)
         out["activations"], formula["activations"], out["saved_activations"] = activations(inp, stage_name, notes)
-        out["model_states"] = out["params"] + out["grads"] + out["optimizer"] + out["master"]
+        out["model_states"] = out["params"] + out["grads"] + out["optimizer"] + out["master"] + out.get("stash", 0.0)
         # the step runs after backward has freed the activations (and the gathered / full gradients): the peak is
         # the larger of backward's and the step's, on top of the model states
         out["total"] = out["model_states"] + max(out["transient"] + out["activations"], out["step_transient"])
@@ -56,7 +61,8 @@ def compose(inp: Inputs) -> dict:
         kind=inp.model.kind,
         busiest=stage_name,
         params_per_rank=P,
-        **{**out, "saved_activations": saved_max},
+        **{**out, "saved_activations": saved_max, "stash": out.get("stash", 0.0)},
+        stash_per_stage=stash,
         formula=formula,
         notes=sorted(set(notes)),
     )

@@ -103,8 +103,9 @@ class Inputs:
     def of(cls, sharding: str = "none", **given) -> Inputs:
         """From `predict`'s keyword form: each group's fields by name, and the layout's (world_size, dp, tp, pp,
         devices_per_process, microbatches), the cost inputs' (schedule, recompute, sequence_parallel,
-        half_states, fusion_buffer_bytes, offload_optimizer, offload_params) and zero3_settings (DeepSpeed's
-        stage-3 rules, see `zero3_gathered`; None: the plain partition)."""
+        half_states, fusion_buffer_bytes, offload_optimizer, offload_params, weight_stash, flush_every,
+        layer_params, stage_balance) and zero3_settings (DeepSpeed's stage-3 rules, see `zero3_gathered`; None: the plain
+        partition)."""
         name = sharding.strip().lower()
         if name not in SHARDING:
             raise ValueError(f"unknown sharding {sharding!r}; known: {', '.join(SHARDING)}")
@@ -210,4 +211,12 @@ def _cost(name: str, given: dict) -> CostInputs:
         param_persistence_threshold=z3 and z3["param_persistence_threshold"],
         prefetch_bucket_size=z3 and z3["prefetch_bucket_size"],
         live_params_limit=z3["max_reuse_distance"] if z3 else 0,
+        weight_stash=given.pop("weight_stash", "none"),
+        flush_every=given.pop("flush_every", 0),
+        layer_params=_tuple(given.pop("layer_params", None)),
+        stage_balance=_tuple(given.pop("stage_balance", None)),
     )
+
+
+def _tuple(values) -> tuple | None:
+    return tuple(values) if values else None

@@ -139,6 +139,8 @@ def _inputs_record(inp: Inputs) -> dict:
         largest_unit_params=m.largest_unit_params,
         **{k: getattr(cost, k) for k in ("fusion_buffer_bytes", "half_states", "offload_optimizer", "offload_params")},
     )
+    if cost.weight_stash != "none":
+        rec.update(weight_stash=cost.weight_stash, flush_every=cost.flush_every, layer_params=cost.layer_params)
     if inp.zero3_settings is not None:
         z = inp.zero3_settings
         rec["zero3_settings"] = {**z, "max_live_parameters": ZERO3_DEFAULTS["max_live_parameters"]}
@@ -218,6 +220,8 @@ def record_fields(prediction: dict) -> dict:
     p = prediction
     keys = (*PARTS, "step_transient", "step_optimizer", "saved_activations", "model_states", "total")
     out = {k: int(round(p[k])) for k in keys}
+    if p.get("stash_per_stage"):  # an asynchronous pipeline's stashed weights, within model_states
+        out.update(stash=int(round(p["stash"])), stash_per_stage=[int(round(b)) for b in p["stash_per_stage"]])
     out.update(
         sharding=p["sharding"],
         busiest=p["busiest"],
@@ -263,7 +267,10 @@ def table(prediction: dict) -> str:
     lines.append(f"  {'(saved)':<12} {p['saved_activations'] / MIB:12.2f}  what autograd saves, the most of any stage")
     lines.append(f"  {'step':<12} {p['step_transient'] / MIB:12.2f}  {p['formula'].get('step_transient', '-')}")
     lines.append(f"  {'(optimizer)':<12} {p['step_optimizer'] / MIB:12.2f}  the optimizer's own temporaries in step")
-    lines.append(f"  {'states':<12} {p['model_states'] / MIB:12.2f}  params + grads + optimizer + master")
+    if p.get("stash_per_stage"):
+        lines.append(f"  {'stash':<12} {p['stash'] / MIB:12.2f}  {p['formula'].get('stash', '-')}")
+    plus = " + stash" if p.get("stash_per_stage") else ""
+    lines.append(f"  {'states':<12} {p['model_states'] / MIB:12.2f}  params + grads + optimizer + master{plus}")
     lines.append(f"  {'total':<12} {p['total'] / MIB:12.2f}  states + max(transient + activations, step)")
     lines += [f"  note: {n}" for n in p["notes"]]
     return "\n".join(lines)

@@ -135,11 +135,24 @@ class BenchLocalLauncher(LocalLauncher):
         self.parallel = parallel
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from ptbench.runner import multirun
+
+        assert self.config is not None
         out: list[JobReturn] = []
-        with reporting_wait("ptbench_local", Path(str(self.params["submitit_folder"])), len(job_overrides)):
+        waiting = reporting_wait("ptbench_local", Path(str(self.params["submitit_folder"])), len(job_overrides))
+        with waiting, multirun.forwarding_to_jobs():  # Ctrl-C / SIGTERM: the running points stop, no other starts
             for start in range(0, len(job_overrides), self.parallel):  # each batch ends before the next starts
                 batch = job_overrides[start : start + self.parallel]
-                out += super().launch(batch, initial_job_idx + start)
+                try:
+                    out += super().launch(batch, initial_job_idx + start)
+                except Exception:  # a point's job ended by the signal may leave no result: the records say
+                    if not multirun.received():
+                        raise
+                if multirun.received():
+                    nums = ", ".join(
+                        f"#{n}" for n in range(initial_job_idx + start, initial_job_idx + start + len(batch))
+                    )
+                    multirun.stop(f"during point(s) {nums}: their records are final", self.config.hydra.sweep.dir)
         return out
 
 

@@ -1,0 +1,257 @@
+"""The model: step = compute + e x communication, compute scaled for the pipeline bubble.
+
+- communication: sum over a point's collectives of calls x t(op, group, S, link), with t fitted per collective
+  kind and group size by non-negative least squares on ptbench.comm's measured times: t = a + b S where every
+  report has the same link, t = a + b S + c S / rate where reports span two or more link rates (per-byte cost =
+  software + wire). Unweighted: the large messages, which hold most of a step's communication, lead the fit.
+- compute and the exposed factor e: least squares over the series' calibration points, step_i = k_i C + e T_i,
+  where T_i is the point's communication time and k_i its compute scale relative to the target: 1 for the same
+  per-rank work (same local batch, tp, pp), (m' + p - 1) b' / ((m + p - 1) b) between micro-batch counts m and
+  m' (micro-batch sizes b, b') of a p-stage pipeline: a 1F1B or GPipe step is m + p - 1 micro-batch slots, p - 1
+  of them the bubble, each slot's time proportional to the micro-batch size (the bubble from measured time). A series with one calibration point
+  takes e as the non-overlapped fraction its profiled calibration run measured (trainer.profile: exposed / time
+  in collectives, from the traces), else from the reference fit (the series with the most points, e.g. DDP at
+  two link rates; clipped to 0..1, a fraction, where it is lent to another series), else 1 (all exposed).
+- interval: the prediction times 1 +- the calibration points' largest run-to-run spread (the folder's median
+  spread where they have none: one clean epoch of a profiled run).
+
+Refusals (PredictError, one line): more ranks than cores on a CPU run, a collective kind, group size, message
+size or link rate outside what ptbench.comm measured, no comm measurement at all, no calibration point of the
+series with the same per-rank work.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ptbench.predict.points import CommReport, Point, PredictError
+
+COMM_HINT = "python -m ptbench.comm --world-size {n} --out {root}/comm"
+
+
+@dataclass
+class Fit:
+    coef: np.ndarray  # a, b[, c]
+    smin: float
+    smax: float
+    links: tuple  # the link rates the fit saw (None: unknown)
+
+    def time(self, size: float, link: float | None) -> float:
+        x = [1.0, size] + ([size / link] if len(self.coef) == 3 else [])
+        return max(float(np.dot(self.coef, x)), 0.0)
+
+
+def fit_comm(reports: list[CommReport]) -> dict[tuple[str, int], Fit]:
+    """Per (op, group size): non-negative least squares (scipy.optimize.nnls: no negative latency or per-byte
+    cost) of the measured times on [1, S] or, across link rates, [1, S, S / rate]."""
+    from scipy.optimize import nnls
+
+    rows: dict[tuple[str, int], list[tuple[float, float, float | None]]] = {}
+    for rep in reports:
+        for r in rep.rows:
+            rows.setdefault((r["op"], rep.world_size), []).append((float(r["bytes"]), float(r["time_s"]), rep.link))
+    fits = {}
+    for key, rs in rows.items():
+        links = tuple(sorted({r[2] for r in rs}, key=lambda v: -1 if v is None else v))
+        with_rate = len(links) > 1 and None not in links
+        x = np.array([[1.0, s] + ([s / link] if with_rate else []) for s, _, link in rs])
+        coef = nnls(x, np.array([r[1] for r in rs]))[0]
+        sizes = [r[0] for r in rs]
+        fits[key] = Fit(coef, min(sizes), max(sizes), links)
+    return fits
+
+
+def _link_check(fit: Fit, op: str, n: int, link: float | None) -> None:
+    if len(fit.coef) == 3:
+        if link is None or not min(fit.links) <= link <= max(fit.links):
+            raise PredictError(
+                f"link {link} Mbit/s is outside the measured {min(fit.links):g}-{max(fit.links):g} Mbit/s "
+                f"of {op} at {n} ranks: measure it with ptbench.comm on that link"
+            )
+    elif fit.links != (link,):
+        raise PredictError(
+            f"{op} at {n} ranks was measured only at link {fit.links[0]} Mbit/s, not {link}: "
+            "measure ptbench.comm at a second link rate to predict across rates"
+        )
+
+
+def comm_time(p: Point, link: float | None, fits: dict, root: str = "RESULTS_DIR") -> float:
+    """Seconds per step that the point's collectives take at `link`, by the fitted alpha-beta."""
+    total = 0.0
+    for c in p.collectives:
+        op, n, size = c["op"], int(c["group_size"]), float(c["message_bytes"])
+        fit = fits.get((op, n))
+        if fit is None:
+            raise PredictError(
+                f"no ptbench.comm measurement of {op} at {n} ranks (needed by {p.series}): "
+                f"run {COMM_HINT.format(n=n, root=root)}"
+            )
+        if not fit.smin <= size <= fit.smax:
+            raise PredictError(
+                f"{op} of {size:.0f} bytes at {n} ranks is outside the measured {fit.smin:.0f}-{fit.smax:.0f} bytes: "
+                "measure it (python -m ptbench.comm --min-bytes/--max-bytes)"
+            )
+        _link_check(fit, op, n, link)
+        total += float(c["calls"]) * fit.time(size, link)
+    return total
+
+
+def compute_scale(cal: Point, target: Point) -> float | None:
+    """How much the target's compute is of the calibration point's; None: not comparable. Between micro-batch
+    counts of a pipeline: (m' + p - 1) b' / ((m + p - 1) b), b = the micro-batch size (global / (dp m))."""
+    if cal.series != target.series or (cal.tp, cal.pp) != (target.tp, target.pp):
+        return None
+    if cal.microbatches == target.microbatches:
+        return 1.0 if cal.local_batch == target.local_batch else None
+    if cal.pp > 1 and cal.dp == target.dp and cal.global_batch and target.global_batch:
+        p, m, m2 = cal.pp, cal.microbatches, target.microbatches
+        b, b2 = cal.global_batch / m, target.global_batch / m2
+        return (m2 + p - 1) * b2 / ((m + p - 1) * b)
+    return None
+
+
+def retarget(cal: Point, world: int, microbatches: int, link: float | None) -> Point:
+    """The point a calibration point becomes at another device count, micro-batch count or link: data-parallel
+    collectives over the new dp group; activation collectives m'/m times as often, each m/m' the bytes where the
+    global batch is held; the global batch follows the adapter's batch policy."""
+    dp = world // (cal.tp * cal.pp)
+    if dp < 1 or dp * cal.tp * cal.pp != world:
+        raise PredictError(f"{cal.series}: {world} ranks do not split into tp={cal.tp} x pp={cal.pp} x dp")
+    ratio = microbatches / cal.microbatches
+    cols = []
+    for c in cal.collectives:
+        c = dict(c)
+        if c.get("group") == "dp":
+            c["group_size"] = dp
+        if "activation" in c.get("name", "") and ratio != 1:
+            c["calls"] *= ratio  # per_microbatch: the micro-batch (the message) keeps its size
+            c["message_bytes"] /= 1 if cal.batch_policy == "per_microbatch" else ratio
+        if int(c["group_size"]) > 1:
+            cols.append(c)
+    scale = dp / cal.dp if cal.batch_policy in ("per_device", "linear") else 1
+    scale *= ratio if cal.batch_policy == "per_microbatch" else 1
+    return replace(
+        cal,
+        world_size=world,
+        microbatches=microbatches,
+        link=link,
+        dp=dp,
+        collectives=cols,
+        global_batch=int(cal.global_batch * scale),
+        steps=[float("nan")],
+        epoch_steps=[],
+        memory_bytes=cal.memory_bytes if (world, microbatches) == (cal.world_size, cal.microbatches) else None,
+        run_dirs=[],
+    )
+
+
+def check_cores(target: Point) -> None:
+    cores = os.cpu_count() or 1
+    if target.cpu and target.world_size > cores:
+        raise PredictError(
+            f"{target.world_size} ranks on {cores} cores: CPU ranks beyond the cores share them and no "
+            "alpha-beta model holds there; predict at most that many ranks"
+        )
+
+
+@dataclass
+class Prediction:
+    target: Point
+    step: float
+    lo: float
+    hi: float
+    compute: float
+    comm: float
+    exposed: float
+    exposed_from: str
+    calibration: list[Point]
+
+    @property
+    def epoch(self) -> float:
+        return self.step * self.calibration[0].epoch_ratio
+
+    @property
+    def throughput(self) -> float:
+        return self.target.global_batch / self.step
+
+
+def _solve(cal: list[tuple[Point, float, float]]) -> tuple[float, float] | None:
+    """(C, e) from step_i = k_i C + e T_i when the points tell them apart, else None."""
+    x = np.array([[k, t] for _, k, t in cal])
+    if len(cal) < 2 or np.linalg.matrix_rank(x, tol=1e-9 * np.abs(x).max()) < 2:
+        return None
+    coef = np.linalg.lstsq(x, np.array([p.step for p, _, _ in cal]), rcond=None)[0]
+    return float(coef[0]), float(coef[1])
+
+
+def reference_exposed(points: list[Point], fits: dict) -> tuple[float, str]:
+    """The exposed factor of the series with the most calibration points that tell C and e apart."""
+    by_series: dict[str, list[Point]] = {}
+    for p in points:
+        by_series.setdefault(p.series, []).append(p)
+    for series, pts in sorted(by_series.items(), key=lambda kv: -len(kv[1])):
+        base = pts[0]
+        try:
+            cal = [(p, s, comm_time(p, p.link, fits)) for p in pts if (s := compute_scale(p, base)) is not None]
+        except PredictError:
+            continue
+        if solved := _solve(cal):  # lent to other series as a fraction: more than all exposed is this series' own
+            return min(max(solved[1], 0.0), 1.0), series
+    return 1.0, ""
+
+
+def traced_for(target: Point, calibration: list[Point]) -> Point:
+    """A target without traced collectives takes those of a profiled calibration point of its series and layout,
+    moved to its device and micro-batch counts (the formula leaves some collectives out; the trace has them)."""
+    if target.collectives_from == "trace":
+        return target
+    for p in calibration:
+        if p.collectives_from == "trace" and compute_scale(p, target) is not None:
+            moved = retarget(p, target.world_size, target.microbatches, target.link)
+            return replace(target, collectives=moved.collectives, collectives_from="trace of a calibration run")
+    return target
+
+
+def noise_floor(points: list[Point]) -> float:
+    spreads = sorted(p.spread for p in points if p.spread > 0)
+    return spreads[len(spreads) // 2] if spreads else 0.0
+
+
+def predict(target: Point, calibration: list[Point], fits: dict, ref: tuple[float, str], root: str) -> Prediction:
+    check_cores(target)
+    target = traced_for(target, calibration)
+    t_comm = comm_time(target, target.link, fits, root)
+    cal, why = [], None
+    for p in calibration:
+        k = compute_scale(p, target)
+        if k is not None and p.key != target.key:
+            try:
+                cal.append((p, k, comm_time(p, p.link, fits, root)))
+            except PredictError as e:  # a calibration point whose communication is not measured cannot calibrate
+                why = why or e
+    if not cal and why:
+        raise why
+    if not cal:
+        raise PredictError(
+            f"no measured point of {target.series} with the same per-rank work (local batch, tp, pp; or another "
+            "micro-batch count of a pipeline at the same global batch): run that series once at any link"
+        )
+    solved = _solve(cal)
+    profiled = [p.exposed_measured for p, _, _ in cal if p.exposed_measured is not None]
+    if solved and solved[1] >= 0:
+        compute, exposed, source = solved[0], solved[1], f"fit on {len(cal)} points"
+    else:
+        if profiled:
+            exposed, source = float(np.mean(profiled)), "profiled"
+        else:
+            exposed, source = ref[0], f"from {ref[1]}" if ref[1] else "assumed: nothing to fit it on"
+        compute = float(np.mean([(p.step - exposed * t) / k for p, k, t in cal]))
+    step = compute + exposed * t_comm
+    # a calibration point with one clean epoch has no spread of its own: the folder's typical one stands in
+    spread = max(p.spread for p, _, _ in cal) or noise_floor(calibration)
+    return Prediction(
+        target, step, step * (1 - spread), step * (1 + spread), compute, t_comm, exposed, source, [p for p, _, _ in cal]
+    )

@@ -1,0 +1,227 @@
+"""A results folder -> measured points and ptbench.comm reports, read from the records' JSON only.
+
+A point is one (series, world size, micro-batches, link rate): its runs (repeats) pooled. The series is the
+adapter with the settings that change its compute (ZeRO stage, schedule, tp, pp). The link rate (Mbit/s) of a
+record or a comm report is its `extra.link_mbit` (a run's `+extra.link_mbit=300`), else the number in the
+nearest folder above it named `link-<N>mbit` (what `python -m ptbench.predict validate` writes); None when
+neither says (the link the machine has).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LINK_DIR = re.compile(r"^link-(\d+(?:\.\d+)?)mbit$")
+
+
+class PredictError(ValueError):
+    """Bad input or a target outside what the model was calibrated for: one line for the user."""
+
+
+def link_of(path: Path, extra) -> float | None:
+    if isinstance(extra, dict) and extra.get("link_mbit") is not None:
+        return float(extra["link_mbit"])
+    for parent in path.parents:
+        if m := LINK_DIR.match(parent.name):
+            return float(m.group(1))
+    return None
+
+
+def series_of(s: dict) -> str:
+    """The adapter and the settings that change what a rank computes per step (not the device count,
+    micro-batch count or link: those the model predicts across)."""
+    settings = s.get("adapter_settings") or {}
+    layout = s.get("layout") or {}
+    parts = [s.get("adapter") or "?"]
+    if settings.get("stage") is not None:
+        parts.append(f"stage={settings['stage']}")
+    if settings.get("schedule") and (layout.get("pp") or 1) > 1:
+        parts.append(f"schedule={settings['schedule']}")
+    for key in ("tp", "pp"):
+        if (layout.get(key) or 1) > 1:
+            parts.append(f"{key}={layout[key]}")
+    return " ".join(parts)
+
+
+@dataclass
+class Point:
+    series: str
+    adapter: str
+    world_size: int
+    microbatches: int
+    link: float | None
+    steps: list[float] = field(default_factory=list)  # step-time mean of each run
+    epoch_steps: list[float] = field(default_factory=list)  # of each epoch of each run (spread of one run)
+    epoch_ratio: float = 0.0  # epoch time / step time (steps per epoch and what lies outside steps)
+    global_batch: int = 0
+    local_batch: int = 0
+    batch_policy: str = ""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    collectives: list[dict] = field(default_factory=list)
+    memory_bytes: int | None = None
+    exposed_measured: float | None = None  # trainer.profile: exposed / time in collectives, over the ranks
+    collectives_from: str = "formula"  # or "trace": the profiled step's collectives (profile.ranks[].by_kind)
+    cpu: bool = True
+    run_dirs: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple:
+        return (self.series, self.world_size, self.microbatches, self.link)
+
+    @property
+    def step(self) -> float:
+        return statistics.fmean(self.steps)
+
+    @property
+    def spread(self) -> float:
+        """Run-to-run noise: half the range of the repeats' step times over their mean (of the epochs when
+        the point ran once), as a fraction."""
+        vals = self.steps if len(self.steps) > 1 else self.epoch_steps
+        if len(vals) < 2:
+            return 0.0
+        return (max(vals) - min(vals)) / 2 / statistics.fmean(vals)
+
+    def label(self) -> str:
+        link = f"{self.link:g} Mbit/s" if self.link is not None else "-"
+        return f"{self.series} | n={self.world_size} m={self.microbatches} | {link}"
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def _epoch_steps(run: Path, window) -> list[float]:
+    """Each epoch's step-time mean; a profiled run's epochs that hold its profiled steps (trainer.profile's window,
+    global steps) left out when another epoch is clean: the profiler slows the steps it records."""
+    out, first = [], 0
+    try:
+        lines = (run / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(e, dict) and e.get("type") == "epoch" and e.get("step_time_mean_s"):
+            steps = int(e.get("steps") or 0)
+            profiled = bool(window) and first < window["start"] + window["count"] and window["start"] < first + steps
+            out.append((float(e["step_time_mean_s"]), profiled))
+            first += steps
+    clean = [t for t, profiled in out if not profiled]
+    return clean or [t for t, _ in out]
+
+
+def _on_cpu(run: Path) -> bool:
+    env = _read_json(run / "env.json") or {}
+    return not env.get("gpu_count")
+
+
+def _exposed_fraction(prof) -> float | None:
+    ranks = prof.get("ranks") if isinstance(prof, dict) else None
+    if not ranks:
+        return None
+    comm = sum(float(r.get("comm_time_s") or 0) for r in ranks)
+    return sum(float(r.get("exposed_comm_s") or 0) for r in ranks) / comm if comm > 0 else None
+
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+
+
+def _traced_collectives(prof, formula: list[dict], world: int) -> list[dict]:
+    """The collectives a profiled step ran (the traces' c10d operators, per kind: calls and bytes per step, the
+    busiest rank's), in comm_volume's form: one item per kind at its mean message size (the alpha-beta model is
+    linear in the size, so the mean gives the same total). Collectives the formula leaves out (a pipeline's tied
+    embedding all-reduce, Megatron's vocabulary all-reduces) are in it. The group is the formula's for that kind,
+    else all ranks; send/recv are activations (they scale with the micro-batches)."""
+    ranks = prof.get("ranks") if isinstance(prof, dict) else None
+    out = []
+    for op in OPS:
+        seen = [r["by_kind"][op] for r in ranks or [] if isinstance(r.get("by_kind"), dict) and op in r["by_kind"]]
+        calls = max((float(k.get("calls") or 0) for k in seen), default=0.0)
+        total = max((float(k.get("message_bytes") or 0) for k in seen), default=0.0)
+        if not calls or not total:
+            continue
+        like = next((c for c in formula if c["op"] == op), {"group": "world", "group_size": world})
+        name = "traced_activation_send_recv" if op == "send_recv" else f"traced_{op}"
+        out.append(
+            dict(
+                name=name,
+                op=op,
+                group=like["group"],
+                group_size=like["group_size"],
+                message_bytes=total / calls,
+                calls=calls,
+            )
+        )
+    return out
+
+
+def load_points(root: Path) -> list[Point]:
+    """Every finished run under root (status ok, a step time and a communication volume), pooled by point."""
+    points: dict[tuple, Point] = {}
+    for path in sorted(root.rglob("summary.json")):
+        s = _read_json(path)
+        if not s or s.get("status") != "ok" or not s.get("step_time_mean_s"):
+            continue
+        cv = s.get("comm_volume") or {}
+        if "collectives" not in cv:
+            continue
+        layout = s.get("layout") or {}
+        p = Point(
+            series=series_of(s),
+            adapter=s.get("adapter") or "?",
+            world_size=int(s.get("world_size") or layout.get("world_size") or 1),
+            microbatches=int(layout.get("microbatches") or 1),
+            link=link_of(path, s.get("extra")),
+        )
+        p = points.setdefault(p.key, p)
+        window = (s.get("profile") or {}).get("window") if isinstance(s.get("profile"), dict) else None
+        epochs = _epoch_steps(path.parent, window)
+        p.steps.append(statistics.fmean(epochs) if window and epochs else float(s["step_time_mean_s"]))
+        p.epoch_steps += epochs
+        epoch = s.get("epoch_time_steady_s") or s.get("epoch_time_mean_s")
+        if epoch:
+            p.epoch_ratio = float(epoch) / float(s["step_time_mean_s"])
+        p.global_batch, p.local_batch = int(s.get("global_batch") or 0), int(s.get("local_batch") or 0)
+        p.batch_policy = s.get("batch_policy") or ""
+        p.dp, p.tp, p.pp = (int(layout.get(k) or 1) for k in ("dp", "tp", "pp"))
+        p.collectives = cv["collectives"]
+        p.memory_bytes = (s.get("predicted_memory") or {}).get("total")
+        p.cpu = _on_cpu(path.parent)
+        if (fraction := _exposed_fraction(s.get("profile"))) is not None:
+            p.exposed_measured = fraction
+        if traced := _traced_collectives(s.get("profile"), cv["collectives"], p.world_size):
+            p.collectives, p.collectives_from = traced, "trace"
+        p.run_dirs.append(str(path.parent))
+    return list(points.values())
+
+
+@dataclass
+class CommReport:
+    world_size: int
+    link: float | None
+    rows: list[dict]  # ptbench.comm's results: op, bytes (S), time_s
+    path: str
+
+
+def load_comm(root: Path, folder: str = "comm") -> list[CommReport]:
+    """Every `python -m ptbench.comm --out` report under root (a comm/ folder, as a sweep stores it)."""
+    out = []
+    for path in sorted(root.rglob(f"{folder}/*.json")):
+        rep = _read_json(path)
+        if not rep or rep.get("tool") != "ptbench.comm":
+            continue
+        rows = [r for r in rep.get("results") or [] if r.get("time_s") and not r.get("wrong")]
+        out.append(CommReport(int(rep["world_size"]), link_of(path, rep.get("extra")), rows, str(path)))
+    return out

@@ -1,0 +1,147 @@
+"""Leave-one-out, targets, the error table and predictions.jsonl (what the report's section reads)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+from pathlib import Path
+
+from ptbench.predict.model import Prediction, fit_comm, predict, reference_exposed
+from ptbench.predict.points import CommReport, Point, PredictError
+
+PREDICTIONS = "predictions.jsonl"
+
+
+def error_pct(pred: Prediction) -> float:
+    return (pred.step / pred.target.step - 1) * 100
+
+
+def kendall(preds: list[Prediction]) -> tuple[float | None, list[str]]:
+    """Kendall tau of the series' order by predicted vs measured step time within each device count and link;
+    the mean over those groups weighted by their size, and one line per group."""
+    from scipy.stats import kendalltau
+
+    groups: dict[tuple, list[Prediction]] = {}
+    for p in preds:
+        groups.setdefault((p.target.world_size, p.target.link), []).append(p)
+    taus, lines = [], []
+    for (n, link), ps in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        if len({p.target.series for p in ps}) < 2:
+            continue
+        tau = kendalltau([p.step for p in ps], [p.target.step for p in ps]).statistic
+        taus.append((tau, len(ps)))
+        link_s = f"{link:g} Mbit/s" if link is not None else "this machine's link"
+        lines.append(f"  tau at {n} ranks, {link_s}: {tau:.2f} over {len(ps)} points")
+    if not taus:
+        return None, ["  tau: n/a (no device count with two or more series predicted)"]
+    return sum(t * k for t, k in taus) / sum(k for _, k in taus), lines
+
+
+def table(preds: list[Prediction], skipped: list[tuple[Point, str]]) -> list[str]:
+    head = f"{'point':<52} {'measured':>10} {'predicted':>10} {'interval':>17} {'err':>8} {'noise':>7}  exposed e"
+    lines = [head, "-" * len(head)]
+    for p in preds:
+        t = p.target
+        lines.append(
+            f"{t.label():<52} {t.step * 1e3:>8.1f}ms {p.step * 1e3:>8.1f}ms "
+            f"{f'[{p.lo * 1e3:.1f}-{p.hi * 1e3:.1f}]':>17} {error_pct(p):>+7.1f}% {t.spread * 100:>6.1f}%  "
+            f"{p.exposed:.2f} ({p.exposed_from})"
+        )
+    for t, why in skipped:
+        lines.append(f"{t.label():<52} {t.step * 1e3:>8.1f}ms   not predicted: {why.split(' (')[0].split(': run')[0]}")
+    return lines
+
+
+def summary_line(preds: list[Prediction]) -> str:
+    errs = [abs(error_pct(p)) for p in preds]
+    tau, _ = kendall(preds)
+    tau_s = f"{tau:.2f}" if tau is not None else "n/a"
+    return f"median |err| {statistics.median(errs):.1f} %, max {max(errs):.1f} %, tau {tau_s}"
+
+
+def report(preds: list[Prediction], skipped: list[tuple[Point, str]]) -> list[str]:
+    noise = [p.target.spread * 100 for p in preds]
+    lines = table(preds, skipped)
+    lines += kendall(preds)[1]
+    lines.append(
+        f"  run-to-run noise (repeats' half range): median {statistics.median(noise):.1f} %, max {max(noise):.1f} %"
+    )
+    lines.append(summary_line(preds))
+    return lines
+
+
+def leave_one_out(points: list[Point], reports: list[CommReport], root: str) -> tuple[list, list]:
+    """Each point predicted from all the others (the comm measurement stays: it is the network, not a point)."""
+    if not reports:
+        n = max((p.world_size for p in points), default=2)
+        raise PredictError(
+            f"no ptbench.comm measurement under {root}: run python -m ptbench.comm --world-size {n} --out {root}/comm"
+        )
+    fits = fit_comm(reports)
+    preds, skipped = [], []
+    for target in points:
+        rest = [p for p in points if p.key != target.key]
+        try:
+            preds.append(predict(target, rest, fits, reference_exposed(rest, fits), root))
+        except PredictError as e:
+            skipped.append((target, str(e)))
+    if not preds:
+        raise PredictError(
+            f"too few points for leave-one-out in {root}: {len(points)} point(s), and none has a second point of its "
+            "series (another link rate, device count or micro-batch count) to be predicted from"
+        )
+    return preds, skipped
+
+
+def held_out(calibration: list[Point], targets: list[Point], reports: list[CommReport], root: str):
+    fits = fit_comm(reports)
+    ref = reference_exposed(calibration, fits)
+    preds, skipped = [], []
+    for t in targets:
+        try:
+            preds.append(predict(t, calibration, fits, ref, root))
+        except PredictError as e:
+            skipped.append((t, str(e)))
+    return preds, skipped
+
+
+def write_predictions(root: Path, mode: str, preds: list[Prediction], measured: bool) -> Path:
+    """root/predictions.jsonl: this mode's lines replace its previous ones (the other modes' stay)."""
+    path = root / PREDICTIONS
+    keep = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("mode") != mode:
+                    keep.append(line)
+            except ValueError:
+                continue
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    for p in preds:
+        t = p.target
+        keep.append(
+            json.dumps(
+                {
+                    "mode": mode,
+                    "created": when,
+                    "series": t.series,
+                    "world_size": t.world_size,
+                    "microbatches": t.microbatches,
+                    "link_mbit": t.link,
+                    "predicted_step_s": p.step,
+                    "interval_s": [p.lo, p.hi],
+                    "predicted_epoch_s": p.epoch,
+                    "predicted_samples_per_s": p.throughput,
+                    "compute_s": p.compute,
+                    "comm_s": p.comm,
+                    "exposed": p.exposed,
+                    "memory_bytes_per_rank": t.memory_bytes,
+                    "measured_step_s": t.step if measured else None,
+                    "err_pct": error_pct(p) if measured else None,
+                    "noise_pct": t.spread * 100 if measured else None,
+                }
+            )
+        )
+    path.write_text("\n".join(keep) + "\n")
+    return path

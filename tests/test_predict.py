@@ -1,0 +1,224 @@
+"""`python -m ptbench.predict`: leave-one-out over real CPU records made here (DDP at 1 and 2 ranks, the 1F1B
+pipeline at 2 and 4 micro-batches, one ptbench.comm measurement), a target prediction, the one-line refusals,
+the report's section, and validate's link shaping in a private network namespace (root only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import bench, check_ok, run
+
+COMMON = [
+    "workload=gpt2_tiny",
+    "workload.seq_len=32",
+    "workload.vocab_size=4096",
+    "data=synthetic",
+    "data.train_samples=64",
+    "data.val_samples=16",
+    "trainer.epochs=2",
+    "trainer.batch_size=8",
+    "trainer.untimed_steps=1",
+    "trainer.progress=false",
+]
+POINTS = {
+    "ddp1": ["adapter=ddp", "launcher.nprocs=1"],
+    "ddp2": ["adapter=ddp", "launcher.nprocs=2"],
+    # profiled in its second epoch: the traced collectives and the exposed fraction; its first epoch's steps count
+    "pipe2": ["adapter=pipeline", "launcher.nprocs=2", "adapter.microbatches=2", "trainer.profile=8:2"],
+    "pipe4": ["adapter=pipeline", "launcher.nprocs=2", "adapter.microbatches=4"],
+}
+LAST = re.compile(r"^median \|err\| \d+\.\d %, max \d+\.\d %, tau (n/a|-?\d\.\d\d)$")
+
+
+def predict(*args: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "ptbench.predict", *args], timeout=300)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> Path:
+    """The harness's own runs and comm measurement (about a minute on 2 cores)."""
+    root = tmp_path_factory.mktemp("predict") / "results"
+    for overrides in POINTS.values():
+        check_ok(bench(*overrides, *COMMON, "results.experiment=predict", results=root))
+    comm = [sys.executable, "-m", "ptbench.comm", "--world-size", "2", "--ops", "all_reduce,send_recv"]
+    check_ok(run([*comm, "--max-bytes", "8M", "--iters", "3", "--warmup", "1", "--out", str(root / "comm")], 300))
+    return root
+
+
+def copy_of(records: Path, tmp_path: Path, keep=lambda p: True) -> Path:
+    out = tmp_path / "copy"
+    shutil.copytree(records, out, ignore=lambda d, names: [n for n in names if not keep(Path(d) / n)])
+    return out
+
+
+def test_leave_one_out_over_real_runs(records, tmp_path):
+    folder = copy_of(records, tmp_path)
+    proc = predict(str(folder))
+    check_ok(proc)
+    lines = proc.stdout.strip().splitlines()
+    assert LAST.match(lines[-1]), lines[-1]
+    assert "run-to-run noise" in proc.stdout and "tau" in proc.stdout
+    written = [json.loads(x) for x in (folder / "predictions.jsonl").read_text().splitlines()]
+    got = {(r["series"], r["world_size"], r["microbatches"]) for r in written}
+    assert got == {
+        ("ddp", 1, 1),
+        ("ddp", 2, 1),
+        ("pipeline schedule=1f1b pp=2", 2, 2),
+        ("pipeline schedule=1f1b pp=2", 2, 4),
+    }
+    steps = {}
+    for d in folder.rglob("summary.json"):
+        s = json.loads(d.read_text())
+        step = s["step_time_mean_s"]
+        if s.get("profile"):  # its first epoch: the second holds the profiled steps
+            step = json.loads((d.parent / "events.jsonl").read_text().splitlines()[0])["step_time_mean_s"]
+        steps[(s["adapter"], s["world_size"], s["layout"]["microbatches"])] = step
+    for r in written:  # the measured column is the record's, the error is predicted / measured - 1
+        assert r["measured_step_s"] == pytest.approx(
+            steps[(r["series"].split()[0], r["world_size"], r["microbatches"])]
+        )
+        assert r["err_pct"] == pytest.approx((r["predicted_step_s"] / r["measured_step_s"] - 1) * 100)
+        assert r["interval_s"][0] <= r["predicted_step_s"] <= r["interval_s"][1]
+
+
+def test_the_pipeline_bubble_scales_compute_between_microbatch_counts(records):
+    """m=4 predicted from m=2 alone: compute = (step(m=2) - e x comm(m=2)) / k, k = (4+1) b' / ((2+1) b) with the
+    global batch held (b' = b/2): the p - 1 bubble slots of a 2-stage 1F1B step."""
+    from ptbench.predict.model import comm_time, fit_comm
+    from ptbench.predict.points import load_comm, load_points
+    from ptbench.predict.table import leave_one_out
+
+    points = load_points(records)
+    preds, skipped = leave_one_out(points, load_comm(records), str(records))
+    assert not skipped, skipped
+    m2 = next(p for p in points if p.pp == 2 and p.microbatches == 2)
+    pred = next(p for p in preds if p.target.pp == 2 and p.target.microbatches == 4)
+    first_epoch = json.loads((Path(m2.run_dirs[0]) / "events.jsonl").read_text().splitlines()[0])
+    assert m2.step == first_epoch["step_time_mean_s"]  # the profiled epoch left out: the profiler slows its steps
+    assert m2.collectives_from == "trace" and pred.target.collectives_from == "trace of a calibration run"
+    assert 0 <= m2.exposed_measured <= 1 and pred.exposed == pytest.approx(m2.exposed_measured)
+    k = (4 + 1) * (8 / 4) / ((2 + 1) * (8 / 2))
+    t2 = comm_time(m2, m2.link, fit_comm(load_comm(records)))
+    assert pred.compute == pytest.approx((m2.step - pred.exposed * t2) / k)
+    assert pred.step == pytest.approx(pred.compute + pred.exposed * pred.comm)
+
+
+def test_a_target_not_measured_is_predicted(records, tmp_path):
+    folder = copy_of(records, tmp_path)
+    targets = tmp_path / "targets.txt"
+    targets.write_text(
+        "# a sweep file: one target per line\nadapter=pipeline adapter.microbatches=8\nadapter=ddp ranks=2\n"
+    )
+    proc = predict(str(folder), "--target", str(targets))
+    check_ok(proc)
+    out = proc.stdout.strip().splitlines()
+    assert len(out) == 2 and all(re.search(r": step \d+\.\d ms \[[\d.]+-[\d.]+\], epoch", x) for x in out), out
+    assert out[0].startswith("pipeline schedule=1f1b pp=2 | n=2 m=8") and "memory model n/a" in out[0]
+    assert "MiB/rank" in out[1]  # the measured layout: the memory model's bytes beside it
+    assert [json.loads(x)["mode"] for x in (folder / "predictions.jsonl").read_text().splitlines()] == ["target"] * 2
+
+
+def _comm_subset(folder: Path, keep) -> None:
+    for path in (folder / "comm").glob("*.json"):
+        rep = json.loads(path.read_text())
+        rep["results"] = [r for r in rep["results"] if keep(r)]
+        path.write_text(json.dumps(rep))
+
+
+@pytest.mark.parametrize(
+    "case, args, want",
+    [
+        (
+            "no_comm",
+            [],
+            r"no ptbench\.comm measurement under .*: run python -m ptbench\.comm --world-size 2 --out .*/comm",
+        ),
+        ("one_point", [], r"too few points for leave-one-out in .*: 1 point\(s\)"),
+        (
+            "kind",
+            ["--target", "adapter=ddp"],
+            r"no ptbench\.comm measurement of all_reduce at 2 ranks .*: run python -m ptbench\.comm",
+        ),
+        (
+            "size",
+            ["--target", "adapter=ddp"],
+            r"all_reduce of \d+ bytes at 2 ranks is outside the measured 1024-65536 bytes",
+        ),
+        (
+            "cores",
+            ["--target", f"adapter=ddp ranks={(os.cpu_count() or 1) + 1}"],
+            r"\d+ ranks on \d+ cores: .*predict at most",
+        ),
+        (
+            "key",
+            ["--target", "adapter=ddp trainer.batch_size=4"],
+            r"cannot predict 'trainer\.batch_size=4': a target sets only",
+        ),
+        ("adapter", ["--target", "adapter=fsdp"], r"no measured run of adapter=fsdp to take its compute from"),
+    ],
+)
+def test_refusals_are_one_line(records, tmp_path, case, args, want):
+    if case == "no_comm":
+        folder = copy_of(records, tmp_path, keep=lambda p: p.name != "comm")
+    elif case == "one_point":
+        folder = copy_of(records, tmp_path)
+        for d in list(folder.rglob("summary.json"))[1:]:
+            shutil.rmtree(d.parent)
+    else:
+        folder = copy_of(records, tmp_path)
+        if case == "kind":
+            _comm_subset(folder, lambda r: r["op"] == "send_recv")
+        elif case == "size":
+            _comm_subset(folder, lambda r: r["bytes"] <= 65536)
+    proc = predict(str(folder), *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("predict: ") and re.search(want, err[0]), err
+
+
+def test_the_report_shows_predicted_vs_measured(records, tmp_path):
+    from ptbench.analysis.report import write_report
+
+    folder = copy_of(records, tmp_path)
+    check_ok(predict(str(folder)))
+    text = write_report(folder, tmp_path / "report").read_text()
+    assert "## Predicted vs measured" in text and "### leave-one-out" in text
+    section = text.split("## Predicted vs measured")[1]
+    assert re.search(r"\| ddp +\| 2 +\| 1 ", section) and re.search(r"median \|err\| \d+\.\d %", section), section[
+        :2000
+    ]
+
+
+def test_validate_refuses_without_root(monkeypatch):
+    from ptbench.predict import validate
+    from ptbench.predict.points import PredictError
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(PredictError, match=r"^validate needs root \(network namespaces, tc, slurmd\)"):
+        validate.preflight()
+
+
+def test_validate_shapes_the_link_between_the_nodes():
+    """shape() / unshape() on a veth pair named as local_cluster.sh names the nodes' root-side ends, inside a
+    private network namespace (nothing of the machine's network is touched; it goes away with the process)."""
+    if os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("unshare"):
+        pytest.skip("needs root, tc and unshare (a private network namespace)")
+    code = (
+        "import subprocess as s; from ptbench.predict import validate as v\n"
+        "s.run(['ip', 'link', 'add', 'tbv1', 'type', 'veth', 'peer', 'name', 'tbv2'], check=True)\n"
+        "v.shape(300); print(s.run(['tc', 'qdisc', 'show', 'dev', 'tbv2'], capture_output=True, text=True).stdout)\n"
+        "v.unshape(); print('after', s.run(['tc', 'qdisc', 'show', 'dev', 'tbv1'], capture_output=True, text=True).stdout)\n"
+    )
+    proc = subprocess.run(["unshare", "--net", sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    check_ok(proc)
+    shaped, after = proc.stdout.split("after")
+    assert re.search(r"qdisc tbf .* rate 300Mbit burst 37\d{4}b", shaped), shaped
+    assert "tbf" not in after, after
