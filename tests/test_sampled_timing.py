@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from ptbench.runner.sampling import CHECK_EVERY, MIN_STEPS, effective_n, mean_interval
+from ptbench.runner.sampling import CHECK_EVERY, MIN_STEPS, SampledTiming, effective_n, mean_interval
 from tests.helpers import SMOKE, bench, check_ok, events, only_run
 
 # 2 ranks x batch 4 over 400 samples: 50 steps an epoch
@@ -47,7 +47,7 @@ def test_cap_ends_the_epoch_on_every_rank_with_an_estimate(tmp_path):
     assert est["timed_steps_measured"] == e["timed_steps"] == first_check == len(e["step_times_s"])
     assert est["steps_measured"] == e["steps"] == first_check + 1 and est["steps_in_epoch"] == 50
     assert est["half_width_pct"] > 0.001 and est["target_pct"] == 0.001
-    assert e["epoch_time_s"] < est["lo_s"] <= est["value_s"] <= est["hi_s"]
+    assert e["epoch_time_s"] <= est["lo_s"] <= est["value_s"] <= est["hi_s"]  # the time spent bounds it below
 
 
 def test_a_loose_target_stops_early_and_full_epochs_stay_the_default(tmp_path):
@@ -68,3 +68,17 @@ def test_a_loose_target_stops_early_and_full_epochs_stay_the_default(tmp_path):
     text = (tmp_path / "out" / "report-details.md").read_text()  # per-epoch rows: in the details
     assert "### Estimated epoch times (sampled timing)" in text and "**estimate**" in text
     assert f"from {MIN_STEPS + 1} of 50 steps" in text  # 200 samples, batch 4
+
+
+def test_an_interval_wider_than_the_mean_never_bounds_the_epoch_below_the_time_spent():
+    """One slow step among fast ones (a loaded machine): the interval's lower bound of the mean step is below
+    zero, and the epoch's lower bound is then the time already spent, not less."""
+    times = [0.05] * 14 + [3.0]
+    mean, half = mean_interval(times)
+    assert half > mean
+    sampler = SampledTiming(target_pct=0.001, cap=15, untimed_steps=0, device="cpu")
+    assert sampler.enough(lambda: [{"step": t} for t in times], first_step=0, global_step=15)
+    event = sampler.annotate({"steps": 15, "epoch_time_s": sum(times)}, steps_in_epoch=50)
+    est = event["epoch_time_estimate"]
+    assert est["lo_s"] == pytest.approx(sum(times)) and est["stopped_by"] == "cap"
+    assert est["hi_s"] == pytest.approx(sum(times) + (mean + half) * 35)

@@ -299,7 +299,7 @@ def _full_disk(exc: BaseException, where: Path) -> OSError | None:
     # torch's zip writer after a short write: "unexpected pos N vs M" (DCP: in each rank's failure)
     said = " ".join(str(x) for x in (exc, *(getattr(exc, "failures", None) or {}).values()))
     if free < 1 << 20 or any(m in said for m in ("write failed", "unexpected pos")):
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) if free < 1 << 20 else f"write failed, {free} B free")
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # free again once a peer removed its part
     return None
 
 

@@ -104,7 +104,7 @@ class SampledTiming:
         event["epoch_time_estimate"] = {
             "estimate": True,
             "value_s": measured + mean * left,
-            "lo_s": measured + (mean - half) * left,
+            "lo_s": measured + max(mean - half, 0.0) * left,  # a step takes no negative time, however wide the interval
             "hi_s": measured + (mean + half) * left,
             "steps_measured": event["steps"],
             "timed_steps_measured": self.last["n"],
