@@ -222,3 +222,17 @@ def test_validate_shapes_the_link_between_the_nodes():
     shaped, after = proc.stdout.split("after")
     assert re.search(r"qdisc tbf .* rate 300Mbit burst 128Kb lat 1s", shaped), shaped  # the same burst at every rate
     assert "tbf" not in after, after
+
+
+def test_traced_collectives_count_the_bytes_that_cross_the_link():
+    """Megatron TP=2 at dp=1, from a profiled run's record (validate, 2026-11-27): its traces hold 14 all-reduces
+    a step whose messages sum to 4489728 B, some over the data-parallel group of one, which moves nothing; the bus
+    bytes (2627584, the formula's total) are what the link carries, so the model's bytes come from them."""
+    from ptbench.predict.points import _traced_collectives
+
+    kind = {"calls": 14.0, "message_bytes": 4489728.0, "bus_bytes": 2627584.0, "time_s": 0.0386}
+    prof = {"ranks": [{"rank": r, "by_kind": {"all_reduce": dict(kind)}} for r in (0, 1)]}
+    formula = [{"op": "all_reduce", "group": "tp", "group_size": 2, "message_bytes": 262144, "calls": 8}]
+    (c,) = _traced_collectives(prof, formula, world=2)
+    assert (c["op"], c["group"], c["group_size"], c["calls"]) == ("all_reduce", "tp", 2, 14.0)
+    assert c["calls"] * c["message_bytes"] == pytest.approx(2627584.0)  # all-reduce at 2 ranks: bus = message

@@ -15,6 +15,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ptbench.core.comm_volume import ring_factor
+
 LINK_DIR = re.compile(r"^link-(\d+(?:\.\d+)?)mbit$")
 
 
@@ -149,10 +151,13 @@ def _traced_collectives(prof, formula: list[dict], world: int) -> list[dict]:
     for op in OPS:
         seen = [r["by_kind"][op] for r in ranks or [] if isinstance(r.get("by_kind"), dict) and op in r["by_kind"]]
         calls = max((float(k.get("calls") or 0) for k in seen), default=0.0)
-        total = max((float(k.get("message_bytes") or 0) for k in seen), default=0.0)
+        bus = max((float(k.get("bus_bytes") or 0) for k in seen), default=0.0)
+        like = next((c for c in formula if c["op"] == op), {"group": "world", "group_size": world})
+        # the message bytes that cross the link, from the bus bytes: the traces' message bytes also hold
+        # collectives over groups of one (Megatron's data-parallel group at dp=1), which move nothing
+        total = bus / ring_factor(op, int(like["group_size"])) if int(like["group_size"]) > 1 else 0.0
         if not calls or not total:
             continue
-        like = next((c for c in formula if c["op"] == op), {"group": "world", "group_size": world})
         name = "traced_activation_send_recv" if op == "send_recv" else f"traced_{op}"
         out.append(
             dict(
