@@ -510,8 +510,10 @@ def _reduced_from(run_dir) -> float:
     return float(v) if v is not None else np.nan
 
 
-def claims_lines(per_run: pd.DataFrame, include_contended: bool = False) -> list[str]:
-    """The report's "Paper claims" section."""
+def claims_lines(
+    per_run: pd.DataFrame, include_contended: bool = False, epochs: pd.DataFrame | None = None
+) -> list[str]:
+    """The report's "Paper claims" section (`epochs`: as `claims` takes it)."""
     lines = [
         "## Paper claims",
         "",
@@ -527,7 +529,7 @@ def claims_lines(per_run: pd.DataFrame, include_contended: bool = False) -> list
         ),
         "",
     ]
-    for workload, found in claims(per_run, include_contended).items():
+    for workload, found in claims(per_run, include_contended, epochs).items():
         table = pd.DataFrame(
             [(c["claim"], f"**{c['verdict']}**", c["numbers"], ", ".join(c["runs"]) or "-") for c in found],
             columns=["claim", "verdict", "numbers", "runs"],

@@ -683,7 +683,7 @@ def _details_lines(study, used, contended, baseline, include_contended, target, 
         lines += comm_lines(study, reports, out, contended)
         lines += why_lines(study.epochs, reports)
     lines += not_finished_lines(study, cap=None)
-    lines += claims_lines(study.runs, include_contended)
+    lines += claims_lines(study.runs, include_contended, study.epochs)  # curves loaded once
     noise = run_spread(results_dir)
     return lines + which_adapter_lines(study, baseline, include_contended, noise=noise, target=target)
 
@@ -724,7 +724,7 @@ def write_report(
     study = Study(df)  # every table below and every figure is computed once, from this
     study.runs.drop(columns=["step_times_s"], errors="ignore").to_csv(out / "runs.csv", index=False)
     used, contended = without_contention(study, include_contended)
-    found = claims(study.runs, include_contended)
+    found = claims(study.runs, include_contended, study.epochs)
     lines += answers_lines(study, baseline, include_contended, target=target, claims=found)
     lines += figure_lines(study, out, baseline)
     lines += _runs_lines(study, contended, include_contended)
