@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -186,6 +187,23 @@ def test_a_missing_rank_0_is_named_within_the_timeout(tmp_path):
     assert "within 65s (rank 1 waited: Connection refused;" in lines[0], lines
     assert lines[0].endswith("no record was written"), lines
     assert run_dirs(tmp_path) == [] and 65 <= took < 65 + 60, took
+
+
+def test_a_port_another_program_holds_is_named_by_rank_0(tmp_path):
+    """Rank 0 hosts the store at MASTER_PORT; a port already bound by another program (a derived Slurm port that
+    an outgoing connection took) ends it at once with one line naming the port, not "could not reach rank 0"."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        env["MASTER_PORT"] = str(held.getsockname()[1])
+        proc = bench(*SMOKE, "launcher=torchrun", results=tmp_path, timeout=300, env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and lines == [
+        f"run never assembled: rank 0 could not listen at 127.0.0.1:{env['MASTER_PORT']}: another program holds "
+        f"port {env['MASTER_PORT']}: set MASTER_PORT (launcher.master_port) to a free port; no record was written"
+    ], proc.stderr[-3000:]
+    assert run_dirs(tmp_path) == []
 
 
 # --- an interrupted sweep: the running point ends with a final record, no other starts, --resume finishes it ----

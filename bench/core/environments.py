@@ -125,10 +125,12 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 def slurm_port(job_id: str, step_id: str | None = None) -> int:
-    """A port in 20000-59999 derived from the job (and step) id: concurrent array tasks on one node
-    have different SLURM_JOB_IDs, so they get different ports."""
+    """A port in 20000-32767 derived from the job (and step) id: concurrent array tasks on one node
+    have different SLURM_JOB_IDs, so they get different ports. Below Linux's default ephemeral range
+    (32768-60999), which the node's outgoing connections and srun's own I/O listeners take: a port
+    derived there was at times already bound when rank 0 came to listen."""
     step = int(step_id) if step_id and step_id.isdigit() else 0
-    return 20000 + (int(job_id) * 31 + step) % 40000
+    return 20000 + (int(job_id) * 31 + step) % 12768
 
 
 # --- a GPU host whose torch cannot see its GPUs ------------------------------------------------------

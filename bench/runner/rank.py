@@ -322,6 +322,11 @@ def assemble(ctx: DistContext, timeout_s: int):
         store.set(f"{key}{ctx.rank}", socket.gethostname())
     except (RuntimeError, OSError) as e:  # DistStoreError / DistNetworkError: rank 0 never listened there
         said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if ctx.rank == 0 and not agent and "EADDRINUSE" in said:  # the store's host, not a client of it
+            raise NeverAssembled(
+                f"rank 0 could not listen at {where}: another program holds port {ctx.master_port}: set "
+                f"MASTER_PORT (launcher.master_port) to a free port; no record was written"
+            ) from None
         raise NeverAssembled(
             f"rank {ctx.rank} of {ctx.world_size} could not reach rank 0 at {where} within {timeout_s}s ({said}): {fix}"
         ) from None
