@@ -304,6 +304,23 @@ def test_reserve_lets_the_final_status_in_on_a_full_disk(small_fs):
     assert not (writer.dir / ".space-reserve").exists()
 
 
+def test_every_rank_writes_its_error_file_on_a_disk_two_ranks_fill(small_fs):
+    """Rank 1 keeps a reserve of its own: with the disk full and rank 0's reserve already spent on rank 0's error
+    file, rank 1's error file still gets in; the final summary removes every reserve."""
+    writer = RunWriter(small_fs / "exp" / "run-1", {"point": "p", "adapter": "ddp", "workload": "w", "world_size": 2})
+    writer.start("a: 1\n")
+    RunWriter(writer.dir, writer.identity).record.reserve(1)
+    fill(small_fs)
+    error = {"status": "failed", "error": "OSError: [Errno 28] No space left on device", "traceback": "x" * 4096}
+    writer.record.write_rank_error(0, {**error, "rank": 0})
+    assert not (writer.dir / ".space-reserve").exists()
+    fill(small_fs)  # the room rank 0's reserve left is taken again (the other rank's export)
+    RunWriter(writer.dir, writer.identity).record.write_rank_error(1, {**error, "rank": 1})
+    assert [json.loads(p.read_text())["rank"] for p in sorted(writer.dir.glob("error-rank*.json"))] == [0, 1]
+    writer.fail("failed", error["error"], 0)
+    assert summary(writer.dir)["status"] == "failed" and not list(writer.dir.glob(".space-reserve*"))
+
+
 def test_a_final_status_already_written_keeps_its_word_and_loses_the_reserve(tmp_path):
     """Rank 0 wrote `interrupted` and was ended (a second Ctrl-C) before it released the reserve: the launcher's
     own `fail` keeps rank 0's outcome and still removes the reserve (seen once in CI as a leftover file)."""

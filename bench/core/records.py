@@ -178,9 +178,12 @@ def new_run_id(adapter: str, workload: str, world_size: int) -> str:
 
 # Bytes set aside in every record folder (RESERVE) while the run is on: when a write fails for want of space
 # (a full disk, a quota), the reserve is released and the write tried once more, so the record still gets
-# its error and its final status. Removed when the final summary is written.
+# its error and its final status. Every other rank keeps a smaller one of its own (RESERVE.rank<r>) for its
+# error file: ranks that fill one disk at once would otherwise race for rank 0's. All are removed when the
+# final summary is written.
 RESERVE = ".space-reserve"
 RESERVE_BYTES = 256 * 1024
+RANK_RESERVE_BYTES = 64 * 1024  # an error file with its traceback: a few KiB
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -188,29 +191,37 @@ class RunRecord:
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir)
 
-    def reserve(self) -> None:
-        """Set RESERVE_BYTES aside (real blocks: zeros written, not a sparse file); never fails a run."""
+    def _reserve_path(self, rank: int) -> Path:
+        return self.dir / (RESERVE if rank == 0 else f"{RESERVE}.rank{rank}")
+
+    def reserve(self, rank: int = 0) -> None:
+        """Set bytes aside for `rank` (real blocks: zeros written, not a sparse file); never fails a run."""
         try:
-            with open(self.dir / RESERVE, "wb") as f:
-                f.write(b"\0" * RESERVE_BYTES)
+            with open(self._reserve_path(rank), "wb") as f:
+                f.write(b"\0" * (RESERVE_BYTES if rank == 0 else RANK_RESERVE_BYTES))
                 f.flush()
                 os.fsync(f.fileno())
         except OSError:
-            self.release()
+            self.release(rank)
 
-    def release(self) -> bool:
+    def release(self, rank: int = 0) -> bool:
         try:
-            os.unlink(self.dir / RESERVE)
+            os.unlink(self._reserve_path(rank))
             return True
         except OSError:
             return False
 
-    def _write_json(self, path: Path, obj) -> None:
-        """write_json; on a full disk, once more after releasing the reserve."""
+    def release_all(self) -> None:
+        for path in [self.dir / RESERVE, *self.dir.glob(f"{RESERVE}.rank*")]:
+            path.unlink(missing_ok=True)
+
+    def _write_json(self, path: Path, obj, rank: int = 0) -> None:
+        """write_json; on a full disk, once more after releasing the writing rank's reserve (rank 0's as well
+        when that one is gone)."""
         try:
             write_json(path, obj)
         except OSError as e:
-            if e.errno not in _FULL or not self.release():
+            if e.errno not in _FULL or not (self.release(rank) or (rank != 0 and self.release())):
                 raise
             write_json(path, obj)
 
@@ -243,7 +254,7 @@ class RunRecord:
         self._write_json(self.dir / "summary.json", summary)
 
     def write_rank_error(self, rank: int, error: dict) -> None:
-        self._write_json(self.dir / f"error-rank{rank}.json", error)
+        self._write_json(self.dir / f"error-rank{rank}.json", error, rank)
 
     def rank_errors(self) -> list[dict]:
         return [read_json(p) for p in sorted(self.dir.glob("error-rank*.json"))]
@@ -300,17 +311,17 @@ class RunWriter:
         current = self.record.summary() or {}
         if current.get("status") not in (None, "running"):
             # final already (rank 0 wrote it, then was ended before it released the reserve: a second Ctrl-C)
-            self.record.release()
+            self.record.release_all()
             return
         current.pop("owner", None)  # a running record's writer: this one, now final
         self.record.write_summary(
             {**current, **self.identity, "status": status, "error": error, "failed_rank": failed_rank, **extra}
         )
-        self.record.release()
+        self.record.release_all()
 
     def finish(self, summary: dict) -> None:
         self.record.write_summary({**summary, **self.identity})
-        self.record.release()
+        self.record.release_all()
 
 
 def provenance() -> dict:
@@ -389,7 +400,7 @@ def mark_killed(folders, point: str | None, say=None) -> list[Path]:
             record.write_summary({**{k: v for k, v in s.items() if k != "owner"}, "status": "killed", "error": why})
         except (OSError, ValueError, AssertionError):
             continue
-        record.release()
+        record.release_all()
         marked.append(path.parent)
         print(f"warning: record {path.parent} was left running: {why}; marked killed", file=say or sys.stderr)
     return marked

@@ -1,14 +1,18 @@
 """The model: step = compute + e x communication, compute scaled for the pipeline bubble.
 
-- communication: sum over a point's collectives of calls x t(op, group, S, link), with t fitted per collective
-  kind and group size by non-negative least squares on ptbench.comm's measured times: t = a + b S where every
-  report has the same link, t = a + b S + c S / rate where reports span two or more link rates (per-byte cost =
-  software + wire). Unweighted: the large messages, which hold most of a step's communication, lead the fit.
+- communication: sum over a point's collectives of calls x t(op, group, S, link), from ptbench.comm's measured
+  times per collective kind, group size and message size S: at each measured S, t = a + c / rate fitted by
+  least squares across the link rates the reports span (latency + wire; the mean where they share one link),
+  and linear in S between neighbouring measured sizes. a may come out below zero (1 MiB all-gather: -0.5 ms):
+  the line only interpolates, as rates outside the measured ones are refused. One alpha-beta line over all sizes was tried:
+  gloo's all-gather and send/recv are not affine in S (the per-byte cost grows from 512 KiB on), so a line fitted
+  over 16 KiB-4 MiB was 29 % off at 1 MiB and a held-out rate; per size, within 10 % (bench/README, Predict).
 - compute and the exposed factor e: least squares over the series' calibration points, step_i = k_i C + e T_i,
-  where T_i is the point's communication time and k_i its compute scale relative to the target: 1 for the same
-  per-rank work (same local batch, tp, pp), (m' + p - 1) b' / ((m + p - 1) b) between micro-batch counts m and
-  m' (micro-batch sizes b, b') of a p-stage pipeline: a 1F1B or GPipe step is m + p - 1 micro-batch slots, p - 1
-  of them the bubble, each slot's time proportional to the micro-batch size (the bubble from measured time). A series with one calibration point
+  where T_i is the point's communication time and k_i its compute relative to the target's (C): 1 for the same
+  per-rank work (same local batch, tp, pp), (m + p - 1) b / ((m' + p - 1) b') from the point's m micro-batches
+  of size b to the target's m' of size b' in a p-stage pipeline: a 1F1B or GPipe step is m + p - 1 micro-batch
+  slots, p - 1 of them the bubble, each slot's time proportional to the micro-batch size (the bubble from
+  measured time). A series with one calibration point
   takes e as the non-overlapped fraction its profiled calibration run measured (trainer.profile: exposed / time
   in collectives, from the traces), else from the reference fit (the series with the most points, e.g. DDP at
   two link rates; clipped to 0..1, a fraction, where it is lent to another series), else 1 (all exposed).
@@ -34,46 +38,70 @@ COMM_HINT = "python -m ptbench.comm --world-size {n} --out {root}/comm"
 
 @dataclass
 class Fit:
-    coef: np.ndarray  # a, b[, c]
-    smin: float
-    smax: float
+    sizes: np.ndarray  # the measured message sizes, ascending
+    coef: np.ndarray  # per size: a, c of t = a + c / rate (c = 0 where every report has the same link)
     links: tuple  # the link rates the fit saw (None: unknown)
 
+    @property
+    def smin(self) -> float:
+        return float(self.sizes[0])
+
+    @property
+    def smax(self) -> float:
+        return float(self.sizes[-1])
+
+    @property
+    def across_rates(self) -> bool:
+        return len(self.links) > 1 and None not in self.links
+
     def time(self, size: float, link: float | None) -> float:
-        x = [1.0, size] + ([size / link] if len(self.coef) == 3 else [])
-        return max(float(np.dot(self.coef, x)), 0.0)
+        at = self.coef[:, 0] + (self.coef[:, 1] / link if self.across_rates else 0.0)
+        return max(float(np.interp(size, self.sizes, at)), 0.0)
 
 
 def fit_comm(reports: list[CommReport]) -> dict[tuple[str, int], Fit]:
-    """Per (op, group size): non-negative least squares (scipy.optimize.nnls: no negative latency or per-byte
-    cost) of the measured times on [1, S] or, across link rates, [1, S, S / rate]."""
-    from scipy.optimize import nnls
-
-    rows: dict[tuple[str, int], list[tuple[float, float, float | None]]] = {}
+    """Per (op, group size) and measured size: least squares of the measured times on [1, 1 / rate] across link
+    rates, or their mean on one link."""
+    rows: dict[tuple[str, int], dict[float, list[tuple[float, float | None]]]] = {}
     for rep in reports:
         for r in rep.rows:
-            rows.setdefault((r["op"], rep.world_size), []).append((float(r["bytes"]), float(r["time_s"]), rep.link))
+            by_size = rows.setdefault((r["op"], rep.world_size), {})
+            by_size.setdefault(float(r["bytes"]), []).append((float(r["time_s"]), rep.link))
     fits = {}
-    for key, rs in rows.items():
-        links = tuple(sorted({r[2] for r in rs}, key=lambda v: -1 if v is None else v))
-        with_rate = len(links) > 1 and None not in links
-        x = np.array([[1.0, s] + ([s / link] if with_rate else []) for s, _, link in rs])
-        coef = nnls(x, np.array([r[1] for r in rs]))[0]
-        sizes = [r[0] for r in rs]
-        fits[key] = Fit(coef, min(sizes), max(sizes), links)
+    for key, by_size in rows.items():
+        links = tuple(sorted({link for rs in by_size.values() for _, link in rs}, key=lambda v: -1 if v is None else v))
+        across = len(links) > 1 and None not in links
+        sizes = sorted(by_size)
+        coef = []
+        for size in sizes:
+            rs = by_size[size]
+            if across and len({link for _, link in rs}) > 1:
+                x = np.array([[1.0, 1.0 / link] for _, link in rs])
+                coef.append(np.linalg.lstsq(x, np.array([t for t, _ in rs]), rcond=None)[0])
+            elif across:  # this size at one rate only: it cannot say how it moves with the rate
+                continue
+            else:
+                coef.append(np.array([float(np.mean([t for t, _ in rs])), 0.0]))
+        kept = [s for s in sizes if not across or len({link for _, link in by_size[s]}) > 1]
+        if kept:
+            fits[key] = Fit(np.array(kept), np.array(coef), links)
     return fits
 
 
+def _mbit(link: float | None) -> str:
+    return "an unrecorded rate" if link is None else f"{link:g} Mbit/s"
+
+
 def _link_check(fit: Fit, op: str, n: int, link: float | None) -> None:
-    if len(fit.coef) == 3:
+    if fit.across_rates:
         if link is None or not min(fit.links) <= link <= max(fit.links):
             raise PredictError(
-                f"link {link} Mbit/s is outside the measured {min(fit.links):g}-{max(fit.links):g} Mbit/s "
+                f"link {_mbit(link)} is outside the measured {min(fit.links):g}-{max(fit.links):g} Mbit/s "
                 f"of {op} at {n} ranks: measure it with ptbench.comm on that link"
             )
     elif fit.links != (link,):
         raise PredictError(
-            f"{op} at {n} ranks was measured only at link {fit.links[0]} Mbit/s, not {link}: "
+            f"{op} at {n} ranks was measured only at link {_mbit(fit.links[0])}, not {_mbit(link)}: "
             "measure ptbench.comm at a second link rate to predict across rates"
         )
 
@@ -100,8 +128,9 @@ def comm_time(p: Point, link: float | None, fits: dict, root: str = "RESULTS_DIR
 
 
 def compute_scale(cal: Point, target: Point) -> float | None:
-    """How much the target's compute is of the calibration point's; None: not comparable. Between micro-batch
-    counts of a pipeline: (m' + p - 1) b' / ((m + p - 1) b), b = the micro-batch size (global / (dp m))."""
+    """k: the calibration point's compute relative to the target's (step = k C + e T, C the target's); None: not
+    comparable. Between micro-batch counts of a pipeline, (m + p - 1) b / ((m' + p - 1) b'): m, b the point's
+    micro-batch count and size (global / m at the same dp), m', b' the target's."""
     if cal.series != target.series or (cal.tp, cal.pp) != (target.tp, target.pp):
         return None
     if cal.microbatches == target.microbatches:
@@ -109,7 +138,7 @@ def compute_scale(cal: Point, target: Point) -> float | None:
     if cal.pp > 1 and cal.dp == target.dp and cal.global_batch and target.global_batch:
         p, m, m2 = cal.pp, cal.microbatches, target.microbatches
         b, b2 = cal.global_batch / m, target.global_batch / m2
-        return (m2 + p - 1) * b2 / ((m + p - 1) * b)
+        return (m + p - 1) * b / ((m2 + p - 1) * b2)
     return None
 
 

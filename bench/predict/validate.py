@@ -93,8 +93,13 @@ def shape(rate: float) -> None:
     """tbf on each root-side veth: the rate into each node. The burst is two 64 KiB segments at every rate: one
     that grew with the rate (10 ms' worth) let a 1 MiB message through unshaped at 1000 Mbit/s, and a link whose
     time is not linear in 1/rate defeats the fit (measured here: all-gather 1 MiB at 300 Mbit/s 38 % off the
-    fit of 100 and 1000, within 10 % with the fixed burst). The queue (latency) holds a second at the rate, so
-    TCP meets delay, not drops."""
+    fit of 100 and 1000, within 10 % with the fixed burst). Smaller bursts were tried (2026-11-27, one run each,
+    median / max held-out step error and worst collective of 1 MiB or more): 16 KiB 4.9 / 14.7 % and 33.6 %,
+    64 KiB 4.0 / 9.1 % and 11.8 %, 128 KiB 3.7 / 18.4 % and 5.8 %. A bucket lends a message that follows a
+    compute gap its burst at line rate, where ptbench.comm's back-to-back messages find it empty: megatron's
+    256 KiB all-reduces between layers were over-predicted +5, +9 and +18 % at the three bursts. 128 KiB keeps
+    the collectives linear in 1/rate, which is what the fit needs. The queue (latency) holds a second at the
+    rate, so TCP meets delay, not drops."""
     burst = 131072
     for dev in VETHS:
         _sh(
@@ -161,9 +166,13 @@ def measure(root: Path, rates: list[float], held: float, names: list[str], log, 
     _sh(["bash", cluster_script(), "start", "--nodes", "2"], timeout=300)
     try:
         cal = sorted(r for r in rates if r != held)
-        for rate in cal:
-            comm(root, rate, "comm", env, log)
-        comm(root, held, CHECK, env, log)  # never read by the model: the check of its alpha-beta at a rate it never saw
+        for i in range(repeats):  # ptbench.comm repeated too: 1 MiB under tbf moves ~10 % from run to run
+            again = f"repeat-{i + 1}/" if i else ""
+            for rate in cal:
+                comm(root, rate, f"{again}comm", env, log)
+            comm(
+                root, held, f"{again}{CHECK}", env, log
+            )  # never read by the model: its alpha-beta at a rate it never saw
         for name in names:
             for _ in range(repeats):  # repeats interleaved: calibration, held out, calibration, held out, ...
                 for rate in cal if name == "ddp" else cal[-1:]:  # DDP: every calibration rate; the others profiled
@@ -177,19 +186,28 @@ def measure(root: Path, rates: list[float], held: float, names: list[str], log, 
 
 
 def comm_check(root: Path, held: float, fits: dict) -> list[str]:
-    """The fitted alpha-beta against ptbench.comm at the held-out rate, messages of 1 MiB or more."""
+    """The fitted alpha-beta against ptbench.comm at the held-out rate, messages of 1 MiB or more: against the
+    mean of the check's repeats, with their run-to-run noise (half range) beside it."""
+    from statistics import fmean
+
     from ptbench.predict.points import load_comm as load
 
-    lines = []
+    times: dict[tuple[int, str, int], list[float]] = {}
     for rep in load(root, CHECK):
+        for r in rep.rows:
+            if r["bytes"] >= 1 << 20:
+                times.setdefault((rep.world_size, r["op"], int(r["bytes"])), []).append(float(r["time_s"]))
+    lines = []
+    for n in sorted({k[0] for k in times}):
         for op in COMM_OPS.split(","):
-            fit = fits.get((op, rep.world_size))
-            rows = [r for r in rep.rows if r["op"] == op and r["bytes"] >= 1 << 20]
-            if fit is None or not rows:
+            fit, sizes = fits.get((op, n)), sorted(s for m, o, s in times if (m, o) == (n, op))
+            if fit is None or not sizes:
                 continue
-            errs = [
-                f"{r['bytes'] >> 20} MiB {(fit.time(r['bytes'], held) / r['time_s'] - 1) * 100:+.1f} %" for r in rows
-            ]
+            errs = []
+            for size in sizes:
+                ts = times[(n, op, size)]
+                noise = f" (noise {50 * (max(ts) - min(ts)) / fmean(ts):.1f} %)" if len(ts) > 1 else ""
+                errs.append(f"{size >> 20} MiB {(fit.time(size, held) / fmean(ts) - 1) * 100:+.1f} %{noise}")
             lines.append(f"  alpha-beta at {held:g} Mbit/s (held out), {op}: {', '.join(errs)}")
     return lines
 
@@ -218,7 +236,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--held-out", type=float, default=300.0, help="the rate held out (default 300)")
     ap.add_argument("--adapters", default=DEFAULT, help=f"of {', '.join(ADAPTERS)} (default {DEFAULT})")
     ap.add_argument(
-        "--repeats", type=int, default=1, help="each adapter's runs this many times, interleaved (default 1)"
+        "--repeats",
+        type=int,
+        default=1,
+        help="ptbench.comm and each adapter's runs this many times, interleaved (default 1)",
     )
     ap.add_argument("--root", help="where the records go (default results/predict-validate-<time>)")
     ap.add_argument("--from", dest="from_root", help="only evaluate the records an earlier validate wrote here")

@@ -94,6 +94,8 @@ def run_rank(cfg: BenchConfig, plan: RunPlan, ctx: DistContext, run_dir: Path | 
     try:
         run_dir, resume_from, resume_info = _agree_on_run_dir(cfg, plan, ctx, run_dir)
         writer = RunWriter(run_dir, plan.identity())
+        if ctx.rank != 0:  # rank 0's was set aside with the record
+            writer.record.reserve(ctx.rank)
         sampler = external_sampler(ctx, plan.devices_per_process)  # torchrun / srun: rank 0 samples its node
 
         def on_hang(idle: float) -> None:
