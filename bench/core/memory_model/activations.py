@@ -51,13 +51,14 @@ def _gpt2_layer_activation_bytes(
 
 
 def alive(inp: Inputs, stage_name: str, notes: list) -> tuple[int, str]:
-    """(micro-batches whose activations a stage keeps at its peak, why): 1 without a pipeline; GPipe all m;
-    1F1B the first stage min(p, m), the last 1."""
+    """(micro-batches whose activations a stage keeps at its peak, why): 1 without a pipeline; GPipe all m, at
+    one partition too (every forward before any backward, and the loss on the gathered mini-batch); 1F1B the
+    first stage min(p, m), the last 1."""
     pp, m, schedule = inp.layout.pp, inp.layout.microbatches, inp.cost.schedule
+    if schedule == "gpipe" and m > 1:
+        return m, f"m={m} micro-batches (GPipe schedule)"
     if pp == 1:
         return 1, "1 micro-batch"
-    if schedule == "gpipe":
-        return m, f"m={m} micro-batches (GPipe schedule)"
     if stage_name == "last":
         return 1, "1 micro-batch (1F1B, last stage)"
     if schedule == "interleaved_1f1b":
@@ -84,7 +85,7 @@ def _vision(inp: Inputs, stage_name: str, notes: list) -> tuple[float, str, floa
     if a.activation_elements_per_sample is None:
         notes.append("vision activations not estimated: give activation_elements_per_sample")
         return 0.0, "not estimated", 0.0
-    if pp > 1 and a.stage_activation_elements:
+    if a.stage_activation_elements:  # a pipeline's stages (GPipe's one partition included)
         return _vision_stages(inp)
     per_mb = a.activation_elements_per_sample * act_b * b / pp  # a stage holds ~1/p of the layers
     f = f"{a.activation_elements_per_sample:,.0f} elem/sample x {act_b} B x b={b}" + (" / p" if pp > 1 else "")
@@ -136,7 +137,9 @@ def _counted_gpt2(inp: Inputs, stage_name: str, notes: list) -> tuple[float, str
     saved = n * per_mb + last_alive * loss
     if recompute != "never" and m > 1:  # torchgpipe checkpointing (README.md)
         inp_elems = (8 * mo.seq_len if first else act_b * mo.seq_len * mo.hidden) * b  # int64 token ids first
-        r, whole = (2 if first else 1), (recompute == "except_last")
+        # token ids cannot carry torchgpipe's micro-batch order into backward: the next partition's float input
+        # orders all but two recomputations; a single partition has nothing to order them, so all m run at once
+        r, whole = ((2 if pp > 1 else m) if first else 1), (recompute == "except_last")
         # forward's end (the last micro-batch whole under except_last, the loss) or the recomputation
         saved = m * inp_elems + max(whole * (per_mb - inp_elems) + last_alive * loss, r * (per_mb - inp_elems))
         how = f"recompute={recompute}: m={m} stage inputs + {r} micro-batch(es) at once"

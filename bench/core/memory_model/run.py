@@ -104,7 +104,8 @@ def _activation_inputs(cfg, plan, model, facts, device: str) -> ActivationInputs
         )
     sample = (3, facts.image_size, facts.image_size)
     stages = ins = None
-    if plan.layout.pp > 1 and cost.schedule != "interleaved_1f1b":  # one stage per rank (or device)
+    # one stage per rank (or device); GPipe's single partition too: its micro-batches and checkpointing apply
+    if (plan.layout.pp > 1 or cost.schedule == "gpipe") and cost.schedule != "interleaved_1f1b":
         balance = list(cost.stage_balance) if cost.stage_balance else None
         balance = balance or even_split(len(pipeline_layers(model)), plan.layout.pp)
         stages = stage_activation_elements(model, sample, balance)
