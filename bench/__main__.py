@@ -102,7 +102,7 @@ def _plan(argv: list[str]) -> int:
     rank starts. The launcher's own `plan_run` computes them, so this prints what a run would record."""
     from ptbench.core.memory_model import GIB, table
     from ptbench.runner.compose import typed
-    from ptbench.runner.launch import plan_run
+    from ptbench.runner.plan import plan_run
 
     try:
         plan, pred = plan_run(typed(compose(argv)), "local", check=False, refuse=False)

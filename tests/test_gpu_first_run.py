@@ -152,8 +152,7 @@ def test_deepspeed_config_turns_its_timers_off(stage):
 def test_memory_check_warns_by_default_and_refuses_only_when_asked(capsys):
     from ptbench.core.errors import ConfigError
     from ptbench.runner.compose import compose, typed
-    from ptbench.runner.launch import meta_model, predicted_memory
-    from ptbench.runner.plan import make_plan
+    from ptbench.runner.plan import make_plan, meta_model, predicted_memory
     from ptbench.workloads import build_workload
 
     big = ["adapter=ddp", "launcher.nprocs=1", "workload=gpt2_medium", "trainer.batch_size=4096"]

@@ -127,6 +127,11 @@ def test_gpt2_horovodrun_and_srun_style_equal_ddp(tmp_path, ddp_gpt2_reference):
     hvd_bytes = summary(only_run(tmp_path / "hvd"))["state_bytes_per_rank"]
     assert [r["grads"] for r in hvd_bytes] == [r["grads"] for r in ddp_bytes]
     assert ddp_bytes[0]["grads"] == ddp_bytes[0]["params"] > 0
+    # ranks horovodrun started record the predictions as a rank of ours does (they once had none: "-")
+    for name in ("hvd", "ext"):
+        s = summary(only_run(tmp_path / name))
+        assert s["predicted_memory"]["total"] > 0 and s["comm_volume"]["total_bytes"] > 0, s["predicted_memory"]
+        assert s["memory_ledger"]["ratio"] == pytest.approx(1.0, abs=0.10), s["memory_ledger"]
 
 
 def test_resnet_with_accumulation_equals_ddp(tmp_path):

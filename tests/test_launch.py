@@ -315,7 +315,7 @@ def test_the_plan_is_made_once_with_one_meta_model(tmp_path, monkeypatch):
     on the meta device, for both the memory prediction and the comm volume it puts in the plan."""
     import torch
 
-    from ptbench.runner.launch import plan_run
+    from ptbench.runner.plan import plan_run
     from ptbench.workloads.gpt2 import GPT2Workload
 
     devices = []

@@ -599,8 +599,7 @@ def _gpt2_params(V, s, h, L):
 
 def _plan_volume(*overrides):
     from ptbench.runner.compose import compose, typed
-    from ptbench.runner.launch import comm_volume
-    from ptbench.runner.plan import make_plan
+    from ptbench.runner.plan import comm_volume, make_plan
 
     cfg = typed(compose(["workload=gpt2_tiny", "workload.vocab_size=256", "launcher.nprocs=2", *overrides]))
     plan = make_plan(cfg, "local", check=False)

@@ -36,7 +36,7 @@ def _counting(monkeypatch, module, name: str) -> list:
 
 def test_one_launch_counts_the_model_once_for_both_predictions(monkeypatch):
     from ptbench.core.memory_model import facts, run
-    from ptbench.runner.launch import plan_run
+    from ptbench.runner.plan import plan_run
 
     counted_facts = _counting(monkeypatch, facts, "model_facts")
     counted_gpt2 = _counting(monkeypatch, run, "gpt2_saved_elements")

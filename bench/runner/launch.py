@@ -21,7 +21,6 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ptbench.adapters import get_adapter_class
-from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext, default_backend, free_port
 from ptbench.core.environments import (
     SlurmEnvironment,
@@ -36,9 +35,9 @@ from ptbench.core.sinks import write_sinks
 from ptbench.core.stopping import STOP_SIGNALS
 from ptbench.core.torch_support import torch_warnings
 from ptbench.runner import multirun
-from ptbench.runner.checks import check_devices, contention_warnings, rank_cpus, slurm_warnings, start_method
+from ptbench.runner.checks import contention_warnings, slurm_warnings
 from ptbench.runner.compose import in_multirun, typed
-from ptbench.runner.plan import RunPlan, make_plan, run_dir_of
+from ptbench.runner.plan import RunPlan, plan_run, run_dir_of
 from ptbench.runner.rank import packages, run_rank
 
 
@@ -185,136 +184,6 @@ def _check_port(port: int) -> None:
                 f"launcher.master_port={port} is in use on this host (another run or program listens there): "
                 "choose another port, or leave launcher.master_port unset for a free one"
             ) from None
-
-
-def plan_run(
-    cfg: BenchConfig,
-    environment: str,
-    world_size: int | None = None,
-    *,
-    check: bool = True,
-    memory: bool = True,
-    refuse: bool | None = None,
-    backend: str | None = "auto",
-    on_host: int | None = None,
-    quiet: bool = False,
-) -> tuple[RunPlan, dict | None]:
-    """The plan of one launch with its predictions: what `launch` runs and `python -m ptbench --plan` prints,
-    from this one function so the two cannot drift.
-
-    `make_plan` (every check when `check`; environment local: the devices and the start method too), then the
-    workload's model built ONCE on the meta device for both the memory prediction (`memory`; `refuse`: refuse
-    a run that does not fit, None = trainer.memory_check) and the comm volume at `backend` ("auto": the launcher's
-    choice; None: not computed). `on_host`: the ranks sharing this host (default: all); `quiet`: a rank that
-    neither warns nor names a refusal (rank 0 does), it only ends. Returns the plan carrying both as record
-    fields, and the memory model's full prediction (its formulas, for a table; None when not predicted or when
-    the model failed)."""
-    from ptbench.workloads import build_workload
-
-    workload = build_workload(cfg.workload, cfg.data)
-    plan = make_plan(cfg, environment, world_size, check=check, workload=workload)
-    if environment == "local":
-        import torch
-
-        cuda = torch.cuda.is_available()
-        if cuda and check:
-            check_devices(plan.world_size, plan.devices_per_process, torch.cuda.device_count())
-        plan = dataclasses.replace(
-            plan,
-            start_method=start_method(cfg.launcher.start_method, cuda),
-            rank_cpus=rank_cpus(cfg.launcher.cpu_bind, plan.world_size),
-        )
-    if not memory and backend is None:
-        return plan, None
-    model = meta_model(workload)
-    if not isinstance(model, Exception):  # the model's facts, counted once for both predictions
-        from ptbench.core.memory_model import run_facts
-
-        plan = dataclasses.replace(plan, facts=run_facts(cfg.workload, plan.cost, model))
-    prediction = None
-    if memory:
-        record, prediction = predicted_memory(cfg, plan, model, refuse, on_host, quiet)
-        plan = dataclasses.replace(plan, predicted_memory=record)
-    if backend is not None:
-        volume = comm_volume(cfg, plan, default_backend(cfg.launcher.backend if backend == "auto" else backend), model)
-        plan = dataclasses.replace(plan, comm_volume=volume)
-    return plan, prediction
-
-
-def meta_model(workload):
-    """The workload's model on the meta device (shapes only, nothing allocated), built once per launch for
-    both predictions; the exception instead when it cannot be built (each prediction then records it)."""
-    import torch
-
-    try:
-        with torch.device("meta"):
-            return workload.build_model()
-    except Exception as e:  # noqa: BLE001 - the predictions must never stop a run they cannot model
-        return e
-
-
-def _builder(model):
-    """The no-argument model callable the memory and volume models take, over the one meta model."""
-
-    def build():
-        if isinstance(model, Exception):
-            raise model
-        return model
-
-    return build
-
-
-def predicted_memory(
-    cfg, plan: RunPlan, model, refuse: bool | None = None, on_host: int | None = None, quiet: bool = False
-) -> tuple[dict, dict | None]:
-    """(record field, full prediction) of the memory model (bench/core/memory_model/, as its `plan_memory`):
-    a run predicted not to fit the device is refused here, before launch, or warned about in one line with the
-    numbers (`refuse` True / False = refuse / say nothing; None: trainer.memory_check, default warn). A
-    prediction that fails otherwise is recorded, not fatal."""
-    from ptbench.core.memory_model import check_fits, device_bytes, fits, memory_warning, predict_run, record_fields
-
-    try:
-        pred = predict_run(cfg, plan, _builder(model))
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the prediction must never stop a run it cannot model
-        return {"error": f"{type(e).__name__}: {e}"}, None
-    cap, what = device_bytes(on_host or plan.world_size)
-    mode = cfg.trainer.memory_check if refuse is None else ("refuse" if refuse else "off")
-    if mode == "refuse":
-        try:
-            check_fits(pred, cap, what)
-        except ConfigError:
-            if quiet:
-                raise SystemExit(2) from None
-            raise
-    elif mode == "warn" and not fits(pred["total"], cap) and not quiet:
-        # flushed: under srun the batch log interleaves the ranks' output, this line must come before theirs
-        print(memory_warning(pred, cap, what), file=sys.stderr, flush=True)
-    record = {
-        **record_fields(pred),
-        "device_bytes": None if cap is None else int(cap),
-        "device": what,
-        "fits": fits(pred["total"], cap),
-        "check": mode,  # trainer.memory_check as applied
-    }
-    return record, pred
-
-
-def comm_volume(cfg, plan: RunPlan, backend: str, model=None) -> dict:
-    """Bytes per optimizer step per rank by collective (bench/core/comm_volume.py), with the backend the
-    ranks use, so the report can set them against `python -m ptbench.comm` at that backend. `model`: the
-    launch's meta model (None: built here). Never fatal."""
-    from ptbench.core.comm_volume import record_fields, volume_run
-
-    try:
-        if model is None:
-            from ptbench.workloads import build_workload
-
-            model = meta_model(build_workload(cfg.workload, cfg.data))
-        return record_fields(volume_run(cfg, plan, _builder(model)), backend)
-    except Exception as e:  # noqa: BLE001 - a volume the model cannot compute must never stop a run
-        return {"error": f"{type(e).__name__}: {e}", "backend": backend}
 
 
 def _launch_t0() -> str:

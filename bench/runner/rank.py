@@ -40,7 +40,7 @@ from ptbench.core.records import RunWriter, mark_killed, owner, point_folders  #
 from ptbench.core.sinks import write_sinks  # noqa: E402
 from ptbench.runner.compose import typed  # noqa: E402
 from ptbench.runner.console import print_summary  # noqa: E402
-from ptbench.runner.plan import RunPlan, make_plan, run_dir_of  # noqa: E402
+from ptbench.runner.plan import RunPlan, plan_run, run_dir_of  # noqa: E402
 from ptbench.workloads import build_workload  # noqa: E402
 
 
@@ -523,7 +523,16 @@ def rank_main(run_dir: str) -> int:
     if environment is None:
         raise SystemExit(f"error: python -m ptbench.runner.rank {run_dir}: no launcher environment found")
     ctx = environment.context(os.environ, cfg.launcher.backend, cfg.launcher.master_port)
-    plan = make_plan(cfg, environment.name, ctx.world_size, check=False)  # the launcher checked
+    # the launcher checked and warned; rank 0, which writes the summary, records the predictions as it would
+    plan, _ = plan_run(
+        cfg,
+        environment.name,
+        ctx.world_size,
+        check=False,
+        memory=ctx.rank == 0,
+        backend=ctx.backend if ctx.rank == 0 else None,
+        quiet=True,
+    )
     # the launcher process waits and records a failed run's outcome, as for spawned ranks
     return run_rank(cfg, plan, dataclasses.replace(ctx, launcher="local"), Path(run_dir))
 
