@@ -511,9 +511,13 @@ def _reduced_from(run_dir) -> float:
 
 
 def claims_lines(
-    per_run: pd.DataFrame, include_contended: bool = False, epochs: pd.DataFrame | None = None
+    per_run: pd.DataFrame,
+    include_contended: bool = False,
+    epochs: pd.DataFrame | None = None,
+    found: dict | None = None,
 ) -> list[str]:
-    """The report's "Paper claims" section (`epochs`: as `claims` takes it)."""
+    """The report's "Paper claims" section (`epochs`: as `claims` takes it; `found`: `claims`' answer, when the
+    caller has it already)."""
     lines = [
         "## Paper claims",
         "",
@@ -529,9 +533,10 @@ def claims_lines(
         ),
         "",
     ]
-    for workload, found in claims(per_run, include_contended, epochs).items():
+    found = claims(per_run, include_contended, epochs) if found is None else found
+    for workload, checked in found.items():
         table = pd.DataFrame(
-            [(c["claim"], f"**{c['verdict']}**", c["numbers"], ", ".join(c["runs"]) or "-") for c in found],
+            [(c["claim"], f"**{c['verdict']}**", c["numbers"], ", ".join(c["runs"]) or "-") for c in checked],
             columns=["claim", "verdict", "numbers", "runs"],
         )
         lines += [f"### {workload}", "", table.to_markdown(index=False, tablefmt="pipe", disable_numparse=True), ""]

@@ -667,7 +667,7 @@ def _runs_lines(study: Study, contended: list[str], include_contended: bool) -> 
     ]
 
 
-def _details_lines(study, used, contended, baseline, include_contended, target, out, results_dir) -> list[str]:
+def _details_lines(study, used, contended, baseline, include_contended, target, out, results_dir, found) -> list[str]:
     """report-details.md: the per-run and per-point tables and the ledgers behind report.md."""
     reports = load_comm(results_dir)
     lines = [
@@ -683,7 +683,7 @@ def _details_lines(study, used, contended, baseline, include_contended, target, 
         lines += comm_lines(study, reports, out, contended)
         lines += why_lines(study.epochs, reports)
     lines += not_finished_lines(study, cap=None)
-    lines += claims_lines(study.runs, include_contended, study.epochs)  # curves loaded once
+    lines += claims_lines(study.runs, include_contended, study.epochs, found)  # decided once, for both files
     noise = run_spread(results_dir)
     return lines + which_adapter_lines(study, baseline, include_contended, noise=noise, target=target)
 
@@ -733,7 +733,7 @@ def write_report(
     lines += predicted_lines(results_dir)
     lines += not_finished_lines(study)
     lines += claims_table_lines(found, include_contended)
-    details = _details_lines(study, used, contended, baseline, include_contended, target, out, results_dir)
+    details = _details_lines(study, used, contended, baseline, include_contended, target, out, results_dir, found)
     (out / DETAILS).write_text("\n".join(details))
     path.write_text("\n".join(lines))
     return path

@@ -118,11 +118,13 @@ def read_json(path: Path):
         return json.load(f)
 
 
-def _readable(path: Path) -> dict | None:
+def readable(path: Path) -> dict | None:
+    """The JSON object at `path`, or None where it is missing, unreadable, damaged or not an object."""
     try:
-        return read_json(path)
+        out = read_json(path)
     except (OSError, ValueError):
         return None
+    return out if isinstance(out, dict) else None
 
 
 def results_folder(results) -> Path:
@@ -278,7 +280,7 @@ class RunWriter:
         if held:
             from ptbench.core.errors import ConfigError
 
-            status = (_readable(self.dir / "summary.json") or {}).get("status", "unknown")
+            status = (readable(self.dir / "summary.json") or {}).get("status", "unknown")
             raise ConfigError(
                 f"results.run_id={self.dir.name}: {self.dir} already holds a record (status {status}); it is "
                 "never overwritten: choose another results.run_id, or leave it unset for a new one"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ptbench.core.comm_volume import ring_factor
+from ptbench.core.records import readable
 
 LINK_DIR = re.compile(r"^link-(\d+(?:\.\d+)?)mbit$")
 
@@ -94,14 +95,6 @@ class Point:
         return f"{self.series} | n={self.world_size} m={self.microbatches} | {link}"
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        out = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return out if isinstance(out, dict) else None
-
-
 def _epoch_steps(run: Path, window) -> list[float]:
     """Each epoch's step-time mean; a profiled run's epochs that hold its profiled steps (trainer.profile's window,
     global steps) left out when another epoch is clean: the profiler slows the steps it records."""
@@ -125,7 +118,7 @@ def _epoch_steps(run: Path, window) -> list[float]:
 
 
 def _on_cpu(run: Path) -> bool:
-    env = _read_json(run / "env.json") or {}
+    env = readable(run / "env.json") or {}
     return not env.get("gpu_count")
 
 
@@ -176,7 +169,7 @@ def load_points(root: Path) -> list[Point]:
     """Every finished run under root (status ok, a step time and a communication volume), pooled by point."""
     points: dict[tuple, Point] = {}
     for path in sorted(root.rglob("summary.json")):
-        s = _read_json(path)
+        s = readable(path)
         if not s or s.get("status") != "ok" or not s.get("step_time_mean_s"):
             continue
         cv = s.get("comm_volume") or {}
@@ -224,7 +217,7 @@ def load_comm(root: Path, folder: str = "comm") -> list[CommReport]:
     """Every `python -m ptbench.comm --out` report under root (a comm/ folder, as a sweep stores it)."""
     out = []
     for path in sorted(root.rglob(f"{folder}/*.json")):
-        rep = _read_json(path)
+        rep = readable(path)
         if not rep or rep.get("tool") != "ptbench.comm":
             continue
         rows = [r for r in rep.get("results") or [] if r.get("time_s") and not r.get("wrong")]
