@@ -42,8 +42,11 @@ def _noted(signum, frame) -> None:
 
 def hold() -> None:
     """In a multirun: from now on a stop signal between points is noted, not fatal. The launcher's own handler
-    replaces this one while a point's ranks run (they get the signal) and puts it back after them."""
-    if _sweep_process():
+    replaces this one while a point's ranks run (they get the signal) and puts it back after them. In a point's
+    own job (hydra/launcher=ptbench_local) too: a signal the sweep forwards after the point's record is made but
+    before its ranks start is theirs when they start, where submitit's job handler would pass SIGTERM by and
+    the point would train to its end."""
+    if in_multirun():
         for sig in SIGNALS:
             signal.signal(sig, _noted)
 
