@@ -55,8 +55,10 @@ def test_a_loose_target_stops_early_and_full_epochs_stay_the_default(tmp_path):
                  results=tmp_path / "s")  # fmt: skip
     check_ok(proc)
     (e,) = events(only_run(tmp_path / "s"))
-    est = e["epoch_time_estimate"]  # +-200 %: met at the first check
-    assert est["stopped_by"] == "interval" and est["half_width_pct"] <= 200 and est["timed_steps_measured"] == MIN_STEPS
+    est = e["epoch_time_estimate"]  # +-200 %: met at the first check on a quiet machine; a slow step under load
+    # (seen in CI: 15 steps) widens the interval past it for a few more
+    measured = est["timed_steps_measured"]
+    assert est["stopped_by"] == "interval" and est["half_width_pct"] <= 200 and MIN_STEPS <= measured < 40, est
     full = bench(*LONG, "launcher.nprocs=1", "data.train_samples=80", results=tmp_path / "f")
     check_ok(full)
     (e,) = events(only_run(tmp_path / "f"))
@@ -67,7 +69,7 @@ def test_a_loose_target_stops_early_and_full_epochs_stay_the_default(tmp_path):
     write_report(tmp_path / "s", tmp_path / "out")
     text = (tmp_path / "out" / "report-details.md").read_text()  # per-epoch rows: in the details
     assert "### Estimated epoch times (sampled timing)" in text and "**estimate**" in text
-    assert f"from {MIN_STEPS + 1} of 50 steps" in text  # 200 samples, batch 4
+    assert f"from {measured + 1} of 50 steps" in text  # 200 samples, batch 4
 
 
 def test_an_interval_wider_than_the_mean_never_bounds_the_epoch_below_the_time_spent():

@@ -73,9 +73,12 @@ def forwarding_to_jobs():
     def forward(signum, frame) -> None:
         note(signum)
         for controller in psutil.Process().children():
-            for task in controller.children():
-                with contextlib.suppress(psutil.Error):
-                    task.send_signal(signum)
+            # an earlier point's controller may end between the two listings: its NoSuchProcess, raised from
+            # this handler, would stop the loop before the running point's task got the signal
+            with contextlib.suppress(psutil.Error):
+                for task in controller.children():
+                    with contextlib.suppress(psutil.Error):
+                        task.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in SIGNALS}
     try:
