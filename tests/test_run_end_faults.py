@@ -305,6 +305,50 @@ def test_an_interrupted_multirun_stops_after_its_point(tmp_path, sig, launcher):
     assert sorted(summary(d)["status"] for d in new) == ["ok", "ok"], new
 
 
+TASK = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGINT, lambda *a: (out.write_text("SIGINT"), sys.exit(0)))
+(out.parent / "ready").write_text("")
+time.sleep(60)
+"""
+
+
+def test_the_sweep_forwards_a_stop_past_a_controller_that_just_ended(tmp_path, monkeypatch):
+    """An earlier point's controller, listed by the sweep a moment before it ended: psutil raises NoSuchProcess
+    for its children (seen in CI: the loop stopped there, and the running point trained to its end `ok`). The
+    stop still reaches the running point's task, a grandchild as under submitit."""
+    import psutil
+
+    from ptbench.runner import multirun
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    stale = psutil.Process(ended.pid)
+    ended.wait()  # gone and reaped: its psutil handle raises NoSuchProcess, as in the race
+    controller = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {TASK!r}, sys.argv[1]])",
+         str(tmp_path / "got")]
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "ready").exists():
+            assert time.time() < deadline and controller.poll() is None
+            time.sleep(0.05)
+        listed = psutil.Process.children
+        monkeypatch.setattr(
+            psutil.Process,
+            "children",
+            lambda self, **kw: ([stale] if self.pid == os.getpid() else []) + listed(self, **kw),
+        )
+        monkeypatch.setattr(multirun, "_received", [])
+        with multirun.forwarding_to_jobs():
+            os.kill(os.getpid(), signal.SIGINT)
+        controller.wait(timeout=60)
+    finally:
+        controller.kill()
+    assert (tmp_path / "got").read_text() == "SIGINT" and multirun.received() == [signal.SIGINT]
+
+
 @pytest.mark.slurm
 def test_a_run_predicted_not_to_fit_says_so_in_the_batch_log(slurm, tmp_path):
     """slurm/run.sbatch (2 srun tasks): rank 0 warns before training, in the job's log, and the record ends oom."""
