@@ -116,6 +116,7 @@ def launch(cfg: DictConfig) -> int:
     multirun.stop_before_point()
     mark_killed(point_folders(cfg.results), plan.point)  # a record its killed launcher left `running`
     writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
+    multirun.hold(always=not command)  # from the record on, a stop signal goes to the ranks spawn_local starts
     writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
     port = cfg.launcher.master_port or free_port()
     print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {plan.world_size} rank(s)", flush=True)

@@ -40,13 +40,14 @@ def _noted(signum, frame) -> None:
     note(signum)
 
 
-def hold() -> None:
+def hold(always: bool = False) -> None:
     """In a multirun: from now on a stop signal between points is noted, not fatal. The launcher's own handler
     replaces this one while a point's ranks run (they get the signal) and puts it back after them. In a point's
     own job (hydra/launcher=ptbench_local) too: a signal the sweep forwards after the point's record is made but
     before its ranks start is theirs when they start, where submitit's job handler would pass SIGTERM by and
-    the point would train to its end."""
-    if in_multirun():
+    the point would train to its end. `always`: in any run, from its record on: a stop signal before the ranks
+    start is theirs (a Ctrl-C there once left the record `running`)."""
+    if always or in_multirun():
         for sig in SIGNALS:
             signal.signal(sig, _noted)
 
