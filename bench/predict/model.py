@@ -4,9 +4,10 @@
   times per collective kind, group size and message size S: at each measured S, t = a + c / rate fitted by
   least squares across the link rates the reports span (latency + wire; the mean where they share one link),
   and linear in S between neighbouring measured sizes. a may come out below zero (1 MiB all-gather: -0.5 ms):
-  the line only interpolates, as rates outside the measured ones are refused. One alpha-beta line over all sizes was tried:
-  gloo's all-gather and send/recv are not affine in S (the per-byte cost grows from 512 KiB on), so a line fitted
-  over 16 KiB-4 MiB was 29 % off at 1 MiB and a held-out rate; per size, within 10 % (bench/README, Predict).
+  the line only interpolates, as rates outside the measured ones are refused. One alpha-beta line over all sizes
+  was tried: gloo's all-gather and send/recv are not affine in S (the per-byte cost grows from 512 KiB on), so
+  a line fitted over 16 KiB-4 MiB was 29 % off at 1 MiB and a held-out rate; per size, within 10 %
+  (bench/README, Predict).
 - compute and the exposed factor e: least squares over the series' calibration points, step_i = k_i C + e T_i,
   where T_i is the point's communication time and k_i its compute relative to the target's (C): 1 for the same
   per-rank work (same local batch, tp, pp), (m + p - 1) b / ((m' + p - 1) b') from the point's m micro-batches
@@ -36,6 +37,11 @@ from ptbench.predict.points import CommReport, Point, PredictError
 COMM_HINT = "python -m ptbench.comm --world-size {n} --out {root}/comm"
 
 
+def _across(links: tuple) -> bool:
+    """Reports at two or more known link rates: t is fitted in 1 / rate."""
+    return len(links) > 1 and None not in links
+
+
 @dataclass
 class Fit:
     sizes: np.ndarray  # the measured message sizes, ascending
@@ -52,7 +58,7 @@ class Fit:
 
     @property
     def across_rates(self) -> bool:
-        return len(self.links) > 1 and None not in self.links
+        return _across(self.links)
 
     def time(self, size: float, link: float | None) -> float:
         at = self.coef[:, 0] + (self.coef[:, 1] / link if self.across_rates else 0.0)
@@ -70,19 +76,18 @@ def fit_comm(reports: list[CommReport]) -> dict[tuple[str, int], Fit]:
     fits = {}
     for key, by_size in rows.items():
         links = tuple(sorted({link for rs in by_size.values() for _, link in rs}, key=lambda v: -1 if v is None else v))
-        across = len(links) > 1 and None not in links
-        sizes = sorted(by_size)
-        coef = []
-        for size in sizes:
+        across = _across(links)
+        kept, coef = [], []
+        for size in sorted(by_size):
             rs = by_size[size]
-            if across and len({link for _, link in rs}) > 1:
+            if not across:
+                coef.append(np.array([float(np.mean([t for t, _ in rs])), 0.0]))
+            elif len({link for _, link in rs}) > 1:
                 x = np.array([[1.0, 1.0 / link] for _, link in rs])
                 coef.append(np.linalg.lstsq(x, np.array([t for t, _ in rs]), rcond=None)[0])
-            elif across:  # this size at one rate only: it cannot say how it moves with the rate
+            else:  # this size at one rate only: it cannot say how it moves with the rate
                 continue
-            else:
-                coef.append(np.array([float(np.mean([t for t, _ in rs])), 0.0]))
-        kept = [s for s in sizes if not across or len({link for _, link in by_size[s]}) > 1]
+            kept.append(size)
         if kept:
             fits[key] = Fit(np.array(kept), np.array(coef), links)
     return fits

@@ -170,9 +170,8 @@ def measure(root: Path, rates: list[float], held: float, names: list[str], log, 
             again = f"repeat-{i + 1}/" if i else ""
             for rate in cal:
                 comm(root, rate, f"{again}comm", env, log)
-            comm(
-                root, held, f"{again}{CHECK}", env, log
-            )  # never read by the model: its alpha-beta at a rate it never saw
+            # never read by the model: its alpha-beta at a rate it never saw
+            comm(root, held, f"{again}{CHECK}", env, log)
         for name in names:
             for _ in range(repeats):  # repeats interleaved: calibration, held out, calibration, held out, ...
                 for rate in cal if name == "ddp" else cal[-1:]:  # DDP: every calibration rate; the others profiled
