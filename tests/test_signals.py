@@ -10,6 +10,7 @@ them. A run whose launcher was SIGKILLed is marked `killed` by the next run of t
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -85,6 +86,9 @@ def _interrupted(proc, err: str) -> dict:
 def test_sigint_ends_interrupted_and_a_rerun_continues(tmp_path, to):
     def send(proc):
         if to == "launcher":
+            # the launcher's helper threads (its contention sampler) leave the stop signals to its main thread
+            helpers = {t: m for t, m in _thread_masks(proc.pid).items() if not t.endswith(f":{proc.pid}")}
+            assert helpers and all(m >= {signal.SIGINT, signal.SIGTERM} for m in helpers.values()), helpers
             proc.send_signal(signal.SIGINT)
         else:  # Ctrl-C in a terminal: every process of the group, each rank too
             os.killpg(proc.pid, signal.SIGINT)
@@ -149,3 +153,42 @@ def test_ctrl_c_ends_a_sweep_not_only_its_point(tmp_path):
         proc.wait()
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
     assert [summary(d)["status"] for d in run_dirs(tmp_path)] == ["interrupted"]
+
+
+def _blocked(status: str) -> set[int]:
+    mask = int(re.search(r"^SigBlk:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    return {s for s in range(1, 65) if mask >> (s - 1) & 1}
+
+
+def _thread_masks(pid: int) -> dict[str, set[int]]:
+    """Each thread's name -> its blocked signals, from /proc (what the kernel itself goes by)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[f"{(task / 'comm').read_text().strip()}:{task.name}"] = _blocked((task / "status").read_text())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return out
+
+
+def test_helper_threads_block_the_stop_signals_and_leave_the_main_thread_as_it_was():
+    """CPython runs signal handlers in the main thread; one a helper thread took waits until the main thread
+    next takes the GIL (a launcher asleep in its ranks' join heard of a Ctrl-C only when they had ended). So
+    every helper thread blocks the stop signals and the kernel gives them to the main thread."""
+    code = (
+        "import os, threading, time\n"
+        "from ptbench.core.stopping import helper_thread\n"
+        "t = helper_thread(lambda: time.sleep(30), 'helper')\n"
+        "print(os.getpid(), t.native_id, threading.main_thread().native_id, flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid, helper, main = proc.stdout.readline().split()
+        helper_mask = _blocked(Path(f"/proc/{pid}/task/{helper}/status").read_text())
+        main_mask = _blocked(Path(f"/proc/{pid}/task/{main}/status").read_text())
+    finally:
+        proc.kill()
+        proc.wait()
+    stop = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1}
+    assert stop <= helper_mask and not stop & main_mask, (helper_mask, main_mask)

@@ -85,6 +85,21 @@ class StopFlag:
         return bool(agreed)
 
 
+def helper_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """Start a daemon thread that never takes a stop signal. CPython runs a Python signal handler in the main
+    thread, and one whose signal a helper thread took waits until the main thread next takes the GIL: a
+    launcher asleep in its ranks' join, with a sampler thread beside it, heard of a Ctrl-C only when its ranks
+    had ended and trained to the end. The thread inherits the mask it is started under, so it has the stop
+    signals blocked from its first instruction; the kernel then gives them to the main thread."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    return thread
+
+
 class Watchdog:
     def __init__(self, timeout_s: float, on_timeout: Callable[[float], None]):
         self.timeout_s = timeout_s
@@ -99,8 +114,7 @@ class Watchdog:
     def start(self) -> Watchdog:
         if self.timeout_s > 0:
             self.beat()
-            self._thread = threading.Thread(target=self._watch, name="bench-watchdog", daemon=True)
-            self._thread.start()
+            self._thread = helper_thread(self._watch, "bench-watchdog")
         return self
 
     def stop(self) -> None:

@@ -26,6 +26,8 @@ import sys
 import threading
 import time
 
+from ptbench.core.stopping import helper_thread
+
 INTERVAL_S = 1.0
 OTHER_BUSY_MIN_CPUS = 0.5
 OTHER_BUSY_FREE_SHARE = 0.25
@@ -195,8 +197,7 @@ class Sampler:
                 self._gpu_error = f"NVML unavailable ({type(e).__name__}: {e}): pip install nvidia-ml-py"
         psutil.cpu_times(percpu=True)
         self._sample()
-        self._thread = threading.Thread(target=self._loop, name="contention-sampler", daemon=True)
-        self._thread.start()
+        self._thread = helper_thread(self._loop, "contention-sampler")
         return self
 
     def stop(self) -> dict:

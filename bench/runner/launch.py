@@ -263,8 +263,9 @@ def spawn_local(
     try:
         # join() ends the other ranks as soon as one fails: no orphans. A rank takes SIGTERM as a graceful stop
         # (useless once a peer is gone; one waiting for a dead peer never gets to it), so SIGKILL follows soon,
-        # not after torch's default 30 s
-        while not procs.join(grace_period=JOIN_GRACE_S):
+        # not after torch's default 30 s. The wait wakes every JOIN_POLL_S: a stop signal that some native thread
+        # took runs its handler only once this thread takes the GIL again (core/stopping.py, helper_thread)
+        while not procs.join(timeout=JOIN_POLL_S, grace_period=JOIN_GRACE_S):
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         if len(interrupts) >= 2:  # the ranks ended by a second Ctrl-C: still a final status
@@ -286,6 +287,7 @@ def spawn_local(
 
 
 JOIN_GRACE_S = 3.0  # after a rank failed: the others' time to end by themselves, then again after SIGTERM
+JOIN_POLL_S = 0.5
 
 
 @contextlib.contextmanager

@@ -247,7 +247,7 @@ def watch_launcher(pid: int, parent: bool, on_gone, every_s: float = 0.5) -> Non
     """A daemon thread that calls `on_gone` once the launcher `pid` has ended, then ends this process: a
     launcher killed outright (SIGKILL, the OOM killer) can neither record the run nor end its ranks, so
     each rank does both for itself within `every_s`, even while its main thread waits in a collective."""
-    import threading
+    from ptbench.core.stopping import helper_thread
 
     def watch() -> None:
         while not launcher_gone(pid, parent):
@@ -257,7 +257,7 @@ def watch_launcher(pid: int, parent: bool, on_gone, every_s: float = 0.5) -> Non
         finally:
             os._exit(137)  # as the launcher's own end: SIGKILL
 
-    threading.Thread(target=watch, name="bench-launcher-watch", daemon=True).start()
+    helper_thread(watch, "bench-launcher-watch")
 
 
 def _launcher_killed(writer: RunWriter, ctx: DistContext, pid: int, trainer) -> None:

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 def reporting_wait(what: str, folder: Path, total: int, every: float = 30.0):
     """While a launcher waits for its points: one line when it starts and one every `every` s, with the points
     whose result submitit has written under `folder` (slow can be told from hung)."""
+    from ptbench.core.stopping import helper_thread  # a stop signal is the sweep's main thread's to forward
+
     folder = Path(str(folder).split("%j")[0])  # submitit's folder up to the job id
     stop, t0 = threading.Event(), time.monotonic()
 
@@ -58,8 +60,7 @@ def reporting_wait(what: str, folder: Path, total: int, every: float = 30.0):
             )
 
     print(f"{what}: waiting for {total} point(s) (job logs in {folder})", flush=True)
-    thread = threading.Thread(target=report, daemon=True)
-    thread.start()
+    thread = helper_thread(report, "reporting-wait")
     try:
         yield
     finally:
