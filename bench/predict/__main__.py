@@ -66,14 +66,14 @@ def target_points(t: dict, points: list[Point]) -> list[Point]:
         return (world is not None and p.world_size != world, m is not None and p.microbatches != m, -p.world_size)
 
     out = {}
-    for base in sorted(match, key=nearest):
-        if base.series in out:
+    for base in sorted(match, key=nearest):  # one per series and workload
+        if (base.series, base.workload) in out:
             continue
         if m is not None and m != base.microbatches and base.pp == 1:
             raise PredictError(
                 f"{base.series} has no pipeline: adapter.microbatches={m} changes nothing it was measured at"
             )
-        out[base.series] = retarget(
+        out[(base.series, base.workload)] = retarget(
             base,
             base.world_size if world is None else world,
             base.microbatches if m is None else m,

@@ -10,10 +10,11 @@
   (bench/README, Predict).
 - compute and the exposed factor e: least squares over the series' calibration points, step_i = k_i C + e T_i,
   where T_i is the point's communication time and k_i its compute relative to the target's (C): 1 for the same
-  per-rank work (same local batch, tp, pp), (m + p - 1) b / ((m' + p - 1) b') from the point's m micro-batches
-  of size b to the target's m' of size b' in a p-stage pipeline: a 1F1B or GPipe step is m + p - 1 micro-batch
-  slots, p - 1 of them the bubble, each slot's time proportional to the micro-batch size (the bubble from
-  measured time). A series with one calibration point
+  per-rank work (same workload, local batch, tp, pp), (m + p - 1) t(b) / ((m' + p - 1) t(b')) from the point's m
+  micro-batches of size b to the target's m' of size b' in a p-stage pipeline: a 1F1B or GPipe step is m + p - 1
+  micro-batch slots, p - 1 of them the bubble, t a micro-batch's forward and backward time at its size, from the
+  folder's one-rank runs of the workload at both sizes, else proportional to the size (`slot_ratio`; the bubble
+  from measured time). A series with one calibration point
   takes e as the non-overlapped fraction its profiled calibration run measured (trainer.profile: exposed / time
   in collectives, from the traces), else from the reference fit (the series with the most points, e.g. DDP at
   two link rates; clipped to 0..1, a fraction, where it is lent to another series), else 1 (all exposed).
@@ -132,18 +133,40 @@ def comm_time(p: Point, link: float | None, fits: dict, root: str = "RESULTS_DIR
     return total
 
 
-def compute_scale(cal: Point, target: Point) -> float | None:
+def micro_batch_times(points: list[Point], workload: str) -> dict[int, float]:
+    """The workload's forward + backward time per step at each batch that a one-rank run measured (no
+    communication, no pipeline): how a micro-batch's time moves with its size. Not proportional: a small
+    micro-batch keeps the per-operator fixed costs of a large one."""
+    times: dict[int, list[float]] = {}
+    for p in points:
+        if p.world_size == 1 and p.workload == workload and p.local_batch and p.fb_steps:
+            times.setdefault(p.local_batch, []).extend(p.fb_steps)
+    return {b: float(np.mean(ts)) for b, ts in sorted(times.items())}
+
+
+def slot_ratio(b: float, b2: float, curve: dict[int, float] | None) -> tuple[float, str]:
+    """A micro-batch of b over one of b2, in time: from `micro_batch_times` where it spans both (linear between
+    the measured batches), else b / b2."""
+    if curve and len(curve) > 1 and min(curve) <= min(b, b2) and max(b, b2) <= max(curve):
+        sizes = sorted(curve)
+        at = np.interp([b, b2], sizes, [curve[s] for s in sizes])
+        return float(at[0] / at[1]), f"one-rank runs at batch {','.join(str(s) for s in sizes)}"
+    return b / b2, "proportional to the micro-batch size"
+
+
+def compute_scale(cal: Point, target: Point, curve: dict[int, float] | None = None) -> float | None:
     """k: the calibration point's compute relative to the target's (step = k C + e T, C the target's); None: not
-    comparable. Between micro-batch counts of a pipeline, (m + p - 1) b / ((m' + p - 1) b'): m, b the point's
-    micro-batch count and size (global / m at the same dp), m', b' the target's."""
-    if cal.series != target.series or (cal.tp, cal.pp) != (target.tp, target.pp):
+    comparable. Between micro-batch counts of a pipeline, (m + p - 1) t(b) / ((m' + p - 1) t(b')): m, b the
+    point's micro-batch count and size (global / m at the same dp), m', b' the target's, t a micro-batch's time
+    (`slot_ratio`: from the one-rank runs in `curve`, else proportional to its size)."""
+    if cal.series != target.series or cal.workload != target.workload or (cal.tp, cal.pp) != (target.tp, target.pp):
         return None
     if cal.microbatches == target.microbatches:
         return 1.0 if cal.local_batch == target.local_batch else None
     if cal.pp > 1 and cal.dp == target.dp and cal.global_batch and target.global_batch:
         p, m, m2 = cal.pp, cal.microbatches, target.microbatches
-        b, b2 = cal.global_batch / m, target.global_batch / m2
-        return (m + p - 1) * b / ((m2 + p - 1) * b2)
+        ratio, _ = slot_ratio(cal.global_batch / m, target.global_batch / m2, curve)
+        return (m + p - 1) * ratio / (m2 + p - 1)
     return None
 
 
@@ -175,6 +198,7 @@ def retarget(cal: Point, world: int, microbatches: int, link: float | None) -> P
         dp=dp,
         collectives=cols,
         global_batch=int(cal.global_batch * scale),
+        local_batch=int(cal.global_batch * scale) // dp,
         steps=[float("nan")],
         epoch_steps=[],
         memory_bytes=cal.memory_bytes if (world, microbatches) == (cal.world_size, cal.microbatches) else None,
@@ -202,6 +226,7 @@ class Prediction:
     exposed: float
     exposed_from: str
     calibration: list[Point]
+    micro_batch_time_from: str = ""  # a pipeline predicted at another micro-batch count: `slot_ratio`'s source
 
     @property
     def epoch(self) -> float:
@@ -229,7 +254,8 @@ def reference_exposed(points: list[Point], fits: dict) -> tuple[float, str]:
     for series, pts in sorted(by_series.items(), key=lambda kv: -len(kv[1])):
         base = pts[0]
         try:
-            cal = [(p, s, comm_time(p, p.link, fits)) for p in pts if (s := compute_scale(p, base)) is not None]
+            curve = micro_batch_times(points, base.workload)
+            cal = [(p, k, comm_time(p, p.link, fits)) for p in pts if (k := compute_scale(p, base, curve)) is not None]
         except PredictError:
             continue
         if solved := _solve(cal):  # lent to other series as a fraction: more than all exposed is this series' own
@@ -258,9 +284,10 @@ def predict(target: Point, calibration: list[Point], fits: dict, ref: tuple[floa
     check_cores(target)
     target = traced_for(target, calibration)
     t_comm = comm_time(target, target.link, fits, root)
+    curve = micro_batch_times(calibration, target.workload)
     cal, why = [], None
     for p in calibration:
-        k = compute_scale(p, target)
+        k = compute_scale(p, target, curve)
         if k is not None and p.key != target.key:
             try:
                 cal.append((p, k, comm_time(p, p.link, fits, root)))
@@ -286,6 +313,18 @@ def predict(target: Point, calibration: list[Point], fits: dict, ref: tuple[floa
     step = compute + exposed * t_comm
     # a calibration point with one clean epoch has no spread of its own: the folder's typical one stands in
     spread = max(p.spread for p, _, _ in cal) or noise_floor(calibration)
+    other = next((p for p, _, _ in cal if p.microbatches != target.microbatches), None)
+    b2 = target.global_batch / target.microbatches
+    slots = slot_ratio(other.global_batch / other.microbatches, b2, curve)[1] if other else ""
     return Prediction(
-        target, step, step * (1 - spread), step * (1 + spread), compute, t_comm, exposed, source, [p for p, _, _ in cal]
+        target,
+        step,
+        step * (1 - spread),
+        step * (1 + spread),
+        compute,
+        t_comm,
+        exposed,
+        source,
+        [p for p, _, _ in cal],
+        slots,
     )

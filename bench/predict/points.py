@@ -1,6 +1,6 @@
 """A results folder -> measured points and ptbench.comm reports, read from the records' JSON only.
 
-A point is one (series, world size, micro-batches, link rate): its runs (repeats) pooled. The series is the
+A point is one (series, workload, world size, micro-batches, local batch, link rate): its runs (repeats) pooled. The series is the
 adapter with the settings that change its compute (ZeRO stage, schedule, tp, pp). The link rate (Mbit/s) of a
 record or a comm report is its `extra.link_mbit` (a run's `+extra.link_mbit=300`), else the number in the
 nearest folder above it named `link-<N>mbit` (what `python -m ptbench.predict validate` writes); None when
@@ -57,11 +57,12 @@ class Point:
     world_size: int
     microbatches: int
     link: float | None
+    workload: str = ""
+    local_batch: int = 0
     steps: list[float] = field(default_factory=list)  # step-time mean of each run
     epoch_steps: list[float] = field(default_factory=list)  # of each epoch of each run (spread of one run)
     epoch_ratio: float = 0.0  # epoch time / step time (steps per epoch and what lies outside steps)
     global_batch: int = 0
-    local_batch: int = 0
     batch_policy: str = ""
     dp: int = 1
     tp: int = 1
@@ -72,10 +73,11 @@ class Point:
     collectives_from: str = "formula"  # or "trace": the profiled step's collectives (profile.ranks[].by_kind)
     cpu: bool = True
     run_dirs: list[str] = field(default_factory=list)
+    fb_steps: list[float] = field(default_factory=list)  # forward + backward per step, each run (the epochs' phases)
 
     @property
     def key(self) -> tuple:
-        return (self.series, self.world_size, self.microbatches, self.link)
+        return (self.series, self.workload, self.world_size, self.microbatches, self.local_batch, self.link)
 
     @property
     def step(self) -> float:
@@ -92,17 +94,21 @@ class Point:
 
     def label(self) -> str:
         link = f"{self.link:g} Mbit/s" if self.link is not None else "-"
-        return f"{self.series} | n={self.world_size} m={self.microbatches} | {link}"
+        return f"{self.series} | n={self.world_size} m={self.microbatches} b={self.local_batch} | {link}"
 
 
-def _epoch_steps(run: Path, window) -> list[float]:
-    """Each epoch's step-time mean; a profiled run's epochs that hold its profiled steps (trainer.profile's window,
+FB = ("forward_time_mean_s", "backward_time_mean_s", "forward_backward_time_mean_s")
+
+
+def _epoch_steps(run: Path, window) -> tuple[list[float], list[float]]:
+    """Each epoch's step-time mean, and its forward + backward time per step (the phases; the optimizer step and
+    data loading left out); a profiled run's epochs that hold its profiled steps (trainer.profile's window,
     global steps) left out when another epoch is clean: the profiler slows the steps it records."""
     out, first = [], 0
     try:
         lines = (run / "events.jsonl").read_text().splitlines()
     except OSError:
-        return out
+        return [], []
     for line in lines:
         try:
             e = json.loads(line)
@@ -111,10 +117,10 @@ def _epoch_steps(run: Path, window) -> list[float]:
         if isinstance(e, dict) and e.get("type") == "epoch" and e.get("step_time_mean_s"):
             steps = int(e.get("steps") or 0)
             profiled = bool(window) and first < window["start"] + window["count"] and window["start"] < first + steps
-            out.append((float(e["step_time_mean_s"]), profiled))
+            out.append((float(e["step_time_mean_s"]), sum(float(e.get(k) or 0) for k in FB), profiled))
             first += steps
-    clean = [t for t, profiled in out if not profiled]
-    return clean or [t for t, _ in out]
+    kept = [o for o in out if not o[2]] or out
+    return [t for t, _, _ in kept], [fb for _, fb, _ in kept if fb > 0]
 
 
 def _on_cpu(run: Path) -> bool:
@@ -182,16 +188,20 @@ def load_points(root: Path) -> list[Point]:
             world_size=int(s.get("world_size") or layout.get("world_size") or 1),
             microbatches=int(layout.get("microbatches") or 1),
             link=link_of(path, s.get("extra")),
+            workload=str(s.get("workload") or ""),
+            local_batch=int(s.get("local_batch") or 0),
         )
         p = points.setdefault(p.key, p)
         window = (s.get("profile") or {}).get("window") if isinstance(s.get("profile"), dict) else None
-        epochs = _epoch_steps(path.parent, window)
+        epochs, fb = _epoch_steps(path.parent, window)
         p.steps.append(statistics.fmean(epochs) if window and epochs else float(s["step_time_mean_s"]))
         p.epoch_steps += epochs
+        if fb:
+            p.fb_steps.append(statistics.fmean(fb))
         epoch = s.get("epoch_time_steady_s") or s.get("epoch_time_mean_s")
         if epoch:
             p.epoch_ratio = float(epoch) / float(s["step_time_mean_s"])
-        p.global_batch, p.local_batch = int(s.get("global_batch") or 0), int(s.get("local_batch") or 0)
+        p.global_batch = int(s.get("global_batch") or 0)
         p.batch_policy = s.get("batch_policy") or ""
         p.dp, p.tp, p.pp = (int(layout.get(k) or 1) for k in ("dp", "tp", "pp"))
         p.collectives = cv["collectives"]

@@ -32,24 +32,30 @@ def kendall(preds: list[Prediction]) -> tuple[float | None, list[str]]:
         tau = kendalltau([p.step for p in ps], [p.target.step for p in ps]).statistic
         taus.append((tau, len(ps)))
         link_s = f"{link:g} Mbit/s" if link is not None else "this machine's link"
-        lines.append(f"  tau at {n} ranks, {link_s}: {tau:.2f} over {len(ps)} points")
+        pairs = [(a.target, b.target) for i, a in enumerate(ps) for b in ps[i + 1 :]]
+        close = sum(abs(a.step - b.step) < a.spread * a.step + b.spread * b.step for a, b in pairs)
+        lines.append(
+            f"  tau at {n} ranks, {link_s}: {tau:.2f} over {len(ps)} points; {close} of {len(pairs)} pairs measured "
+            "closer than their run-to-run noise"
+        )
     if not taus:
         return None, ["  tau: n/a (no device count with two or more series predicted)"]
     return sum(t * k for t, k in taus) / sum(k for _, k in taus), lines
 
 
 def table(preds: list[Prediction], skipped: list[tuple[Point, str]]) -> list[str]:
-    head = f"{'point':<52} {'measured':>10} {'predicted':>10} {'interval':>17} {'err':>8} {'noise':>7}  exposed e"
+    head = f"{'point':<56} {'measured':>10} {'predicted':>10} {'interval':>17} {'err':>8} {'noise':>7}  exposed e"
     lines = [head, "-" * len(head)]
     for p in preds:
         t = p.target
         lines.append(
-            f"{t.label():<52} {t.step * 1e3:>8.1f}ms {p.step * 1e3:>8.1f}ms "
+            f"{t.label():<56} {t.step * 1e3:>8.1f}ms {p.step * 1e3:>8.1f}ms "
             f"{f'[{p.lo * 1e3:.1f}-{p.hi * 1e3:.1f}]':>17} {error_pct(p):>+7.1f}% {t.spread * 100:>6.1f}%  "
             f"{p.exposed:.2f} ({p.exposed_from})"
+            + (f"; micro-batch time {p.micro_batch_time_from}" if p.micro_batch_time_from else "")
         )
     for t, why in skipped:
-        lines.append(f"{t.label():<52} {t.step * 1e3:>8.1f}ms   not predicted: {why.split(' (')[0].split(': run')[0]}")
+        lines.append(f"{t.label():<56} {t.step * 1e3:>8.1f}ms   not predicted: {why.split(' (')[0].split(': run')[0]}")
     return lines
 
 
@@ -128,6 +134,8 @@ def write_predictions(root: Path, mode: str, preds: list[Prediction], measured: 
                     "series": t.series,
                     "world_size": t.world_size,
                     "microbatches": t.microbatches,
+                    "local_batch": t.local_batch,
+                    "workload": t.workload,
                     "link_mbit": t.link,
                     "predicted_step_s": p.step,
                     "interval_s": [p.lo, p.hi],
@@ -136,6 +144,7 @@ def write_predictions(root: Path, mode: str, preds: list[Prediction], measured: 
                     "compute_s": p.compute,
                     "comm_s": p.comm,
                     "exposed": p.exposed,
+                    "micro_batch_time_from": p.micro_batch_time_from or None,
                     "memory_bytes_per_rank": t.memory_bytes,
                     "measured_step_s": t.step if measured else None,
                     "err_pct": error_pct(p) if measured else None,

@@ -6,7 +6,8 @@ and runs one rank per node, each bound to its own core (taskset -c $SLURM_NODEID
 - calibration: ptbench.comm and DDP at the two calibration rates; every other adapter once at the fastest
   rate, profiled (trainer.profile: its non-overlapped fraction of communication, from the traces);
 - held out: every adapter at the held-out rate, and the pipeline at a second micro-batch count, measured only
-  there. ptbench.comm also runs there, into comm-check/, which the model never reads: it checks the fitted
+  there; one rank at the pipeline's two micro-batch sizes (no link; in the fastest rate's folder), which tells
+  how a micro-batch's time moves with its size. ptbench.comm also runs there, into comm-check/, which the model never reads: it checks the fitted
   alpha-beta at a rate the fit never saw (messages of 1 MiB or more).
 Records go to ROOT/link-<R>mbit/; then every held-out point is predicted from the calibration points alone and
 the table is printed, its last line `median |err| X %, max Y %, tau Z`. `--from ROOT` only evaluates a folder
@@ -23,6 +24,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ptbench.predict.model import fit_comm
@@ -55,12 +58,16 @@ ADAPTERS = {
     "megatron_tp2": ("adapter=megatron", "adapter.tensor_parallel=2"),
 }
 HELD_OUT_ONLY = {"pipeline_m4": ("adapter=pipeline", "adapter.microbatches=4")}
+# one rank, no link: a micro-batch's time at the pipeline's two micro-batch sizes (global 8 over m = 2 and 4), which
+# the model reads to move the pipeline's compute between micro-batch counts (model.slot_ratio)
+ONE_RANK = {f"ddp_1rank_b{b}": ("adapter=ddp", f"trainer.batch_size={b}") for b in (4, 2)}
 DEFAULT = "ddp,zero2,fsdp,pipeline_m2,megatron_tp2"
 COMM_OPS = "all_reduce,all_gather,reduce_scatter,send_recv"
-# global steps 13-14: in the last of 3 epochs of 6 steps (dp=2) and in the second of 12 (the pipeline at a global
-# batch of 8), so that two epochs stay clean of the profiler's slowdown
-PROFILE = "trainer.profile=13:2"
+# global steps 8-9: in the second of 3 epochs of 6 steps (dp=2; megatron at a global batch of 16) and in the first of
+# 12 (the pipeline at a global batch of 8), so that two epochs stay clean of the profiler's slowdown
+PROFILE = "trainer.profile=8:2"
 CHECK = "comm-check"  # the held-out rate's ptbench.comm, beside (not in) the comm/ folder the model reads
+BURST = 65536  # tbf's bucket in bytes (`shape`)
 
 
 def _sh(cmd: list[str], env=None, timeout=600, check=True) -> subprocess.CompletedProcess:
@@ -89,18 +96,20 @@ def preflight() -> None:
         )
 
 
-def shape(rate: float) -> None:
-    """tbf on each root-side veth: the rate into each node. The burst is two 64 KiB segments at every rate: one
-    that grew with the rate (10 ms' worth) let a 1 MiB message through unshaped at 1000 Mbit/s, and a link whose
-    time is not linear in 1/rate defeats the fit (measured here: all-gather 1 MiB at 300 Mbit/s 38 % off the
-    fit of 100 and 1000, within 10 % with the fixed burst). Smaller bursts were tried (2026-11-27, one run each,
-    median / max held-out step error and worst collective of 1 MiB or more): 16 KiB 4.9 / 14.7 % and 33.6 %,
-    64 KiB 4.0 / 9.1 % and 11.8 %, 128 KiB 3.7 / 18.4 % and 5.8 %. A bucket lends a message that follows a
-    compute gap its burst at line rate, where ptbench.comm's back-to-back messages find it empty: megatron's
-    256 KiB all-reduces between layers were over-predicted +5, +9 and +18 % at the three bursts. 128 KiB keeps
-    the collectives linear in 1/rate, which is what the fit needs. The queue (latency) holds a second at the
-    rate, so TCP meets delay, not drops."""
-    burst = 131072
+def shape(rate: float, burst: int = BURST) -> None:
+    """tbf on each root-side veth: the rate into each node, with the same burst (bucket) at every rate: one that
+    grew with the rate (10 ms' worth) let a 1 MiB message through unshaped at 1000 Mbit/s. The bucket is a
+    trade-off of the emulated link, which a real link does not have:
+    - it lends a message that follows a compute gap its burst at line rate, where ptbench.comm's back-to-back
+      messages find it empty, so steps with collectives between compute (megatron's all-reduces between layers)
+      run faster than the alpha-beta says;
+    - a smaller one bends the collectives' time off 1/rate (a late timer loses tokens), which the fit needs.
+    Measured here (2026-11-28, ptbench.comm at 30 calls per size; median / max held-out step error, tau, and the
+    worst collective of 1 MiB or more at the held-out rate): 128 KiB, `--repeats 2`: 1.9 / 21.7 %, tau 0.87,
+    collectives within 2.9 %, megatron +21.7 %; 64 KiB, `--repeats 2`: 5.6 / 7.6 %, tau 1.00, all-reduce and
+    reduce-scatter +5.7 to +7.7 %, megatron +6.8 %; 32 KiB (ddp and megatron only): DDP +7.3 %, all-reduce
+    +12.0 %. 64 KiB is the default: the steps, which are what a user predicts, come closest. The queue
+    (latency) holds a second at the rate, so TCP meets delay, not drops."""
     for dev in VETHS:
         _sh(
             [
@@ -126,33 +135,41 @@ def unshape() -> None:
         _sh(["tc", "qdisc", "del", "dev", dev, "root"], check=False)
 
 
-def srun(args: list[str], env: dict, timeout: int) -> None:
+def srun(args: list[str], env: dict, timeout: int, nodes: int = 2) -> None:
     inner = " ".join(args)
-    _sh(["srun", "-N2", "--ntasks-per-node=1", "bash", "-c", f"exec taskset -c $SLURM_NODEID {inner}"], env, timeout)
+    cmd = ["srun", f"-N{nodes}", "--ntasks-per-node=1", "bash", "-c", f"exec taskset -c $SLURM_NODEID {inner}"]
+    _sh(cmd, env, timeout)
 
 
-def comm(root: Path, rate: float, folder: str, env: dict, log) -> None:
-    shape(rate)
-    t0 = time.time()
-    out = root / f"link-{rate:g}mbit" / folder
-    srun([sys.executable, "-m", "ptbench.comm", "--ops", COMM_OPS, "--min-bytes", "16K", "--max-bytes", "4M",
-          "--iters", "10", "--warmup", "3", "--out", str(out)], env, 600)  # fmt: skip
-    log(f"  comm at {rate:g} Mbit/s ({folder}/): {time.time() - t0:.0f} s")
+@dataclass
+class Runs:
+    """The runs of one validate: each shapes the link to its rate first, and its record goes to link-<R>mbit/."""
+
+    root: Path
+    env: dict
+    log: Callable[[str], None]
+    burst: int = BURST
+
+    def comm(self, rate: float, folder: str) -> None:
+        shape(rate, self.burst)
+        t0 = time.time()
+        out = self.root / f"link-{rate:g}mbit" / folder
+        # 30 calls per size: at 10, a 1-2 MiB all-gather under tbf moved 9-14 % from run to run
+        srun([sys.executable, "-m", "ptbench.comm", "--ops", COMM_OPS, "--min-bytes", "16K", "--max-bytes", "4M",
+              "--iters", "30", "--warmup", "3", "--out", str(out)], self.env, 600)  # fmt: skip
+        self.log(f"  comm at {rate:g} Mbit/s ({folder}/): {time.time() - t0:.0f} s")
+
+    def train(self, rate: float, name: str, profile: bool = False) -> None:
+        shape(rate, self.burst)
+        mine = {**ADAPTERS, **HELD_OUT_ONLY, **ONE_RANK}[name]
+        common = [c for c in COMMON if c.split("=")[0] not in {o.split("=")[0] for o in mine}]
+        over = [*mine, *common, f"results.root={self.root / f'link-{rate:g}mbit'}", *([PROFILE] if profile else [])]
+        t0 = time.time()
+        srun([sys.executable, "-m", "ptbench", "launcher=slurm", *over], self.env, 600, 1 if name in ONE_RANK else 2)
+        self.log(f"  {name} at {rate:g} Mbit/s{' (profiled)' if profile else ''}: {time.time() - t0:.0f} s")
 
 
-def train(root: Path, rate: float, name: str, profile: bool, env: dict, log) -> None:
-    shape(rate)
-    over = [*{**ADAPTERS, **HELD_OUT_ONLY}[name], *COMMON, f"results.root={root / f'link-{rate:g}mbit'}"]
-    t0 = time.time()
-    srun(
-        [sys.executable, "-m", "ptbench", "launcher=slurm", *over, *(["trainer.profile=8:2"] if profile else [])],
-        env,
-        600,
-    )
-    log(f"  {name} at {rate:g} Mbit/s{' (profiled)' if profile else ''}: {time.time() - t0:.0f} s")
-
-
-def measure(root: Path, rates: list[float], held: float, names: list[str], log, repeats: int = 1) -> None:
+def measure(root: Path, rates: list[float], held: float, names: list[str], log, repeats: int = 1, burst: int = BURST):
     """Each adapter's runs back to back (its calibration and held-out rates), so that a slow spell of a shared
     machine falls on both rather than on one side."""
     preflight()
@@ -163,22 +180,24 @@ def measure(root: Path, rates: list[float], held: float, names: list[str], log, 
         "GLOO_SOCKET_IFNAME": "eth0",
     }
     env.pop("SLURM_JOB_ID", None)
+    runs = Runs(root, env, log, burst)
     _sh(["bash", cluster_script(), "start", "--nodes", "2"], timeout=300)
     try:
         cal = sorted(r for r in rates if r != held)
         for i in range(repeats):  # ptbench.comm repeated too: 1 MiB under tbf moves ~10 % from run to run
             again = f"repeat-{i + 1}/" if i else ""
             for rate in cal:
-                comm(root, rate, f"{again}comm", env, log)
-            # never read by the model: its alpha-beta at a rate it never saw
-            comm(root, held, f"{again}{CHECK}", env, log)
+                runs.comm(rate, f"{again}comm")
+            runs.comm(held, f"{again}{CHECK}")  # never read by the model: its alpha-beta at a rate it never saw
         for name in names:
             for _ in range(repeats):  # repeats interleaved: calibration, held out, calibration, held out, ...
                 for rate in cal if name == "ddp" else cal[-1:]:  # DDP: every calibration rate; the others profiled
-                    train(root, rate, name, name != "ddp", env, log)
-                train(root, held, name, False, env, log)
+                    runs.train(rate, name, profile=name != "ddp")
+                runs.train(held, name)
                 if name == "pipeline_m2":
-                    train(root, held, "pipeline_m4", False, env, log)
+                    runs.train(held, "pipeline_m4")
+                    for one in ONE_RANK:  # beside the pipeline's runs: the same spell of the machine
+                        runs.train(cal[-1], one)
     finally:
         unshape()
         _sh(["bash", cluster_script(), "stop", "--nodes", "2"], timeout=120, check=False)
@@ -229,6 +248,10 @@ def evaluate(root: Path, held: float) -> list[str]:
     return [*lines[:-1], *comm_check(root, held, fit_comm(reports)), lines[-1]]
 
 
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m ptbench.predict validate", description=__doc__)
     ap.add_argument("--rates", default="100,300,1000", help="link rates in Mbit/s (default 100,300,1000)")
@@ -240,6 +263,7 @@ def main(argv: list[str]) -> int:
         default=1,
         help="ptbench.comm and each adapter's runs this many times, interleaved (default 1)",
     )
+    ap.add_argument("--burst", type=int, default=BURST, help=f"tbf's bucket in bytes (default {BURST}; see shape)")
     ap.add_argument("--root", help="where the records go (default results/predict-validate-<time>)")
     ap.add_argument("--from", dest="from_root", help="only evaluate the records an earlier validate wrote here")
     args = ap.parse_args(argv)
@@ -259,7 +283,7 @@ def main(argv: list[str]) -> int:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         root = Path(args.root or f"results/predict-validate-{stamp}").resolve()
         print(f"# validate: records under {root}", flush=True)
-        measure(root, rates, args.held_out, names, lambda s: print(s, flush=True), max(args.repeats, 1))
+        measure(root, rates, args.held_out, names, _log, max(args.repeats, 1), args.burst)
     lines = evaluate(root, args.held_out)
     print(f"# held out: {args.held_out:g} Mbit/s; calibrated on the other rates (comm + ddp) and each adapter once")
     print("\n".join(lines[:-1]))
