@@ -1,9 +1,9 @@
 """A results folder -> measured points and ptbench.comm reports, read from the records' JSON only.
 
-A point is one (series, workload, world size, micro-batches, local batch, link rate): its runs (repeats) pooled. The series is the
-adapter with the settings that change its compute (ZeRO stage, schedule, tp, pp). The link rate (Mbit/s) of a
-record or a comm report is its `extra.link_mbit` (a run's `+extra.link_mbit=300`), else the number in the
-nearest folder above it named `link-<N>mbit` (what `python -m ptbench.predict validate` writes); None when
+A point is one (series, workload, world size, micro-batches, local batch, link rate): its runs (repeats) pooled.
+The series is the adapter with the settings that change its compute (ZeRO stage, schedule, tp, pp). The link rate
+(Mbit/s) of a record or a comm report is its `extra.link_mbit` (a run's `+extra.link_mbit=300`), else the number
+in the nearest folder above it named `link-<N>mbit` (what `python -m ptbench.predict validate` writes); None when
 neither says (the link the machine has).
 """
 
