@@ -172,11 +172,28 @@ def test_a_rank_that_never_starts_is_named_within_the_timeout(tmp_path):
     assert run_dirs(tmp_path) == [] and took < 65 + 60, took  # the timeout, plus the start-up of one process
 
 
+def _port_no_one_picks() -> int:
+    """A free port below the kernel's ephemeral range: no bind(0) of a test beside this one (a TCPStore, gloo's
+    pair listeners) can take it in the minute rank 1 waits. An ephemeral one was once taken, and rank 1 talked to
+    that listener instead of naming rank 0."""
+    import random
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(10000, min(low, 20000)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 10000-19999")
+
+
 def test_a_missing_rank_0_is_named_within_the_timeout(tmp_path):
     """WORLD_SIZE=2, only rank 1 started (the store's host, rank 0, never came up): rank 1 ends within the
     timeout (65 s) with one line naming rank 0, where torch's own connect retried past it with C++ traces."""
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
-    env["MASTER_PORT"] = str(free_port())
+    env["MASTER_PORT"] = str(_port_no_one_picks())
     t0 = time.time()
     proc = bench(*SMOKE, "launcher=torchrun", "trainer.hang_timeout_s=5", results=tmp_path, timeout=300, env=env)
     took = time.time() - t0
