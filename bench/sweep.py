@@ -149,6 +149,9 @@ class StopRequest:
         import signal
 
         self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # a handler for a blocked signal never runs: a parent that imported ptbench.__main__ (which blocks
+        # SIGTERM until a launcher can honour it) passes its mask on to this process
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
         return self
 
     def uninstall(self) -> None:

@@ -186,7 +186,12 @@ def test_zero3_offload_config_predicts_host_resident_states():
     ],
 )
 def test_plan_memory_verdict_follows_memory_check(monkeypatch, capsys, tmp_path, mode, verdict):
-    from ptbench.__main__ import _plan
+    import signal
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    from ptbench.__main__ import _plan  # its import blocks SIGUSR1 and SIGTERM, as the command's start does
+
+    signal.pthread_sigmask(signal.SIG_SETMASK, before)  # not for the processes this test worker starts later
     from ptbench.core import memory_model as mm
 
     monkeypatch.setattr(mm, "device_bytes", lambda *a, **k: (1.0, "a 1-byte stand-in device"))
