@@ -4,10 +4,11 @@ It starts the two-node Slurm in network namespaces (slurm/local_cluster.sh start
 between the nodes with tc tbf on both root-side veths (tbv1, tbv2: each node's incoming traffic) at each rate,
 and runs one rank per node, each bound to its own core (taskset -c $SLURM_NODEID):
 - calibration: ptbench.comm and DDP at the two calibration rates; every other adapter once at the fastest
-  rate, profiled (trainer.profile: its non-overlapped fraction of communication, from the traces);
+  rate, profiled (trainer.profile: its non-overlapped fraction of communication, from the traces); one rank at
+  the pipeline's two micro-batch sizes (no link; in the fastest rate's folder), which tells how a micro-batch's
+  time moves with its size;
 - held out: every adapter at the held-out rate, and the pipeline at a second micro-batch count, measured only
-  there; one rank at the pipeline's two micro-batch sizes (no link; in the fastest rate's folder), which tells
-  how a micro-batch's time moves with its size. ptbench.comm also runs there, into comm-check/, which the model never reads: it checks the fitted
+  there. ptbench.comm also runs there, into comm-check/, which the model never reads: it checks the fitted
   alpha-beta at a rate the fit never saw (messages of 1 MiB or more).
 Records go to ROOT/link-<R>mbit/; then every held-out point is predicted from the calibration points alone and
 the table is printed, its last line `median |err| X %, max Y %, tau Z`. `--from ROOT` only evaluates a folder
@@ -108,9 +109,9 @@ def shape(rate: float, burst: int = BURST) -> None:
     worst collective of 1 MiB or more at the held-out rate): 128 KiB, `--repeats 2`: 1.9 / 21.7 %, tau 0.87,
     collectives within 2.9 %, megatron +21.7 %; 64 KiB, `--repeats 2`, twice: 5.6 / 7.6 % and 2.3 / 11.3 %, tau
     1.00 and 0.87 (a pair measured 95.7 ms both), all-reduce and reduce-scatter up to +7.7 %, megatron +6.8 and
-    +10.3 %; 32 KiB (ddp and megatron only): DDP +7.3 %, all-reduce
-    +12.0 %. 64 KiB is the default: the steps, which are what a user predicts, come closest. The queue
-    (latency) holds a second at the rate, so TCP meets delay, not drops."""
+    +10.3 %; 32 KiB (ddp and megatron only): DDP +7.3 %, all-reduce +12.0 %. 64 KiB is the default: the steps,
+    which are what a user predicts, come closest. The queue (latency) holds a second at the rate, so TCP meets
+    delay, not drops."""
     for dev in VETHS:
         _sh(
             [
@@ -170,7 +171,9 @@ class Runs:
         self.log(f"  {name} at {rate:g} Mbit/s{' (profiled)' if profile else ''}: {time.time() - t0:.0f} s")
 
 
-def measure(root: Path, rates: list[float], held: float, names: list[str], log, repeats: int = 1, burst: int = BURST):
+def measure(
+    root: Path, rates: list[float], held: float, names: list[str], log, repeats: int = 1, burst: int = BURST
+) -> None:
     """Each adapter's runs back to back (its calibration and held-out rates), so that a slow spell of a shared
     machine falls on both rather than on one side."""
     preflight()
