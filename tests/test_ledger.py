@@ -347,13 +347,16 @@ def test_megatron_pipeline_bubble_marks_every_item_once(tmp_path):
     assert len(b["replayed_per_stage"]) == p and all(0 < v < 1 for v in b["replayed_per_stage"]), b
     assert b["mean"] == pytest.approx(sum(b["per_stage"]) / p) and b["ratio"] == pytest.approx(b["mean"] / b["theory"])
     assert len(b["per_step"]) == 2 and b["mean"] == pytest.approx(sum(b["per_step"]) / 2)  # the spread over steps
-    assert set(b["item_cv"]) == {"fwd", "bwd"} and all(0 <= v < 1 for v in b["item_cv"].values()), b["item_cv"]
+    assert set(b["item_cv"]) == {"fwd", "bwd"}, b["item_cv"]  # its size is the machine's noise: checked below
     assert len(b["step_item_cv"]) == 2 and 0 <= b["steady_steps"] <= 2, b
     steady = [v for v, c in zip(b["per_step"], b["step_item_cv"]) if c <= b["steady_cv"]]
     assert b["steady_mean"] == (pytest.approx(sum(steady) / len(steady)) if steady else None)
 
     marks = {s: _stage_marks(json.loads((run / "traces" / f"rank{s}.json").read_text())) for s in range(p)}
     assert sorted(marks[0]) == sorted(marks[1]) == [1, 2]
+    for tag in ("fwd", "bwd"):  # the spread of one direction's item times over stages and steps, from the raw marks
+        ds = [t1 - t0 for s in range(p) for g in (1, 2) for t, t0, t1 in marks[s][g] if t == tag]
+        assert b["item_cv"][tag] == pytest.approx(statistics.pstdev(ds) / statistics.fmean(ds), rel=1e-3), tag
     idle = [[] for _ in range(p)]
     for g in (1, 2):
         for s in range(p):
