@@ -116,7 +116,6 @@ def test_the_pipeline_bubble_scales_compute_between_microbatch_counts(records):
     assert 0 <= m2.exposed_measured <= 1 and pred.exposed == pytest.approx(m2.exposed_measured)
     t = {p.local_batch: p.fb_steps[0] for p in points if p.world_size == 1}
     k = (2 + 1) * t[4] / ((4 + 1) * t[2])
-    assert 0.5 < t[2] / t[4] < 1, t  # not free, not proportional: fixed costs per operator
     assert pred.micro_batch_time_from == "one-rank runs at batch 2,4,8"
     t2 = comm_time(m2, m2.link, fit_comm(load_comm(records)))
     assert pred.compute == pytest.approx((m2.step - pred.exposed * t2) / k)
