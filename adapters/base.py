@@ -22,7 +22,9 @@ Checkpoints (bench/core/checkpoint.py; the trainer decides when): `save_checkpoi
 folder every rank shares. The default is torch.distributed.checkpoint (DCP) through
 `get_state_dict`/`set_state_dict` on `checkpoint_module()` and `self.optimizer`: it handles DDP
 wrappers, FSDP2 and tensor-parallel DTensors (each rank writes its shards, replicated tensors once).
-Adapters whose framework has its own API override both (DeepSpeed, Horovod, GPipe). An adapter
+Adapters whose framework has its own API override both (DeepSpeed, Horovod, GPipe). Loading runs under an
+allowlisting unpickler (bench/core/checkpoint_load.py): a framework whose files hold its own record types
+names them in `checkpoint_safe_globals()`. An adapter
 declares that its state is checkpointed correctly by overriding `checkpoint_refusal` to return None;
 the default is a reason, so a new adapter never writes a checkpoint nobody has checked.
 """
@@ -313,6 +315,11 @@ class Adapter(ABC):
         if getattr(self, "scaler", None) is not None:
             state["scaler"] = self.scaler.state_dict()
         dcp.save(state, checkpoint_id=str(Path(path) / "dcp"))
+
+    def checkpoint_safe_globals(self) -> list:
+        """Types beyond tensors, containers and numbers that this adapter's checkpoint files hold (loading
+        refuses any other: a planted pickle is never run)."""
+        return []
 
     def load_checkpoint(self, path: Path) -> None:
         """Read what `save_checkpoint` wrote into this rank's model and optimizer (a collective)."""

@@ -254,6 +254,14 @@ class ZeroAdapter(Adapter):
         # a collective: every rank writes its partitions under PATH/deepspeed/
         self.engine.save_checkpoint(str(path), tag="deepspeed", save_latest=False)
 
+    def checkpoint_safe_globals(self) -> list:
+        # what DeepSpeed's optimizer-state files hold beside tensors (it loads them with weights_only=False)
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
     def load_checkpoint(self, path) -> None:
         loaded, _ = self.engine.load_checkpoint(
             str(path), tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=True

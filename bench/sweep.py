@@ -9,6 +9,11 @@
     python -m ptbench.sweep point sweep.txt 3 [--resume] [-- overrides]  # "RANKS GPUS_PER_RANK overrides" or "skip"
     python -m ptbench.sweep point sweep.txt 3 --oom-retry [-- overrides]  # its OOM retry's overrides, or "skip"
 
+A sweep file lists points, and often sits in a group folder others can write: a line that sets a hydra.* key
+(callbacks, job.env_set), calls a resolver (${oc.env:...}), names a config by path or passes a Hydra option
+(-cd, --experimental-rerun) is refused in one line unless the reader passes --trust-sweep-file (array tasks:
+PTBENCH_TRUST_SWEEP_FILE=1 in sbatch's environment, which `submit --trust-sweep-file` sets).
+
 This module is the command line only. Grids, sweep files, point ids, `--resume` and the OOM retry are
 bench/runner/points.py; Slurm submission is bench/runner/slurm.py; each point runs as
 `python -m ptbench <overrides>` (bench/run_point.py). `run` and `submit` also measure the network once per
@@ -18,6 +23,8 @@ world size of the sweep (`python -m ptbench.comm --out <records>/comm`, for the 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -29,6 +36,8 @@ from ptbench.core.errors import ConfigError
 from ptbench.run_point import run_bench
 from ptbench.runner.points import (
     COMM_ARGS,
+    _parse_line,
+    _sweep_lines,
     comm_measured,
     comm_targets,
     compose_point,
@@ -37,8 +46,6 @@ from ptbench.runner.points import (
     newest_status,
     oom_retry,
     point_id,
-    read_point,
-    read_points,
     repeat_overrides,
     run_name,
     skip_if_done,
@@ -46,9 +53,73 @@ from ptbench.runner.points import (
 )
 from ptbench.runner.slurm import script_path, submit_arrays, submit_comm, with_repeats
 
+TRUST_FLAG = "--trust-sweep-file"
+TRUST_ENV = "PTBENCH_TRUST_SWEEP_FILE"  # the flag for array tasks (sbatch passes the submitter's environment on)
+
+
+# --- what a sweep line may say -----------------------------------------------------------------------
+# `${name:...}`: an OmegaConf resolver call (oc.env reads the environment, oc.decode parses, others run code). A
+# plain `${a.b}` has no colon: it copies a value the run's config already holds (and its record keeps), so stays.
+_RESOLVER = re.compile(r"\$\{[^}]*:")
+_RESOLVER_NAME = re.compile(r"\$\{\s*([^${}:\s]*)\s*:")  # the innermost call's name, for the message
+
+
+def _untrusted(override: str, parser, groups: set[str]) -> str | None:
+    """What one override of a sweep line reaches beyond the point it names, or None."""
+    if override.startswith("-"):
+        opt = override.split("=", 1)[0]
+        return f"{opt}: a Hydra option, not an override (-cd/-cn load another config, --experimental-rerun a pickle)"
+    key = re.split(r"[=@]", override.lstrip("~+"), maxsplit=1)[0]
+    if _RESOLVER.search(override):
+        name = (_RESOLVER_NAME.search(override) or [None, "?"])[1]
+        return f"key {key}: its value calls the resolver {name} (resolvers read the environment or files)"
+    try:
+        o = parser.parse_override(override)
+    except Exception:  # noqa: BLE001 - not an override at all: `python -m ptbench` refuses it before anything runs
+        return None
+    key, package = o.key_or_group, (o.package or "").removeprefix("_global_").lstrip(".")
+    if key.split("/")[0].split(".")[0] == "hydra" or package.split(".")[0] == "hydra":
+        at = f"@{o.package}" if o.package else ""
+        return f"key {key}{at}: a hydra.* key (its callbacks, job.env_set and searchpath run code)"
+    value = override.split("=", 1)[1] if "=" in override else ""
+    if (key in groups or "/" in key) and re.search(r"[/\\$]", value):  # Hydra joins it to conf/<group>/: `..` leaves
+        return f"key {key}: the config option {value} is a path, not a name in conf/{key}/"
+    return None
+
+
+def check_lines(where: list[tuple[str, list[str]]], trust: bool) -> None:
+    """Refuse (one ConfigError naming the place, the key and the flag) a sweep line that sets more than a point:
+    `where` is (place, overrides) per line, the place `FILE:LINE`."""
+    if trust:
+        return
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from ptbench.runner.compose import conf_dir
+
+    parser, groups = OverridesParser.create(), {d.name for d in conf_dir().iterdir() if d.is_dir()}
+    for place, overrides in where:
+        for override in overrides:
+            why = _untrusted(override, parser, groups)
+            if why:
+                raise ConfigError(
+                    f"{place}: {why}; a sweep line names a point only: if you wrote this file and mean it, "
+                    f"pass {TRUST_FLAG} (array tasks: {TRUST_ENV}=1)"
+                )
+
+
+def sweep_points(path: Path, trust: bool, index: int | None = None) -> tuple[list[list[str]], int]:
+    """(the points of a sweep file, each line checked by `check_lines`; the file's number of points). `index`: only
+    that point, or none if the file has no such point (an array task is not failed by another task's line)."""
+    lines = _sweep_lines(path)
+    wanted = lines if index is None else lines[index : index + 1] if 0 <= index < len(lines) else []
+    points = [_parse_line(path, n, text) for n, text in wanted]
+    check_lines([(f"{path}:{n}", p) for (n, _), p in zip(wanted, points)], trust)
+    return points, len(lines)
+
 
 # --- command line ----------------------------------------------------------------------------------
 def _grid(args) -> int:
+    check_lines([(f"sweep grid {shlex.quote(o)}", [o]) for o in args.overrides], args.trust)  # sweep run would refuse
     points = expand_grid(args.overrides)
     header = "python -m ptbench.sweep grid " + shlex.join(args.overrides)
     if args.output == "-":
@@ -63,7 +134,8 @@ def _grid(args) -> int:
 
 
 def _point(args) -> int:
-    point, count = read_point(args.file, args.index)  # only this task's line: another line's error is not ours
+    points, count = sweep_points(args.file, args.trust, args.index)  # this task's line: another's error is not ours
+    point = points[0] if points else []
     if not point:
         print(
             f"error: {args.file} has {count} points (0-{count - 1}); there is no point {args.index}",
@@ -89,7 +161,7 @@ def _point(args) -> int:
 
 
 def _run(args) -> int:
-    points = read_points(args.file)
+    points, _ = sweep_points(args.file, args.trust)
     if not points:
         print(f"error: {args.file} has no points", file=sys.stderr)
         return 2
@@ -285,14 +357,15 @@ def _submit(args) -> int:
     if not args.dry_run and not shutil.which("sbatch"):
         print("error: sbatch not found: run this on a Slurm login node (or add --dry-run)", file=sys.stderr)
         return 2
-    file, points = args.file, None
+    file, points = args.file, sweep_points(args.file, args.trust)[0]  # the lines checked are the lines submitted
+    if args.trust:  # each array task reads its line again, and checks it unless this is in its environment
+        os.environ[TRUST_ENV] = "1"
     if args.repeats > 1:  # one line (array task) per repeat, interleaved, in a sweep file beside the given one
-        points = with_repeats(read_points(args.file), args.repeats, args.vary_seed, extra=args.extra)
+        points = with_repeats(points, args.repeats, args.vary_seed, extra=args.extra)
         file = args.file.with_name(f"{args.file.stem}.repeats{args.repeats}{args.file.suffix or '.txt'}")
         if not args.dry_run:
             write_points(file, points, f"{args.file} x {args.repeats} repeats, interleaved (ptbench.sweep submit)")
-            points = None
-        print(f"submit: {len(points or read_points(file))} array tasks ({args.repeats} repeats) from {file}")
+        print(f"submit: {len(points)} array tasks ({args.repeats} repeats) from {file}")
     code, _ = submit_arrays(
         file,
         args.extra,
@@ -410,12 +483,26 @@ def main(argv=None) -> int:
         help="after a failed run: RANKS GPUS_PER_RANK and the overrides that retry the point with half its "
         "per-device batch if its newest record says oom (extra.batch_reduced_from), else `skip`",
     )
+    for each in (g, r, s, p):
+        _trust_option(each)
     args = parser.parse_args(argv)
     try:
         return _dispatch(args, extra)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _trust_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        TRUST_FLAG,
+        dest="trust",
+        action="store_true",
+        default=os.environ.get(TRUST_ENV) == "1",
+        help=f"let sweep lines set hydra.* keys, call resolvers (${{oc.env:...}}), name configs by path and pass Hydra "
+        f"options: only for a sweep file you wrote, in a folder no one else can write ({TRUST_ENV}=1: the same; "
+        "submit passes it on to its array tasks)",
+    )
 
 
 def _dispatch(args, extra: list[str]) -> int:

@@ -123,3 +123,72 @@ def pytest_xdist_make_scheduler(config, log):
             return _scope(nodeid)
 
     return ByFile(config, log)
+
+
+# --- two users on one machine ----------------------------------------------------------------------
+class TwoUsers:
+    """A victim and an attacker who share a group, as two members of one project on a cluster: uids and
+    gids above any real account's (setpriv takes numbers, no passwd entry needed). `victim(cmd)` and
+    `attacker(cmd)` are argv prefixes; the victim runs under umask 002, as in a group folder. `base` is a
+    folder both can enter (pytest's own folders are root's, mode 700); `shared(path)` makes a group folder
+    there (setgid, mode 2775, the group's)."""
+
+    GROUP, VICTIM, ATTACKER = 61000, 61001, 61002
+
+    def __init__(self, base: Path):
+        self.base = base
+
+    def _as(self, uid: int, gid: int, groups: str, umask: str) -> list[str]:
+        # the umask is set before setpriv: an unprivileged process cannot exec our python (under /root, mode 700)
+        # a second time, setpriv's own exec can
+        return [
+            "sh",
+            "-c",
+            f'umask {umask}; exec "$@"',
+            "sh",
+            "setpriv",
+            f"--reuid={uid}",
+            f"--regid={gid}",
+            f"--groups={groups}",
+        ]
+
+    def victim(self, *cmd: str) -> list[str]:
+        return [*self._as(self.VICTIM, self.GROUP, str(self.GROUP), "002"), *cmd]
+
+    def attacker(self, *cmd: str) -> list[str]:
+        return [*self._as(self.ATTACKER, self.ATTACKER, str(self.GROUP), "002"), *cmd]
+
+    def shared(self, path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        os.chown(path, self.VICTIM, self.GROUP)
+        path.chmod(0o2775)
+        return path
+
+    def env(self, **extra) -> dict:
+        """The environment for either user: HOME and caches in `base` (root's are not theirs)."""
+        home = self.base / "home"
+        home.mkdir(exist_ok=True)
+        home.chmod(0o1777)
+        return {
+            **os.environ,
+            "HOME": str(home),
+            "XDG_CACHE_HOME": str(home / ".cache"),
+            "PYTHONUNBUFFERED": "1",
+            **extra,
+        }
+
+
+@pytest.fixture
+def two_users():
+    """TwoUsers in a fresh folder under /tmp, removed afterwards; skipped (failed under CI) without root and
+    setpriv."""
+    import tempfile
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        require_or_skip("root and setpriv", "the two-user attacks run as two uids")
+    base = Path(tempfile.mkdtemp(prefix="ptbench-two-users-", dir="/tmp"))
+    base.chmod(0o755)
+    try:
+        yield TwoUsers(base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

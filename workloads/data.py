@@ -4,7 +4,8 @@ Everything here is plain PyTorch `Dataset`s whose items are `(input, target)` te
 
 - `MarkovTokens`: token sequences from a fixed random Markov chain (language, no files).
 - `SyntheticImages`: class-conditional images: a fixed per-class template plus noise (vision, no files).
-- `TokenBlocks` over a uint16 memmap made by `token_cache()`: text file -> GPT-2 BPE ids, cached once.
+- `TokenBlocks` over a uint16 memmap made by `token_cache()`: text file -> GPT-2 BPE ids, cached once
+  (workloads/token_cache.py, re-exported here).
 - `image_folder()` + `imagenet_transforms()`: ImageFolder layout with the reference transforms, decoded by
   torchvision.io on uint8 tensors (`ImageFiles`, optional RAM cache of decoded images) or by PIL.
 
@@ -14,12 +15,9 @@ framework sees the same data; only the model init and the sampling order follow 
 
 from __future__ import annotations
 
-import glob
-import hashlib
 import os
 import re
 import time
-import uuid
 import warnings
 from pathlib import Path
 
@@ -29,6 +27,18 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from ptbench.core.errors import ConfigError
+from ptbench.workloads.token_cache import (  # noqa: F401 - the token cache's names, as D.<name> in workloads and tests
+    TOKENIZER_FILES,
+    TokenBlocks,
+    _stderr,
+    _writable_dir,
+    blank_text,
+    encode_text,
+    gpt2_tokenizer,
+    load_tokens,
+    read_utf8,
+    token_cache,
+)
 
 SYNTHETIC_SEED = 0x5EED  # fixed: synthetic data never depends on the trainer seed
 _SPLIT_IDS = {"train": 1, "val": 2}
@@ -119,264 +129,6 @@ class SyntheticImages(Dataset):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPT-2 BPE + token cache
-# ---------------------------------------------------------------------------------------------
-TOKENIZER_FILES = ("vocab.json", "merges.txt")
-
-
-def gpt2_tokenizer(tokenizer_dir: str | os.PathLike):
-    """GPT-2 byte-level BPE from local vocab.json + merges.txt ("Hello world" -> [15496, 995])."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    d = Path(tokenizer_dir)
-    tok = Tokenizer(models.BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
-def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        h.update((Path(tokenizer_dir) / name).read_bytes())
-    return h.hexdigest()[:12]
-
-
-# A chunk may end at "\n" only where the next line starts with an optional space and then a
-# non-space: GPT-2's pre-tokenizer regex cannot match across such a point, so encoding the
-# chunks separately gives exactly the ids of encoding the file whole (checked on Wikitext-2),
-# and `encode_batch` can use every core.
-_SAFE_LINE_START = re.compile(r" ?\S")
-
-
-def encode_text(tok, text: str, chunk_chars: int = 1 << 16) -> np.ndarray:
-    """Text -> uint16 token ids, identical to `tok.encode(text).ids`, encoded in parallel chunks."""
-    chunks, cur, n = [], [], 0
-    for line in text.splitlines(keepends=True):
-        if cur and n >= chunk_chars and _SAFE_LINE_START.match(line):
-            chunks.append("".join(cur))
-            cur, n = [], 0
-        cur.append(line)
-        n += len(line)
-    if cur:
-        chunks.append("".join(cur))
-    if tok.get_vocab_size() > 65535:
-        raise ConfigError(f"data.tokenizer_dir: vocabulary of {tok.get_vocab_size()} does not fit the uint16 cache")
-    parts = [np.asarray(e.ids, dtype=np.uint16) for e in tok.encode_batch(chunks, add_special_tokens=False)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
-
-
-def _writable_dir(d: Path) -> bool:
-    return _unwritable(d) is None
-
-
-def _unwritable(d: Path) -> OSError | None:
-    """Why no file can be made in `d` (made if missing), or None if one can."""
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        probe = d / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        probe.touch()
-        probe.unlink()
-        return None
-    except OSError as e:
-        return e
-
-
-def _user_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trainbench"
-
-
-def cache_dirs(text_path: Path, cache_dir: str | None) -> list[Path]:
-    """Where the cache may live, in order: data.cache_dir, $BENCH_CACHE_DIR, the user's cache folder
-    ($XDG_CACHE_HOME/trainbench, default ~/.cache/trainbench: never into a dataset folder, which may be
-    shared), <root>/.bench_cache (only when the user's cache folder is not writable, and where
-    an older version left a cache)."""
-    if cache_dir:
-        return [Path(cache_dir)]
-    if os.environ.get("BENCH_CACHE_DIR"):
-        return [Path(os.environ["BENCH_CACHE_DIR"])]
-    return [_user_cache_dir(), text_path.parent / ".bench_cache"]
-
-
-def token_cache(
-    text_path: str | os.PathLike,
-    tokenizer_dir: str | os.PathLike,
-    cache_dir: str | None = None,
-    local_rank: int = 0,
-    wait_s: float | None = None,
-    say=None,
-) -> Path:
-    """Path of the uint16 token-id file for `text_path`, building it if needed.
-
-    The name is keyed by the text file's name, size and mtime and a hash of the tokenizer files,
-    so an edited file or another tokenizer gives a new cache, and ends with the token count it was
-    written with (KEY.N.u16): a file whose size is not 2 N bytes (cut short by a full disk, a copy, a
-    crash of the file system) is rebuilt, with one line to `say` (default: stderr) saying so, instead
-    of training on part of the text. `local_rank` 0 builds (temp file, then an atomic rename, so
-    concurrent builders on a shared file system are harmless); other ranks wait for a complete file,
-    at most `wait_s` seconds (default 300 s + 2 s per MB of text, env BENCH_DATA_WAIT_S overrides).
-    """
-    text_path = Path(text_path)
-    st = text_path.stat()
-    key = (
-        f"{text_path.parent.name}.{text_path.name}.{st.st_size}.{st.st_mtime_ns}.{tokenizer_fingerprint(tokenizer_dir)}"
-    )
-    candidates = cache_dirs(text_path, cache_dir)
-
-    found, damaged = _cached(candidates, key)
-    if found is not None:
-        return found
-    if local_rank != 0:
-        return _wait_for_cache(candidates, key, local_rank, wait_s, st.st_size)
-    for path, tokens in damaged:
-        (say or _stderr)(
-            f"warning: token cache {path} holds {path.stat().st_size} bytes, not the {2 * tokens} of its "
-            f"{tokens} tokens (cut short after it was written): rebuilding it from {text_path}"
-        )
-        path.unlink(missing_ok=True)
-    target_dir, why = None, {}
-    for d in candidates:  # in order, up to the first writable one: a later one is not made needlessly
-        why[d] = _unwritable(d)
-        if why[d] is None:
-            target_dir = d
-            break
-    if target_dir is None:
-        said = ", ".join(f"{d} ({e.strerror or e})" for d, e in why.items())
-        raise ConfigError(f"data.cache_dir: no file can be made in {said}; set data.cache_dir=<a writable folder>")
-    ids = encode_text(gpt2_tokenizer(tokenizer_dir), read_utf8(text_path))
-    final = target_dir / f"{key}.{ids.size}.u16"
-    _write_cache(ids, final, target_dir / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    return final
-
-
-def _write_cache(ids: np.ndarray, final: Path, tmp: Path) -> None:
-    """`ids` into `final` through `tmp` (an atomic rename); a storage that refuses (a full disk, a quota, a
-    read-only file system) ends in one line naming the file, its size and the fix, the partial file removed."""
-    from ptbench.core.records import storage_error
-
-    try:
-        with open(tmp, "wb") as f:
-            f.write(memoryview(ids))  # not ids.tofile: a full disk would be an OSError without its errno
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except OSError as e:
-        size = f"{ids.nbytes / 2**20:.1f} MiB" if ids.nbytes >= 2**20 else f"{-(-ids.nbytes // 1024)} KiB"
-        fix = f"or set data.cache_dir=<a folder with {size} free> (the token cache)"
-        raise storage_error(e, final, fix) from e
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _cached(candidates: list[Path], key: str) -> tuple[Path | None, list[tuple[Path, int]]]:
-    """(the first cache file of `key` whose size matches the token count in its name, or None;
-    [(file, its count)] of those that do not)."""
-    pattern = re.compile(re.escape(key) + r"\.(\d+)\.u16")
-    damaged = []
-    for d in candidates:
-        for path in sorted(d.glob(f"{glob.escape(key)}.*.u16")) if d.is_dir() else []:
-            m = pattern.fullmatch(path.name)
-            if not m:
-                continue
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:  # replaced by another builder meanwhile
-                continue
-            if size == 2 * int(m.group(1)):
-                return path, []
-            damaged.append((path, int(m.group(1))))
-    return None, damaged
-
-
-def _wait_for_cache(candidates: list[Path], key: str, local_rank: int, wait_s: float | None, text_bytes: int) -> Path:
-    if wait_s is None:
-        wait_s = float(os.environ.get("BENCH_DATA_WAIT_S", 300 + 2 * text_bytes / 1e6))
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        found, _ = _cached(candidates, key)
-        if found is not None:
-            return found
-    raise TimeoutError(
-        f"local rank {local_rank} waited {wait_s:.0f} s for the token cache {key}.*.u16 "
-        f"(built by local rank 0) in {', '.join(map(str, candidates))}"
-    )
-
-
-def read_utf8(path: Path) -> str:
-    """The text of `path`, strict UTF-8. Invalid bytes end the run with one line naming the file and the
-    byte offset, rather than being decoded with replacement characters: WikiText is UTF-8, so such a byte
-    means a damaged or a wrong file, and replacing it would train, silently, on other tokens than the
-    dataset's (a benchmark's token count and loss would no longer compare with anyone's)."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ConfigError(
-            f"data.root: {path} is not valid UTF-8 at byte {e.start} (line {line}, byte 0x{data[e.start]:02x}): "
-            "restore the file, or convert it to UTF-8 (iconv -f <its encoding> -t utf-8)"
-        ) from None
-
-
-def _stderr(line: str) -> None:
-    import sys
-
-    print(line, file=sys.stderr, flush=True)
-
-
-def blank_text(path: str | os.PathLike, probe: int = 1 << 16) -> bool:
-    """The text file holds nothing to tokenize: empty, or (when small) only whitespace."""
-    size = os.path.getsize(path)
-    if size > probe:
-        return False
-    with open(path, "rb") as f:
-        return not f.read().strip()
-
-
-def load_tokens(path: str | os.PathLike) -> np.ndarray:
-    """The token ids of a cache file as a read-only uint16 memmap."""
-    if os.path.getsize(path) == 0:
-        return np.zeros(0, dtype=np.uint16)
-    return np.memmap(path, dtype=np.uint16, mode="r")
-
-
-class TokenBlocks(Dataset):
-    """Non-overlapping blocks of seq_len + 1 tokens: input = block[:-1], target = block[1:] (int64).
-
-    Holds only the cache path; each process (DataLoader workers included) opens its own memmap,
-    so nothing large is pickled when workers are spawned.
-    """
-
-    def __init__(self, cache_path: str | os.PathLike, seq_len: int, source: str | os.PathLike | None = None):
-        self.path, self.seq_len = str(cache_path), seq_len
-        self.num_tokens = os.path.getsize(self.path) // 2
-        self.n = self.num_tokens // (seq_len + 1)
-        self._tokens = None
-        if self.n == 0:
-            raise ConfigError(
-                f"data.root: {source or self.path} holds {self.num_tokens} tokens, fewer than "
-                f"workload.seq_len + 1 = {seq_len + 1}; lower workload.seq_len or use a longer file"
-            )
-
-    def __getstate__(self):
-        return {**self.__dict__, "_tokens": None}
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        if not 0 <= i < self.n:
-            raise IndexError(i)
-        if self._tokens is None:
-            self._tokens = load_tokens(self.path)
-        L = self.seq_len + 1
-        block = torch.from_numpy(self._tokens[i * L : (i + 1) * L].astype(np.int64))
-        return block[:-1], block[1:]
-
-
-# ---------------------------------------------------------------------------------------------
 # images
 # ---------------------------------------------------------------------------------------------
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -456,6 +208,20 @@ class BadImage(ConfigError):
         super().__init__(message)
 
 
+def _decode_failure(e: BaseException) -> str:
+    """What a decoder raised, in a few words: its type and first sentence, without torchvision's C++ location."""
+    text = re.sub(r"^.*\.cpp:\d+, ", "", str(e).strip().split("\n")[0])
+    text = text.split(". ")[0][:120]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _cannot_decode(path, why: str) -> str:
+    return (
+        f"data.root: image {path} cannot be decoded ({why}): replace or remove the file, or set "
+        "data.bad_images=skip to skip such files and count them in the record"
+    )
+
+
 class DamagedImages:
     """data.bad_images for a dataset of image files (`samples`: [(path, label)]). fail: the first damaged
     file ends the run in one line naming it. skip: it is named once in one line, marked, and every item
@@ -482,14 +248,9 @@ class DamagedImages:
     def damaged(self, j: int, e: BaseException) -> None:
         """File j failed to decode with `e`: raise (fail) or mark it and say so once (skip)."""
         path = self.samples[j][0]
-        text = re.sub(r"^.*\.cpp:\d+, ", "", str(e).strip().split("\n")[0])  # torchvision's C++ source location
-        text = text.split(". ")[0][:120]  # its first sentence
-        why = f"{type(e).__name__}: {text}" if text else type(e).__name__
+        why = _decode_failure(e)
         if self.bad_images == "fail":
-            raise BadImage(
-                f"data.root: image {path} cannot be decoded ({why}): replace or remove the file, or set "
-                "data.bad_images=skip to skip such files and count them in the record"
-            ) from None
+            raise BadImage(_cannot_decode(path, why)) from None
         if not self._bad[j]:
             self._bad[j] = True
             _stderr(f"warning: image {path} cannot be decoded ({why}): skipped and counted (data.bad_images=skip)")
@@ -613,8 +374,11 @@ def image_folder(
     return ImageFiles(Path(root) / split, image_size, train, augment, cache_decoded, bad_images)
 
 
-def decoded_bytes_estimate(split_dir: str | os.PathLike) -> int:
-    """Bytes a RAM cache of <split_dir>'s decoded images would take: the first image's x the image count."""
+def decoded_bytes_estimate(split_dir: str | os.PathLike, bad_images: str = "fail") -> int:
+    """Bytes a RAM cache of <split_dir>'s decoded images would take: the first decodable image's x the image
+    count. A file that cannot be decoded is what the loader makes of it (`DamagedImages`): with
+    bad_images=fail the first one ends the check in the loader's one line naming it; with skip the next is
+    tried (the loader names it when it meets it)."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
     files = [
@@ -624,7 +388,15 @@ def decoded_bytes_estimate(split_dir: str | os.PathLike) -> int:
         for f in sorted(os.listdir(c.path))
         if f.lower().endswith(IMG_EXTENSIONS)
     ]
-    return decode_rgb(files[0]).numel() * len(files) if files else 0
+    for path in files:
+        try:
+            with warnings.catch_warnings():  # torchvision 0.29 warns at every decode that TorchCodec succeeds it
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return decode_rgb(path).numel() * len(files)
+        except DECODE_ERRORS as e:
+            if bad_images == "fail":
+                raise BadImage(_cannot_decode(path, _decode_failure(e))) from None
+    return 0
 
 
 def class_folders(split_dir: Path) -> list[str]:

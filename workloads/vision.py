@@ -286,7 +286,7 @@ class VisionWorkload(Workload):
                 )
             import psutil
 
-            need = sum(D.decoded_bytes_estimate(Path(root) / split) for split in ("train", "val"))
+            need = sum(D.decoded_bytes_estimate(Path(root) / split, self.data.bad_images) for split in ("train", "val"))
             free = psutil.virtual_memory().available
             if need > free / 4:  # per rank: every rank of a node holds its own cache
                 raise ConfigError(

@@ -166,10 +166,17 @@ def _stderr(line: str) -> None:
 
 
 def prepare(tmp: Path) -> None:
-    """Rank 0, before a save: an empty temp folder (a crashed save's leftovers removed)."""
+    """Rank 0, before a save: an empty temp folder (a crashed save's leftovers removed), mode 700 from the
+    start: under umask 002 its files are group-writable until the commit, and a group member who opened one
+    for writing in that window could change it after its checksum (an open descriptor outlives a chmod)."""
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    mode = stat.S_IMODE(tmp.parent.stat().st_mode)
+    if mode & 0o022:  # no one else renames a checkpoint away or in
+        tmp.parent.chmod(mode & ~0o022)
+    tmp.mkdir(mode=0o700)
+    tmp.chmod(0o700)  # mkdir's mode passes through the umask
 
 
 def commit(tmp: Path, meta: dict) -> Path:
@@ -292,6 +299,26 @@ def unsafe_to_resume(path: Path) -> str | None:
     return None
 
 
+def open_to_everyone(run_dir: Path, roots) -> str | None:
+    """One line refusing a resume when a folder from `run_dir` up to the results root it was found under may
+    be written by every user of the machine without the sticky bit (anyone could rename our record away and
+    theirs in), or None. A group-writable folder passes: a group member's swap is refused where the checkpoint
+    is loaded (bench/core/checkpoint_load.py), through the descriptor that is read."""
+    tops = {Path(r).resolve() for r in roots}
+    p = Path(run_dir).resolve()
+    while True:
+        st = p.stat()
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            return (
+                f"not resuming from {run_dir}: {p} (mode {stat.S_IMODE(st.st_mode):04o}) may be written by every user "
+                f"without the sticky bit, so anyone can swap a record in it: chmod o-w {p} (or +t), or set "
+                "trainer.resume=never"
+            )
+        if p in tops or p.parent == p:
+            return None
+        p = p.parent
+
+
 def make_private(path: Path) -> None:
     """Group and others lose write access to a committed checkpoint (a umask of 002, usual in shared group
     folders, would leave them writable and `unsafe_to_resume` would refuse the run's own checkpoint)."""
@@ -330,7 +357,7 @@ def find_resumable(
                 "it is, and this run starts from step 0 in a record of its own"
             )
             continue
-        refusal = unsafe_to_resume(ckpt)
+        refusal = unsafe_to_resume(ckpt) or open_to_everyone(run_dir, folders)
         if refusal:
             raise ConfigError(refusal)
         when = read_meta(ckpt).get("time", 0)

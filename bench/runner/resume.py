@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 from ptbench.adapters.base import Adapter
 from ptbench.core import checkpoint as ckpt
+from ptbench.core.checkpoint_load import Pinned, pin, restricted_unpickling
 from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext
+from ptbench.core.errors import ConfigError
 from ptbench.core.records import STORAGE_ERRNOS, RunRecord, atomic_write, dumps, write_json
 from ptbench.core.schedule import Schedule
 from ptbench.core.stopping import Watchdog
@@ -225,10 +227,19 @@ class Checkpointer:
             ) from exc
 
     def restore(self, path: Path) -> int:
-        """Load checkpoint `path` on every rank; returns the epoch to continue."""
-        self.adapter.load_checkpoint(path)
-        saved = ckpt.load_rank_state(path, self.ctx.rank)
-        meta = ckpt.read_meta(path)
+        """Load checkpoint `path` on every rank; returns the epoch to continue. Each rank reads it through a
+        descriptor it checked (`checkpoint_load.pin`): rank 0 verifies every file, the others that they hold
+        the same meta.json, so a folder swapped after rank 0 chose it is refused, never loaded."""
+        with self._pinned(path) as pinned, restricted_unpickling(self.adapter.checkpoint_safe_globals()):
+            try:
+                self.adapter.load_checkpoint(pinned.path)
+            except BaseException as exc:  # DCP wraps each rank's refusal in a CheckpointException: say it
+                refused = _inner(exc, ConfigError)
+                if refused is None or refused is exc:
+                    raise
+                raise refused from None
+            saved = ckpt.load_rank_state(pinned.path, self.ctx.rank)
+            meta = pinned.meta
         self.state.load_state_dict(saved)
         self._last_saved = self.state.global_step
         # the saves before this checkpoint, and this one (its save time was not known when it was written)
@@ -259,6 +270,25 @@ class Checkpointer:
             )
         return saved["epoch"]
 
+    def _pinned(self, path: Path) -> Pinned:
+        expect = {"point": self.plan.point, "adapter": self.adapter.name, "world_size": self.ctx.world_size}
+        pinned, error = None, None
+        try:
+            pinned = pin(path, verify=self.ctx.rank == 0, expect=expect)
+        except ConfigError as e:
+            error = str(e)
+        seen = [None] * self.ctx.world_size
+        dist.all_gather_object(seen, (pinned.digest if pinned else None, error))  # all load, or none does
+        errors = [e for _, e in seen if e]
+        refusal = errors[0] if errors else None
+        if refusal is None and any(digest != seen[0][0] for digest, _ in seen):
+            refusal = _differs(path)
+        if refusal:
+            if pinned:
+                pinned.close()
+            raise ConfigError(refusal)
+        return pinned
+
     def replace_events(self, record: RunRecord | None, epoch: int) -> list[dict]:
         """Rank 0: drop the events of epoch `epoch` on (the interrupted one is written again, whole);
         returns the earlier epochs' events for the summary."""
@@ -288,6 +318,14 @@ class Checkpointer:
         }
 
 
+def _differs(path: Path) -> str:
+    return (
+        f"not resuming from {path}: this rank found another checkpoint there than rank 0 verified (the folder was "
+        "replaced while the ranks opened it); check who else can write its results folder, or set "
+        "trainer.resume=never"
+    )
+
+
 def _full_disk(exc: BaseException, where: Path) -> OSError | None:
     """A write that failed as something other than an OSError (torch's zip writer raises RuntimeError
     "PytorchStreamWriter failed writing file ...: file write failed") on a file system with no space left:
@@ -309,19 +347,24 @@ def _strerror(e: OSError) -> str:
     return cause.strerror or str(cause)
 
 
-def _os_error(e: BaseException, depth: int = 0) -> OSError | None:
-    """The OSError behind a save's failure: itself, its cause, or one wrapped by a framework (torch DCP's
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a save's failure (`_inner`)."""
+    return _inner(e, OSError)
+
+
+def _inner(e: BaseException, kind: type, depth: int = 0):
+    """The `kind` exception behind a failure: itself, its cause, or one wrapped by a framework (torch DCP's
     CheckpointException keeps each rank's exception in `failures`)."""
     if e is None or depth > 4:
         return None
-    if isinstance(e, OSError):
+    if isinstance(e, kind):
         return e
     inner = [e.__cause__, e.__context__, getattr(e, "exc", None)]
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict):  # {rank: (exception, traceback summary)}
         inner += [v[0] if isinstance(v, tuple) and v else v for v in failures.values()]
     for x in inner:
-        found = _os_error(x, depth + 1) if isinstance(x, BaseException) else None
+        found = _inner(x, kind, depth + 1) if isinstance(x, BaseException) else None
         if found is not None:
             return found
     return None
