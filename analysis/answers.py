@@ -18,12 +18,12 @@ never moves a verdict.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from ptbench.analysis import records_io
 from ptbench.analysis.stats import (
     EQUIVALENT,
     FASTER,
@@ -72,8 +72,11 @@ def run_spread(results_dir: str | Path) -> float:
     found = sorted(Path(results_dir).rglob("noise/noise-*.json"), key=lambda p: p.stat().st_mtime)
     for path in reversed(found):
         try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError):
+            rec = records_io.read_json(path)
+        except (OSError, ValueError) as e:
+            records_io.skipped(path, e)
+            continue
+        if not isinstance(rec, dict):
             continue
         if rec.get("kind") == "A/A" and rec.get("spread") is not None:
             return float(rec["spread"])

@@ -41,13 +41,13 @@ Also listed: every point that was retried with a smaller batch after running out
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import yaml
 
+from ptbench.analysis import records_io
 from ptbench.analysis.load import load, read_yaml
 from ptbench.analysis.stats import CLAIM_LEVEL, Interval, geo_interval, rank, ratio_interval
 from ptbench.analysis.target import crossing, default_target
@@ -319,9 +319,9 @@ def pipedream_needs_more_epochs(runs: pd.DataFrame, epochs: pd.DataFrame | None 
 def _summary(run_dir) -> dict:
     path = Path(str(run_dir)) / "summary.json"
     try:
-        s = json.loads(path.read_text()) if path.is_file() else {}
+        s = records_io.read_json(path) if path.is_file() else {}
     except (OSError, ValueError):
-        return {}
+        return {}  # load() said why
     return s if isinstance(s, dict) else {}
 
 
@@ -503,9 +503,10 @@ def oom_retried(per_run: pd.DataFrame) -> pd.DataFrame:
 def _reduced_from(run_dir) -> float:
     path = Path(str(run_dir)) / "config.yaml"
     try:
-        extra = (read_yaml(path) or {}).get("extra") if path.exists() else None
-    except yaml.YAMLError:
-        return np.nan
+        cfg = read_yaml(path) if path.exists() else None
+    except (OSError, ValueError, yaml.YAMLError):
+        return np.nan  # load() said why
+    extra = cfg.get("extra") if isinstance(cfg, dict) else None
     v = extra.get("batch_reduced_from") if isinstance(extra, dict) else None
     return float(v) if v is not None else np.nan
 

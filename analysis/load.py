@@ -33,6 +33,9 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from ptbench.analysis import records_io
+from ptbench.analysis.records_io import YAML_LOADER, Unreadable, skipped  # noqa: F401 - YAML_LOADER: API
+
 # config.yaml path -> column (the flattened config fields a comparison is usually keyed by)
 CONFIG_FIELDS = {
     "workload.name": "workload",
@@ -88,12 +91,9 @@ STATE_PARTS = ("params", "grads", "optimizer")
 BATCH_UNITS = {"per_device": "/replica", "linear": "/device", "fixed": "", "per_microbatch": "/microbatch"}
 
 
-# libyaml's parser where PyYAML has it (the pure-Python one is most of a large study's load time)
-YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
 def read_yaml(path: Path):
-    return yaml.load(path.read_text(), Loader=YAML_LOADER)
+    """A record's YAML, bounded (records_io): Unreadable or yaml.YAMLError when it cannot be read."""
+    return records_io.read_yaml(path)
 
 
 class AnalysisError(ValueError):
@@ -143,25 +143,35 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def _read_events(path: Path, damage: list[str] | None = None) -> list[dict]:
     """The epoch events of events.jsonl; a line that is not a JSON object (half-written) is skipped and
-    named in `damage`."""
-    if not path.exists():
+    named in `damage`; a file that cannot be read at all (records_io's bounds) is named there too."""
+    if not os.path.lexists(path):
         return []
     events = []
-    for i, line in enumerate(path.read_text(errors="replace").splitlines()):
-        if not line.strip():
-            continue
-        try:
-            event = json.loads(line)
-            if not isinstance(event, dict):
-                raise ValueError("not a JSON object")
+    try:
+        lines = list(records_io.read_jsonl(path))
+    except (OSError, Unreadable) as e:
+        lines = []
+        skipped(path, _first_line(e))  # the one line; the run stays in the tables as damaged, with the reason
+        _damaged(path, f"{path.name} cannot be read: {_first_line(e)}", damage)
+    over = []  # lines past records_io's bounds (not cut short: made so): said in one line per file
+    for i, event in lines:
+        if isinstance(event, dict):
             events.append(event)
-        except ValueError as e:
-            why = f"{path.name}:{i + 1} is not a JSON object ({_first_line(e)}): a line cut short?"
-            if damage is None:
-                warnings.warn(f"{path.parent}/{why}")
-            else:
-                damage.append(why)
+            continue
+        why = _first_line(event) if isinstance(event, Exception) else "not a JSON object"
+        over += [(i, why)] if isinstance(event, Unreadable) else []
+        hint = "" if isinstance(event, Unreadable) else ": a line cut short?"
+        _damaged(path, f"{path.name}:{i} is not a JSON object ({why}){hint}", damage)
+    if over:
+        skipped(f"{path}:{over[0][0]}", over[0][1] + (f" (and {len(over) - 1} more line(s))" if len(over) > 1 else ""))
     return [e for e in events if e.get("type", "epoch") == "epoch"]
+
+
+def _damaged(path: Path, why: str, damage: list[str] | None) -> None:
+    if damage is None:
+        warnings.warn(f"{path.parent}/{why}")
+    else:
+        damage.append(why)
 
 
 def _owner_gone(owner) -> str | None:
@@ -372,9 +382,9 @@ def load_comm(*roots: str | Path) -> list[dict]:
     for root in roots:
         for path in sorted(Path(root).rglob(f"{COMM_FOLDER}/*.json")):
             try:
-                rep = json.loads(path.read_text())
-            except (OSError, ValueError):
-                warnings.warn(f"{path}: not JSON, skipped")
+                rep = records_io.read_json(path)
+            except (OSError, ValueError) as e:
+                skipped(path, _first_line(e))
                 continue
             if isinstance(rep, dict) and rep.get("tool") == "ptbench.comm":
                 out.append({**rep, "path": str(path)})
@@ -468,37 +478,56 @@ def series_labels(df: pd.DataFrame) -> pd.Series:
 
 
 # --- loading -----------------------------------------------------------------------------------------
+def _text(v) -> str | None:
+    """A record's text field as text: what no run writes there (a list, a mapping) is shown, never keyed on."""
+    return v if v is None or isinstance(v, str) else json.dumps(v, default=str)[:200]
+
+
+def _read_config(path: Path) -> dict:
+    """config.yaml flattened; {} (and a line saying why) when it cannot be read."""
+    if not os.path.lexists(path):
+        return {}
+    try:
+        cfg = read_yaml(path) or {}
+        if not isinstance(cfg, dict):
+            raise Unreadable("not a YAML mapping")
+        return _flatten(cfg)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        skipped(path, _first_line(e))
+        return {}
+
+
 def load_run(run_dir: str | Path) -> list[dict]:
     """Rows (one per epoch, or one if there is none) for one run folder."""
     run_dir = Path(run_dir)
-    cfg = {}
-    if (run_dir / "config.yaml").exists():
-        try:
-            cfg = _flatten(read_yaml(run_dir / "config.yaml") or {})
-        except yaml.YAMLError as e:
-            warnings.warn(f"{run_dir / 'config.yaml'}: {e}")
+    cfg = _read_config(run_dir / "config.yaml")
     summary = {}
     damage: list[str] = []  # why this record cannot be trusted whole: its status becomes `damaged`
-    if (run_dir / "summary.json").exists():
+    if os.path.lexists(run_dir / "summary.json"):
         try:
-            summary = json.loads((run_dir / "summary.json").read_text(errors="replace"))
+            summary = records_io.read_json(run_dir / "summary.json")
             if not isinstance(summary, dict):
                 raise ValueError("not a JSON object")
+        except (OSError, Unreadable) as e:
+            summary = {}
+            skipped(run_dir / "summary.json", _first_line(e))
+            damage.append(f"summary.json cannot be read: {_first_line(e)}")
         except ValueError as e:
             summary = {}
             damage.append(f"summary.json is not a JSON object ({_first_line(e)}): cut short?")
     env = {}
-    if (run_dir / "env.json").exists():
+    if os.path.lexists(run_dir / "env.json"):
         try:
-            env = json.loads((run_dir / "env.json").read_text())
-        except json.JSONDecodeError:
-            pass
+            env = records_io.read_json(run_dir / "env.json")
+        except (OSError, ValueError) as e:
+            skipped(run_dir / "env.json", _first_line(e))
+        env = env if isinstance(env, dict) else {}
 
     base = {col: cfg.get(key) for key, col in CONFIG_FIELDS.items()}
     base.update(_comm_fields(summary.get("comm_volume")))
     base.update(_profile_fields(summary.get("profile")))
     for col in ("adapter", "workload", "experiment", "point"):
-        base[col] = summary.get(col) or base[col]
+        base[col] = (summary.get(col) if col == "point" else _text(summary.get(col))) or base[col]
     # the run's layout as its adapter laid it out (summary "layout"); older records: the config's keys
     layout = summary.get("layout") if isinstance(summary.get("layout"), dict) else {}
     for col in LAYOUT_FIELDS:
@@ -507,15 +536,15 @@ def load_run(run_dir: str | Path) -> list[dict]:
     world = summary.get("world_size") or layout.get("world_size") or base["nprocs"]
     base.update(
         run_dir=str(run_dir),
-        run_id=summary.get("run_id") or run_dir.name,
-        status=summary.get("status") or "missing",  # a config but no summary: the launcher never got going
-        error=summary.get("error"),
+        run_id=_text(summary.get("run_id")) or run_dir.name,
+        status=_text(summary.get("status")) or "missing",  # a config but no summary: the launcher never got going
+        error=_text(summary.get("error")),
         failed_rank=summary.get("failed_rank"),
         world_size=world,
         devices=summary.get("devices"),
         local_batch=summary.get("local_batch"),
         epoch_time_steady_s=summary.get("epoch_time_steady_s"),
-        record_label=summary.get("label") or cfg.get("results.label"),
+        record_label=_text(summary.get("label")) or _text(cfg.get("results.label")),
         # contention found before or during the run (its `warnings` starting "contention:"): kept out of verdicts
         contention="; ".join(w for w in summary.get("warnings") or [] if str(w).startswith(CONTENTION)) or None,
         host=env.get("host"),
@@ -550,11 +579,23 @@ def load_run(run_dir: str | Path) -> list[dict]:
     return rows
 
 
+def _load_one(run_dir: Path) -> list[dict]:
+    """`load_run`, or one `damaged` row saying why when the record holds what no run writes (a field of
+    the wrong type, say): one bad record never stops the others from loading."""
+    try:
+        return load_run(run_dir)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OSError) as e:
+        why = f"the record cannot be read: {type(e).__name__}: {_first_line(e)}"
+        skipped(run_dir, why)
+        row = {**dict.fromkeys(CONFIG_FIELDS.values()), "world_size": None, "devices": None}
+        return [{**row, "run_dir": str(run_dir), "run_id": run_dir.name, "status": "damaged", "error": why}]
+
+
 def load(*roots: str | Path, empty_ok: bool = True) -> pd.DataFrame:
     """All runs under the given folders, one row per run x epoch; see the module doc for columns.
     `empty_ok=False` (the notebooks): a folder that is missing or holds no record raises NoRecords, one line."""
     try:
-        rows = [row for root in roots for d in find_runs(root) for row in load_run(d)]
+        rows = [row for root in roots for d in find_runs(root) for row in _load_one(d)]
     except FileNotFoundError as e:
         if empty_ok:
             raise

@@ -26,8 +26,10 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
+from matplotlib.text import Text
 from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
+from ptbench.analysis import safe_io
 from ptbench.analysis.load import AnalysisError
 from ptbench.analysis.tables import MEMORY_METRICS, Study, _concat, _join
 
@@ -36,10 +38,13 @@ DPI = 120
 
 def save(fig: Figure, out: str | Path | None, name: str) -> Figure:
     """PNG and SVG, cropped to the drawing ("tight"). The layout and the crop are worked out once for both
-    files (savefig would redo the constrained layout and a crop pass per file: 4 layouts, 4 draws)."""
+    files (savefig would redo the constrained layout and a crop pass per file: 4 layouts, 4 draws). Written
+    as every report file is (safe_io: into a folder checked as ours, never through a link)."""
     if out is not None:
         out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
+        os.close(safe_io.own_dir(out))  # made or checked before the drawing, refused in one line
+        for text in fig.findobj(Text):  # labels are record text: a `$` in one is a dollar sign, not maths
+            text.set_parse_math(False)
         fig.set_dpi(DPI)
         fig.draw_without_rendering()  # runs the constrained layout
         bbox = fig.get_tightbbox().padded(mpl.rcParams["savefig.pad_inches"])
@@ -47,7 +52,11 @@ def save(fig: Figure, out: str | Path | None, name: str) -> Figure:
         fig.set_layout_engine("none")  # keep the positions just computed
         try:
             for ext in ("png", "svg"):
-                fig.savefig(out / f"{name}.{ext}", dpi=DPI, bbox_inches=bbox)
+                safe_io.write_with(
+                    out / f"{name}.{ext}",
+                    lambda f, ext=ext: fig.savefig(f, format=ext, dpi=DPI, bbox_inches=bbox),
+                    binary=True,
+                )
         finally:
             fig.set_layout_engine(engine)
     return fig

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
-import json
+import os
 import statistics
 from pathlib import Path
 
 import pandas as pd
+
+from ptbench.analysis import records_io
+from ptbench.analysis.safe_io import md_text
 
 PREDICTIONS = "predictions.jsonl"
 MODES = {
@@ -20,14 +23,14 @@ MODES = {
 def read_predictions(results_dir: str | Path) -> pd.DataFrame:
     path = Path(results_dir) / PREDICTIONS
     rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and row.get("predicted_step_s") is not None:
-                rows.append(row)
+    try:
+        lines = list(records_io.read_jsonl(path)) if os.path.lexists(path) else []
+    except (OSError, ValueError) as e:
+        records_io.skipped(path, e)
+        lines = []
+    for _, row in lines:  # a line that is not JSON is left out, as before
+        if isinstance(row, dict) and row.get("predicted_step_s") is not None:
+            rows.append(row)
     return pd.DataFrame(rows)
 
 
@@ -37,7 +40,7 @@ def _table(df: pd.DataFrame) -> str:
 
     out = pd.DataFrame(
         {
-            "series": df["series"],
+            "series": df["series"].map(md_text),  # text from a file in the results folder: data, not markup
             "ranks": df["world_size"],
             "micro-batches": df["microbatches"],
             "link (Mbit/s)": df["link_mbit"].map(lambda v: "-" if v is None or pd.isna(v) else f"{v:g}"),
@@ -55,10 +58,19 @@ def _table(df: pd.DataFrame) -> str:
 
 
 def predicted_lines(results_dir: str | Path) -> list[str]:
-    """The section's lines; none when the folder holds no predictions."""
+    """The section's lines; none when the folder holds no predictions (or none that can be read: said in one
+    line, the rest of the report goes on)."""
     df = read_predictions(results_dir)
     if df.empty:
         return []
+    try:
+        return _lines(df)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        records_io.skipped(Path(results_dir) / PREDICTIONS, f"cannot be read ({type(e).__name__}: {e})")
+        return []
+
+
+def _lines(df: pd.DataFrame) -> list[str]:
     lines = [
         "## Predicted vs measured",
         "",

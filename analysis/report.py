@@ -7,13 +7,14 @@ python -m ptbench.analysis report RESULTS_DIR [--out DIR (default RESULTS_DIR/re
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 
-from ptbench.analysis import plots
+from ptbench.analysis import plots, records_io, safe_io
 from ptbench.analysis.answers import (  # noqa: F401 - which_adapter: API
     _point,
     answers_lines,
@@ -22,8 +23,9 @@ from ptbench.analysis.answers import (  # noqa: F401 - which_adapter: API
     which_adapter_lines,
 )
 from ptbench.analysis.claims import claims, claims_lines
-from ptbench.analysis.load import AnalysisError, load, load_comm
+from ptbench.analysis.load import AnalysisError, load, load_comm, skipped
 from ptbench.analysis.predicted import predicted_lines
+from ptbench.analysis.safe_io import md_cell, md_text
 from ptbench.analysis.stats import point_stats
 from ptbench.analysis.tables import (
     EPOCH_TIME_SOURCES,
@@ -97,7 +99,7 @@ def _fmt(v) -> str:
         return "-"
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
-    return str(v).replace("|", "\\|").replace("\n", " ")
+    return md_cell(v)  # record text is data: no markup, no cell breaks (it came escaped: md_frame)
 
 
 def markdown_table(df: pd.DataFrame) -> str:
@@ -211,7 +213,7 @@ def interval_lines(ok_runs: pd.DataFrame, out: Path | None = None) -> list[str]:
         return []
     t = point_stats(ok_runs, ("workload", "label", "devices"))
     if out is not None:
-        t.to_csv(Path(out) / "intervals.csv", index=False)
+        safe_io.to_csv(t, Path(out) / "intervals.csv")
     shown = [c for c in t.columns if c in ("workload", "label", "devices", "repeats") or c.startswith(INTERVAL_COLUMNS)]
     return [*INTERVALS_HEAD, markdown_table(t[shown]), ""]
 
@@ -228,7 +230,7 @@ def intervals_of(study: Study, used: Study, contended: list[str], out: Path | No
         after="repeats",
     )
     if out is not None:
-        t.to_csv(Path(out) / "intervals.csv", index=False)
+        safe_io.to_csv(t, Path(out) / "intervals.csv")
     shown = [c for c in t.columns if c in (*keys, "repeats", IN_VERDICTS) or c.startswith(INTERVAL_COLUMNS)]
     return [*INTERVALS_HEAD, markdown_table(t[shown]), ""]
 
@@ -274,7 +276,7 @@ def comm_lines(
     if table.empty or table["comm MB/step"].isna().all():  # records from before `comm_volume`: no section
         return []
     if out is not None:
-        table.to_csv(out / "comm.csv", index=False)
+        safe_io.to_csv(table, out / "comm.csv")
     measured = ", ".join(f"{r['backend']} x{r['world_size']} ({Path(r['path']).name})" for r in reports) or "none"
     return [
         "## Communication per step",
@@ -327,91 +329,97 @@ def breakdown_caption(study: Study) -> list[str]:
     return [*lines, ""]
 
 
+def _why_run(run_dir, rows, reports, ledger, bubble, strag, diffs, flops, memory, conventions) -> None:
+    """One run's part of the "Why" section, added to the lists and dicts it is given."""
+    from ptbench.analysis.tables import comm_time
+
+    path = Path(run_dir) / "summary.json"
+    try:
+        s = records_io.read_json(path)
+    except (OSError, ValueError):
+        return  # load() said why
+    label = str(rows["label"].iloc[0]) if "label" in rows else str(s.get("adapter"))
+    name = f"{label} ({s.get('run_id', Path(run_dir).name)})"
+    if s.get("status") == "ok":
+        point = _point_name(rows, label)
+        _mfu_row(flops, conventions, point, s.get("flops_check"), rows)
+        _memory_row(memory, point, s.get("memory_ledger"))
+    prof = s.get("profile") or {}
+    ranks = prof.get("ranks") or []
+    if prof.get("ledger") and ranks:
+        exposed = sum(r["exposed_comm_s"] for r in ranks) / len(ranks)
+        step = sum(r["step_time_s"] for r in ranks) / len(ranks)
+        formula = prof.get("formula") or {}
+        for r in prof["ledger"]:
+            if not r["measured_bytes"] and not r["formula_bytes"]:
+                continue
+            same = [c for c in formula.get("collectives", []) if c["op"] == r["kind"]]
+            at_bw = comm_time(same, formula.get("backend"), reports or [])[0] if same else None
+            ledger.append(
+                {
+                    "run": name,
+                    "collective": r["kind"],
+                    "formula MB": None if r["formula_bytes"] is None else r["formula_bytes"] / 1e6,
+                    "measured MB": r["measured_bytes"] / 1e6,
+                    "measured/formula": r["ratio"],
+                    "time ms": 1e3 * r["time_s"],
+                    "ms at measured busbw": None if at_bw is None else 1e3 * at_bw,
+                    "exposed ms (all kinds)": 1e3 * exposed,
+                    "exposed share of step": exposed / step if step else None,
+                }
+            )
+        for d in (prof.get("formula") or {}).get("differences", []):
+            diffs.setdefault(d, []).append(name)
+    b = prof.get("bubble")
+    if b:
+        bubble.append(
+            {
+                "run": name,
+                "stages": b["stages"],
+                "m": b["microbatches"],
+                "theory": b["theory"],
+                "wall": b["mean"],
+                "wall/theory": b.get("ratio"),
+                # records before the steady figure have no steady_steps: left blank, not 0
+                "steady steps": None if "steady_steps" not in b else f"{b['steady_steps']}/{b['steps']}",
+                "steady/theory": b.get("steady_ratio"),
+                "replayed": b.get("replayed_mean"),
+                "replayed/theory": b.get("replayed_ratio"),
+            }
+        )
+    try:
+        evs = [e for _, e in records_io.read_jsonl(Path(run_dir) / "events.jsonl") if isinstance(e, dict)]
+    except (OSError, ValueError):
+        evs = []  # load() said why
+    for e in evs:
+        if e.get("slowest_rank") is None or e.get("rank_comm_wait_s") is None:
+            continue
+        strag.append(
+            {
+                "run": name,
+                "epoch": e.get("epoch"),
+                "slowest rank": e["slowest_rank"],
+                "step time per rank (ms)": " ".join(f"{1e3 * v:.1f}" for v in e.get("rank_step_time_mean_s") or []),
+                "collective wait per rank (ms/step)": " ".join(f"{1e3 * v:.1f}" for v in e["rank_comm_wait_s"]),
+            }
+        )
+
+
 def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
     """The "Why" section: from the records of runs profiled with trainer.profile, the communication
     ledger (formula vs measured bytes, with the framework differences that correct the formula), exposed
     communication, the pipeline bubble beside (p-1)/(m+p-1), and the slowest rank of each epoch; with
     `python -m ptbench.comm` reports, each kind's formula bytes at the measured bus bandwidth."""
-    import json
-
-    from ptbench.analysis.tables import comm_time
-
     if df.empty or "run_dir" not in df:
         return []
     ledger, bubble, strag, diffs = [], [], [], {}
     flops, memory, conventions = {}, {}, {}  # per point (the first run's check; MFU: mean over its runs)
     for run_dir, rows in df.groupby("run_dir", sort=True):
-        path = Path(run_dir) / "summary.json"
         try:
-            s = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        label = str(rows["label"].iloc[0]) if "label" in rows else str(s.get("adapter"))
-        name = f"{label} ({s.get('run_id', Path(run_dir).name)})"
-        if s.get("status") == "ok":
-            point = _point_name(rows, label)
-            _mfu_row(flops, conventions, point, s.get("flops_check"), rows)
-            _memory_row(memory, point, s.get("memory_ledger"))
-        prof = s.get("profile") or {}
-        ranks = prof.get("ranks") or []
-        if prof.get("ledger") and ranks:
-            exposed = sum(r["exposed_comm_s"] for r in ranks) / len(ranks)
-            step = sum(r["step_time_s"] for r in ranks) / len(ranks)
-            formula = prof.get("formula") or {}
-            for r in prof["ledger"]:
-                if not r["measured_bytes"] and not r["formula_bytes"]:
-                    continue
-                same = [c for c in formula.get("collectives", []) if c["op"] == r["kind"]]
-                at_bw = comm_time(same, formula.get("backend"), reports or [])[0] if same else None
-                ledger.append(
-                    {
-                        "run": name,
-                        "collective": r["kind"],
-                        "formula MB": None if r["formula_bytes"] is None else r["formula_bytes"] / 1e6,
-                        "measured MB": r["measured_bytes"] / 1e6,
-                        "measured/formula": r["ratio"],
-                        "time ms": 1e3 * r["time_s"],
-                        "ms at measured busbw": None if at_bw is None else 1e3 * at_bw,
-                        "exposed ms (all kinds)": 1e3 * exposed,
-                        "exposed share of step": exposed / step if step else None,
-                    }
-                )
-            for d in (prof.get("formula") or {}).get("differences", []):
-                diffs.setdefault(d, []).append(name)
-        b = prof.get("bubble")
-        if b:
-            bubble.append(
-                {
-                    "run": name,
-                    "stages": b["stages"],
-                    "m": b["microbatches"],
-                    "theory": b["theory"],
-                    "wall": b["mean"],
-                    "wall/theory": b.get("ratio"),
-                    # records before the steady figure have no steady_steps: left blank, not 0
-                    "steady steps": None if "steady_steps" not in b else f"{b['steady_steps']}/{b['steps']}",
-                    "steady/theory": b.get("steady_ratio"),
-                    "replayed": b.get("replayed_mean"),
-                    "replayed/theory": b.get("replayed_ratio"),
-                }
-            )
-        events = Path(run_dir) / "events.jsonl"
-        try:
-            evs = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
-        except (OSError, ValueError):
-            evs = []
-        for e in evs:
-            if e.get("slowest_rank") is None or e.get("rank_comm_wait_s") is None:
-                continue
-            strag.append(
-                {
-                    "run": name,
-                    "epoch": e.get("epoch"),
-                    "slowest rank": e["slowest_rank"],
-                    "step time per rank (ms)": " ".join(f"{1e3 * v:.1f}" for v in e.get("rank_step_time_mean_s") or []),
-                    "collective wait per rank (ms/step)": " ".join(f"{1e3 * v:.1f}" for v in e["rank_comm_wait_s"]),
-                }
-            )
+            _why_run(run_dir, rows, reports, ledger, bubble, strag, diffs, flops, memory, conventions)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as e:
+            # a record holding what no run writes: one bad record, said in one line, never the whole report
+            skipped(Path(run_dir) / "summary.json", f"its profile cannot be read ({type(e).__name__}: {e})")
     if not (ledger or bubble or strag or flops or memory):
         return []
     traced = bool(ledger or bubble or strag)
@@ -432,7 +440,7 @@ def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
         lines += ["### Communication ledger: formula vs measured", "", markdown_table(pd.DataFrame(ledger)), ""]
         if diffs:
             lines += ["Where the frameworks differ from the papers' formulas (the formula column is corrected):", ""]
-            lines += [f"- {d} ({len(runs)} run(s))" for d, runs in diffs.items()] + [""]
+            lines += [f"- {md_text(d)} ({len(runs)} run(s))" for d, runs in diffs.items()] + [""]
     if bubble:
         lines += [
             "### Pipeline bubble per step: measured beside (p-1)/(m+p-1)",
@@ -467,7 +475,7 @@ def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
             "counter counts:",
             "",
         ]
-        lines += [f"- {c} ({len(points)} point(s))" for c, points in conventions.items()] + [""]
+        lines += [f"- {md_text(c)} ({len(points)} point(s))" for c, points in conventions.items()] + [""]
     if memory:
         lines += [
             "### Memory ledger: predicted vs counted saved-activation bytes (`memory_ledger`)",
@@ -547,6 +555,8 @@ SUMMARY_COLUMNS = {
     "peak_mib": "peak MiB/rank",
     "states_mib": "model states MiB",
 }
+# columns code reads back as they are (folders to open, JSON to parse), never shown as record text
+RAW_COLUMNS = ("run_dir", "comm_collectives")
 SHOWN_NOT_FINISHED = 10  # report.md lists this many runs that did not finish; report-details.md every one
 
 
@@ -566,7 +576,7 @@ def summary_lines(study: Study, used: Study, contended: list[str], baseline: str
     """The "Summary (finished runs)" section: per point the numbers behind the figures, marked as the verdicts
     treat its runs; the notes on epoch time and memory under it."""
     table, sp = _summary(study, used, contended, baseline)
-    table.to_csv(out / "summary.csv", index=False)
+    safe_io.to_csv(table, out / "summary.csv")
     lines = ["## Summary (finished runs)", "", *_baseline_lines(sp, baseline), ""]
     lines += [
         "Series labels come from each run's own record: adapter, settings, and `gb=` the global batch as its batch "
@@ -641,6 +651,7 @@ def claims_table_lines(found: dict, include_contended: bool) -> list[str]:
 
 
 def figure_lines(study: Study, out: Path, baseline: str) -> list[str]:
+    os.close(safe_io.own_dir(out / "figures"))  # refused in one line before any figure is drawn
     skipped = plots.save_all(study, out / "figures", baseline=baseline)
     lines = ["## Figures", ""]
     for key, title in FIGURES.items():
@@ -671,7 +682,7 @@ def _details_lines(study, used, contended, baseline, include_contended, target, 
     """report-details.md: the per-run and per-point tables and the ledgers behind report.md."""
     reports = load_comm(results_dir)
     lines = [
-        f"# Benchmark report details: {results_dir}",
+        f"# Benchmark report details: {md_text(results_dir)}",
         "",
         "The tables behind [report.md](report.md): intervals, communication, ledgers, every claim and answer with "
         "its runs, every run that did not finish.",
@@ -699,16 +710,13 @@ def write_report(
     out/report-details.md (per-run tables and ledgers); returns report.md's path. `target`: the time-to-target
     metric value, fixed in advance (default: from the baseline point's runs)."""
     results_dir, out = Path(results_dir), Path(out)
-    baseline = baseline or "best"
-    df = load(results_dir)  # a missing results folder: said before any output folder is made
+    baseline = md_text(baseline or "best")  # a label as the escaped frame below spells it
+    raw = load(results_dir)  # a missing results folder: said before any output folder is made
     if out.exists() and not out.is_dir():
         raise AnalysisError(f"--out {out} is a file, not a folder: name a folder (it is made if missing)")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise AnalysisError(f"--out {out}: cannot make the folder ({e.strerror or e})") from None
+    os.close(safe_io.own_dir(out))  # made by us, or checked as ours, before anything is written
     lines = [
-        f"# Benchmark report: {results_dir}",
+        f"# Benchmark report: {md_text(results_dir)}",
         "",
         f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `python -m ptbench.analysis report`. Per-run tables and "
         f"ledgers: [{DETAILS}]({DETAILS}). CSV: `epochs.csv` (one row per run x epoch), `runs.csv` (one row per "
@@ -716,13 +724,16 @@ def write_report(
         "",
     ]
     path = out / "report.md"
-    if df.empty:
+    if raw.empty:
         print(f"note: no run records under {results_dir}: the report says so and holds nothing else", file=sys.stderr)
-        path.write_text("\n".join([*lines[:2], "No run records found under this folder.", ""]))
+        safe_io.write_text(path, "\n".join([*lines[:2], "No run records found under this folder.", ""]))
         return path
-    df.drop(columns=["step_times_s"], errors="ignore").to_csv(out / "epochs.csv", index=False)  # lists: not CSV
+    os.close(safe_io.own_dir(out / "figures"))  # all refusals before the first file is written
+    safe_io.to_csv(raw.drop(columns=["step_times_s"], errors="ignore"), out / "epochs.csv")  # lists: not CSV
+    safe_io.to_csv(Study(raw).runs.drop(columns=["step_times_s"], errors="ignore"), out / "runs.csv")
+    # text from records is data: every sentence and table below is made from a copy with its text escaped
+    df = safe_io.md_frame(raw, keep=RAW_COLUMNS)
     study = Study(df)  # every table below and every figure is computed once, from this
-    study.runs.drop(columns=["step_times_s"], errors="ignore").to_csv(out / "runs.csv", index=False)
     used, contended = without_contention(study, include_contended)
     found = claims(study.runs, include_contended, study.epochs)
     lines += answers_lines(study, baseline, include_contended, target=target, claims=found)
@@ -734,6 +745,6 @@ def write_report(
     lines += not_finished_lines(study)
     lines += claims_table_lines(found, include_contended)
     details = _details_lines(study, used, contended, baseline, include_contended, target, out, results_dir, found)
-    (out / DETAILS).write_text("\n".join(details))
-    path.write_text("\n".join(lines))
+    safe_io.write_text(out / DETAILS, "\n".join(details))
+    safe_io.write_text(path, "\n".join(lines))
     return path

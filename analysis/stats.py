@@ -243,19 +243,36 @@ def noise_result(a, b, kind: str = "A/A") -> dict:
             "margin": MARGIN}  # fmt: skip
 
 
+NOISE_FIX = "copy the noise file into a folder of yours and name the copy"
+
+
 def _main(argv=None) -> int:
     import argparse
     import json
+    import sys
     from pathlib import Path
 
     p = argparse.ArgumentParser(prog="python -m ptbench.analysis")
     p.add_argument("what", choices=["noise"])
     p.add_argument("file", type=Path, help="a noise JSON of `python -m ptbench.sweep noise` (a, b: step times)")
     args = p.parse_args(argv)
-    rec = json.loads(args.file.read_text())
-    res = noise_result(rec["a"], rec["b"], rec.get("kind", "A/A"))
-    rec.update(res)
-    args.file.write_text(json.dumps(rec, indent=1) + "\n")
+    from ptbench.analysis import records_io, safe_io
+    from ptbench.analysis.load import AnalysisError
+
+    try:
+        rec = records_io.read_json(args.file)
+        if not isinstance(rec, dict) or not isinstance(rec.get("a"), list) or not isinstance(rec.get("b"), list):
+            raise ValueError("not a noise measurement (a JSON object with lists `a` and `b`)")
+        res = noise_result(rec["a"], rec["b"], rec.get("kind", "A/A"))
+        rec.update(res)
+        # written back as the report writes: into a folder checked as ours, replacing (never following) a link
+        safe_io.write_text(args.file, json.dumps(rec, indent=1) + "\n", fix=NOISE_FIX)
+    except AnalysisError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, TypeError) as e:
+        print(f"error: {args.file}: {e}; name the noise file `python -m ptbench.sweep noise` wrote", file=sys.stderr)
+        return 2
     label = rec.get("kind", "A/A") + (f" (B: {' '.join(rec['b_overrides'])})" if rec.get("b_overrides") else "")
     spread = ""
     if res["spread"] is not None:

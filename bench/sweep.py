@@ -385,6 +385,7 @@ def _submit(args) -> int:
                 sbatch=args.sbatch,
                 resume=args.resume,
                 dry_run=args.dry_run,
+                points=sweep_points(args.file, args.trust)[0],  # read and checked as the arrays were
             )
             or code
         )

@@ -131,12 +131,14 @@ def submit_comm(
     resume: bool = False,
     dry_run: bool = False,
     out=None,
+    points: list[list[str]] | None = None,
 ) -> int:
     """The sweep's network measurement: one small job per world size of the sweep running
-    `srun python -m ptbench.comm --out <records>/comm` (under srun ptbench.comm is one rank per task)."""
+    `srun python -m ptbench.comm --out <records>/comm` (under srun ptbench.comm is one rank per task).
+    `points`: the file's lines as the caller checked them (else read from `file`)."""
     out = out or sys.stdout
     code = 0
-    for folder, ranks, backend in comm_targets(read_points(file), extra):
+    for folder, ranks, backend in comm_targets(read_points(file) if points is None else points, extra):
         if resume and comm_measured(folder, ranks):
             print(f"comm: {folder} already holds a {ranks}-rank measurement: kept (--resume)", file=out, flush=True)
             continue
