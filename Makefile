@@ -131,9 +131,12 @@ lint: $(STAMP)
 smoke: $(STAMP)
 	$(PY) -m ptbench.smoke
 
-# With a GPU: the one-GPU smoke, then a short bf16 gpt2_small and resnet50 run per adapter, as a table
+# With a GPU, inside BUDGET seconds for the whole command (default 480): ddp's smoke, then a short bf16 gpt2_small
+# and resnet50 run per adapter, then the micro-checks, each row printed and kept in OUT/gpu_check.jsonl as it
+# finishes (OUT: default results/gpu-check-<time>/; the same OUT again runs only the rows not yet done)
+BUDGET ?= 480
 gpu-check: $(STAMP)
-	$(PY) -m ptbench.gpu_check
+	$(PY) -m ptbench.gpu_check --budget $(BUDGET) $(if $(OUT),--out $(OUT))
 
 # Optional: build Horovod 0.28.1 for the installed torch (cached wheel; see adapters/horovod_build.sh)
 horovod: $(STAMP)

@@ -3,7 +3,7 @@
 No maintained library runs it on current torch (msr-fiddle/pipedream stops at torch 1.4; fairscale's AMPnet
 pipe keeps no weight stash), so this adapter implements the update rules itself, on the `pipeline` adapter's
 stages (`workload.sequential()` split by layer count or `adapter.balance`, adapters/_pipeline.py) with
-torch.distributed's public point-to-point calls (isend/recv); no private pipelining API is used.
+torch.distributed's public point-to-point calls (`batch_isend_irecv`); no private pipelining API is used.
 
 Schedules (`adapter.schedule`), one rank per stage, stage s of S, mini-batch t, d_s = S-1-s:
   - `pipedream` (Narayanan et al., SOSP 2019): 1F1B without a flush. Stage s forwards mini-batch t, then runs
@@ -32,16 +32,17 @@ BatchNorm buffers are not stashed (as PipeDream): running statistics are the liv
 Gradient clipping (`trainer.grad_clip`) is per stage: a global norm would need every stage's gradient of one
 mini-batch, which asynchronous stages compute at different times. More ranks than stages (PipeDream's stage
 replication) is refused before launch, as are checkpoints (the stash and the mini-batches in flight are not saved)
-and trainer.profile (torch's profiler crashes when a c10d send started in its window completes after it, and
-these sends complete a step later by design); the record's recv_wait_fraction_per_stage stands in for the bubble.
+and trainer.profile (torch's profiler crashed when a c10d send started in its window completed after it; the
+exchanges now complete inside their step, but no profiled run has shown it safe yet); the record's
+recv_wait_fraction_per_stage stands in for the bubble.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ from ptbench.core.errors import ConfigError
 from ptbench.core.layout import CostInputs, Layout
 from ptbench.core.optim import build_optimizer
 from ptbench.core.precision import autocast
-from ptbench.core.timing import PhaseTimer
+from ptbench.core.timing import DeviceEventClock, HostClock, PhaseTimer
 from ptbench.workloads import build_workload
 
 SCHEDULES = ("pipedream", "2bw")
@@ -74,6 +75,43 @@ class InFlight:
     inp: torch.Tensor | None  # the received activation (a leaf: its gradient goes back)
     out: torch.Tensor  # the stage output, or on the last stage the scaled loss
     leaves: dict[str, torch.Tensor]  # the weights it ran with: leaves over the stashed storage
+
+
+class ExchangeMeter:
+    """Time spent waiting for exchanges beside time busy (train_step and drains), on the clock that sees the wait.
+
+    Gloo blocks the host until a batch completes: host time. NCCL's `wait()` returns at once and only makes the
+    current stream wait, so on a GPU host time reads about 0: there each span is a pair of CUDA events on the
+    stream (the clock of the trainer's phase timers, ptbench.core.timing), read when they have completed."""
+
+    def __init__(self, device: torch.device):
+        self.clock = DeviceEventClock(device) if device.type == "cuda" else HostClock()
+        self.spans: list[tuple[str, object, object]] = []  # (kind, start mark, end mark), not yet read
+        self.total = {"wait": 0.0, "busy": 0.0}
+
+    @contextmanager
+    def span(self, kind: str):
+        a = self.clock.mark()
+        try:
+            yield
+        finally:
+            self.spans.append((kind, a, self.clock.mark()))
+
+    def settle(self, wait: bool = False) -> None:
+        """Add up the spans whose end has been reached (all of them with `wait`, after a sync), oldest first."""
+        if wait:
+            self.clock.synchronize()
+        n = 0
+        for kind, a, b in self.spans:
+            if not (wait or not hasattr(b, "query") or b.query()):
+                break
+            self.total[kind] += self.clock.elapsed(a, b)
+            n += 1
+        del self.spans[:n]
+
+    def fraction(self) -> float | None:
+        self.settle(wait=True)
+        return self.total["wait"] / self.total["busy"] if self.total["busy"] > 0 else None
 
 
 class PipedreamAdapter(Adapter):
@@ -194,8 +232,8 @@ class PipedreamAdapter(Adapter):
             )
         if t.profile:
             raise ConfigError(
-                "trainer.profile: adapter=pipedream's sends complete in a later step by design, and torch's profiler "
-                "crashes (SIGSEGV) when a c10d send started in its window completes after it; drop trainer.profile "
+                "trainer.profile: adapter=pipedream is not profiled (torch's profiler crashed with SIGSEGV when a c10d "
+                "send started in its window completed after it, as this adapter's sends once did); drop trainer.profile "
                 "(the record's recv_wait_fraction_per_stage gives the bubble)"
             )
         if t.grad_accum != 1:
@@ -265,14 +303,17 @@ class PipedreamAdapter(Adapter):
         self.bound: tuple[int, dict] | None = None  # the version the current mini-batch runs with
         self.prev: tuple[int, dict] | None = None  # 2bw: the version before the last step
         self.pending: list[tuple[list, torch.Tensor | None]] = []  # completed mini-batches' gradients
-        self.tied_grad: torch.Tensor | None = None
-        self.sends: list = []
-        self.shapes: dict = {}
+        self.tied_grad: torch.Tensor | None = None  # the head's sum over the micro-batches of its mini-batch
+        self.tied_out = [deque() for _ in self.ties]  # the head's: summed gradients not yet sent (at most one)
+        self.tied_in = [deque() for _ in self.ties]  # the main stage's: received, for its mini-batches to complete
+        self.grad_pending: torch.Tensor | None = None  # the last backward's input gradient, for the previous stage
+        self.shapes: dict = {}  # ACT's spec from the previous stage, from its first header
+        self.headed: set = set()  # (side, peer) streams whose ACT header went
         self.segment = 0  # mini-batches since the last flush
         self.flushes = 0
         self.observed = [None, None]  # min, max delay seen by this stage's steps
         self.stash_peak = 0
-        self.wait_s = self.busy_s = 0.0  # host time blocked in receives / in train_step and drains (gloo)
+        self.meter = ExchangeMeter(self.device)  # time waiting for exchanges / busy in train_step and drains
         self.stage_stats: list[dict] | None = None  # every stage's, gathered at each epoch's end
 
     def _untie(self, seq: nn.Sequential) -> list[tuple[str, str, int, int]]:
@@ -293,37 +334,79 @@ class PipedreamAdapter(Adapter):
         return [self.module]
 
     # --- point to point --------------------------------------------------------------------------
-    def _send(self, t: torch.Tensor, peer: int, tag: int, every_shape: bool = False) -> None:
-        t = t.detach().contiguous()
-        if every_shape or (peer, tag) not in self.shapes:  # training shapes are fixed: sent once per stream
-            self.shapes[(peer, tag)] = (t.dtype, t.shape)
-            head = torch.zeros(8, dtype=torch.int64, device=t.device)
-            head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
-            head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-            self.sends.append((dist.isend(head, peer, tag=tag), head))
-        self.sends.append((dist.isend(t, peer, tag=tag), t))
+    # Every exchange is one `dist.batch_isend_irecv` batch with one peer, waited before going on, as Megatron's
+    # p2p_communication.py (`send_forward_recv_backward`, `send_backward_recv_forward` through `_batched_p2p_ops`) and
+    # torch.distributed.pipelining (`_sorted_batch_p2p`: one batch per peer) do. Under NCCL a rank's batches run on
+    # one stream in issue order and a send completes only with its peer's matching receive, so both sides of a pair
+    # must reach matching batches at the same point of the schedule; `train_step` is built so that they do, and so
+    # that nothing is left pending at a step's end (tests/test_pipedream_nccl_order.py replays the real issue order
+    # under that rule). Only ACT and EVAL carry a shape header: the other streams' shapes are known on both sides.
+    def _exchange(self, peer: int, sends: Sequence = (), recvs: Sequence = ()) -> list[torch.Tensor]:
+        """Send each (tensor, tag) to `peer` and receive each (tag, spec or None) from it, in one batch; returns the
+        received tensors. A spec of None (a stream's first ACT, every EVAL) is sent ahead in a batch of headers."""
+        sends = [(t.detach().contiguous(), tag) for t, tag in sends]
+        heads_out = [(self._header(t), tag) for t, tag in sends if self._headed(peer, tag, "send")]
+        heads_in = [(torch.empty(8, dtype=torch.int64, device=self.device), tag) for tag, spec in recvs if spec is None]
+        if heads_out or heads_in:
+            self._batch(peer, heads_out, heads_in)
+            got = iter(self._spec(h.tolist()) for h, _ in heads_in)
+            recvs = [(tag, spec if spec is not None else next(got)) for tag, spec in recvs]
+            self.shapes.update((peer, spec) for tag, spec in recvs if tag == ACT)
+        bufs = [(torch.empty(spec[1], dtype=spec[0], device=self.device), tag) for tag, spec in recvs]
+        if sends or bufs:
+            self._batch(peer, sends, bufs)
+        return [b for b, _ in bufs]
 
-    def _recv(self, peer: int, tag: int, every_shape: bool = False) -> torch.Tensor:
-        spec = None if every_shape else self.shapes.get((peer, tag))
-        if spec is None:
-            head = torch.empty(8, dtype=torch.int64, device=self.device)
-            dist.recv(head, peer, tag=tag)
-            h = head.tolist()
-            spec = self.shapes[(peer, tag)] = (_DTYPES[h[0]], torch.Size(h[2 : 2 + h[1]]))
-        buf = torch.empty(spec[1], dtype=spec[0], device=self.device)
-        t0 = time.perf_counter()
-        dist.recv(buf, peer, tag=tag)
-        self.wait_s += time.perf_counter() - t0
-        return buf
+    def _batch(self, peer: int, sends: list, recvs: list) -> None:
+        ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for t, tag in recvs]
+        works = dist.batch_isend_irecv(ops)
+        with self.meter.span("wait"):  # on a GPU: the stream's wait for the batch, timed by events
+            for w in works:
+                w.wait()
 
-    def _reap(self, wait: bool = False) -> None:
-        """Forget completed sends (their tensors must live until then); wait for all of them at a flush."""
-        if wait:
-            for work, _ in self.sends:
-                work.wait()
-            self.sends = []
-        else:
-            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+    def _headed(self, peer: int, tag: int, side: str) -> bool:
+        """Whether this message goes after a shape header: every EVAL one (the last validation batch may be smaller),
+        the first ACT one of each stream (training shapes are fixed). Both sides count the same messages."""
+        if tag == EVAL:
+            return True
+        if tag != ACT or (side, peer) in self.headed:
+            return False
+        self.headed.add((side, peer))
+        return True
+
+    @staticmethod
+    def _header(t: torch.Tensor) -> torch.Tensor:
+        head = torch.zeros(8, dtype=torch.int64, device=t.device)
+        head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
+        head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        return head
+
+    @staticmethod
+    def _spec(h: list[int]) -> tuple[torch.dtype, torch.Size]:
+        return _DTYPES[h[0]], torch.Size(h[2 : 2 + h[1]])
+
+    def _tied_exchange(self, weights: dict | None, grads: bool) -> None:
+        """Between the stages that split a tied weight, first thing in a step and at a drain's start and end: the main
+        stage sends the version `weights` holds (None: none goes) and, with `grads`, gets the head's summed gradient
+        of the one mini-batch the head completed since the last exchange."""
+        for j, (main, copy, s_main, s_copy) in enumerate(self.ties):
+            if self.stage == s_main:
+                p = self.module.get_parameter(main)
+                sends = [(weights[main], TIED)] if weights is not None else []
+                self.tied_in[j].extend(
+                    self._exchange(s_copy, sends, [(TIED_GRAD, (p.dtype, p.shape))] if grads else [])
+                )
+            elif self.stage == s_copy:
+                p = self.module.get_parameter(copy)
+                if len(self.tied_out[j]) != int(grads):
+                    raise RuntimeError(f"pipedream: stage {self.stage} holds {len(self.tied_out[j])} tied gradients")
+                sends = [(self.tied_out[j].pop(), TIED_GRAD)] if grads else []
+                got = self._exchange(s_main, sends, [(TIED, (p.dtype, p.shape))] if weights is not None else [])
+                if got:
+                    p.data = got[0]  # the head's copy is the version just received
+                    if self.bound is not None:
+                        self.bound[1][copy] = got[0]
 
     # --- weight versions -------------------------------------------------------------------------
     def _live(self) -> dict[str, torch.Tensor]:
@@ -344,13 +427,7 @@ class PipedreamAdapter(Adapter):
                 self.bound = (want, dict(self.prev[1]))
             else:
                 raise RuntimeError(f"2bw: stage {self.stage} has version {self.version}, mini-batch {t} needs {want}")
-        for main, copy, s_main, s_copy in self.ties:
-            if self.stage == s_main:
-                self._send(self.bound[1][main], s_copy, TIED)
-            elif self.stage == s_copy:
-                w = self._recv(s_main, TIED)
-                self.module.get_parameter(copy).data = w  # the head's copy is the version just received
-                self.bound[1][copy] = w
+        self._tied_exchange(self.bound[1], grads=self.segment > 0)
 
     def _copy_on_write(self) -> None:
         """Before an in-place step: move the live weights to fresh storage when a mini-batch in flight (or 2bw's
@@ -382,32 +459,59 @@ class PipedreamAdapter(Adapter):
         return sum(seen.values())
 
     # --- the schedule ----------------------------------------------------------------------------
+    # Micro-batch k on stage s (d_s = S-1-s in flight beyond the newest): the batch with the previous stage (receive
+    # ACT(k), send the input gradient of the last backward), the forward, the batch with the next stage (send ACT(k),
+    # receive the gradient of the oldest micro-batch in flight when its backward is due), that backward. Stage s's
+    # batch with s+1 and stage s+1's batch with s hold each other's matches at the same k; the gradient of a step's
+    # last backward waits on the host for the next step's first batch (or the drain), so nothing is left pending at
+    # a step's end. The order of forwards, backwards and steps is the one of plain 1F1B without a flush.
+    def _from_prev(self) -> torch.Tensor | None:
+        if self.is_first:
+            return None
+        sends = [(self.grad_pending, GRAD)] if self.grad_pending is not None else []
+        self.grad_pending = None
+        return self._exchange(self.stage - 1, sends, [(ACT, self.shapes.get(self.stage - 1))])[0]
+
+    def _to_next(self, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Send `out` (None in a drain) and receive the oldest micro-batch's output gradient when its backward is due."""
+        due = len(self.inflight) > (self.depth if out is not None else 0)
+        if self.is_last or not (due or out is not None):
+            return None
+        oldest = self.inflight[0].out
+        sends = [(out, ACT)] if out is not None else []
+        got = self._exchange(self.stage + 1, sends, [(GRAD, (oldest.dtype, oldest.shape))] if due else [])
+        return got[0] if due else None
+
     def _forward(self, x: torch.Tensor, y: torch.Tensor, i: int) -> torch.Tensor | None:
         if i == 0:
             self._bind()
         version, weights = self.bound
-        inp = None if self.is_first else self._recv(self.stage - 1, ACT).requires_grad_()
-        leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+        inp = self._from_prev()
+        if inp is not None:
+            inp.requires_grad_()
+        # Parameters over the version's storage (no copy): what autograd saves of them is weights, which the memory
+        # ledger (ptbench.core.memory.SavedTensorLedger) recognises as parameters, not as saved activations
+        leaves = {n: nn.Parameter(w.detach()) for n, w in weights.items()}
         with autocast(self.cfg.trainer.precision, self.device):
             out = torch.func.functional_call(self.module, leaves, (x if self.is_first else inp,))
             if self.is_last:
                 out = self.workload.loss(out, y) / self.m
-        if not self.is_last:
-            self._send(out, self.stage + 1, ACT)
         last = i == self.m - 1
         self.inflight.append(InFlight(version, self.minibatch, last, inp, out, leaves))
         if last:
             self.bound = None  # all its micro-batches hold the version now
+        grad_out = self._to_next(None if self.is_last else out)
+        if len(self.inflight) > self.depth:
+            self._backward(grad_out)
         return out.detach() if self.is_last else None
 
-    def _backward(self) -> None:
+    def _backward(self, grad_out: torch.Tensor | None) -> None:
         e = self.inflight.popleft()
         names = list(e.leaves)
         inputs = [e.leaves[n] for n in names] + ([e.inp] if e.inp is not None else [])
-        grad_out = None if self.is_last else self._recv(self.stage + 1, GRAD)
         grads = torch.autograd.grad(e.out, inputs, grad_out, allow_unused=True)
         if e.inp is not None:
-            self._send(grads[-1], self.stage - 1, GRAD)
+            self.grad_pending = grads[-1]  # sent with the next batch to the previous stage
         by_name = dict(zip(names, grads))
         for n, p in self.trained:
             g = by_name.get(n)
@@ -421,14 +525,14 @@ class PipedreamAdapter(Adapter):
             self._complete(e)
 
     def _complete(self, e: InFlight) -> None:
-        """Mini-batch `e.minibatch`'s backward is done here: exchange the tied gradient now (the stream's order)
-        and set its gradients aside for its step."""
-        for main, _, s_main, s_copy in self.ties:
+        """Mini-batch `e.minibatch`'s backward is done here: the head's stage keeps its tied gradient for the next
+        tied exchange, the main stage adds the one it got (in mini-batch order); its gradients wait for its step."""
+        for j, (main, _, s_main, s_copy) in enumerate(self.ties):
             if self.stage == s_copy:
-                self._send(self.tied_grad, s_main, TIED_GRAD)
+                self.tied_out[j].append(self.tied_grad)
                 self.tied_grad = None
             elif self.stage == s_main:
-                g = self._recv(s_copy, TIED_GRAD)
+                g = self.tied_in[j].popleft()
                 p = self.module.get_parameter(main)
                 p.grad = g if p.grad is None else p.grad.add_(g)
         self.pending.append(([p.grad for _, p in self.trained], e.version))
@@ -457,50 +561,50 @@ class PipedreamAdapter(Adapter):
             p.grad = g
 
     def train_step(self, micro_batches: Sequence[Batch], timer: PhaseTimer):
-        (x, y), losses, t0 = micro_batches[0], [], time.perf_counter()
-        with timer.phase("forward_backward"):
-            for i, (xi, yi) in enumerate(zip(x.chunk(self.m), y.chunk(self.m))):
-                loss = self._forward(xi, yi, i)
-                if loss is not None:
-                    losses.append(loss)
-                if len(self.inflight) > self.depth:
-                    self._backward()
-            self.minibatch += 1
-            self.segment += 1
-        with timer.phase("optimizer"):
-            self._step()  # deferred to the end of the call: binds happen at its start, so the rule is the same
-        if self.cfg.adapter.flush_every and self.segment % self.cfg.adapter.flush_every == 0:
+        (x, y), losses = micro_batches[0], []
+        with self.meter.span("busy"):
             with timer.phase("forward_backward"):
-                self._flush()
-        self._reap()
-        self.busy_s += time.perf_counter() - t0
+                for i, (xi, yi) in enumerate(zip(x.chunk(self.m), y.chunk(self.m))):
+                    loss = self._forward(xi, yi, i)
+                    if loss is not None:
+                        losses.append(loss)
+                self.minibatch += 1
+                self.segment += 1
+            with timer.phase("optimizer"):
+                self._step()  # deferred to the end of the call: binds happen at its start, so the rule is the same
+            if self.cfg.adapter.flush_every and self.segment % self.cfg.adapter.flush_every == 0:
+                with timer.phase("forward_backward"):
+                    self._flush()
+        self.meter.settle()
         return torch.stack(losses).sum() if self.is_last else None
 
     def _flush(self) -> None:
-        """Drain: the backward and step of every mini-batch in flight, then the head gets the live tied weight."""
+        """Drain: the head's last tied gradient, then the backward and step of every mini-batch in flight (a gradient
+        goes back as soon as it exists: in a drain it flows one way only), then the head gets the live tied weight."""
+        self._tied_exchange(None, grads=self.segment > 0)
+        if self.grad_pending is not None:
+            self._exchange(self.stage - 1, [(self.grad_pending, GRAD)])
+            self.grad_pending = None
         while self.inflight:
-            self._backward()
+            self._backward(self._to_next(None))
+            if self.grad_pending is not None:
+                self._exchange(self.stage - 1, [(self.grad_pending, GRAD)])
+                self.grad_pending = None
             self._step()
-        for main, copy, s_main, s_copy in self.ties:
-            if self.stage == s_main:
-                self._send(self.module.get_parameter(main), s_copy, TIED)
-            elif self.stage == s_copy:
-                self.module.get_parameter(copy).data = self._recv(s_main, TIED)
-        self._reap(wait=True)
+        self._tied_exchange(self._live(), grads=False)
         self.segment = 0
         self.flushes += 1
 
     def end_epoch(self) -> None:
         """The epoch's end: drain the pipeline, then share every stage's delays and stash bytes (a collective)."""
         if self.segment or self.inflight:  # not just flushed by adapter.flush_every
-            t0 = time.perf_counter()
-            self._flush()
-            self.busy_s += time.perf_counter() - t0
+            with self.meter.span("busy"):
+                self._flush()
         mine = {
             "delay_observed": self.observed,
             "stash_bytes": self.stash_peak,
             "flushes": self.flushes,
-            "recv_wait_fraction": self.wait_s / self.busy_s if self.busy_s > 0 else None,
+            "recv_wait_fraction": self.meter.fraction(),
         }
         stats: list = [None] * self.S
         dist.all_gather_object(stats, mine)
@@ -508,14 +612,13 @@ class PipedreamAdapter(Adapter):
 
     @torch.no_grad()
     def eval_step(self, inputs, targets, weight):
-        if self.inflight:
+        if self.segment or self.inflight:  # every stage drains (the epoch's end has already, as a rule)
             self._flush()
         with autocast(self.cfg.trainer.precision, self.device):
-            h = inputs if self.is_first else self._recv(self.stage - 1, EVAL, every_shape=True)
+            h = inputs if self.is_first else self._exchange(self.stage - 1, recvs=[(EVAL, None)])[0]
             out = self.module(h)
         if not self.is_last:
-            self._send(out, self.stage + 1, EVAL, every_shape=True)
-            self._reap(wait=True)
+            self._exchange(self.stage + 1, [(out, EVAL)])
             return torch.zeros(3, dtype=torch.float64, device=self.device)
         return self.workload.eval_sums(out, targets, weight)
 
@@ -553,9 +656,11 @@ class PipedreamAdapter(Adapter):
             "stage_param_bytes": self.stage_param_bytes,
             "stash_bytes_predicted_per_stage": self.stash_predicted(),  # the memory model's
             "stash_bytes_counted_per_stage": [st["stash_bytes"] for st in stats],
-            # the bubble as each stage sees it: host time blocked in receives / its time in train_step and drains
-            # (gloo; includes fill and drain, and CPU contention when ranks share cores)
+            # the bubble as each stage sees it: time waiting for its exchanges / its time in train_step and drains,
+            # on the device's stream (CUDA events) on a GPU, host time on gloo; includes fill and drain (and CPU
+            # contention when ranks share cores)
             "recv_wait_fraction_per_stage": [st["recv_wait_fraction"] for st in stats],
+            "recv_wait_clock": self.meter.clock.name,
             "stash": "no recomputation: torch.func.functional_call on the weights' storage at forward time, "
             "copy on write before a step",
             "flush_every": a.flush_every,

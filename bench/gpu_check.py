@@ -15,10 +15,15 @@ call; no other instrument is on).
 
 CUDA is required (one line naming a driver/CUDA mismatch otherwise); `--assert-cuda` only checks that (the GPU
 CI's first step). `--cpu` runs the same cases at tiny sizes on the CPU (gpt2_tiny, resnet50_tiny, fp32), so
-the test suite runs this command itself. Under CI=true a skipped adapter is a failure. The budget clock
-(--budget, default 540 s: the whole command under 9 minutes on one GPU) starts after the smoke and the
-micro-checks; a case it leaves no time for is "not run (budget)", a failure only under CI=true. The launching
-process never initialises CUDA (device names from NVML), so it holds no context on GPU 0.
+the test suite runs this command itself. Under CI=true a skipped adapter is a failure.
+
+`--budget` (default 480 s: the whole command inside 8 minutes on one GPU) bounds the whole command, smoke,
+micro-checks and cases: a row starts only while the time left covers what a row of its kind takes (its kind's
+estimate, or 1.25 x the longest of its kind so far), runs under a timeout of at most the time left, and is
+"not run (budget)" otherwise (a failure only under CI=true). Each row is printed and appended to
+`<out>/gpu_check.jsonl` as it finishes, so a call cut short keeps every finished row; a second call with the same
+`--out` keeps the rows that ran (ok, n/a, skipped) and runs the others. The launching process never initialises
+CUDA (device names from NVML), so it holds no context on GPU 0.
 """
 
 from __future__ import annotations
@@ -39,8 +44,7 @@ from ptbench.core.records import nvml_gpus
 from ptbench.run_point import run_bench
 from ptbench.runner.compose import compose, typed, visible_gpus
 from ptbench.runner.plan import make_plan
-from ptbench.smoke import framework_installed, in_ci, smoke_point
-from ptbench.smoke import main as smoke_main
+from ptbench.smoke import framework_installed, in_ci, run_one, smoke_point
 
 KINDS = {"gpt2_small": "language", "resnet50": "vision", "gpt2_tiny": "language", "resnet50_tiny": "vision"}
 GLOBAL_BATCH = 8
@@ -164,9 +168,42 @@ def ci_skip(row: dict) -> dict:
     return row
 
 
-def not_run(adapter: str, workload: str, budget: float) -> dict:
-    status = "FAILED" if in_ci() else NOT_RUN
-    return {"adapter": adapter, "workload": workload, "status": status, "reason": f"{NOT_RUN}: --budget={budget:.0f}s"}
+class Budget:
+    """The whole command's seconds: a row starts only while what is left covers what a row of its kind takes (its
+    estimate, or 1.25 x the longest of its kind so far: a first row of a kind may take longer than guessed)."""
+
+    def __init__(self, seconds: float, estimates: dict[str, float], started: float = 0.0):
+        self.t0 = time.monotonic() - started
+        self.seconds, self.estimates, self.longest = seconds, estimates, {}
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self) -> float:
+        """Seconds a row may still take: the end's table and the interpreter's exit keep END_S."""
+        return self.seconds - END_S - self.elapsed()
+
+    def need(self, kind: str) -> float:
+        return max(self.estimates[kind], 1.25 * self.longest.get(kind, 0.0))
+
+    def ran(self, kind: str, wall_s: float) -> None:
+        self.longest[kind] = max(self.longest.get(kind, 0.0), wall_s)
+
+
+def not_run(row: dict, budget: Budget) -> dict:
+    why = f"{budget.left():.0f}s of --budget={budget.seconds:.0f}s left, a {row['kind']} row needs {budget.need(row['kind']):.0f}s"
+    if in_ci():
+        return {**row, "status": "FAILED", "reason": f"{NOT_RUN}: {why}"}
+    return {**row, "status": NOT_RUN, "reason": why}
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux's /proc; 0 elsewhere): the budget counts the imports too."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
 
 
 # --- micro-checks ----------------------------------------------------------------------------------------
@@ -180,25 +217,25 @@ MICRO = (  # (label, gpu_micro arguments, CUDA_DEVICE_MAX_CONNECTIONS at the pro
 )
 
 
+def micro_check(label: str, args: list[str], cdmc: str | None, cpu: bool, timeout: float) -> dict:
+    """One micro-check in a process of its own (CUDA_DEVICE_MAX_CONNECTIONS as it must be at that process's start)."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    if cdmc is not None:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = cdmc
+    cmd = [sys.executable, "-m", "ptbench.gpu_micro", *args, *(["--cpu"] if cpu else [])]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        last = (p.stdout.strip().splitlines() or [""])[-1]
+        result = json.loads(last) if p.returncode == 0 and last.startswith("{") else {"error": _tail(p.stderr)}
+    except subprocess.TimeoutExpired:
+        result = {"error": f"timed out after {timeout:.0f}s"}
+    if result.get("check") == "loss":
+        result["model_per_NV"] = _model_loss_bytes_per_nv()
+    return {"micro": label, **result}
+
+
 def micro_checks(cpu: bool, timeout: float) -> list[dict]:
-    rows = []
-    for label, args, cdmc in MICRO:
-        env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
-        if cdmc is not None:
-            env["CUDA_DEVICE_MAX_CONNECTIONS"] = cdmc
-        cmd = [sys.executable, "-m", "ptbench.gpu_micro", *args, *(["--cpu"] if cpu else [])]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-            last = (p.stdout.strip().splitlines() or [""])[-1]
-            result = json.loads(last) if p.returncode == 0 and last.startswith("{") else {"error": _tail(p.stderr)}
-        except subprocess.TimeoutExpired:
-            result = {"error": f"timed out after {timeout:.0f}s"}
-        rows.append({"micro": label, **result})
-    model = _model_loss_bytes_per_nv()
-    for r in rows:
-        if r.get("check") == "loss":
-            r["model_per_NV"] = model
-    return rows
+    return [micro_check(label, args, cdmc, cpu, timeout) for label, args, cdmc in MICRO]
 
 
 def _model_loss_bytes_per_nv() -> float | None:
@@ -215,6 +252,8 @@ def _tail(text: str) -> str:
 
 
 def micro_line(r: dict) -> str:
+    if "check" not in r and "error" not in r:  # not run
+        return f"  {r['micro']}: {r['status']} ({r.get('reason', '')})"
     if "error" in r:
         return f"  {r['micro']}: FAILED {r['error']}"
     if r["check"] == "cdmc":
@@ -289,7 +328,7 @@ def table_row(r: dict) -> list[str]:
     ]
 
 
-def print_table(rows: list[dict], micro: list[dict], devices: int, cpu: bool) -> None:
+def print_table(rows: list[dict], micro: list[dict], smoke: list[dict], devices: int, cpu: bool) -> None:
     size = CPU if cpu else GPU
     steps, untimed = (CPU_STEPS, CPU_UNTIMED) if cpu else (STEPS, UNTIMED)
     where = "CPU twin (tiny sizes; its numbers say nothing about a GPU)" if cpu else f"{devices} GPU(s)"
@@ -305,23 +344,107 @@ def print_table(rows: list[dict], micro: list[dict], devices: int, cpu: bool) ->
         print("micro-checks:")
         for m in micro:
             print(micro_line(m))
+    for r in smoke:
+        print(f"smoke {r['adapter']}: {r['status']} {r.get('reason', '')}".rstrip())
 
 
 # --- the command -----------------------------------------------------------------------------------------
+ESTIMATE_S = {  # what one row of each kind is taken to need before one has run (one H200: 20-35 s a run)
+    "gpu": {"smoke": 40.0, "case": 45.0, "micro": 20.0},
+    "cpu": {"smoke": 25.0, "case": 25.0, "micro": 10.0},
+}
+KEPT = ("ok", "n/a", "skipped")
+END_S = 5.0  # kept back from the rows for the table and the interpreter's exit (torch's teardown: about 3 s)  # rows a second call into the same --out does not run again
+
+
+def row_key(r: dict) -> str:
+    return r["kind"] + ":" + (r["micro"] if r["kind"] == "micro" else f"{r['adapter']}:{r['workload']}")
+
+
+def tasks(args, devices: int, workloads: list[str], root: Path) -> list[tuple[dict, object]]:
+    """(the row's name, the call that runs it with a timeout), in order: the smoke, the cases, the micro-checks."""
+    adapters = args.adapters.split(",")
+    smoke = [] if args.skip_smoke or args.smoke == "none" else (adapters if args.smoke == "all" else ["ddp"])
+    out: list[tuple[dict, object]] = []
+    for name in smoke:
+        out.append(
+            ({"kind": "smoke", "adapter": name, "workload": "smoke"}, lambda t, n=name: smoke_row(n, devices, root, t))
+        )
+    for adapter in adapters:
+        for w in workloads:
+            out.append(({"kind": "case", "adapter": adapter, "workload": w},
+                        lambda t, a=adapter, w=w: run_case(a, w, devices, root, t, args.cpu)))  # fmt: skip
+    for label, micro_args, cdmc in [] if args.skip_micro else MICRO:
+        out.append(
+            (
+                {"kind": "micro", "micro": label},
+                lambda t, m=(label, micro_args, cdmc): micro_check(*m, args.cpu, min(t, 120)),
+            )
+        )
+    return out
+
+
+def smoke_row(name: str, devices: int, root: Path, timeout: float) -> dict:
+    status, detail = run_one(name, devices, root / "smoke", timeout)
+    return {"adapter": name, "workload": "smoke", "status": status, "reason": detail}
+
+
+def run_rows(todo, budget: Budget, out: Path, timeout: float, kept: dict[str, dict]) -> list[dict]:
+    """Each row in turn, within the budget; printed and appended to `out` the moment it finishes."""
+    rows = []
+    for name, call in todo:
+        key = row_key(name)
+        if key in kept:
+            r = {**kept[key], "kept": True}
+        elif budget.left() < budget.need(name["kind"]):
+            r = not_run(name, budget)
+        else:
+            t0 = time.monotonic()
+            r = {**name, **call(min(timeout, budget.left()))}
+            r["wall_s"] = round(time.monotonic() - t0, 1)
+            budget.ran(name["kind"], r["wall_s"])
+        r["at_s"] = round(budget.elapsed(), 1)
+        if not r.get("kept"):
+            with out.open("a") as f:  # appended: a cut call keeps what finished; a second call adds its own
+                f.write(json.dumps(r, default=str) + "\n")
+        rows.append(r)
+        print(progress_line(r, budget), flush=True)
+    return rows
+
+
+def progress_line(r: dict, budget: Budget) -> str:
+    head = f"[{r['at_s']:5.0f}s of {budget.seconds:.0f}s] {r['kind']:<5}"
+    took = " (kept from an earlier call)" if r.get("kept") else (f" ({r['wall_s']:.0f}s)" if "wall_s" in r else "")
+    if r["kind"] == "smoke" and not r.get("kept"):
+        took = ""  # the smoke's own line gives its time
+    if r["kind"] == "micro":
+        return head + micro_line(r) + took
+    if r["kind"] == "case" and r["status"] == "ok":
+        cells = table_row(r)
+        return (
+            f"{head} {r['adapter']} {r['workload']}: ok  step {cells[4]}  {cells[6]}  MFU {cells[7]}  {cells[8]}{took}"
+        )
+    return f"{head} {r['adapter']} {r['workload']}: {r['status']} {r.get('reason', '')}".rstrip() + took
+
+
+def earlier_rows(out: Path) -> dict[str, dict]:
+    """The rows an earlier call into the same --out finished (the latest of each), that need no second run."""
+    kept = {}
+    if out.exists():
+        for line in out.read_text().splitlines():
+            r = json.loads(line) if line.strip() else {}
+            if "kind" in r:
+                done = "error" not in r if r["kind"] == "micro" else r.get("status") in KEPT
+                if done:
+                    kept[row_key(r)] = r
+                else:
+                    kept.pop(row_key(r), None)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ptbench.gpu_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--adapters", default=",".join(available()))
-    p.add_argument("--workloads", default=None, help="default: gpt2_small,resnet50 (--cpu: their tiny variants)")
-    p.add_argument("--timeout", type=float, default=300, help="seconds per run at most")
-    p.add_argument("--budget", type=float, default=540, help="seconds after the smoke and micro-checks for the cases")
-    p.add_argument("--skip-smoke", action="store_true")
-    p.add_argument("--skip-micro", action="store_true")
-    p.add_argument(
-        "--root", type=Path, default=None, help="records and gpu_check.jsonl (default: results/gpu-check-<time>/)"
-    )
-    p.add_argument("--cpu", action="store_true", help="the same cases at tiny sizes on the CPU (one rank)")
-    p.add_argument("--assert-cuda", action="store_true", help="only check that torch sees a GPU, in one line")
-    args = p.parse_args(argv)
+    args = parse(argv)
+    budget = Budget(args.budget, ESTIMATE_S["cpu" if args.cpu else "gpu"], started=process_age_s())
     if not args.cpu:
         error = cuda_error()
         if error:
@@ -336,34 +459,45 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: --workloads {','.join(unknown)}: not one of {', '.join(KINDS)}", file=sys.stderr)
         return 2
-    code = 0
-    if not args.skip_smoke:
-        smoke = ["--world-size", str(devices), "--timeout", str(min(args.timeout, 300))]
-        code = smoke_main(smoke + (["ddp"] if args.cpu else []))  # the CPU twin: the suite tests every adapter
-    micro = [] if args.skip_micro else micro_checks(args.cpu, min(args.timeout, 120))
-    deadline = time.monotonic() + args.budget  # after the smoke and the micro-checks: the cases' own budget
-    rows = []
-    root = args.root or Path("results") / time.strftime("gpu-check-%Y%m%d-%H%M%S")
+    root = args.out or Path("results") / time.strftime("gpu-check-%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)
-    for adapter in args.adapters.split(","):
-        for workload in workloads:
-            left = deadline - time.monotonic()
-            if left < 30:
-                rows.append(not_run(adapter, workload, args.budget))
-            else:
-                rows.append(run_case(adapter, workload, devices, root, min(args.timeout, left), args.cpu))
-            r = rows[-1]
-            print(f"{r['adapter']} {r['workload']}: {r['status']} {r.get('reason', '')}".rstrip(), flush=True)
     out = root / "gpu_check.jsonl"
-    with out.open("a") as f:  # appended: a second check into the same root keeps the first's rows
-        for r in [*rows, *micro]:
-            f.write(json.dumps(r, default=str) + "\n")
-    print_table(rows, micro, devices, args.cpu)
-    print(f"rows: {out}; records: {root}/gpu-check/")
-    failed = [r for r in rows if r["status"] not in ("ok", "skipped", "n/a", NOT_RUN)] + [
-        m for m in micro if "error" in m
-    ]
-    return 1 if failed or code else 0
+    print(f"gpu-check: rows into {out} as they finish; --budget {args.budget:.0f}s for the whole command", flush=True)
+    rows = run_rows(tasks(args, devices, workloads, root), budget, out, args.timeout, earlier_rows(out))
+    by = {k: [r for r in rows if r["kind"] == k] for k in ("case", "micro", "smoke")}
+    print_table(by["case"], by["micro"], by["smoke"], devices, args.cpu)
+    failed = [r for r in rows if r.get("status") == "FAILED" or "error" in r]
+    counts = {
+        s: sum(r.get("status", "ok" if "error" not in r else "FAILED") == s for r in rows) for s in ("ok", NOT_RUN)
+    }
+    print(
+        f"gpu-check: {len(rows)} rows in {budget.elapsed():.0f}s of --budget {args.budget:.0f}s: {counts['ok']} ok, "
+        f"{len(failed)} failed, {counts[NOT_RUN]} not run (budget); rows: {out}; records: {root}/gpu-check/"
+    )
+    return 1 if failed else 0
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ptbench.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--adapters", default=",".join(available()))
+    p.add_argument("--workloads", default=None, help="default: gpt2_small,resnet50 (--cpu: their tiny variants)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per run at most")
+    p.add_argument(
+        "--budget", type=float, default=480, help="seconds for the whole command (smoke, cases, micro-checks)"
+    )
+    p.add_argument(
+        "--smoke",
+        choices=("ddp", "all", "none"),
+        default="ddp",
+        help="smoke rows: ddp's (default), every adapter's, none",
+    )
+    p.add_argument("--skip-smoke", action="store_true", help="as --smoke none")
+    p.add_argument("--skip-micro", action="store_true")
+    p.add_argument("--out", "--root", dest="out", type=Path, default=None,
+                   help="folder for gpu_check.jsonl and the records (default: results/gpu-check-<time>/)")  # fmt: skip
+    p.add_argument("--cpu", action="store_true", help="the same cases at tiny sizes on the CPU (one rank)")
+    p.add_argument("--assert-cuda", action="store_true", help="only check that torch sees a GPU, in one line")
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":

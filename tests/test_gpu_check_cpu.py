@@ -1,12 +1,15 @@
-"""`python -m ptbench.gpu_check --cpu`: the GPU check's own code run on the CPU (its twin), and the sync counter
-it reads from the record."""
+"""`python -m ptbench.gpu_check --cpu`: the GPU check's own code run on the CPU (its twin): its budget over the
+whole command, its rows kept as they finish, the sync counter it reads from the record, and the profiler window
+its timings rely on (started before the first profiled step's timer)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +87,52 @@ def test_budget_spent_is_not_run_and_fails_only_under_ci(tmp_path):
     assert "not run (budget)" in rows_of(tmp_path / "b")[0]["reason"]
 
 
+def test_the_budget_bounds_the_whole_command_and_rows_print_as_they_finish(tmp_path):
+    """--budget covers the smoke, the cases and the micro-checks together: the process ends inside it, a row it
+    leaves no time for reads "not run (budget)" (never a timed-out FAILED), and each row is printed and in the
+    jsonl while the command still runs."""
+    budget = 45
+    cmd = [sys.executable, "-u", "-m", "ptbench.gpu_check", "--cpu", "--budget", str(budget), "--adapters", "ddp"]
+    t0 = time.monotonic()
+    p = subprocess.Popen(
+        [*cmd, "--out", str(tmp_path)], stdout=subprocess.PIPE, text=True, env={**os.environ, "CI": "false"}
+    )
+    seen = []  # (seconds since the start, line, rows in the jsonl at that moment)
+    for line in p.stdout:
+        rows = len((tmp_path / "gpu_check.jsonl").read_text().splitlines()) if line.startswith("[") else None
+        seen.append((time.monotonic() - t0, line.rstrip(), rows))
+    wall = time.monotonic() - t0
+    assert p.wait() == 0
+    print("\n".join(f"{t:5.1f}s | {line}" for t, line, _ in seen) + f"\nwall {wall:.1f}s against --budget {budget}s")
+    assert wall <= budget + 1  # the start of the interpreter counted in; torch's teardown kept back
+    progress = [(t, line, n) for t, line, n in seen if line.startswith("[")]
+    assert all(n >= i for i, (_, _, n) in enumerate(progress, 1))  # each in the file by the time it was read
+    assert progress[0][0] < wall - 10  # the first row came long before the end
+    rows = rows_of(tmp_path)
+    assert {r["kind"] for r in rows} == {"smoke", "case", "micro"} and rows[0]["kind"] == "smoke"
+    assert any(r["status"] == "not run (budget)" for r in rows)
+    assert not any(r.get("status") == "FAILED" or "error" in r for r in rows)
+    assert "rows in" in seen[-1][1] and f"of --budget {budget}s" in seen[-1][1]
+
+
+def test_a_cut_call_keeps_its_rows_and_a_second_call_runs_the_rest(tmp_path):
+    """A call killed mid-way (the device tool's 10-minute limit) leaves every finished row in gpu_check.jsonl; a
+    second call into the same --out keeps them and runs only the others."""
+    args = ["--cpu", "--smoke", "none", "--skip-micro", "--adapters", "ddp", "--workloads", "gpt2_tiny,resnet50_tiny"]
+    cmd = [sys.executable, "-u", "-m", "ptbench.gpu_check", *args, "--out", str(tmp_path)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    for line in p.stdout:
+        if "ddp gpt2_tiny: ok" in line:
+            os.killpg(p.pid, signal.SIGKILL)  # cut while resnet50_tiny runs
+            break
+    p.wait()
+    assert [(r["workload"], r["status"]) for r in rows_of(tmp_path)] == [("gpt2_tiny", "ok")]
+    second = gpu_check(*args[1:], "--out", str(tmp_path))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "ddp gpt2_tiny: ok" in second.stdout and "(kept from an earlier call)" in second.stdout
+    assert [(r["workload"], r["status"]) for r in rows_of(tmp_path)] == [("gpt2_tiny", "ok"), ("resnet50_tiny", "ok")]
+
+
 def test_micro_checks_on_cpu_measure_the_loss_path_and_see_the_start_environment():
     rows = {r["micro"]: r for r in micro_checks(cpu=True, timeout=300)}
     assert all("error" not in r for r in rows.values()), rows
@@ -130,3 +179,41 @@ def test_the_cpu_profiler_prints_no_gpu_error():
                        timeout=300, env=env)  # fmt: skip
     assert p.returncode == 0 and json.loads(p.stdout)["per_NV"] > 0, p.stderr
     assert "gpuGetDeviceCount" not in p.stderr and "profiler_start" not in p.stderr, p.stderr
+
+
+def test_the_profiler_starts_before_the_first_profiled_step_s_timer(tmp_path):
+    """trainer.profile=3:3: the profiler's start (Kineto's set-up) runs in `start_window`, which the trainer calls
+    before global step 3's timer starts (it ran inside that step, which then measured 2.0-2.2x the median);
+    `step()` only labels the profiled steps. The record's export note gives the start's seconds, out of the epoch's
+    time as the export is."""
+    import re
+    import statistics
+
+    from ptbench.core.dist import DistContext
+    from ptbench.runner.profiling import StepProfiler
+    from tests.helpers import bench, check_ok, events, only_run, summary
+
+    prof = StepProfiler("3:3", DistContext(rank=0, world_size=1), tmp_path / "unit", 1, 1, 1, None)
+    with prof.step(3):  # the step's context starts nothing
+        assert not prof.active
+    assert prof.start_window(2) == 0.0 and not prof.active
+    assert prof.start_window(3) > 0 and prof.active
+    started = prof.prof
+    with prof.step(3):
+        assert prof.prof is started
+    assert prof.start_window(3) == 0.0  # once
+    prof._stop()
+
+    tiny = ["workload=gpt2_tiny", "data=synthetic", "workload.seq_len=32", "workload.vocab_size=4096"]
+    window = ["trainer.profile=3:3", "trainer.max_steps=8", "trainer.eval_every_epoch=false", "trainer.progress=false"]
+    proc = bench("adapter=ddp", *tiny, *window, "data.train_samples=256", results=tmp_path / "run")
+    check_ok(proc)
+    run = only_run(tmp_path / "run")
+    times = events(run)[-1]["step_times_s"]  # global steps 2..7 (trainer.untimed_steps=2); 3, 4, 5 profiled
+    note = summary(run)["profile"]["export"]["note"]
+    print(
+        f"step times {times}; first profiled / median of the other two: {times[1] / statistics.median(times[2:4]):.2f}"
+    )
+    print(note)
+    start = re.search(r"so is starting it, before the first profiled step's timer \(rank 0: ([0-9.]+) s\)", note)
+    assert start is not None and float(start.group(1)) > 0, note

@@ -303,7 +303,7 @@ def test_resnet_with_batchnorm_runs(tmp_path):
         ),
         (["adapter.flush_every=-1"], "adapter.flush_every=-1 must be >= 0"),
         (["trainer.checkpoint_every=2"], "does not save its stashed weight versions"),
-        (["trainer.profile=2:2"], "trainer.profile: adapter=pipedream's sends complete in a later step"),
+        (["trainer.profile=2:2"], "trainer.profile: adapter=pipedream is not profiled"),
     ],
 )
 def test_bad_input_is_refused_before_launch(tmp_path, overrides, message):
@@ -369,3 +369,76 @@ def test_the_adapter_states_its_stash_through_cost_inputs():
     assert cost.layer_params[-1] == 2 * w.n_embd  # ln_f only: the head's tied copy is not stashed
     two = PipedreamAdapter.cost_inputs(config(["adapter=pipedream", "adapter.schedule=2bw"]))
     assert two.weight_stash == "double_buffered"
+
+
+def _slow_last_stage(rank: int, world: int, port: int, out: str) -> None:
+    """Two stages, the last one 0.1 s slower per micro-batch (a forward hook): the first must wait for it."""
+    import time
+
+    import torch.distributed as dist
+
+    from ptbench.core.dist import DistContext
+    from ptbench.core.timing import PhaseTimer
+    from ptbench.workloads import build_workload
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = config(["adapter=pipedream", "adapter.microbatches=1", f"launcher.nprocs={world}"])
+    ad = PipedreamAdapter(cfg, build_workload(cfg.workload, cfg.data), DistContext(rank=rank, world_size=world))
+    ad.setup()
+    if ad.is_last:
+        ad.module.register_forward_hook(lambda *_: time.sleep(0.1))
+    ad.train()
+    for x, y in batches()[:4]:
+        ad.train_step([(x, y)], PhaseTimer(cuda_sync=False))
+    ad.end_epoch()
+    if rank == 0:
+        a = ad.describe()
+        with open(f"{out}/wait.json", "w") as f:
+            json.dump({k: a[k] for k in ("recv_wait_fraction_per_stage", "recv_wait_clock")}, f)
+    dist.destroy_process_group()
+
+
+def test_recv_wait_fraction_sees_a_slow_stage(tmp_path):
+    """The bubble's accounting (the CPU twin: host clock on gloo): the stage upstream of a slow one spends most of
+    its time waiting for its exchanges, the slow one little. On a GPU the same spans are CUDA events on the stream
+    (NCCL's wait returns at once on the host), chosen by the device."""
+    import torch.multiprocessing as mp
+
+    from ptbench.adapters.pipedream import ExchangeMeter
+    from ptbench.core.dist import free_port
+    from ptbench.core.timing import DeviceEventClock, HostClock
+
+    assert isinstance(ExchangeMeter(torch.device("cuda", 0)).clock, DeviceEventClock)
+    assert isinstance(ExchangeMeter(torch.device("cpu")).clock, HostClock)
+    mp.start_processes(_slow_last_stage, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    got = json.loads((tmp_path / "wait.json").read_text())
+    print(got)
+    first, last = got["recv_wait_fraction_per_stage"]
+    assert got["recv_wait_clock"] == "host_perf_counter"
+    assert first > 0.6 and last < 0.4, got
+
+
+def test_the_memory_ledger_counts_the_stage_weights_as_weights(tmp_path):
+    """The stashed-version leaves are Parameters over the weights' storage: the memory ledger counts what autograd
+    saves of them as weights, so one stage's saved bytes equal ddp's on the same model and batch (they did not when
+    the leaves were plain tensors: 133 against ddp's 107 MiB at gpt2_tiny's full size)."""
+    counted = {}
+    for adapter in ("ddp", "pipedream"):
+        proc = bench(
+            f"adapter={adapter}",
+            "launcher.nprocs=1",
+            *BASE,
+            "trainer.max_steps=3",
+            "trainer.untimed_steps=2",
+            "trainer.eval_every_epoch=false",
+            "trainer.progress=false",
+            "data.train_samples=64",
+            results=tmp_path / adapter,
+        )
+        check_ok(proc)
+        ledger = summary(only_run(tmp_path / adapter))["memory_ledger"]
+        counted[adapter] = (ledger["counted_saved_bytes"], ledger["predicted_saved_bytes"])
+    print(counted)
+    assert counted["pipedream"] == counted["ddp"] and counted["ddp"][0] > 0

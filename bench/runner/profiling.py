@@ -140,6 +140,7 @@ class StepProfiler:
         self.path: Path | None = None
         self._ending = False  # the window's last step ran: `end_window` stops the profiler
         self.export_s: float | None = None  # stopping the profiler, writing and reading the trace
+        self.start_s: float | None = None  # starting it, before the window's first step
 
     @classmethod
     def of(cls, cfg, plan, ctx, run_dir: Path | None, adapter=None) -> StepProfiler:
@@ -208,28 +209,34 @@ class StepProfiler:
         """Whether `global_step` is inside the profile window."""
         return self.window is not None and self.window[0] <= global_step < self.window[0] + self.window[1]
 
+    def start_window(self, global_step: int) -> float:
+        """Before the timer starts the step: start the profiler if the window opens at `global_step`. Returns the
+        seconds that took (0.0 otherwise), which no step time contains (Kineto's start took the first profiled
+        step to 2x the median when it ran inside it)."""
+        if self.window is None or global_step != self.window[0] or self.prof is not None or self.result is not None:
+            return 0.0
+        from torch.profiler import ProfilerActivity, profile
+
+        t0 = time.perf_counter()
+        acts = [ProfilerActivity.CPU]
+        if self.ctx.is_cuda:
+            acts.append(ProfilerActivity.CUDA)
+        self._patch()
+        quiet_cpu_profiler()
+        self.prof = profile(activities=acts, record_shapes=True)
+        self.prof.__enter__()
+        self.start_s = time.perf_counter() - t0
+        return self.start_s
+
     def step(self, global_step: int):
         """The context of one train step: nothing at all outside the window (no generator per step)."""
-        if self.window is None or not (self.prof is not None or global_step == self.window[0]):
+        if self.prof is None:
             return contextlib.nullcontext()
         return self._step(global_step)
 
     @contextlib.contextmanager
     def _step(self, global_step: int):
         start, count = self.window
-        if global_step == start and self.prof is None and self.result is None:
-            from torch.profiler import ProfilerActivity, profile
-
-            acts = [ProfilerActivity.CPU]
-            if self.ctx.is_cuda:
-                acts.append(ProfilerActivity.CUDA)
-            self._patch()
-            quiet_cpu_profiler()
-            self.prof = profile(activities=acts, record_shapes=True)
-            self.prof.__enter__()
-        if self.prof is None:
-            yield
-            return
         with torch.profiler.record_function(f"{ledger.STEP}{global_step}"):
             yield
         self._ending = global_step == start + count - 1  # stopped by `end_window`, after the step's timer
@@ -310,7 +317,8 @@ class StepProfiler:
             "in_step_times": False,
             "in_epoch_time": False,
             "note": "stopping the profiler, writing and reading back the trace ran after the last profiled step's "
-            "timer and is left out of its epoch's time",
+            "timer and is left out of its epoch's time; so is starting it, before the first profiled step's timer "
+            f"(rank 0: {self.start_s or 0:.3f} s)",
         }
         rec["merged_trace"] = str(merged) if merged else None
         rec["ranks"] = [

@@ -259,6 +259,8 @@ class Trainer:
         losses: list[torch.Tensor] = []
         state.losses = losses  # a checkpoint saves the epoch's losses so far
         for _ in range(steps):
+            # trainer.profile: the profiler starts before the step's timer, and out of the epoch's time
+            self.state.epoch_t0 += self.profiler.start_window(state.global_step)
             self.timer.start_step()
             with self.timer.phase("data"):
                 micro = []
