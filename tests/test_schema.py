@@ -54,6 +54,9 @@ NOT_RECORD = {
     "metadata",
     "time_ms",
     "event_type",
+    # keys inside env.json's open `system` field (torch.utils.collect_env's probes, listed in its meaning)
+    "cuda_runtime",
+    "nvidia_driver",
 }
 
 

@@ -15,6 +15,7 @@ still ends with its error and a final status.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.metadata
 import json
@@ -24,12 +25,15 @@ import platform
 import secrets
 import shutil
 import socket
+import stat
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from ptbench.core import schema
+from ptbench.core.readers import MAX_EVENTS_BYTES, read_bytes, read_json, read_lines, read_record, record_files
 
 # versions every record states; the runner adds each adapter's framework (from the adapter registry)
 BASE_PACKAGES = ("torch", "torchvision", "hydra-core", "nvtx")
@@ -113,11 +117,6 @@ def flag_nonfinite(record: dict) -> dict:
     return {**record, "nonfinite": sorted(set(bad))} if bad else record
 
 
-def read_json(path: Path):
-    with open(path) as f:
-        return json.load(f)
-
-
 def readable(path: Path) -> dict | None:
     """The JSON object at `path`, or None where it is missing, unreadable, damaged or not an object."""
     try:
@@ -145,26 +144,28 @@ def point_folders(results) -> set[Path]:
     return {Path(results.root) / results.experiment, Path(results.dir or results.root)}
 
 
-def summaries(folders):
-    """(summary.json path, summary) of every record under `folders`: each record folder once (the folders
-    may nest), in path order; a summary being written (unreadable) is passed over."""
+def summaries(folders, say=None):
+    """(summary.json path, summary object) of every record under `folders`: each record folder once (the folders
+    may nest), in path order. One that cannot be read (another user's private record) is passed over; one that
+    is damaged or hostile too, named in one warning line to `say` (default stderr)."""
     seen = set()
     for root in map(Path, folders):
-        for path in sorted(root.rglob("summary.json")) if root.is_dir() else []:
-            run_dir = path.parent.resolve()
+        for path in record_files(root, "summary.json", say=say) if root.is_dir() else []:
+            try:
+                run_dir = path.parent.resolve()
+            except (OSError, RuntimeError):
+                continue
             if run_dir in seen:
                 continue
             seen.add(run_dir)
-            try:
-                s = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            yield path, s
+            s = read_record(path, say)
+            if s is not None:
+                yield path, s
 
 
-def point_records(folders, point: str):
+def point_records(folders, point: str, say=None):
     """(summary.json path, summary) of every record of `point` under `folders` (`summaries`)."""
-    for path, s in summaries(folders):
+    for path, s in summaries(folders, say):
         if s.get("point") == point:
             yield path, s
 
@@ -189,17 +190,100 @@ RANK_RESERVE_BYTES = 64 * 1024  # an error file with its traceback: a few KiB
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
+def _not_ours(path: Path, what: str) -> str:
+    return (
+        f"cannot write {path}: it is {what}, not a folder of this user's: a record is never written where someone "
+        "else can redirect it; remove it (or ask its owner to), or choose another results.run_id or results.root"
+    )
+
+
+def own_folder(path: Path) -> int:
+    """A descriptor of the folder `path`, made if missing, which must be ours: never a symlink (its last part), never
+    another user's (PermissionError, one line), and made private (no group/other write) where it is not: under
+    umask 002 a member of the group could plant files or links in it. Every write of a record goes through such a
+    descriptor, so a folder renamed away or replaced by a link after this check gets none of them."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            os.makedirs(path, exist_ok=True)
+            fd = os.open(path, flags)
+    except OSError as e:
+        if os.path.islink(path):
+            raise PermissionError(errno.EPERM, _not_ours(path, f"a symbolic link (to {os.readlink(path)})")) from None
+        raise storage_error(e, path) from e
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise PermissionError(errno.EPERM, _not_ours(path, f"another user's folder (uid {st.st_uid})"))
+    if st.st_mode & 0o022:
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
+    return fd
+
+
+def write_at(dir_fd: int, name: str, text: str, shown: Path) -> None:
+    """`name` in the folder `dir_fd`, atomically: a new temp file (O_EXCL and O_NOFOLLOW: never an existing file or
+    a link) renamed onto it (a link there is replaced, not followed). `shown`: the path an error names."""
+    tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError as e:
+        raise storage_error(e, shown) from e
+    try:
+        with open(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        if isinstance(e, OSError):
+            raise storage_error(e, shown) from e
+        raise
+
+
+# A launcher of ours completes the final summary of the ranks it started (with the contention it sampled while they
+# ran) and writes it as the record's one final write: until then a rank's final word waits in STAGED and summary.json
+# reads `running`, so a launcher stopped in between leaves no `ok` without its contention verdict (the next run of
+# the point marks it killed). SETTLER_ENV names that launcher (pid) and the record folder: a rank of any other run,
+# or one whose launcher is gone, writes summary.json itself.
+STAGED = ".summary.final.json"
+SETTLER_ENV = "BENCH_RECORD_SETTLER"
+
+
+def settler_environment(run_dir: Path) -> dict[str, str]:
+    """The variable a launcher gives the ranks it starts so that it, not they, writes their final summary."""
+    return {SETTLER_ENV: f"{os.getpid()} {run_dir}"}
+
+
 class RunRecord:
+    """One record folder. Every write goes through a descriptor of the folder checked as ours (`own_folder`) and
+    never follows a link; reads are bounded (`read_bytes`)."""
+
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir)
 
-    def _reserve_path(self, rank: int) -> Path:
-        return self.dir / (RESERVE if rank == 0 else f"{RESERVE}.rank{rank}")
+    @contextlib.contextmanager
+    def _opened(self):
+        fd = own_folder(self.dir)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _reserve_name(self, rank: int) -> str:
+        return RESERVE if rank == 0 else f"{RESERVE}.rank{rank}"
 
     def reserve(self, rank: int = 0) -> None:
         """Set bytes aside for `rank` (real blocks: zeros written, not a sparse file); never fails a run."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            with open(self._reserve_path(rank), "wb") as f:
+            with (
+                self._opened() as folder,
+                open(os.open(self._reserve_name(rank), flags, 0o600, dir_fd=folder), "wb") as f,
+            ):
                 f.write(b"\0" * (RESERVE_BYTES if rank == 0 else RANK_RESERVE_BYTES))
                 f.flush()
                 os.fsync(f.fileno())
@@ -208,93 +292,148 @@ class RunRecord:
 
     def release(self, rank: int = 0) -> bool:
         try:
-            os.unlink(self._reserve_path(rank))
+            with self._opened() as folder:
+                os.unlink(self._reserve_name(rank), dir_fd=folder)
             return True
         except OSError:
             return False
 
     def release_all(self) -> None:
-        for path in [self.dir / RESERVE, *self.dir.glob(f"{RESERVE}.rank*")]:
-            path.unlink(missing_ok=True)
+        if not self.dir.is_dir():
+            return
+        with self._opened() as folder:
+            for name in os.listdir(folder):
+                if name == RESERVE or name.startswith(f"{RESERVE}.rank"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=folder)
 
-    def _write_json(self, path: Path, obj, rank: int = 0) -> None:
-        """write_json; on a full disk, once more after releasing the writing rank's reserve (rank 0's as well
-        when that one is gone)."""
+    def _write_json(self, name: str, obj, rank: int = 0) -> None:
+        """write_at; on a full disk, once more after releasing the writing rank's reserve (rank 0's as well when
+        that one is gone)."""
+        text = dumps(obj, indent=2) + "\n"
+        with self._opened() as folder:
+            try:
+                write_at(folder, name, text, self.dir / name)
+            except OSError as e:
+                if e.errno not in _FULL or not (self.release(rank) or (rank != 0 and self.release())):
+                    raise
+                write_at(folder, name, text, self.dir / name)
+
+    def _read(self, name: str):
         try:
-            write_json(path, obj)
-        except OSError as e:
-            if e.errno not in _FULL or not (self.release(rank) or (rank != 0 and self.release())):
-                raise
-            write_json(path, obj)
+            return read_json(self.dir / name)
+        except FileNotFoundError:
+            return None
 
     def create(self, config_yaml: str, packages: tuple[str, ...] = ()) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.dir / "config.yaml", config_yaml)
-        write_json(self.dir / "env.json", environment(packages))
+        with self._opened() as folder:
+            write_at(folder, "config.yaml", config_yaml, self.dir / "config.yaml")
+        self._write_json("env.json", environment(packages))
 
     def append_event(self, event: dict) -> None:
         event = flag_nonfinite(event)
         schema.check(event, schema.EPOCH_EVENT, "events.jsonl")
-        path = self.dir / "events.jsonl"
-        old = path.read_text() if path.exists() else ""
-        atomic_write(path, old + dumps(event) + "\n")
+        line = dumps(event) + "\n"
+        with self._opened() as folder:
+            try:
+                old = read_bytes("events.jsonl", MAX_EVENTS_BYTES, folder).decode()
+            except FileNotFoundError:
+                old = ""
+            write_at(folder, "events.jsonl", old + line, self.dir / "events.jsonl")
 
     def events(self) -> list[dict]:
-        path = self.dir / "events.jsonl"
-        if not path.exists():
+        try:
+            return read_lines(self.dir / "events.jsonl")
+        except FileNotFoundError:
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def summary(self) -> dict | None:
-        path = self.dir / "summary.json"
-        return read_json(path) if path.exists() else None
+        """The record's newest word: summary.json, or while that reads `running`, a final summary STAGED for the
+        launcher to complete."""
+        current = self._read("summary.json")
+        if current is None or current.get("status") == "running":
+            return self._read(STAGED) or current
+        return current
 
-    def write_summary(self, summary: dict) -> None:
+    def write_summary(self, summary: dict, name: str = "summary.json") -> None:
         assert summary.get("status") in STATUSES, summary.get("status")
         summary = flag_nonfinite(summary)
         schema.check(summary, schema.SUMMARY, "summary.json")
-        self._write_json(self.dir / "summary.json", summary)
+        self._write_json(name, summary)
+        if name == "summary.json" and summary["status"] != "running":  # final: nothing is staged any more
+            with self._opened() as folder, contextlib.suppress(FileNotFoundError):
+                os.unlink(STAGED, dir_fd=folder)
 
     def write_rank_error(self, rank: int, error: dict) -> None:
-        self._write_json(self.dir / f"error-rank{rank}.json", error, rank)
+        self._write_json(f"error-rank{rank}.json", error, rank)
 
     def rank_errors(self) -> list[dict]:
         return [read_json(p) for p in sorted(self.dir.glob("error-rank*.json"))]
 
 
 class RunWriter:
-    """The one writer of a run's summary.json: `start` (status running), `fail`, `finish`. Every summary
-    carries the run's identity (RunPlan.identity()) and run_id, whatever its status."""
+    """The one writer of a run's summary.json: `start` (status running), `fail`, `finish`, and for the launcher of
+    the ranks `settle`. Every summary carries the run's identity (RunPlan.identity()) and run_id, whatever its
+    status; `complete` (the launcher's: its sampled contention) is applied to every final summary this process
+    writes, in the same write."""
 
     def __init__(self, run_dir: Path, identity: dict):
         self.record = RunRecord(run_dir)
         self.identity = {"run_id": Path(run_dir).name, **identity}
+        self.complete = None
 
     @property
     def dir(self) -> Path:
         return self.record.dir
 
-    def start(self, config_yaml: str, packages: tuple[str, ...] = ()) -> None:
-        """A new record: refused (one line, nothing written) when the folder already holds one."""
-        held = [n for n in ("summary.json", "events.jsonl", "config.yaml") if (self.dir / n).exists()]
-        if held:
-            from ptbench.core.errors import ConfigError
+    def _claim(self) -> bool:
+        """Make the record folder (private), or accept one of ours already there; True when made here. A folder
+        another user made, or a link, is refused in one line: our record would go where they can redirect it."""
+        from ptbench.core.errors import ConfigError
 
-            status = (readable(self.dir / "summary.json") or {}).get("status", "unknown")
-            raise ConfigError(
-                f"results.run_id={self.dir.name}: {self.dir} already holds a record (status {status}); it is "
-                "never overwritten: choose another results.run_id, or leave it unset for a new one"
-            )
-        made = not self.dir.exists()
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
         try:
+            os.mkdir(self.dir)  # then without group/other write (own_folder), whatever the umask
+            made = True
+        except FileExistsError:
+            made = False
+        st = os.lstat(self.dir)
+        what = (
+            f"a symbolic link (to {os.readlink(self.dir)})"
+            if stat.S_ISLNK(st.st_mode)
+            else f"a folder another user made (uid {st.st_uid})"
+            if stat.S_ISDIR(st.st_mode) and st.st_uid != os.geteuid()
+            else None
+        )
+        if what:
+            raise ConfigError(
+                f"results.run_id={self.dir.name}: {self.dir} is {what}: a record is never written where someone "
+                "else can redirect it; remove it (or ask its owner to), or choose another results.run_id"
+            )
+        if stat.S_ISDIR(st.st_mode):
+            os.close(own_folder(self.dir))  # private even under umask 002, before a file is in it
+        return made
+
+    def start(self, config_yaml: str, packages: tuple[str, ...] = ()) -> None:
+        """A new record: refused (one line, nothing written) when the folder already holds one or is not ours."""
+        from ptbench.core.errors import ConfigError
+
+        made = False
+        try:
+            made = self._claim()
+            held = [n for n in ("summary.json", "events.jsonl", "config.yaml") if (self.dir / n).exists()]
+            if held:
+                status = (readable(self.dir / "summary.json") or {}).get("status", "unknown")
+                raise ConfigError(
+                    f"results.run_id={self.dir.name}: {self.dir} already holds a record (status {status}); it is "
+                    "never overwritten: choose another results.run_id, or leave it unset for a new one"
+                )
             self.record.create(config_yaml, packages)
             self.record.write_summary({"status": "running", **self.identity, "owner": owner()})
         except OSError as named:  # a full disk, a read-only folder: one line, no empty record folder left behind
             e = named.__cause__ if isinstance(named.__cause__, OSError) else named  # as the system said it
             if made:
                 shutil.rmtree(self.dir, ignore_errors=True)
-            from ptbench.core.errors import ConfigError
-
             blocker = next((p for p in (self.dir, *self.dir.parents) if p.exists() and not p.is_dir()), None)
             fix = (
                 "free space there"
@@ -308,22 +447,51 @@ class RunWriter:
             ) from None
         self.record.reserve()
 
+    def _by_launcher(self) -> bool:
+        """This process is a rank whose launcher (alive) completes and writes its final summary (SETTLER_ENV)."""
+        pid, _, where = os.environ.get(SETTLER_ENV, "").partition(" ")
+        if where != str(self.dir) or not pid.isdigit() or int(pid) == os.getpid():
+            return False
+        if int(pid) == os.getppid():  # a forked rank's launcher: reparented at once when it dies
+            return True
+        try:
+            import psutil
+
+            return psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE  # killed, not yet reaped: gone
+        except Exception:  # noqa: BLE001 - no such process, or psutil missing: no launcher to wait for
+            return False
+
+    def _final(self, summary: dict) -> None:
+        """A final summary: staged for the launcher (a rank it started), else completed and written in one write."""
+        if self._by_launcher():
+            self.record.write_summary(summary, STAGED)
+            return
+        if self.complete is not None:
+            self.complete(summary)
+        self.record.write_summary(summary)
+        self.record.release_all()
+
+    def settle(self) -> None:
+        """The launcher, once its ranks have ended: a final summary one of them staged, completed and written."""
+        staged = self.record._read(STAGED)
+        current = self.record._read("summary.json") or {}
+        if isinstance(staged, dict) and current.get("status") in (None, "running"):
+            self._final(staged)
+
     def fail(self, status: str, error: str, failed_rank: int | None = None, **extra) -> None:
-        """A failed outcome; the first word wins: an outcome already written (by rank 0) is kept."""
+        """A failed outcome; the first word wins: an outcome already written (or staged by rank 0) is kept."""
         current = self.record.summary() or {}
         if current.get("status") not in (None, "running"):
             # final already (rank 0 wrote it, then was ended before it released the reserve: a second Ctrl-C)
-            self.record.release_all()
+            if not self._by_launcher():
+                self.settle()
+                self.record.release_all()
             return
         current.pop("owner", None)  # a running record's writer: this one, now final
-        self.record.write_summary(
-            {**current, **self.identity, "status": status, "error": error, "failed_rank": failed_rank, **extra}
-        )
-        self.record.release_all()
+        self._final({**current, **self.identity, "status": status, "error": error, "failed_rank": failed_rank, **extra})
 
     def finish(self, summary: dict) -> None:
-        self.record.write_summary({**summary, **self.identity})
-        self.record.release_all()
+        self._final({**summary, **self.identity})
 
 
 def provenance() -> dict:
@@ -368,8 +536,11 @@ def owner_gone(owner) -> str | None:
     """Why a `running` record will never get its final status (its writer, on this host, is gone: no such
     pid, or the pid now belongs to a process started at another time), else None (still going, or written
     on another host or by a harness without `owner`: cannot tell)."""
-    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname() or not owner.get("pid"):
+    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname():
         return None
+    pid, started = owner.get("pid"), owner.get("started")
+    if type(pid) is not int or not 0 < pid < 2**31 or not isinstance(started, (int, float, type(None))):
+        return None  # not a record this harness wrote (its `summaries` reader passes it over)
     try:
         import psutil
 
@@ -389,11 +560,10 @@ def owner_gone(owner) -> str | None:
 def mark_killed(folders, point: str | None, say=None) -> list[Path]:
     """Before a new run of `point`: every record of it left `running` by a launcher that is gone (`owner_gone`)
     gets its final status `killed` with that line as its error, and loses its space reserve; one line to `say`
-    (default: stderr) per record. Returns their folders. Never fails the run that asks."""
-    import sys
-
+    (default: stderr) per record. Returns their folders. Never fails the run that asks; another user's record is
+    never written (`own_folder`)."""
     marked = []
-    for path, s in point_records(folders, point) if point else ():
+    for path, s in point_records(folders, point, say) if point else ():
         why = s.get("status") == "running" and owner_gone(s.get("owner"))
         if not why:
             continue

@@ -36,6 +36,8 @@ the first epoch began, after its validation), `val_time_s` and `epoch_time_s`.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import math
@@ -44,6 +46,9 @@ import sys
 import time
 import warnings
 from pathlib import Path
+
+from ptbench.core.readers import MAX_EVENTS_BYTES, read_bytes, read_json, read_lines
+from ptbench.core.records import own_folder, write_at
 
 MLLOG_FILE = "mllog.txt"
 TENSORBOARD_DIR = "tensorboard"
@@ -169,16 +174,15 @@ def write_mllog(run_dir, summary: dict, events: list[dict], config, start_time_s
     from mlperf_logging.mllog import mllog
 
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     events = [e for e in events if e.get("type", "epoch") == "epoch"]
     t0 = _start_time_s(run_dir, summary, events) if start_time_s is None else float(start_time_s)
     entries = mllog_entries(summary, events, config or {}, t0)
     path = run_dir / MLLOG_FILE
-    tmp = run_dir / f".{MLLOG_FILE}.tmp"
     logger = logging.getLogger(f"trainbench.mllog.{os.getpid()}.{id(entries)}")
     logger.propagate = False
     logger.setLevel(logging.INFO)
-    handler = logging.FileHandler(tmp, mode="w")
+    lines = io.StringIO()  # written below as the record's other files are: never through a link (records.write_at)
+    handler = logging.StreamHandler(lines)
     handler.setLevel(logging.INFO)
     logger.addHandler(handler)
     try:
@@ -189,14 +193,27 @@ def write_mllog(run_dir, summary: dict, events: list[dict], config, start_time_s
     finally:
         logger.removeHandler(handler)
         handler.close()
-    os.replace(tmp, path)
+    with _own_folder(run_dir) as (folder, _):
+        write_at(folder, MLLOG_FILE, lines.getvalue(), path)
     return path
+
+
+@contextlib.contextmanager
+def _own_folder(run_dir: Path):
+    """(descriptor, path naming it) of the record folder checked as ours (records.own_folder): a sink writes
+    through it, so a record folder renamed away or replaced by a link meanwhile gets nothing."""
+    fd = own_folder(Path(run_dir))
+    try:
+        by_fd = Path(f"/proc/self/fd/{fd}")  # a library that takes a path (TensorBoard) resolves it to this folder
+        yield fd, by_fd if by_fd.is_dir() else Path(run_dir)
+    finally:
+        os.close(fd)
 
 
 def read_mllog(path) -> list[dict]:
     """The JSON objects of an MLLOG file's `:::MLLOG` lines (other lines skipped)."""
     out = []
-    for line in Path(path).read_text().splitlines():
+    for line in read_bytes(Path(path), MAX_EVENTS_BYTES).decode().splitlines():
         if line.startswith(":::MLLOG "):
             out.append(json.loads(line[len(":::MLLOG ") :]))
     return out
@@ -321,13 +338,19 @@ def _epoch_rows(events: list[dict]):
 def write_wandb(run_dir, summary: dict, events: list[dict], config) -> Path:
     """A W&B run in RUN_DIR/wandb from the record: config, per-epoch scalars (x axis `epoch`), per-step
     losses (x axis `global_step`), summary scalars. Offline unless WANDB_API_KEY or WANDB_MODE is set."""
+    with _own_folder(run_dir):  # W&B's files are written by its service process too: the path, checked as ours
+        _write_wandb(Path(run_dir), summary, events, config)
+    return Path(run_dir) / "wandb"
+
+
+def _write_wandb(folder: Path, summary: dict, events: list[dict], config) -> None:
     import wandb
 
     mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     run = wandb.init(
         project=os.environ.get("WANDB_PROJECT") or summary.get("experiment") or "trainbench",
-        name=summary.get("run_id") or Path(run_dir).name,
-        dir=str(run_dir),
+        name=summary.get("run_id") or folder.name,
+        dir=str(folder),
         mode=mode,
         config=config or {},
         job_type="benchmark",
@@ -347,7 +370,6 @@ def write_wandb(run_dir, summary: dict, events: list[dict], config) -> Path:
         run.summary.update({**_scalars(summary), "status": summary.get("status")})
     finally:
         run.finish(exit_code=0 if summary.get("status") == "ok" else 1)
-    return Path(run_dir) / "wandb"
 
 
 def write_mlflow(run_dir, summary: dict, events: list[dict], config) -> str:
@@ -403,8 +425,13 @@ def write_tensorboard(run_dir, events: list[dict]) -> Path | None:
         return None
     from torch.utils.tensorboard import SummaryWriter
 
-    out = Path(run_dir) / TENSORBOARD_DIR
-    writer = SummaryWriter(log_dir=str(out))
+    with _own_folder(run_dir) as (_, folder):
+        writer = SummaryWriter(log_dir=str(folder / TENSORBOARD_DIR))
+        _tensorboard_scalars(writer, events)
+    return Path(run_dir) / TENSORBOARD_DIR
+
+
+def _tensorboard_scalars(writer, events: list[dict]) -> None:
     try:
         step = 0
         for e in events:
@@ -422,7 +449,6 @@ def write_tensorboard(run_dir, events: list[dict]) -> Path | None:
         writer.flush()
     finally:
         writer.close()
-    return out
 
 
 def write_sinks(
@@ -433,15 +459,15 @@ def write_sinks(
     never raises."""
     run_dir = Path(run_dir)
     result: dict = {}
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
+    try:  # bounded reads (records.read_bytes): a sink never breaks a run
+        summary = read_json(run_dir / "summary.json")
         ev_path = run_dir / "events.jsonl"
-        events = [json.loads(ln) for ln in ev_path.read_text().splitlines() if ln.strip()] if ev_path.exists() else []
+        events = read_lines(ev_path) if ev_path.exists() else []
         config = {}
         if (run_dir / "config.yaml").exists():
             import yaml
 
-            config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+            config = yaml.safe_load(read_bytes(run_dir / "config.yaml").decode()) or {}
     except Exception as e:  # noqa: BLE001 - a sink never breaks a run
         return {"mllog": f"failed: {type(e).__name__}: {e}"} if mllog else {}
     for name, on, fn in (

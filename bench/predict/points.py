@@ -9,13 +9,21 @@ neither says (the link the machine has).
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ptbench.core.comm_volume import ring_factor
+from ptbench.core.readers import (
+    MAX_EVENTS_BYTES,
+    MAX_LINE_BYTES,
+    loads,
+    read_bytes,
+    read_record,
+    record_files,
+    skipped,
+)
 from ptbench.core.records import readable
 
 LINK_DIR = re.compile(r"^link-(\d+(?:\.\d+)?)mbit$")
@@ -105,13 +113,16 @@ def _epoch_steps(run: Path, window) -> tuple[list[float], list[float]]:
     data loading left out); a profiled run's epochs that hold its profiled steps (trainer.profile's window,
     global steps) left out when another epoch is clean: the profiler slows the steps it records."""
     out, first = [], 0
-    try:
-        lines = (run / "events.jsonl").read_text().splitlines()
+    try:  # bounded: a record folder may be another user's (records.read_bytes)
+        lines = read_bytes(run / "events.jsonl", MAX_EVENTS_BYTES).splitlines()
+    except ValueError as e:
+        skipped(str(e))
+        return [], []
     except OSError:
         return [], []
     for line in lines:
         try:
-            e = json.loads(line)
+            e = loads(line, run / "events.jsonl") if len(line) <= MAX_LINE_BYTES else None
         except ValueError:
             continue
         if isinstance(e, dict) and e.get("type") == "epoch" and e.get("step_time_mean_s"):
@@ -174,45 +185,53 @@ def _traced_collectives(prof, formula: list[dict], world: int) -> list[dict]:
 def load_points(root: Path) -> list[Point]:
     """Every finished run under root (status ok, a step time and a communication volume), pooled by point."""
     points: dict[tuple, Point] = {}
-    for path in sorted(root.rglob("summary.json")):
-        s = readable(path)
+    for path in record_files(root, "summary.json"):
+        s = read_record(path)
         if not s or s.get("status") != "ok" or not s.get("step_time_mean_s"):
             continue
-        cv = s.get("comm_volume") or {}
-        if "collectives" not in cv:
-            continue
-        layout = s.get("layout") or {}
-        p = Point(
-            series=series_of(s),
-            adapter=s.get("adapter") or "?",
-            world_size=int(s.get("world_size") or layout.get("world_size") or 1),
-            microbatches=int(layout.get("microbatches") or 1),
-            link=link_of(path, s.get("extra")),
-            workload=str(s.get("workload") or ""),
-            local_batch=int(s.get("local_batch") or 0),
-        )
-        p = points.setdefault(p.key, p)
-        window = (s.get("profile") or {}).get("window") if isinstance(s.get("profile"), dict) else None
-        epochs, fb = _epoch_steps(path.parent, window)
-        p.steps.append(statistics.fmean(epochs) if window and epochs else float(s["step_time_mean_s"]))
-        p.epoch_steps += epochs
-        if fb:
-            p.fb_steps.append(statistics.fmean(fb))
-        epoch = s.get("epoch_time_steady_s") or s.get("epoch_time_mean_s")
-        if epoch:
-            p.epoch_ratio = float(epoch) / float(s["step_time_mean_s"])
-        p.global_batch = int(s.get("global_batch") or 0)
-        p.batch_policy = s.get("batch_policy") or ""
-        p.dp, p.tp, p.pp = (int(layout.get(k) or 1) for k in ("dp", "tp", "pp"))
-        p.collectives = cv["collectives"]
-        p.memory_bytes = (s.get("predicted_memory") or {}).get("total")
-        p.cpu = _on_cpu(path.parent)
-        if (fraction := _exposed_fraction(s.get("profile"))) is not None:
-            p.exposed_measured = fraction
-        if traced := _traced_collectives(s.get("profile"), cv["collectives"], p.world_size):
-            p.collectives, p.collectives_from = traced, "trace"
-        p.run_dirs.append(str(path.parent))
+        try:
+            _add_point(points, path, s)
+        except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError) as e:  # fields of the wrong type
+            skipped(f"{path.parent}: {type(e).__name__}: {e}")
     return list(points.values())
+
+
+def _add_point(points: dict, path: Path, s: dict) -> None:
+    """The record `s` (at `path`) into its point of `points`, when it has a communication volume."""
+    cv = s.get("comm_volume") or {}
+    if "collectives" not in cv:
+        return
+    layout = s.get("layout") or {}
+    p = Point(
+        series=series_of(s),
+        adapter=s.get("adapter") or "?",
+        world_size=int(s.get("world_size") or layout.get("world_size") or 1),
+        microbatches=int(layout.get("microbatches") or 1),
+        link=link_of(path, s.get("extra")),
+        workload=str(s.get("workload") or ""),
+        local_batch=int(s.get("local_batch") or 0),
+    )
+    p = points.setdefault(p.key, p)
+    window = (s.get("profile") or {}).get("window") if isinstance(s.get("profile"), dict) else None
+    epochs, fb = _epoch_steps(path.parent, window)
+    p.steps.append(statistics.fmean(epochs) if window and epochs else float(s["step_time_mean_s"]))
+    p.epoch_steps += epochs
+    if fb:
+        p.fb_steps.append(statistics.fmean(fb))
+    epoch = s.get("epoch_time_steady_s") or s.get("epoch_time_mean_s")
+    if epoch:
+        p.epoch_ratio = float(epoch) / float(s["step_time_mean_s"])
+    p.global_batch = int(s.get("global_batch") or 0)
+    p.batch_policy = s.get("batch_policy") or ""
+    p.dp, p.tp, p.pp = (int(layout.get(k) or 1) for k in ("dp", "tp", "pp"))
+    p.collectives = cv["collectives"]
+    p.memory_bytes = (s.get("predicted_memory") or {}).get("total")
+    p.cpu = _on_cpu(path.parent)
+    if (fraction := _exposed_fraction(s.get("profile"))) is not None:
+        p.exposed_measured = fraction
+    if traced := _traced_collectives(s.get("profile"), cv["collectives"], p.world_size):
+        p.collectives, p.collectives_from = traced, "trace"
+    p.run_dirs.append(str(path.parent))
 
 
 @dataclass
@@ -226,10 +245,13 @@ class CommReport:
 def load_comm(root: Path, folder: str = "comm") -> list[CommReport]:
     """Every `python -m ptbench.comm --out` report under root (a comm/ folder, as a sweep stores it)."""
     out = []
-    for path in sorted(root.rglob(f"{folder}/*.json")):
-        rep = readable(path)
+    for path in record_files(root, "*.json", parent=folder):
+        rep = read_record(path)
         if not rep or rep.get("tool") != "ptbench.comm":
             continue
-        rows = [r for r in rep.get("results") or [] if r.get("time_s") and not r.get("wrong")]
-        out.append(CommReport(int(rep["world_size"]), link_of(path, rep.get("extra")), rows, str(path)))
+        try:
+            rows = [r for r in rep.get("results") or [] if r.get("time_s") and not r.get("wrong")]
+            out.append(CommReport(int(rep["world_size"]), link_of(path, rep.get("extra")), rows, str(path)))
+        except (TypeError, ValueError, AttributeError, KeyError) as e:
+            skipped(f"{path}: {type(e).__name__}: {e}")
     return out

@@ -253,12 +253,24 @@ def running_harness_runs(results_root, exclude_pids=()) -> list[str]:
 
     host, found = socket.gethostname(), []
     for path, s in summaries([results_root]):
-        o = s.get("owner") if isinstance(s, dict) and s.get("status") == "running" else None
-        if not isinstance(o, dict) or o.get("host") != host or o.get("pid") in (os.getpid(), *exclude_pids):
+        o = s.get("owner") if s.get("status") == "running" else None
+        if not isinstance(o, dict) or o.get("host") != host or type(o.get("pid")) is not int:
             continue
-        if owner_gone(o) is None:
+        if o["pid"] not in (os.getpid(), *exclude_pids) and owner_gone(o) is None and _runs_as(o["pid"], path):
             found.append(f"{path.parent} (pid {o['pid']})")
     return found
+
+
+def _runs_as(pid: int, path) -> bool:
+    """The process `pid` runs as the user who wrote the record at `path`: a `running` record another user planted
+    in a shared results folder, naming a process that is not theirs (pid 1), is no run of this harness and must not
+    mark ours contended."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).uids().effective == path.stat().st_uid
+    except (psutil.Error, OSError, ValueError):
+        return False
 
 
 def contention_warnings(cfg: BenchConfig, world_size: int, cpus: int | None = None) -> list[str]:

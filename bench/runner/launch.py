@@ -30,7 +30,7 @@ from ptbench.core.environments import (
     unseen_gpus_line,
 )
 from ptbench.core.errors import ConfigError
-from ptbench.core.records import STORAGE_ERRNOS, RunWriter, mark_killed, point_folders
+from ptbench.core.records import STORAGE_ERRNOS, RunWriter, mark_killed, point_folders, settler_environment
 from ptbench.core.sinks import write_sinks
 from ptbench.core.stopping import STOP_SIGNALS
 from ptbench.core.torch_support import torch_warnings
@@ -120,10 +120,13 @@ def launch(cfg: DictConfig) -> int:
     writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
     port = cfg.launcher.master_port or free_port()
     print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {plan.world_size} rank(s)", flush=True)
-    sampler = _start_sampler(plan)  # contention during the run (bench/runner/contention.py)
+    # contention during the run (bench/runner/contention.py), added to the final summary in its one final write
+    contention = _Contention(_start_sampler(plan), plan.world_size, cfg.launcher.threads_per_rank or 1)
+    writer.complete = contention
     # variables CUDA reads when it starts (CUDA_DEVICE_MAX_CONNECTIONS=1 for megatron TP > 1): in each rank's
-    # environment from its first instruction, since a rank that sets them itself may be too late
-    rank_env = adapter_cls.rank_environment(cfg)
+    # environment from its first instruction, since a rank that sets them itself may be too late; and the one
+    # that makes their final summary wait for this process to complete it (records.SETTLER_ENV)
+    rank_env = {**adapter_cls.rank_environment(cfg), **settler_environment(writer.dir)}
     try:
         if command:
             code = run_with_launcher(command, cfg.launcher.master_addr, port, writer, rank_env)
@@ -131,7 +134,7 @@ def launch(cfg: DictConfig) -> int:
             code = spawn_local(
                 OmegaConf.to_container(cfg, resolve=True), plan, port, writer, plan.start_method, rank_env
             )
-        _record_sampled(writer, sampler.stop(), plan.world_size, cfg.launcher.threads_per_rank or 1)
+        contention.stop()
         write_sinks(
             writer.dir,
             mllog=cfg.results.mllog,
@@ -158,15 +161,22 @@ def _start_sampler(plan: RunPlan):
     return node_sampler(plan.world_size, plan.devices_per_process)
 
 
-def _record_sampled(writer: RunWriter, figures: dict, ranks: int, threads: int) -> None:
-    """The sampled figures into the finished summary (`contention.add_sampled`)."""
-    from ptbench.runner.contention import add_sampled
+class _Contention:
+    """The launcher's RunWriter.complete: the sampler stopped once (at the run's first final summary, or after the
+    ranks) and its figures with their `contention:` warnings put into that summary (`contention.add_sampled`)."""
 
-    summary = writer.record.summary()
-    if not isinstance(summary, dict) or summary.get("status") in (None, "running"):
-        return
-    add_sampled(summary, figures, ranks, threads)
-    writer.record.write_summary(summary)
+    def __init__(self, sampler, ranks: int, threads: int):
+        self.sampler, self.ranks, self.threads, self.figures = sampler, ranks, threads, None
+
+    def stop(self) -> dict:
+        if self.figures is None:
+            self.figures = self.sampler.stop()
+        return self.figures
+
+    def __call__(self, summary: dict) -> None:
+        from ptbench.runner.contention import add_sampled
+
+        add_sampled(summary, self.stop(), self.ranks, self.threads)
 
 
 def _check_port(port: int) -> None:
@@ -283,6 +293,7 @@ def spawn_local(
             signal.signal(sig, handler)
         if interrupts:  # the record is final: a further Ctrl-C while this process ends must not kill it midway
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+    writer.settle()  # rank 0's final summary, completed and written in one write
     return _exit_code(writer)
 
 
@@ -347,6 +358,7 @@ def run_with_launcher(
             signal.signal(sig, handler)
     if code:
         record_failure(writer, RuntimeError(f"{' '.join(command[:3])} exited with status {code}"), time.time() - start)
+    writer.settle()
     return _exit_code(writer)
 
 

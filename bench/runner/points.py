@@ -35,6 +35,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from ptbench.core.errors import ConfigError
+from ptbench.core.readers import read_bytes, read_record
 from ptbench.core.records import point_folders, point_records, results_folder
 from ptbench.runner.compose import compose, in_multirun
 
@@ -205,30 +206,46 @@ def record_repeat(run_dir: Path) -> int:
     """The repeat index a record ran as (results.repeat in its config.yaml; 0 when absent)."""
     import yaml
 
-    try:
-        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
+    try:  # bounded, and any shape: the record may be another user's (records.read_bytes)
+        cfg = yaml.safe_load(read_bytes(Path(run_dir) / "config.yaml", 2**20)) or {}
+        return int((cfg.get("results") or {}).get("repeat") or 0)
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError, yaml.YAMLError):
         return 0
-    return int((cfg.get("results") or {}).get("repeat") or 0)
 
 
 def ok_record(folders, point: str, repeat: int | None = None) -> Path | None:
     """The first run folder under `folders` whose summary says this point finished ok (and, given
-    `repeat`, ran as that repeat: `--resume` of a sweep with --repeats counts repeats)."""
+    `repeat`, ran as that repeat: `--resume` of a sweep with --repeats counts repeats). Only this user's records
+    count: a point id is a hash anyone can compute, and an `ok` record another user planted in a shared results
+    folder would otherwise skip our run."""
     return next(
         (
             path.parent
             for path, s in point_records(folders, point)
-            if s.get("status") == "ok" and (repeat is None or record_repeat(path.parent) == repeat)
+            if s.get("status") == "ok" and _ours(path) and (repeat is None or record_repeat(path.parent) == repeat)
         ),
         None,
     )
 
 
+def _ours(summary: Path) -> bool:
+    try:
+        return os.lstat(summary).st_uid == os.stat(summary.parent).st_uid == os.geteuid()
+    except OSError:
+        return False
+
+
 def newest_status(cfg) -> str | None:
     """The status of the newest record of cfg's point under its results folder (None: no record)."""
-    records = point_records(point_folders(cfg.results), cfg.results.point)
-    return max(((path.stat().st_mtime, s.get("status")) for path, s in records), default=(0.0, None))[1]
+    newest, status = 0.0, None
+    for path, s in point_records(point_folders(cfg.results), cfg.results.point):
+        try:
+            mtime = path.stat().st_mtime
+        except OSError:  # removed meanwhile
+            continue
+        if mtime >= newest:
+            newest, status = mtime, s.get("status")
+    return status
 
 
 def skip_if_done(cfg, out=None) -> bool:
@@ -298,6 +315,7 @@ class MultirunTally(Callback):
 
 def tally(folder: Path) -> str:
     """A sweep folder's records by final status, as "N record(s) in FOLDER: n1 STATUS1, n2 STATUS2"."""
-    statuses = Counter(json.loads(p.read_text()).get("status", "?") for p in folder.glob("*/summary.json"))
+    found = (read_record(p) for p in sorted(folder.glob("*/summary.json")))
+    statuses = Counter(str(s.get("status", "?")) for s in found if s is not None)
     counts = ", ".join(f"{n} {status}" for status, n in sorted(statuses.items())) or "no record written"
     return f"{sum(statuses.values())} record(s) in {folder}: {counts}"
