@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Where the tests find real data (Wikitext-2, GPT-2 tokenizer, CIFAR-10 subset); see README.
 export BENCH_DATA_ROOT ?= $(abspath ../shared/data)
 
-.PHONY: install constraints wheelhouse demo paper-demo test test-torch lint smoke gpu-check horovod slurm-up slurm-down clean
+.PHONY: install constraints wheelhouse demo paper-demo test test-torch lint smoke gpu-check scale horovod slurm-up slurm-down clean
 
 # Strict editable install: a tree of links under build/, where a module added to the checkout is seen only after
 # a reinstall, as in the wheel (pip's default editable mode, the README's notebook route, works too: pyproject.toml).
@@ -130,6 +130,11 @@ lint: $(STAMP)
 # every installed adapter on the visible GPUs (a one-GPU runner: world size 1), or 2 ranks on a CPU
 smoke: $(STAMP)
 	$(PY) -m ptbench.smoke
+
+# Every adapter x workload at 8-1024 ranks as a dry run (torch's fake process group, FakeTensorMode; bench/scale/):
+# collective ledger and memory tracker beside the comm formula and the memory model; no times
+scale: $(STAMP)
+	$(PY) -m ptbench.scale --matrix --out results/scale/matrix.json
 
 # With a GPU, inside BUDGET seconds for the whole command (default 480): ddp's smoke, then a short bf16 gpt2_small
 # and resnet50 run per adapter, then the micro-checks, each row printed and kept in OUT/gpu_check.jsonl as it

@@ -35,6 +35,20 @@ from ptbench.core.precision import autocast
 from ptbench.core.timing import PhaseTimer
 
 
+def _rows_before(rows: list[int], rank: int) -> int:
+    return int(sum(rows[:rank]))
+
+
+def _per_rank(func):
+    """`func` as torch's maybe_run_for_local_tensor makes it: run once per simulated rank under LocalTensorMode (all
+    ranks in one process, tests/test_local_tensor.py), unchanged otherwise and on a torch without it."""
+    try:
+        from torch.distributed._local_tensor import maybe_run_for_local_tensor
+    except ImportError:
+        return func
+    return maybe_run_for_local_tensor(func)
+
+
 def _is_sharded(t: torch.Tensor) -> bool:
     return any(p.is_shard() for p in getattr(t, "placements", ()))
 
@@ -134,7 +148,7 @@ class TensorParallelAdapter(Adapter):
         rows = torch.tensor([local_tensor(model.wte.weight).shape[0]], device=self.device)
         all_rows = [torch.zeros_like(rows) for _ in range(self.tp)]
         dist.all_gather(all_rows, rows, group=self.tp_group)
-        self.vocab_start = int(sum(r.item() for r in all_rows[: self.mesh.get_local_rank("tp")]))
+        self.vocab_start = _per_rank(_rows_before)([r.item() for r in all_rows], self.mesh.get_local_rank("tp"))
 
     def modules(self):
         return [self.model]

@@ -38,9 +38,14 @@ Sources:
   the same bytes as the 4 all-reduces (an all-reduce is a reduce-scatter plus an all-gather). Stage-to-stage
   sends carry the sequence shard, b x s/t x h (megatron-core pipeline_parallel/schedules.py:1965).
 - [nccl-tests] doc/PERFORMANCE.md for the ring factors above.
+- [FSDP2] torch/distributed/fsdp/_fully_shard/_fsdp_param.py: every parameter's dim 0 padded to a multiple of the
+  world size before it is sharded, gathered and reduce-scattered (`padded_elements`); the root unit, wrapped
+  reshard_after_forward=False, is not re-gathered in backward. Both measured against torch's fake process group at
+  8-1024 ranks by `python -m ptbench.scale` (bench/scale/), which passes the root's shapes: the formula equals
+  the ledger there.
 
 Not modelled (the numbers are lower bounds of the traffic): embedding / vocab-parallel
-cross-entropy all-reduces, activation recomputation (which repeats the forward TP all-reduces in
+cross-entropy all-reduces in `volume` (`volume_run` adds torch TP's, `corrected` Megatron's), activation recomputation (which repeats the forward TP all-reduces in
 backward: 6 instead of 4 per layer), interleaved pipeline schedules (v x the p2p traffic), DDP's
 and ZeRO's bucketing (which changes message sizes, not volume), loss-scale / metric all-reduces.
 """
@@ -321,7 +326,7 @@ def volume(
 HALF = ("bf16", "fp16")
 
 
-def volume_run(cfg, plan, build_model) -> dict:
+def volume_run(cfg, plan, build_model, root_shapes=None) -> dict:
     """`volume` for a composed config (`BenchConfig`) and its run plan (`RunPlan`), with the same
     parameter count, layout and micro-batch as the memory prediction: the model's facts the plan carries
     (`plan.facts`, counted once per launch, a padded vocabulary included; counted here from `build_model`
@@ -330,7 +335,10 @@ def volume_run(cfg, plan, build_model) -> dict:
     `half_gather` (FSDP2 gathers 2-byte parameters and reduce-scatters fp32 gradients),
     `half_activation_comm` (tensor-parallel activations are outputs of bf16 matmuls); everything else
     runs autocast around fp32 weights, so gradients stay 4 bytes, and a pipeline's stage outputs (the
-    residual stream, fp32 under autocast) stay 4 bytes."""
+    residual stream, fp32 under autocast) stay 4 bytes. FSDP2 (sharding fsdp, the plan's parameter shapes
+    known): each parameter's dim 0 padded to a multiple of N, and `root_shapes` (the root unit's parameter
+    shapes, kept gathered from forward to backward; None: not known here) left out of the backward re-gather
+    (`fsdp_padded`)."""
     layout, cost = plan.layout, plan.cost
     facts = getattr(plan, "facts", None)
     if facts is None:
@@ -378,6 +386,10 @@ def volume_run(cfg, plan, build_model) -> dict:
     if layout.devices_per_process > 1 and layout.pp > 1:
         notes.append("stages in one process: stage-to-stage traffic is device-to-device copies, not a collective")
     vol = volume(cost.sharding, **kw)
+    if layout.tp > 1 and not vision and not cost.vocab_parallel_loss and not cost.sequence_parallel:
+        notes += _vocab_parallel_items(vol, cfg.workload)
+    if cost.sharding == "fsdp" and facts.shapes and layout.tp == layout.pp == 1:
+        notes += fsdp_padded(vol, facts.shapes, root_shapes)
     if vision and layout.pp > 1:
         vol["collectives"] = [it for it in vol["collectives"] if it["group"] != "pp"]
         vol["bytes"] = {it["name"]: it["bytes"] for it in vol["collectives"]}
@@ -387,6 +399,71 @@ def volume_run(cfg, plan, build_model) -> dict:
         )
     vol["notes"] = notes
     return vol
+
+
+def _vocab_parallel_items(vol: dict, workload) -> list[str]:
+    """torch tensor parallelism on the harness GPT-2 (a vocabulary-sharded embedding, the tied head
+    column-parallel, loss_parallel): the embedding all-reduces its output, the head's input gradient is
+    all-reduced, and the loss all-reduces 3 fp32 b x s tensors per micro-batch, as Megatron's vocab-parallel
+    layers without sequence parallelism (`_megatron_vocab_parallel`). Appended to `vol` in place."""
+    item = next((it for it in vol["collectives"] if it["name"] == "tp_activation_all_reduce"), None)
+    if item is None:
+        return []
+    notes: list[str] = []
+    vol["collectives"] += _megatron_vocab_parallel(item, vol, workload, False, notes)
+    vol["bytes"] = {it["name"]: it["bytes"] for it in vol["collectives"]}
+    vol["total"] = sum(vol["bytes"].values())
+    return [n.replace("Megatron TP", "tensor parallel (vocabulary-sharded embedding and loss)") for n in notes]
+
+
+def padded_elements(shapes, n: int) -> int:
+    """Elements of `shapes` with each tensor's dim 0 padded to a multiple of n: what FSDP2 all-gathers and
+    reduce-scatters (torch/distributed/fsdp/_fully_shard/_fsdp_param.py pads dim 0 to the world size so that
+    every rank's chunk has one size; a 0-d tensor counts as one row)."""
+    total = 0
+    for s in shapes:
+        rows = s[0] if len(s) else 1
+        rest = math.prod(s[1:]) if len(s) > 1 else 1
+        total += math.ceil(rows / n) * n * rest
+    return total
+
+
+def fsdp_padded(vol: dict, shapes, root_shapes=None) -> list[str]:
+    """FSDP2's data-parallel items of `vol` (from `volume`) in place: messages of the dim-0 padded elements of
+    `shapes` (every parameter, a tied one once), and, with `root_shapes`, the backward re-gather without the
+    root unit (wrapped reshard_after_forward=False: its parameters stay gathered from forward to backward, so
+    backward gathers only the other units). Returns one note per change."""
+    items = {it["name"]: it for it in vol["collectives"]}
+    if not any(k.startswith("dp_") for k in items):
+        return []
+    n = vol["dp"]
+    padded = padded_elements(shapes, n)
+    notes = []
+    plain = sum(math.prod(s) if len(s) else 1 for s in shapes)
+    if padded != plain:
+        notes.append(
+            f"FSDP2 pads dim 0 of every parameter to a multiple of N={n}: {padded:,} elements gathered and "
+            f"reduce-scattered instead of {plain:,} (+{100 * (padded / plain - 1):.2f} %)"
+        )
+    elems = {"dp_param_all_gather_fwd": padded, "dp_grad_reduce_scatter": padded, "dp_param_all_gather_bwd": padded}
+    if root_shapes is not None:
+        root = padded_elements(root_shapes, n)
+        elems["dp_param_all_gather_bwd"] = padded - root
+        notes.append(
+            f"FSDP2: the root unit ({root:,} padded elements) is wrapped reshard_after_forward=False: not "
+            "re-gathered in backward"
+        )
+    for name, count in elems.items():
+        it = items.get(name)
+        if it is None:
+            continue
+        it["message_bytes"] = count * it["bytes_per_elem"]
+        it["bytes"] = it["calls"] * it["message_bytes"] * ring_factor(it["op"], it["group_size"])
+        without_root = name == "dp_param_all_gather_bwd" and root_shapes is not None
+        it["formula"] = it["formula"].replace("Psi", "(Psi_pad - Psi_root)" if without_root else "Psi_pad")
+    vol["bytes"] = {it["name"]: it["bytes"] for it in vol["collectives"]}
+    vol["total"] = sum(vol["bytes"].values())
+    return notes
 
 
 def record_fields(vol: dict, backend: str | None = None) -> dict:

@@ -254,7 +254,11 @@ SUMMARY = (
     F("devices", "count", "world_size x devices per process"),
     F("overrides", "", "a point a driver never ran: its overrides", kind="list"),
     # outcome
-    F("status", "", "running / ok / failed / oom / timeout / preempted / interrupted / killed / diverged / skipped"),
+    F(
+        "status",
+        "",
+        "running / ok / failed / oom / timeout / preempted / interrupted / killed / diverged / skipped / dry_run",
+    ),
     F("error", "", "one line: why the run failed"),
     F("diverged_at_step", "steps", "status diverged: global step of the first non-finite training loss"),
     F("nonfinite", "", "fields whose non-finite value (NaN, inf) was written null", kind="list"),
@@ -583,6 +587,22 @@ SUMMARY = (
         "variables CUDA reads when it starts (the launcher puts them in each rank's environment)",
         OPEN("required", "name -> value the adapter needs (megatron TP > 1: CUDA_DEVICE_MAX_CONNECTIONS=1)"),
         OPEN("at_start", "name -> value rank 0 started with (null: unset), read before CUDA starts"),
+    ),
+    # python -m ptbench.scale: rank R of W on torch's fake process group, 2 steps (bench/scale/); no times
+    F(
+        "dry_run",
+        "",
+        "present only in a dry run's record (status dry_run): never a timing, never read by timing answers",
+        F("rank", "", "the rank that ran (of world_size)"),
+        F("steps", "steps", "training steps run (the last compared)"),
+        F("seconds", "s", "wall time of the dry run, plan included (not a step time)"),
+        F("standins", "", "what stood in for what the fake backend lacks (bench/scale/standins.py)", kind="list"),
+        OPEN("standin_reasons", "stand-in -> what it replaces and why"),
+        T("ledger", "the last step's collectives: op, group_size, count, buffer_bytes, bus bytes", closed=False),
+        OPEN("comm", "formula vs ledger bytes per step: by_op {formula, ledger, count, ratio}, totals, ratio"),
+        OPEN("memory", "model vs tracker per part: parts {model, tracker, ratio, read}, worst_part, worst"),
+        OPEN("tracker", "torch's MemTracker: peak_total, at_peak, category_peaks, step_start (bytes)"),
+        F("cannot_check", "", "what a dry run cannot check (time, overlap, NCCL algorithms, losses, ...)"),
     ),
 )
 

@@ -33,7 +33,9 @@ from ptbench.core.memory_model.step import harness_step_groups
 MODEL = "bench/core/memory_model"  # what the records name as the model (its reference: README.md there)
 
 
-def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool = True) -> dict:
+def predict_run(
+    cfg, plan, build_model, device: str | None = None, shapes: bool = True, loss_in_place: bool | None = None
+) -> dict:
     """`predict` for a composed config (`ptbench.core.config.BenchConfig`) and its run plan
     (`ptbench.runner.plan.RunPlan`): the one call the runner and `python -m ptbench --plan` make. The layout,
     the adapter's cost inputs and the model's facts come from the plan (`plan.layout`, `plan.cost`,
@@ -41,7 +43,8 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
     no-argument callable returning the workload's nn.Module (e.g. `build_workload(cfg.workload,
     cfg.data).build_model`); it is called under the meta device, so nothing is allocated, for the counted
     activations. device: cuda | cpu (default: cuda when torch sees a GPU). The prediction's `inputs` lists
-    the inputs by name."""
+    the inputs by name. `loss_in_place`: which GPT-2 loss runs, where the caller knows better than the device
+    (a dry run's fake tensors take F.cross_entropy, CUDA's path, on a CPU); None: as the device decides."""
     import torch
 
     if device is None:
@@ -55,7 +58,7 @@ def predict_run(cfg, plan, build_model, device: str | None = None, shapes: bool 
         cost=plan.cost,
         model=facts if per_tensor else dataclasses.replace(facts, shapes=None),
         training=_training(cfg, plan, device, facts),
-        acts=_activation_inputs(cfg, plan, model, facts, device),
+        acts=_activation_inputs(cfg, plan, model, facts, device, loss_in_place),
         label=plan.adapter,
     )
     out = compose(inp)
@@ -86,7 +89,7 @@ def _training(cfg, plan, device: str, facts) -> Training:
     )
 
 
-def _activation_inputs(cfg, plan, model, facts, device: str) -> ActivationInputs:
+def _activation_inputs(cfg, plan, model, facts, device: str, loss_in_place: bool | None = None) -> ActivationInputs:
     """The micro-batch and the counted activations: the harness GPT-2's (not Megatron's own model, which pads
     its vocabulary) with the scores where the adapter's attention keeps them; a vision model's, per stage
     where the adapter's split makes stages."""
@@ -99,7 +102,7 @@ def _activation_inputs(cfg, plan, model, facts, device: str) -> ActivationInputs
             attention_scores=scores,
             attention_dropout=float(w.dropout) > 0,
             # Megatron's vocab-parallel loss works in place; torch's loss_parallel (TP) is F.cross_entropy's
-            loss_in_place=True if cost.vocab_parallel_loss else (False if plan.layout.tp > 1 else None),
+            loss_in_place=True if cost.vocab_parallel_loss else (False if plan.layout.tp > 1 else loss_in_place),
             layer_saved_elements=None if cost.padded_vocab else gpt2_saved_elements(model, facts.seq_len, scores),
         )
     sample = (3, facts.image_size, facts.image_size)

@@ -246,6 +246,14 @@ def _sharded(inp: Inputs, out: dict, elems: tuple, K: int, rule: str, formula: d
     elif name in ("zero3", "fsdp") and m.largest_unit_params:
         out["transient"] = gb * m.largest_unit_params * (N - 1) / N if N > 1 else 0.0
         formula["transient"] = f"{gb} x largest gathered unit ({m.largest_unit_params:,}) x (N-1)/N"
+        if name == "fsdp" and N > 1 and m.kind == "vision":
+            # FSDP2 computes a unit's gradients unsharded, in the parameters' dtype, before its reduce-scatter
+            # (fully_shard's post-backward foreach_reduce): beside the gathered unit at its backward, at the peak
+            # where that unit's backward comes first (VGG-16's 103M-element fc6; python -m ptbench.scale). GPT-2's
+            # largest unit is the root (embedding, tied head), whose gradient comes after the loss's temporaries,
+            # the peak, are freed: not added there
+            out["transient"] += gb * m.largest_unit_params
+            formula["transient"] += f" + {gb} x its unsharded gradient in backward"
 
 
 def _offload(inp: Inputs, out: dict, formula: dict) -> None:
