@@ -145,7 +145,7 @@ def environment_of(run_dir: Path, env: dict) -> dict:
         }
     )
     slurm = env.get("slurm") if isinstance(env.get("slurm"), dict) else {}
-    for k in ("SLURM_CLUSTER_NAME", "SLURM_JOB_PARTITION"):  # the partition only where the record keeps it
+    for k in ("SLURM_CLUSTER_NAME", "SLURM_JOB_PARTITION"):  # the partition: records since it was kept
         out[f"Slurm {k.removeprefix('SLURM_').lower()}"] = slurm.get(k)
     gpu_env = env.get("gpu_env") if isinstance(env.get("gpu_env"), dict) else {}
     at_start = ((summary.get("rank_environment") or {}).get("at_start") or {}) if isinstance(summary, dict) else {}

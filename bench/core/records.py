@@ -756,4 +756,5 @@ SLURM_KEYS = (
     "SLURM_NTASKS",
     "SLURM_RESTART_COUNT",
     "SLURM_CLUSTER_NAME",
+    "SLURM_JOB_PARTITION",  # compare lists a partition change among the environment differences
 )
