@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import random
 import shutil
 import signal
@@ -330,11 +331,18 @@ def test_a_checkpoint_others_can_write_is_refused_before_its_pickle_runs(tmp_pat
     assert new["status"] == "failed" and new["error"] == f"ConfigError: {refusal}", new
     print("STDERR:", again.stderr, "STATUS:", new["status"])
 
-    # the control: once only the user can write the folder, resume reads it, and DCP unpickles the plant
+    # once only the user can write the folder, the owner and mode checks pass; the allowlisting unpickler
+    # still refuses the plant (Planted is not a DCP metadata record), in one line
     step.chmod(0o755)
     assert ckpt.unsafe_to_resume(step) is None
-    bench(*TINY, results=tmp_path)
-    assert marker.read_text() == "ran"
+    third = bench(*TINY, results=tmp_path)
+    assert third.returncode != 0 and not marker.exists(), third.stderr[-3000:]
+    assert re.fullmatch(
+        rf"run failed: rank \d: ConfigError: checkpoint metadata {tmp_path}/\S+/checkpoints/{step.name}/dcp/.metadata "
+        r"holds objects that are not checkpoint metadata: not loaded \(global pathlib\.\w*Path\.write_text is not "
+        r"checkpoint metadata\); set trainer.resume=never to start over",
+        third.stderr.strip().splitlines()[-1],
+    ), third.stderr[-3000:]
 
 
 def test_a_saved_checkpoint_is_private_whatever_the_umask(tmp_path):

@@ -194,8 +194,10 @@ class _RestrictedPickle:
     """Stands in for the `pickle` module inside torch's DCP filesystem reader while loading: `load` is the
     allowlisting unpickler, everything else is pickle's."""
 
-    def __init__(self, real):
+    def __init__(self, real, where: Path | None, refused: list):
         self._real = real
+        self._where = where  # the checkpoint's name for messages (the loaders read it relative to a descriptor)
+        self._refused = refused  # DCP turns a reader's error into text in its own: the caller finds it here
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -204,27 +206,32 @@ class _RestrictedPickle:
         try:
             return _MetadataUnpickler(file).load()
         except pickle.UnpicklingError as e:
-            raise ConfigError(
-                f"checkpoint metadata {getattr(file, 'name', file)} holds objects that are not checkpoint "
-                f"metadata: not loaded ({e}); set trainer.resume=never to start over"
-            ) from None
+            name = Path(self._where or "") / str(getattr(file, "name", file))
+            refusal = ConfigError(
+                f"checkpoint metadata {name} holds objects that are not checkpoint metadata: not loaded ({e}); "
+                "set trainer.resume=never to start over"
+            )
+            self._refused.append(refusal)
+            raise refusal from None
 
 
 @contextlib.contextmanager
-def restricted_unpickling(allow=()):
+def restricted_unpickling(allow=(), where: Path | None = None):
     """Every unpickling of a checkpoint inside: weights-only torch.load (forced even where a framework asks
     for weights_only=False) and DCP's metadata through an allowlist of its records; `allow`: the framework's own
-    record types (DeepSpeed's enums and loss scaler) that its files legitimately hold."""
+    record types (DeepSpeed's enums and loss scaler) that its files legitimately hold; `where`: the checkpoint,
+    as refusals name it. Yields the list of the metadata refusals made inside (a framework may reword them)."""
     import torch
     from torch.distributed.checkpoint import filesystem
 
     saved_env = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     saved_pickle = filesystem.pickle
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # torch reads it at each torch.load
-    filesystem.pickle = _RestrictedPickle(saved_pickle)
+    refused: list[ConfigError] = []
+    filesystem.pickle = _RestrictedPickle(saved_pickle, where, refused)
     try:
         with torch.serialization.safe_globals(list(allow)):
-            yield
+            yield refused
     finally:
         filesystem.pickle = saved_pickle
         if saved_env is None:

@@ -230,11 +230,12 @@ class Checkpointer:
         """Load checkpoint `path` on every rank; returns the epoch to continue. Each rank reads it through a
         descriptor it checked (`checkpoint_load.pin`): rank 0 verifies every file, the others that they hold
         the same meta.json, so a folder swapped after rank 0 chose it is refused, never loaded."""
-        with self._pinned(path) as pinned, restricted_unpickling(self.adapter.checkpoint_safe_globals()):
+        allow = self.adapter.checkpoint_safe_globals()
+        with self._pinned(path) as pinned, restricted_unpickling(allow, path) as refusals:
             try:
                 self.adapter.load_checkpoint(pinned.path)
-            except BaseException as exc:  # DCP wraps each rank's refusal in a CheckpointException: say it
-                refused = _inner(exc, ConfigError)
+            except BaseException as exc:  # DCP wraps (or rewords) each rank's refusal: say the refusal itself
+                refused = _inner(exc, ConfigError) or (refusals[0] if refusals else None)
                 if refused is None or refused is exc:
                     raise
                 raise refused from None
