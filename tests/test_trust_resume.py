@@ -25,16 +25,9 @@ from ptbench.core import checkpoint as ckpt
 from ptbench.core.checkpoint_load import pin, restricted_unpickling
 from ptbench.core.errors import ConfigError
 from tests.helpers import kill_group, run, summary
+from tests.test_checkpoint import TINY as CHECKPOINT_RUN
 
-TINY = [
-    "experiment=smoke",
-    "workload.vocab_size=256",
-    "data.train_samples=64",
-    "trainer.max_steps=0",
-    "trainer.stop_check_every=1",
-    "trainer.progress=false",
-    "trainer.resume=auto",
-]
+TINY = [*CHECKPOINT_RUN, "trainer.resume=auto"]  # the checkpoint tests' tiny run, resumed as a requeued job
 STEP = "step-000003"
 
 # Run by the attacker when the victim has said it resumes: swap in the planted folder (see the docstring).
