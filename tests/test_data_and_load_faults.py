@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import random
+import re
 import shutil
 import signal
 import sys
