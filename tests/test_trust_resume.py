@@ -215,3 +215,12 @@ def test_a_resume_under_a_folder_everyone_may_write_is_refused_in_one_line(tmp_p
     assert ckpt.open_to_everyone(record, [root]) is None
     (root / "exp").chmod(0o2775)  # a group folder: a group member's swap is refused where it is loaded
     assert ckpt.open_to_everyone(record, [root]) is None
+
+
+def test_a_pinned_checkpoint_with_a_cut_meta_json_is_refused_in_one_line(tmp_path):
+    tmp = ckpt.temp_path(tmp_path, 1)
+    ckpt.prepare(tmp)
+    step = ckpt.commit(tmp, {"step": 1})
+    (step / "meta.json").write_text('{"step": 1, "manif')
+    with pytest.raises(ConfigError, match=r"^not resuming from .*: meta.json is not JSON \("):
+        pin(step, verify=True)

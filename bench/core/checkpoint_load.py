@@ -83,7 +83,10 @@ def pin(where: Path, verify: bool, expect: dict | None = None) -> Pinned:
     try:
         _check_ours(os.fstat(fd), where)
         _check_tree(fd, where)
-        pinned = Pinned(where, fd, _read(fd, META, where))
+        try:
+            pinned = Pinned(where, fd, _read(fd, META, where))
+        except ValueError as e:  # our own file, cut short (a crash during a rewrite): not a checkpoint to load
+            raise ConfigError(_refusal(where, f"{META} is not JSON ({e})")) from None
         _check_meta(pinned, verify, expect)
         return pinned
     except BaseException:
