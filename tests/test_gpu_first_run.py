@@ -93,18 +93,24 @@ def test_pipeline_refuses_fp16_in_one_line_gpipe_scales():
     get_adapter_class("pipeline").check(typed(compose(["adapter=pipeline", "trainer.precision=bf16"])), 2)
 
 
-# item 14: fsdp bf16 with BatchNorm failed (BatchNorm parameters cast to bf16 beside fp32 running statistics)
 def test_fsdp_bf16_keeps_batchnorm_fp32_and_equals_ddp_autocast(tmp_path):
-    bf16 = [*VISION, "trainer.precision=bf16"]
+    """bf16 FSDP2 on a BatchNorm network: the norms' fp32 parameters stay whole on every rank, out of
+    sharding, their gradients averaged as DDP's are (batch_norm refuses bf16 weights beside fp32 running
+    statistics; a fully_shard per norm would cost ResNet-50 142 all-gathers + 71 reduce-scatters a step,
+    against 36 + 18 and one all-reduce). With clipping on (one norm over the sharded and the whole
+    gradients), the losses equal DDP's under bf16 autocast. Measured (2026-12-02, CPU, 8 steps): equal to
+    the last bit, clipped and not; one fully_shard per norm differed from DDP by 0.25-0.35."""
+    # 8 steps: the former per-norm units agreed with DDP for the first 4 and drifted after
+    steps = [o for o in VISION if not o.startswith("trainer.max_steps=")] + ["trainer.max_steps=8"]
+    bf16 = [*steps, "trainer.precision=bf16", "trainer.grad_clip=1.0"]
     check_ok(bench(*bf16, "adapter=fsdp", results=tmp_path / "fsdp"))
     check_ok(bench(*bf16, "adapter=ddp", results=tmp_path / "ddp"))
     fsdp = only_run(tmp_path / "fsdp")
     settings = summary(fsdp)["adapter_settings"]
-    # each BatchNorm sharded on its own: the stem, 3 per bottleneck block (16), 4 downsample norms
-    assert settings["param_dtype"] == "bfloat16" and settings["batchnorm_fp32_units"] == 53
+    # a weight and a bias for each norm: the stem, 3 per bottleneck block (16), 4 downsample norms
+    assert settings["param_dtype"] == "bfloat16" and settings["batchnorm_fp32_replicated"] == 2 * 53
     assert "BatchNorm parameters and math in fp32" in summary(fsdp)["precision_semantics"]
-    # bf16 convolution weights and fp32 BatchNorm: what DDP's autocast computes
-    assert step_losses(fsdp) == pytest.approx(step_losses(only_run(tmp_path / "ddp")), abs=2e-3)
+    assert step_losses(fsdp) == pytest.approx(step_losses(only_run(tmp_path / "ddp")), abs=1e-5)
 
 
 # item 6: LOCAL_RANK was the node-local rank; DeepSpeed calls set_device(LOCAL_RANK)
