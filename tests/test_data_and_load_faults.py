@@ -1,4 +1,4 @@
-"""The data path checks what it reads, and nothing the harness reads runs code (issue 42): real faults.
+"""The data path checks what it reads, and nothing the harness reads runs code: real faults.
 
 A token cache cut short is rebuilt, saying so; text that is not UTF-8 is one line naming the file and
 the byte; a damaged image (a JPEG cut short, a file of garbage) ends the run in one line naming it, or

@@ -1,6 +1,6 @@
-"""CPU twins of issue 27's remaining GPU items: the GPU CI cannot pass on a CPU fallback (3, 4), gpipe's
-phase timers on every partition's device (5), Triton's toolchain checked on CUDA too (9), threads per
-rank honoured on GPU (11), ZeRO offload in the cost inputs and the `--plan` memory verdict (10)."""
+"""CPU twins of GPU paths a CPU run never takes: the GPU CI cannot pass on a CPU fallback, gpipe's
+phase timers on every partition's device, Triton's toolchain checked on CUDA too, threads per
+rank honoured on GPU, ZeRO offload in the cost inputs and the `--plan` memory verdict."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ SMI_HEADER = """
 """
 
 
-# items 3, 4: the GPU CI asserts CUDA in one line and fails every skip under CI=true
+# the GPU CI asserts CUDA in one line and fails every skip under CI=true
 def test_cuda_error_line_names_the_driver_cuda_mismatch():
     from ptbench.gpu_check import cuda_error_line, nvidia_smi_versions
 
@@ -61,7 +61,7 @@ def test_a_skipped_adapter_fails_under_ci(tmp_path, monkeypatch, ci, status):
     assert ci_skip(na)["status"] == "n/a"
 
 
-# item 5: gpipe on >= 2 GPUs timed cuda:0 only
+# gpipe on >= 2 GPUs timed cuda:0 only
 class _ScriptedClock:
     """A device's clock in the CPU twin: the marks are the times that device reaches them."""
 
@@ -115,7 +115,7 @@ def test_phase_timer_times_every_partition_device():
     assert dev0.synced == dev1.synced == 1
 
 
-# item 9: Triton's C compiler and Python headers checked on CUDA too
+# Triton's C compiler and Python headers checked on CUDA too
 def test_triton_toolchain_checked_on_cuda(tmp_path, monkeypatch):
     import shutil
     import sysconfig
@@ -141,7 +141,7 @@ def test_triton_toolchain_checked_on_cuda(tmp_path, monkeypatch):
     check_config(megatron)
 
 
-# item 11: GPU ranks ran 1 thread whatever launcher.threads_per_rank said
+# GPU ranks ran 1 thread whatever launcher.threads_per_rank said
 def test_threads_per_rank_are_honoured_on_gpu(monkeypatch):
     from ptbench.core.dist import set_cpu_threads
 
@@ -157,7 +157,7 @@ def test_threads_per_rank_are_honoured_on_gpu(monkeypatch):
         torch.set_num_threads(before)
 
 
-# item 10 follow-up: ZeRO offload reaches the memory model through the cost inputs
+# ZeRO offload reaches the memory model through the cost inputs, or the memory check counts offloaded states on the GPU
 def test_zero3_offload_config_predicts_host_resident_states():
     from ptbench.core import memory_model as mm
     from ptbench.runner.compose import compose, typed
@@ -200,7 +200,7 @@ def test_plan_memory_verdict_follows_memory_check(monkeypatch, capsys, tmp_path,
     assert f"per rank {verdict} within 90 %" in out, out
 
 
-# item 13: NCCL buffers and the CUDA context sit outside the allocator's peaks
+# NCCL buffers and the CUDA context sit outside the allocator's peaks: unrecorded, a GPU rank's memory reads low
 def test_cuda_memory_outside_the_allocator_is_recorded(monkeypatch):
     from ptbench.core import memory
 
@@ -215,7 +215,7 @@ def test_cuda_memory_outside_the_allocator_is_recorded(monkeypatch):
     assert memory.used_outside_allocator(free=10, total=8, reserved=0) == 0
 
 
-# item 16: megatron pads GPT-2's vocabulary (50257 -> 50304); FLOPs count the workload's for every adapter
+# megatron pads GPT-2's vocabulary (50257 -> 50304); FLOPs count the workload's for every adapter, or MFUs differ
 def test_megatron_padded_vocabulary_is_recorded_and_flops_count_the_same_vocabulary():
     from ptbench.adapters.megatron import padded_vocab_size
     from ptbench.runner.compose import compose, typed

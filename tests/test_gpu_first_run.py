@@ -1,4 +1,4 @@
-"""CPU twins of issue 27's "the first GPU run would fail or skew" items: each test runs the path a GPU run
+"""CPU twins of what would make the first GPU run fail or skew: each test runs the path a GPU run
 takes (real process groups and frameworks) with the GPU-only setting forced on, or calls the function that
 decides it with a GPU-shaped input."""
 
@@ -29,7 +29,7 @@ def nchw_ddp_first_loss(tmp_path_factory) -> float:
     return step_losses(only_run(root))[0]
 
 
-# item 1: workload.channels_last (on by default under CUDA) crashed zero 0-3, fsdp, horovod and pipeline
+# workload.channels_last (on by default under CUDA) crashed zero 0-3, fsdp, horovod and pipeline
 @pytest.mark.parametrize(
     "adapter, weights",
     [
@@ -56,14 +56,14 @@ def test_channels_last_trains_under_every_vision_adapter(tmp_path, nchw_ddp_firs
     assert summary(run)["data_pipeline"]["channels_last_weights"] is weights
     losses = step_losses(run)
     assert all(math.isfinite(v) for v in losses), losses
-    if adapter[0] == "adapter=zero":  # item 2: as the engine resolved its config
+    if adapter[0] == "adapter=zero":  # DeepSpeed's timers off, as the engine resolved its config
         settings = summary(run)["adapter_settings"]
         assert settings["throughput_timer"] is False and settings["wall_clock_breakdown"] is False
     if adapter[0] not in ("adapter=pipeline", "adapter=gpipe"):  # same data and math as the NCHW DDP run
         assert losses[0] == pytest.approx(nchw_ddp_first_loss, abs=2e-3)
 
 
-# item 7: megatron + optimizer=sgd on CUDA went to Megatron's DistributedOptimizer, which asserts Adam
+# megatron + optimizer=sgd on CUDA went to Megatron's DistributedOptimizer, which asserts Adam
 def test_megatron_sgd_steps_a_torch_optimizer_on_gpu_too(tmp_path):
     from ptbench.adapters import get_adapter_class
     from ptbench.runner.compose import compose, typed
@@ -81,7 +81,7 @@ def test_megatron_sgd_steps_a_torch_optimizer_on_gpu_too(tmp_path):
     assert all(math.isfinite(v) for v in step_losses(only_run(tmp_path)))
 
 
-# item 8: adapter=pipeline took fp16 with no gradient scaler (gpipe has one: one process, one optimizer)
+# adapter=pipeline took fp16 with no gradient scaler (gpipe has one: one process, one optimizer)
 def test_pipeline_refuses_fp16_in_one_line_gpipe_scales():
     from ptbench.adapters import get_adapter_class
     from ptbench.core.errors import ConfigError
@@ -113,7 +113,7 @@ def test_fsdp_bf16_keeps_batchnorm_fp32_and_equals_ddp_autocast(tmp_path):
     assert step_losses(fsdp) == pytest.approx(step_losses(only_run(tmp_path / "ddp")), abs=1e-5)
 
 
-# item 6: LOCAL_RANK was the node-local rank; DeepSpeed calls set_device(LOCAL_RANK)
+# LOCAL_RANK was the node-local rank; DeepSpeed calls set_device(LOCAL_RANK)
 def test_local_rank_is_the_device_index_among_visible_devices():
     from ptbench.core.dist import device_index, exported_local_rank
     from ptbench.core.environments import SlurmEnvironment
@@ -137,7 +137,7 @@ def test_local_rank_is_the_device_index_among_visible_devices():
     assert device_index(3, 0) == 3  # no GPU: LOCAL_RANK stays the node-local rank
 
 
-# item 2: DeepSpeed's throughput timer (on by default) synchronized the device twice per micro-batch
+# DeepSpeed's throughput timer (on by default) synchronized the device twice per micro-batch
 @pytest.mark.parametrize("stage", [0, 3])
 def test_deepspeed_config_turns_its_timers_off(stage):
     from deepspeed.runtime.config import get_wall_clock_breakdown
@@ -154,7 +154,7 @@ def test_deepspeed_config_turns_its_timers_off(stage):
     assert get_timers_config({}).enabled is True  # DeepSpeed's default, which the config used to leave on
 
 
-# item 10: the memory check refused CUDA runs from an estimate that counted every leaf module's output
+# the memory check refused CUDA runs from an estimate that counted every leaf module's output
 def test_memory_check_warns_by_default_and_refuses_only_when_asked(capsys):
     from ptbench.core.errors import ConfigError
     from ptbench.runner.compose import compose, typed
@@ -202,7 +202,7 @@ def test_vision_activations_count_what_autograd_saves():
     assert activation_elements(small, (3, 8, 8)) == 3 * 8 * 8 + 4 * 8 * 8
 
 
-# item 17: the stop check's gloo group was created at the first check (step 10), inside the timed loop
+# the stop check's gloo group was created at the first check (step 10), inside the timed loop
 def _stop_group_rank(rank: int, port: int, out: str) -> None:
     import os
 
@@ -234,7 +234,7 @@ def test_stop_check_group_exists_before_the_timed_loop(tmp_path):
         assert before == after and agreed == "False" and own == "True"  # no group created by the check
 
 
-# items 12, 15, 19: megatron's GPU settings, on CPU: no device sync per p2p, one CUDA queue for TP, one GELU
+# megatron's GPU settings, on CPU: no device sync per p2p, one CUDA queue for TP, one GELU
 def test_megatron_gpu_settings_and_one_gelu(tmp_path):
     import torch
     from megatron.core.fusions.fused_bias_gelu import bias_gelu

@@ -1,4 +1,4 @@
-"""CPU twins of the one-GPU path (issue 15): device counts are injected, nvidia-smi output is recorded."""
+"""CPU twins of the one-GPU path, tested where no GPU is: device counts are injected, nvidia-smi output is recorded."""
 
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ def test_gpt2_horovodrun_and_srun_style_equal_ddp(tmp_path, ddp_gpt2_reference):
     assert hs["fusion_threshold_bytes"] == 32 * 2**20 and hs["cycle_time_ms"] == 2.5  # as hvd.init() read them
     assert _settings(only_run(tmp_path / "ext"))["rendezvous"].startswith("harness")
     assert summary(only_run(tmp_path / "hvd"))["frameworks_imported"] == ["horovod"]
-    # the measurement audit (issue 14): Horovod's gradient bytes per rank equal DDP's (full gradients)
+    # the measurement audit: Horovod's gradient bytes per rank equal DDP's (full gradients)
     ddp_bytes = summary(ddp_gpt2_reference)["state_bytes_per_rank"]
     hvd_bytes = summary(only_run(tmp_path / "hvd"))["state_bytes_per_rank"]
     assert [r["grads"] for r in hvd_bytes] == [r["grads"] for r in ddp_bytes]

@@ -1,4 +1,4 @@
-"""Input faults found before any rank starts (issue 28): an empty WikiText file, a record folder that cannot
+"""Input faults found before any rank starts: an empty WikiText file, a record folder that cannot
 be made. Real files, the real command: one line naming the path the user gave, exit 2, no record."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The measurement audit (issue 14): each item's fix, CPU twins where the GPU path cannot run here.
+"""The measurement audit: each way the numbers would mislead on a GPU cluster, and its fix; CPU twins where
+the GPU path cannot run here.
 
 Expected values are written out (vendor datasheets, hand-counted parameters), not recomputed with
 the code under test.
@@ -26,7 +27,7 @@ from tests.helpers import SMOKE, bench, check_ok, events, only_run, step_losses,
 TINY = SMOKE  # experiment=smoke at vocabulary 256: the settings of the shared smoke_run (conftest)
 
 
-# --- 1. timing: marks resolved once, off the critical path -----------------------------------------
+# --- timing: marks resolved once, off the critical path --------------------------------------------
 class FakeClock:
     """Marks are ticks of a counter; `elapsed` needs `synchronize` first, as CUDA events do."""
 
@@ -71,7 +72,7 @@ def test_host_clock_is_the_cpu_default_and_phase_sync_is_off():
     assert typed(compose([])).trainer.sync_timing is False  # the diagnostic is opt-in
 
 
-# --- 2. MFU against the right peak --------------------------------------------------------------
+# --- MFU against the right peak -----------------------------------------------------------------
 @pytest.mark.parametrize(
     "name, dtype, tflops",
     [
@@ -112,7 +113,7 @@ def test_mfu_above_one_is_never_reported():
     assert mfu(1e12, None, 1) == (None, None)
 
 
-# --- 3. LAMB clips only through trainer.grad_clip; trust ratios on whole tensors -----------------
+# --- LAMB clips only through trainer.grad_clip; trust ratios on whole tensors --------------------
 def test_lamb_has_no_clipping_of_its_own():
     opt = build_optimizer(torch.nn.Linear(4, 4).parameters(), typed(compose(["optimizer=lamb"])).optimizer)
     assert opt.defaults["max_grad_norm"] is None  # timm's default is 1.0
@@ -157,7 +158,7 @@ def test_lamb_without_clipping_pipeline_equals_single_process(tmp_path):
     np.testing.assert_allclose(pp, ref, atol=1e-5, rtol=0)
 
 
-# --- 5. one weight-decay rule ----------------------------------------------------------------------
+# --- one weight-decay rule -------------------------------------------------------------------------
 def test_no_decay_on_biases_and_norms():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Embedding(5, 3))
     groups = param_groups(list(model.parameters()), 0.1)
@@ -167,7 +168,7 @@ def test_no_decay_on_biases_and_norms():
     assert groups[1]["weight_decay"] == 0.0 and plain == {(3,)} and len(groups[1]["params"]) == 3  # bias, norm w+b
 
 
-# --- 7. epoch time: slowest rank, partial epochs flagged, steady mean ------------------------------
+# --- epoch time: slowest rank, partial epochs flagged, steady mean ---------------------------------
 @pytest.mark.slow
 def test_partial_and_steady_epochs(tmp_path):
     # 48 samples / global batch 8 = 6 steps per epoch; 3 whole epochs, then a run cut to 2 steps per epoch
@@ -192,7 +193,7 @@ def test_partial_and_steady_epochs(tmp_path):
     assert s["epoch_time_steady_s"] is None and s["epoch_time_mean_includes_partial"] is True
 
 
-# --- 6. memory: host peak always, and what training added ----------------------------------------
+# --- memory: host peak always, and what training added -------------------------------------------
 @pytest.mark.slow
 def test_cpu_memory_delta_recorded(smoke_run):
     """The shared smoke_run (conftest): TINY's settings, 2 ranks."""
@@ -205,7 +206,7 @@ def test_cpu_memory_delta_recorded(smoke_run):
 # (no launches of its own here).
 
 
-# --- 9. the watchdog fires before the backend's timeout --------------------------------------------
+# --- the watchdog fires before the backend's timeout -----------------------------------------------
 def test_process_group_timeout_follows_the_watchdog(tmp_path):
     t = typed(compose([])).trainer
     assert dist_timeout_s(t) == t.hang_timeout_s + 60
@@ -216,7 +217,7 @@ def test_process_group_timeout_follows_the_watchdog(tmp_path):
         make_plan(cfg, "local")
 
 
-# --- 10. input: workers from the CPUs per rank ------------------------------------------------------
+# --- input: workers from the CPUs per rank ----------------------------------------------------------
 def test_data_workers_from_cpus_per_rank():
     assert data_workers(3, 8, env={}) == 3  # asked for
     assert data_workers(None, 1, env={"SLURM_CPUS_PER_TASK": "12"}) == 8  # capped
@@ -224,7 +225,7 @@ def test_data_workers_from_cpus_per_rank():
     assert data_workers(None, os.cpu_count() or 1, env={}) == 0  # one CPU per rank: no workers
 
 
-# --- 4/5. the record says what phases and precision meant ------------------------------------------
+# --- the record says what phases and precision meant -----------------------------------------------
 @pytest.mark.slow
 def test_record_states_phase_and_precision_semantics(smoke_run):
     s = summary(smoke_run)

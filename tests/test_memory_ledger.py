@@ -1,5 +1,5 @@
 """The memory ledger: what autograd really saves (saved-tensor hooks) against the memory model's prediction
-(bench/core/memory_model.py), and DeepSpeed stage 3's parameter rules."""
+(bench/core/memory_model/counting.py, compose.py, states.py), and DeepSpeed stage 3's parameter rules."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Explaining the numbers (issue 19): predicted memory, the report's "Which adapter" section, standard sinks.
+"""Explaining the numbers: predicted memory, the report's "Which adapter" section, standard sinks.
 
 Memory: the ZeRO paper's own numbers (Fig. 1: Ψ = 7.5 B, N = 64, mixed-precision Adam), DeepSpeed's
 fp32 master copy, the per-tensor partition rule, the GPT-2 shard sizes checked against the real
@@ -590,7 +590,7 @@ def test_plan_memory_is_one_call_for_the_runner():
         )
 
 
-# --- communication volume per step, measured network, report table (issue 19) ------------------------
+# --- communication volume per step, measured network, report table -----------------------------------
 def _gpt2_params(V, s, h, L):
     """GPT-2 with a tied LM head, by hand: embeddings V h + s h, per block 12 h^2 + 13 h (qkv 3h^2+3h,
     proj h^2+h, fc 4h^2+4h, fc2 4h^2+h, two LayerNorms 4h), final LayerNorm 2h."""

@@ -47,7 +47,7 @@ CASES = {
     "zero3": (["adapter=zero", "adapter.stage=3"], "block"),
     "megatron_tp2": (["adapter=megatron", "adapter.tensor_parallel=2"], "block"),
     # 4 micro-batches of 1 per replica (with 2 micro-batches, i.e. as many as stages, the DDP-wrapped
-    # stages of adapter=pipeline fail even on one node: see the report of issue 16)
+    # stages of adapter=pipeline fail even on one node, in DDP's _rebuild_buckets; cause not found)
     "pipeline_pp2": (
         ["adapter=pipeline", "adapter.pipeline_parallel=2", "trainer.batch_size=8", "adapter.microbatches=4"],
         "cyclic",

@@ -1,5 +1,6 @@
-"""The noise floor (issue 29): trainer.inject_fault=slow@FRACTION slows every step by that fraction, and the
-A/A / A/B statistics of `python -m ptbench.sweep noise` (ptbench.analysis.stats noise_result)."""
+"""The noise floor (how large a difference must be to be real): trainer.inject_fault=slow@FRACTION slows every
+step by that fraction, and the A/A / A/B statistics of `python -m ptbench.sweep noise`
+(ptbench.analysis.stats noise_result)."""
 
 import json
 import subprocess

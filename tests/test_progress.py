@@ -1,4 +1,4 @@
-"""Batch logs show progress (issue 31): a run whose stdout is a file (not a terminal, so no tqdm bar) prints a
+"""Batch logs show progress: a run whose stdout is a file (not a terminal, so no tqdm bar) prints a
 line at step 1 and every trainer.log_every steps, and during validation, before its first epoch line; and
 validation is capped by trainer.max_eval_batches, by default as many batches as trainer.max_steps."""
 

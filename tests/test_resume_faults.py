@@ -1,4 +1,4 @@
-"""Resume after damage (issue 28): real runs, real checkpoint files damaged on disk.
+"""Resume after damage: real runs, real checkpoint files damaged on disk.
 
 A 2-rank DDP run saves every 2 steps and is stopped at step 6 (trainer.inject_stop, deterministic):
 checkpoints step-4 and step-6. Damaging step-6 (a shard cut short, a meta.json cut short) makes the
@@ -70,7 +70,7 @@ def test_damaged_meta_and_no_verified_checkpoint_start_over_in_a_new_record(tmp_
     run_dir = _stopped_at_6(tmp_path)
     for _, p in ckpt.complete(run_dir):
         meta = p / "meta.json"
-        meta.write_text(meta.read_text()[:40])  # JSONDecodeError before issue 28, naming no file
+        meta.write_text(meta.read_text()[:40])  # once a bare JSONDecodeError, naming no file
     kept = (run_dir / "summary.json").read_text()
 
     again = bench(*TINY, results=tmp_path)

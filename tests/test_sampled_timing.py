@@ -1,4 +1,4 @@
-"""Optional sampled timing (issue 29, bench/runner/sampling.py): trainer.timing_sample=PCT ends an epoch once the
+"""Optional sampled timing (bench/runner/sampling.py): trainer.timing_sample=PCT ends an epoch once the
 95 % interval of the mean step time is within +-PCT %, or at trainer.timing_sample_cap timed steps, and records
 the epoch's time as an estimate with its interval and the steps measured. Real runs; full epochs by default."""
 

@@ -362,8 +362,8 @@ REQUEUE_RUN = [
 ]
 # The requeue mechanics (USR1, checkpoint, `scontrol requeue`, the record found by point id) are the
 # same for every adapter; each adapter's own checkpoint resuming to the uninterrupted losses is
-# tests/test_checkpoint.py (ddp, zero3, fsdp, megatron, pipeline). zero3 and fsdp ran here too until
-# issue 20 (stop 22 note: all three resumed with a loss difference of 0.0); 150 s of the suite.
+# tests/test_checkpoint.py (ddp, zero3, fsdp, megatron, pipeline). zero3 and fsdp ran here too (all three
+# resumed with a loss difference of 0.0): 150 s of the suite for what test_checkpoint.py already covers.
 REQUEUE_ADAPTERS = {"ddp": ["adapter=ddp"]}
 REQUEUE_STEPS = 64
 

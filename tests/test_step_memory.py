@@ -1,6 +1,7 @@
-"""The optimizer step's peak (bench/core/memory_model.py `step_transient`) against what real optimizers, real
+"""The optimizer step's peak (bench/core/memory_model/step.py `step_transient`) against what real optimizers, real
 harness adapters and real DeepSpeed engines allocate on the CPU, counted with torch.profiler's memory events
-(bench/core/memory_model.py `StepPeak`, which every run's trainer uses on the optimizer phase). Every expected byte count is worked out by hand in the test."""
+(bench/core/memory.py `StepPeak`, which every run's trainer uses on the optimizer phase). Every expected byte
+count is worked out by hand in the test."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-step times in the record (issue 29): the epoch event's `step_times_s` (the timed steps, slowest rank per
+"""Per-step times in the record: the epoch event's `step_times_s` (the timed steps, slowest rank per
 step, warm-up excluded, rounded to 1 us), kept by analysis/load.py, joined per run, and the report's intervals
 table gives each point its median step time with a bootstrap 95 % interval."""
 

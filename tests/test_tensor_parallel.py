@@ -42,7 +42,7 @@ COMMON = [
     "trainer.grad_clip=0.5",
 ]
 MEGATRON = COMMON + ["adapter=megatron"]
-# Not measured for Megatron (adapter=megatron fails at HEAD 3112584, see the report of issue 20): the DDP
+# Not measured for Megatron (adapter=megatron failed at HEAD 3112584): the DDP
 # twin in test_spine (same tokens per step) measured 1302 and 1039; 5000 / 3000 leave ~3x, and are 10x
 # below what a uniform guess over the padded vocabulary scores (50304)
 MEGATRON_PPL = (5000, 3000)
