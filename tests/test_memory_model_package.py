@@ -113,3 +113,48 @@ def test_the_model_reads_no_adapter_config():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr == "adapter" and getattr(node.value, "id", "") == "cfg":
                 pytest.fail(f"{path.name}:{node.lineno} reads cfg.adapter: state it in the adapter's cost_inputs")
+
+
+def _whole_forward_saved_bytes(cfg) -> float:
+    """What the whole harness GPT-2 forward (embeddings, every block, head; the loss aside) saves on CUDA under
+    bf16 autocast, counted at once on fake "cuda" tensors: the sum the model composes from one block."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ptbench.core.memory import SavedTensorLedger
+    from ptbench.core.memory_model.counting import _cuda_autocast, _flash_attention
+    from ptbench.workloads import build_workload
+
+    b, s = cfg.trainer.batch_size, cfg.workload.seq_len
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cuda"):
+        model = build_workload(cfg.workload, cfg.data).build_model()
+        idx = torch.zeros((b, s), dtype=torch.int64, device="cuda")
+        with _cuda_autocast(torch.bfloat16), _flash_attention(), torch.enable_grad():
+            with SavedTensorLedger([model]) as ledger:
+                model(idx)
+                return ledger.total
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_cuda_autocast_activations_are_counted_in_bytes(dropout):
+    """On CUDA under bf16 autocast LayerNorm saves fp32, each linear a bf16 copy of its weight, dropout a 1-byte
+    mask: the model counts a block that way (fake "cuda" tensors) instead of halving a CPU fp32 count, which
+    was 8.5-20 % under. Measured (2026-12-02, gpt2_small, batch 8): one block 242.0 MiB counted, the halved CPU
+    count 216.1 MiB at dropout 0.1; 230.0 vs 192.3 at 0."""
+    from ptbench.core.memory_model.activations import loss_bytes
+    from ptbench.core.memory_model.run import predict_run
+    from ptbench.runner.plan import plan_run
+    from ptbench.workloads import build_workload
+
+    cfg = _cfg("workload=gpt2_small", "trainer.batch_size=8", "trainer.precision=bf16", f"workload.dropout={dropout}")
+    plan, _ = plan_run(cfg, "local", check=False, refuse=False, backend="gloo")
+    build = build_workload(cfg.workload, cfg.data).build_model
+    pred = predict_run(cfg, plan, build, device="cuda")
+    # the loss aside: on CUDA F.cross_entropy saves its fp32 log-softmax of the logits
+    loss_saved = loss_bytes(8 * cfg.workload.seq_len, cfg.workload.vocab_size, False, 2)[1]
+    saved_model = pred["saved_activations"] - loss_saved
+    counted = _whole_forward_saved_bytes(cfg)
+    assert saved_model == pytest.approx(counted, rel=0.01), (saved_model / 2**30, counted / 2**30)
+    assert pred["inputs"]["layer_saved_elements"]["unit"] == "bytes"
+    cpu = predict_run(cfg, plan, build, device="cpu")
+    assert "unit" not in cpu["inputs"]["layer_saved_elements"]  # a CPU run: fp32 elements, as measured there

@@ -130,11 +130,17 @@ def _counted_gpt2(inp: Inputs, stage_name: str, notes: list) -> tuple[float, str
     n, how = alive(inp, stage_name, notes)
     first = stage_name in ("all", "first", "any")
     last = stage_name in ("all", "last", "any")
-    per_mb = (per_stage_layers * e["layer"] + first * e["embed"] + last * e["head"]) * act_b * b
+    # counted in bytes (CUDA autocast, `gpt2_saved_bytes_cuda_autocast`) or in fp32 elements x act_b
+    per_byte = 1 if e.get("unit") == "bytes" else act_b
+    per_mb = (per_stage_layers * e["layer"] + first * e["embed"] + last * e["head"]) * per_byte * b
+    # the weights' half copies under CUDA autocast: once per forward, whatever the batch
+    fixed = sum(
+        k * e.get(f"{part}_fixed", 0.0) for k, part in ((per_stage_layers, "layer"), (first, "embed"), (last, "head"))
+    )
     tokens = mo.seq_len * b
     peak_loss, loss, loss_f = loss_bytes(tokens, mo.vocab, inp.loss_in_place, act_b) if last else (0.0, 0.0, "")
     last_alive = 1 if (pp > 1 and schedule != "gpipe") else n
-    saved = n * per_mb + last_alive * loss
+    saved = n * per_mb + fixed + last_alive * loss
     if recompute != "never" and m > 1:  # torchgpipe checkpointing (README.md)
         inp_elems = (8 * mo.seq_len if first else act_b * mo.seq_len * mo.hidden) * b  # int64 token ids first
         # token ids cannot carry torchgpipe's micro-batch order into backward: the next partition's float input
@@ -148,7 +154,10 @@ def _counted_gpt2(inp: Inputs, stage_name: str, notes: list) -> tuple[float, str
         f"{how} x (ceil(L/p)={per_stage_layers} x {e['layer']:,.0f} per layer"
         + (f" + {e['embed']:,.0f} embedding" if first else "")
         + (f" + {e['head']:,.0f} head" if last else "")
-        + f") elem/sample (counted, harness GPT-2) x {act_b} B x b={b}"
+        + (") B/sample (counted under CUDA autocast" if per_byte == 1 else ") elem/sample (counted")
+        + (f", harness GPT-2) x {act_b} B" if per_byte != 1 else ", harness GPT-2)")
+        + f" x b={b}"
+        + (f" + {fixed:,.0f} B of autocast's half weight copies" if fixed else "")
         + (f" + {loss_f}" if last else "")
     )
     return total, formula, saved

@@ -4,6 +4,7 @@ the harness GPT-2" and "Activations, vision"). Each function imports torch when 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 
@@ -143,3 +144,98 @@ def gpt2_saved_elements(model, seq_len: int, scores: bool = True) -> dict | None
         "layer": layer,
         "head": count(lambda: model.lm_head(model.ln_f(x))),
     }
+
+
+def gpt2_saved_bytes_cuda_autocast(model, seq_len: int, dtype_name: str = "bf16") -> dict | None:
+    """What the harness GPT-2 saves per sample on CUDA under autocast, in BYTES, counted with fake "cuda"
+    tensors (no GPU needed; forward only, which is all that is counted): {layer, embed, head}, as
+    `gpt2_saved_elements`. Under CUDA autocast LayerNorm runs and saves in fp32 (the residual stream stays
+    fp32), each linear saves its own half-precision copy of its weight, dropout masks are 1-byte bools and the
+    flash kernel keeps the output and a log-sum-exp: a CPU count in fp32 halved misses all four (8.5-20 %
+    under). Each part per sample, and `{part}_fixed` per forward (the weights' half copies). SDPA cannot pick a kernel for a fake device, so the count calls the flash kernel an H100/H200
+    runs. None for another model."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ptbench.core.memory import SavedTensorLedger
+
+    if not all(hasattr(model, n) for n in ("wte", "wpe", "drop", "blocks", "ln_f", "lm_head")):
+        return None
+    h = model.wte.embedding_dim
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        wte, wpe, drop, block, ln_f, lm_head = (
+            _fake_cuda_copy(m) for m in (model.wte, model.wpe, model.drop, model.blocks[0], model.ln_f, model.lm_head)
+        )
+        with _cuda_autocast(half), _flash_attention():
+
+            def count(fn, b: int) -> float:
+                idx = torch.zeros((b, seq_len), dtype=torch.int64, device="cuda")
+                x = torch.empty((b, seq_len, h), device="cuda", requires_grad=True)
+                with torch.enable_grad(), SavedTensorLedger([wte, wpe, block, ln_f, lm_head]) as ledger:
+                    fn(idx, x)
+                    return ledger.total
+
+            pos = torch.arange(seq_len, device="cuda")
+            parts = {
+                "embed": lambda idx, x: drop(wte(idx) + wpe(pos)),
+                "layer": lambda idx, x: block(x),
+                "head": lambda idx, x: lm_head(ln_f(x)),
+            }
+            out = {"unit": "bytes"}
+            for name, fn in parts.items():
+                # at 1 and 2 samples: the weights' half copies (autocast casts each once a forward) do not
+                # grow with the batch, the rest does
+                one, two = count(fn, 1), count(fn, 2)
+                out[name], out[f"{name}_fixed"] = two - one, 2 * one - two
+            return out
+
+
+def _fake_cuda_copy(module):
+    """A copy of `module` whose parameters and buffers are new empty tensors on the current fake "cuda" device
+    (set in place: to_empty's tensor swap refuses meta parameters that other modules also hold)."""
+    import torch
+
+    module = copy.deepcopy(module)
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in store.items():
+                if t is not None:
+                    new = torch.empty(t.shape, dtype=t.dtype, device="cuda")
+                    store[name] = torch.nn.Parameter(new, t.requires_grad) if store is m._parameters else new
+    return module
+
+
+@contextlib.contextmanager
+def _cuda_autocast(dtype):
+    """CUDA autocast on a machine without a GPU: `torch.autocast("cuda")` turns itself off there, the flags
+    do not."""
+    import torch
+
+    was, was_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cuda", was)
+        torch.set_autocast_dtype("cuda", was_dtype)
+
+
+@contextlib.contextmanager
+def _flash_attention():
+    """torch's SDPA as the flash kernel (what it picks on an sm80+ GPU); dropout is the kernel's own."""
+    import torch
+    import torch.nn.functional as F
+
+    def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+        if attn_mask is not None:
+            raise ValueError("the flash kernel takes no attention mask")
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+
+    orig = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = flash
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = orig

@@ -12,6 +12,7 @@ from ptbench.core.memory_model.compose import compose, fits
 from ptbench.core.memory_model.counting import (
     activation_elements,
     even_split,
+    gpt2_saved_bytes_cuda_autocast,
     gpt2_saved_elements,
     pipeline_layers,
     stage_activation_elements,
@@ -103,7 +104,7 @@ def _activation_inputs(cfg, plan, model, facts, device: str, loss_in_place: bool
             attention_dropout=float(w.dropout) > 0,
             # Megatron's vocab-parallel loss works in place; torch's loss_parallel (TP) is F.cross_entropy's
             loss_in_place=True if cost.vocab_parallel_loss else (False if plan.layout.tp > 1 else loss_in_place),
-            layer_saved_elements=None if cost.padded_vocab else gpt2_saved_elements(model, facts.seq_len, scores),
+            layer_saved_elements=None if cost.padded_vocab else _gpt2_counted(cfg, cost, model, facts, device, scores),
         )
     sample = (3, facts.image_size, facts.image_size)
     stages = ins = None
@@ -120,6 +121,15 @@ def _activation_inputs(cfg, plan, model, facts, device: str, loss_in_place: bool
         stage_activation_elements=stages,
         stage_input_elements=ins,
     )
+
+
+def _gpt2_counted(cfg, cost, model, facts, device: str, scores: bool) -> dict:
+    """The harness GPT-2's saves per sample: in bytes, counted on fake CUDA tensors, where CUDA autocast runs
+    it (an adapter that neither holds nor gathers half-precision parameters); else in fp32 elements."""
+    precision = cfg.trainer.precision
+    if device == "cuda" and precision in ("bf16", "fp16") and not (cost.half_states or cost.half_gather):
+        return gpt2_saved_bytes_cuda_autocast(model, facts.seq_len, precision)
+    return gpt2_saved_elements(model, facts.seq_len, scores)
 
 
 def _inputs_record(inp: Inputs) -> dict:
