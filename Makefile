@@ -26,14 +26,16 @@ $(STAMP): pyproject.toml constraints.txt $(PKG_DIRS)
 install: $(STAMP)
 
 # constraints.txt again from the installed venv (after a deliberate upgrade, and make horovod): name==version of
-# everything but the project itself and pip's own tools
+# everything but the project itself and pip's own tools; a pin of a package not installed here (Horovod before
+# make horovod) is kept and named, never dropped in silence (.ci/constraints.py)
 constraints: $(STAMP)
-	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip list --format=freeze --exclude-editable \
-		| grep -viE '^(ptbench|pip|setuptools|wheel)=='; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+	$(PY) .ci/constraints.py constraints.txt
 
 # Offline install for air-gapped compute nodes (README, "Offline install"): on a machine with index access, fill
-# WHEELHOUSE with wheels for the nodes' Python and platform, copy it over, then on the node:
-#   pip install --no-index --find-links wheelhouse 'ptbench[EXTRAS]'
+# WHEELHOUSE with wheels for the nodes' Python and platform (one folder each: a folder holding another's wheels
+# is refused, .ci/wheelhouse_target.py stamp), copy it over, then on the node:
+#   bash wheelhouse/install.sh [VENV]       (VENV: a venv seeing the node's packages, for a PEP 668 Python)
+# which is `pip install --no-index --find-links wheelhouse 'ptbench[EXTRAS]'` (.ci/wheelhouse_install.sh).
 # WITH_TORCH=0 (the default) leaves torch, torchvision and their CUDA libraries out: the cluster brings its own torch
 # (module, NGC container), which the install keeps; WITH_TORCH=1 adds the tested torch (CUDA wheels: several GB).
 # TARGET_FREEZE=<file> (the target's `pip freeze`, or its package names one a line; .ci/gpu-target-packages.txt is
@@ -59,7 +61,8 @@ WH_TARGET = --python-version $(PYTHON_VERSION) $(WH_PLATFORMS) --only-binary=:al
 WH_TORCH_RE := ^(torch|torchvision|triton|nvidia-(?!ml-py$$).*|cuda-.*)$$
 WH_PINS = $(WHEELHOUSE)/.constraints.txt
 wheelhouse: $(STAMP)
-	mkdir -p $(WHEELHOUSE) && rm -rf $(WHEELHOUSE)/.resolve $(WHEELHOUSE)/ptbench-*.whl
+	@$(PY) .ci/wheelhouse_target.py stamp $(WHEELHOUSE) 'Python $(PYTHON_VERSION) on $(PLATFORM)'
+	rm -rf $(WHEELHOUSE)/.resolve $(WHEELHOUSE)/ptbench-*.whl
 	@$(PY) .ci/wheelhouse_target.py constraints constraints.txt '$(TARGET_FREEZE)' > $(WH_PINS)
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(WHEELHOUSE) . 2>/dev/null
 	$(PY) -m pip wheel -q --no-deps -c $(WH_PINS) -w $(WHEELHOUSE) $(SDIST_ONLY)
@@ -67,11 +70,13 @@ wheelhouse: $(STAMP)
 		-c $(WH_PINS) --find-links $(WHEELHOUSE) --report $(WHEELHOUSE)/.report.json \
 		"$$(ls $(WHEELHOUSE)/ptbench-*.whl)[$(EXTRAS)]"
 	$(PY) .ci/wheelhouse_target.py pick $(WHEELHOUSE)/.report.json '$(TARGET_FREEZE)' $(WITH_TORCH) \
-		'$(WH_TORCH_RE)' $(WHEELHOUSE)
+		'$(WH_TORCH_RE)' $(WHEELHOUSE) $(WH_TARGET)
 	$(PY) -m pip download -q --no-deps -d $(WHEELHOUSE) $(WH_TARGET) --find-links $(WHEELHOUSE) -r $(WHEELHOUSE)/requirements.txt
 	rm -rf $(WHEELHOUSE)/.resolve $(WHEELHOUSE)/.report.json $(WH_PINS)
+	sed 's/@EXTRAS@/$(EXTRAS)/' .ci/wheelhouse_install.sh > $(WHEELHOUSE)/install.sh
 	@echo "$(WHEELHOUSE): $$(ls $(WHEELHOUSE)/*.whl | wc -l) wheels, $$(du -sh --apparent-size $(WHEELHOUSE) | cut -f1), for Python $(PYTHON_VERSION) on $(PLATFORM) (WITH_TORCH=$(WITH_TORCH)$(if $(TARGET_FREEZE),; less what $(TARGET_FREEZE) lists)); on the node:"
-	@echo "  pip install --no-index --find-links $(WHEELHOUSE) 'ptbench[$(EXTRAS)]'"
+	@echo "  bash $(WHEELHOUSE)/install.sh            (pip install --no-index --find-links $(WHEELHOUSE) 'ptbench[$(EXTRAS)]')"
+	@echo "  bash $(WHEELHOUSE)/install.sh VENV       (a PEP 668 Python: a venv over it that sees its packages, its torch)"
 
 demo: $(STAMP)
 	$(PY) -m ptbench.demo

@@ -12,6 +12,10 @@ RESULTS/demo/report/.
     python -m ptbench.demo --adapters ddp,fsdp --ranks 1,2  # a grid
     python -m ptbench.demo --repeats 3                      # every point 3 times, interleaved (default 2)
     python -m ptbench.demo -- trainer.epochs=3              # extra overrides for every point
+    python -m ptbench.demo --plan                           # what would run and what not, and stop
+
+A point whose framework is not installed (Horovod, until `make horovod`) is not run: the first line says
+so and why, and the counts are of the runs made.
 """
 
 from __future__ import annotations
@@ -91,10 +95,6 @@ def run_point(
     except Exception as e:  # unknown name, or its module fails to import
         _record_not_run(root, adapter, ranks, "failed", f"{type(e).__name__}: {e}", overrides)
         return "failed", str(e)
-    if not framework_installed(cls):
-        msg = f"{cls.framework} is not installed"
-        _record_not_run(root, adapter, ranks, "skipped", msg, overrides)
-        return "skipped", msg
     # the adapter's layout first, then the demo's sizes (later overrides win in Hydra)
     overrides += [*cls.smoke_overrides(ranks), *COMMON, *extra]
     if repeat is not None:  # outside the point id: the report's intervals and verdicts over a point's repeats
@@ -111,12 +111,53 @@ def run_point(
     return "ok", f"epoch {s.get('epoch_time_mean_s') or 0:.2f}s  step {s.get('step_time_mean_s') or 0:.4f}s"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+def _install_hint(cls) -> str:
+    return "`make horovod` builds it" if cls.extra == "horovod" else f"`pip install -e '.[{cls.extra}]'` installs it"
+
+
+def split_points(points: list[tuple[str, int]]) -> tuple[list[tuple[str, int]], dict[tuple[str, int], str]]:
+    """(the points to run, {point: why not} for those whose framework is not installed). An unknown adapter
+    stays in the first list: run_point records its failure, as for any other point that fails."""
+    runnable, not_run = [], {}
+    for adapter, ranks in points:
+        try:
+            cls = get_adapter_class(adapter)
+        except Exception:  # unknown name, or its module fails to import: run_point records why
+            runnable.append((adapter, ranks))
+            continue
+        if framework_installed(cls):
+            runnable.append((adapter, ranks))
+        else:
+            not_run[(adapter, ranks)] = f"{cls.framework} is not installed ({_install_hint(cls)})"
+    return runnable, not_run
+
+
+def plan_lines(runnable, not_run, repeats: int, folder: Path) -> list[str]:
+    lines = [
+        f"demo: {len(runnable)} points x {repeats} repeat(s) = {len(runnable) * repeats} runs, interleaved, "
+        f"into {folder}/ (each a `python -m ptbench` run)"
+    ]
+    lines += [f"  not run: {a} x{r}: {why}" for (a, r), why in not_run.items()]
+    return lines
+
+
+def _clear_previous(folder: Path) -> None:
+    """Only the previous demo's runs (folders holding a record file); anything else a user saved under
+    RESULTS/demo/ (a figure, notes) stays, and the report is written over."""
+    for d in folder.iterdir():
+        if d.is_dir() and any((d / f).is_file() for f in ("summary.json", "env.json", "config.yaml")):
+            shutil.rmtree(d)
+
+
+def _left(done: int, total: int, elapsed: float) -> str:
+    """Time left at the mean pace of the runs so far (a point's repeats take about as long as its first)."""
+    if not done or done >= total:
+        return ""
+    left = (total - done) * elapsed / done
+    return f", about {left / 60:.0f} min left" if left >= 90 else f", about {left:.0f} s left"
+
+
+def parse_args(argv: list[str]):
     p = argparse.ArgumentParser(prog="python -m ptbench.demo", description=__doc__.splitlines()[0])
     p.add_argument("--points", help="comma list ADAPTER:RANKS, e.g. ddp:1,ddp:2,zero:2")
     p.add_argument("--adapters", help="comma list of adapters (with --ranks: a grid)")
@@ -130,37 +171,47 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="run every point N times, interleaved (ABCABC): the report's 95 %% intervals and verdicts (default 2)",
     )
-    args = p.parse_args(argv)
+    p.add_argument("--plan", action="store_true", help="print what would run and what would not, run nothing")
+    return p.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    args = parse_args(argv)
     root = Path(args.results)
     folder = root / EXPERIMENT
-    if folder.exists() and not args.keep:
-        # only the previous demo's runs (folders holding a record file); anything else a user saved under
-        # RESULTS/demo/ (a figure, notes) stays, and the report is written over
-        for d in folder.iterdir():
-            if d.is_dir() and any((d / f).is_file() for f in ("summary.json", "env.json", "config.yaml")):
-                shutil.rmtree(d)
-    points = parse_points(args)
     repeats = max(1, args.repeats)
-    print(
-        f"demo: {len(points)} points x {repeats} repeat(s), interleaved, into {folder}/ (each a `python -m ptbench` run)",
-        flush=True,
-    )
-    t0 = time.perf_counter()
+    runnable, not_run = split_points(parse_points(args))
+    print("\n".join(plan_lines(runnable, not_run, repeats, folder)), flush=True)
+    if args.plan:
+        return 0
+    if folder.exists() and not args.keep:
+        _clear_previous(folder)
+    for (adapter, ranks), why in not_run.items():  # the report lists them with the reason
+        _record_not_run(root, adapter, ranks, "skipped", why, [f"adapter={adapter}"])
+    t0, total = time.perf_counter(), len(runnable) * repeats
     results = []
-    skipped: set[tuple[str, int]] = set()  # not ok (not installed, refused, failed): said once, not repeated
+    failed: set[tuple[str, int]] = set()  # refused or failed once: said once, not repeated
     for r in range(repeats):
-        for adapter, ranks in points:
-            if (adapter, ranks) in skipped:
+        for adapter, ranks in runnable:
+            if (adapter, ranks) in failed:
                 continue
             t = time.perf_counter()
             status, detail = run_point(root, adapter, ranks, extra, args.timeout, r if repeats > 1 else None)
             results.append(status)
             if status != "ok":
-                skipped.add((adapter, ranks))
+                failed.add((adapter, ranks))
+                total -= repeats - 1 - r  # its later repeats are not run
             tag = f" #{r}" if repeats > 1 else ""
+            left = _left(len(results), total, time.perf_counter() - t0)
             print(
-                f"  {adapter:<16} x{ranks}{tag:<3} {status:<8} {detail}  ({time.perf_counter() - t:.0f}s)", flush=True
+                f"  [{len(results)}/{total}] {adapter:<16} x{ranks}{tag:<3} {status:<8} {detail}  "
+                f"({time.perf_counter() - t:.0f}s{left})",
+                flush=True,
             )
 
     # the report reads the records only: analysis runs as its own command
@@ -168,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         [sys.executable, "-m", "ptbench.analysis", "report", str(folder), "--out", str(folder / "report")]
     )
     ok = results.count("ok")
+    not_run_names = ", ".join(f"{a} x{r}" for a, r in not_run)
     print(
-        f"demo: {ok}/{len(results)} runs ok, {results.count('skipped')} skipped "
-        f"(framework not installed) in {time.perf_counter() - t0:.0f}s"
+        f"demo: {ok}/{len(results)} runs ok in {time.perf_counter() - t0:.0f}s"
+        + (f"; not run: {not_run_names} (framework not installed)" if not_run else "")
     )
     return 0 if ok and report.returncode == 0 else 1
 

@@ -18,6 +18,10 @@ m = 4, 8 micro-batches beside the theory (p-1)/(m+p-1) (goal: within 20 %).
     python -m ptbench.ledger --only bubble --repeats 2   # every bubble case twice, interleaved (--stages 2: 2 only)
     python -m ptbench.ledger --json out.json # also write every row
     python -m ptbench.analysis report <root> # the report: the ledger with the time at the measured busbw
+
+The default command is 23 runs (11 ledger, 12 bubble) and the bus-bandwidth measurement: 23 min 20 s on 2 CPU
+cores shared with other work (load 7-23, 2026-12-02). Each finished run prints a line with the time spent and
+the time left at the runs' mean pace so far.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ptbench.core.records import command_root
@@ -77,6 +82,8 @@ def measure_busbw(root: Path, timeout: float = 600) -> Path | None:
     if path.exists():
         print(f"bus bandwidth: kept the measurement already in {path} (move it away to measure again)", flush=True)
         return path
+    print(f"bus bandwidth: python -m ptbench.comm at 2 ranks into {folder}/ first", flush=True)
+    t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "ptbench.comm", "--world-size", "2", "--backend", "gloo", *COMM_ARGS]
     cmd += ["--ops", ",".join(COMM_OPS), "--out", str(folder)]
     try:
@@ -90,12 +97,17 @@ def measure_busbw(root: Path, timeout: float = 600) -> Path | None:
             f"warning: ptbench.comm at 2 ranks failed ({why[0]}); the report will say `not measured`", file=sys.stderr
         )
         return None
+    print(f"bus bandwidth: measured in {clock(time.perf_counter() - t0)}", flush=True)
     return path
 
 
-def ledger_runs(root: Path, names=None, timeout: float = 600) -> list[dict]:
+def ledger_todo(names=None) -> list[tuple[str, list[str]]]:
+    return [(name, over) for name, over in LEDGER_RUNS.items() if not names or name in names]
+
+
+def ledger_runs(root: Path, names=None, timeout: float = 600, tally: Tally | None = None) -> list[dict]:
     rows = []
-    todo = [(name, over) for name, over in LEDGER_RUNS.items() if not names or name in names]
+    todo = ledger_todo(names)
     for n, (name, over) in enumerate(todo, 1):
         nprocs = next((int(o.split("=")[1]) for o in over if o.startswith("launcher.nprocs=")), 2)
         run = run_bench(
@@ -106,7 +118,7 @@ def ledger_runs(root: Path, names=None, timeout: float = 600) -> list[dict]:
             run_name=(name, "gpt2_tiny", nprocs),
         )
         prof = run.summary.get("profile") or {}
-        progress("ledger", n, len(todo), name, run)
+        progress("ledger", n, len(todo), name, run, tally)
         if not run.ok or not prof.get("ledger"):
             rows.append(dict(run=name, error=run.summary.get("error") or run.stderr.strip()[-300:] or run.status))
             continue
@@ -164,7 +176,12 @@ def bubble_cases(adapters=tuple(BUBBLE_ADAPTERS), stages=(2, 4)) -> list[tuple]:
 
 
 def bubble_runs(
-    root: Path, timeout: float = 600, adapters=tuple(BUBBLE_ADAPTERS), repeats: int = 1, stages=(2, 4)
+    root: Path,
+    timeout: float = 600,
+    adapters=tuple(BUBBLE_ADAPTERS),
+    repeats: int = 1,
+    stages=(2, 4),
+    tally: Tally | None = None,
 ) -> list[dict]:
     """Every case of the table, `repeats` times, interleaved (case after case, then again), so that a slow spell
     of a shared machine spreads over the cases instead of falling on one."""
@@ -199,7 +216,8 @@ def bubble_runs(
                 run_name=(f"{adapter}-{schedule}-m{m}", "gpt2_tiny", p),
             )
             b = (run.summary.get("profile") or {}).get("bubble")
-            progress("bubble", rep * len(cases) + case + 1, repeats * len(cases), f"{label} p={p} m={m}", run)
+            n = rep * len(cases) + case + 1
+            progress("bubble", n, repeats * len(cases), f"{label} p={p} m={m}", run, tally)
             if not run.ok or not b:
                 err = run.summary.get("error") or run.stderr[-300:]
                 runs.append((case, rep, dict(stages=p, schedule=label, m=m, repeat=rep, error=err)))
@@ -208,9 +226,32 @@ def bubble_runs(
     return [row for _, _, row in sorted(runs, key=lambda t: t[:2])]
 
 
-def progress(what: str, n: int, total: int, name: str, run) -> None:
-    """One line per finished run: a command of several minutes is never silent for long."""
-    print(f"{what} [{n}/{total}] {name}: {run.status} in {run.wall_s:.0f}s", flush=True)
+def clock(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+class Tally:
+    """The runs of the whole command done so far, and the time left at their mean pace."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+
+    def spent(self) -> str:
+        return clock(time.perf_counter() - self.t0)
+
+    def tick(self) -> str:
+        """After a run: how far the whole command is and the time left, while runs remain."""
+        self.done += 1
+        if self.done >= self.total:
+            return ""
+        left = (self.total - self.done) * (time.perf_counter() - self.t0) / self.done
+        return f"  ({self.done}/{self.total} runs in {self.spent()}, about {clock(left)} left)"
+
+
+def progress(what: str, n: int, total: int, name: str, run, tally: Tally | None = None) -> None:
+    """One line per finished run: a command of several minutes is never silent for long, and says how long."""
+    whole = tally.tick() if tally else ""
+    print(f"{what} [{n}/{total}] {name}: {run.status} in {run.wall_s:.0f}s{whole}", flush=True)
 
 
 def _mb(x) -> str:
@@ -346,11 +387,19 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write every row to this file")
     args = ap.parse_args(argv)
     root = args.root or command_root("ledger")
-    print(f"ledger: records under {root}/", flush=True)
+    n_bytes = len(ledger_todo(args.runs)) if args.only in (None, "bytes") else 0
+    n_bubble = args.repeats * len(bubble_cases(args.bubble_adapters, args.stages)) if args.only != "bytes" else 0
+    print(
+        f"ledger: {n_bytes + n_bubble} runs ({n_bytes} ledger, {n_bubble} bubble), each a line as it ends; "
+        f"records under {root}/",
+        flush=True,
+    )
     out: dict = {}
+    tally = None
     if args.only in (None, "bytes"):
         busbw = None if args.no_comm else measure_busbw(root)
-        out["ledger"] = ledger_runs(root, args.runs)
+        tally = Tally(n_bytes + n_bubble)  # after the measurement: the pace is the runs'
+        out["ledger"] = ledger_runs(root, args.runs, tally=tally)
         print_ledger(out["ledger"])
         if busbw:
             print(f"bus bandwidth measured at 2 ranks: {busbw.with_suffix('.txt')}")
@@ -358,10 +407,19 @@ def main(argv=None) -> int:
                 f"each kind's time at that bandwidth: python -m ptbench.analysis report {root}  (report-details.md, Why)"
             )
     if args.only in (None, "bubble"):
-        out["bubble"] = bubble_runs(root, adapters=args.bubble_adapters, repeats=args.repeats, stages=args.stages)
+        tally = tally or Tally(n_bubble)
+        out["bubble"] = bubble_runs(
+            root,
+            adapters=args.bubble_adapters,
+            repeats=args.repeats,
+            stages=args.stages,
+            tally=tally,
+        )
         print_bubble(out["bubble"])
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
+    if tally:
+        print(f"ledger: {tally.done} runs in {tally.spent()}")
     print(f"records under {root}")
     bad = [r for rows in out.values() for r in rows if "error" in r]
     return 1 if bad else 0

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from ptbench.core.records import command_root
+from ptbench.ledger import Tally
 from ptbench.run_point import run_bench
 
 ADAPTERS = {
@@ -63,42 +64,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600)
     args = p.parse_args(argv)
     root = args.root or command_root("memory-ledger")
-    print(f"memory_ledger: records under {root}/", flush=True)
+    points = [(w, a) for w in args.workloads for a in args.adapters if a not in LANGUAGE_ONLY or w.startswith("gpt2")]
+    print(f"memory_ledger: {len(points)} runs, a row as each ends; records under {root}/", flush=True)
+    tally = Tally(len(points))
     rows, bad = [], 0
     print(
         f"{'adapter':<16} {'workload':<14} {'predicted KiB':>14} {'counted KiB per rank (gpipe: partition)':>38} {'ratio':>7}"
     )
-    for w in args.workloads:
-        for a in args.adapters:
-            if a in LANGUAGE_ONLY and not w.startswith("gpt2"):
-                continue
-            balance = [f"adapter.balance={GPIPE_BALANCE[w]}"] if a == "gpipe" else []
-            run = run_bench(
-                [*COMMON, f"workload={w}", *EXTRA.get(w, []), *ADAPTERS[a], *balance]
-                + ([] if any(o.startswith("launcher.nprocs=") for o in ADAPTERS[a]) else ["launcher.nprocs=2"]),
-                root=root,
-                experiment="memory_ledger",
-                timeout=args.timeout,
-                run_name=(a, w, 2),
-            )
-            led = run.summary.get("memory_ledger") if run.status == "ok" else None
-            if led and led.get("error"):  # stated, not a failure
-                print(f"{a:<16} {w:<14} {'-':>14} {'-':>38} {'-':>7}  {led['error']}")
-                continue
-            if not led or led.get("ratio") is None:
-                errors = [ln for ln in run.stderr.splitlines() if "error" in ln.lower()]
-                why = run.summary.get("error") or (errors[-1] if errors else run.status)
-                print(f"{a:<16} {w:<14} {'-':>14} {'-':>38} {'-':>7}  not counted: {why[:120]}")
-                bad += 1
-                continue
-            ratio = led["ratio"]
-            per_rank = " / ".join(f"{b / 1024:,.0f}" for b in led["counted_saved_bytes_per_rank"])
-            flag = "" if abs(ratio - 1) <= args.tolerance else f"  off by more than {args.tolerance:.0%}"
-            bad += bool(flag)
-            print(f"{a:<16} {w:<14} {led['predicted_saved_bytes'] / 1024:>14,.0f} {per_rank:>38} {ratio:>7.3f}{flag}")
-            rows.append((a, w, ratio))
-            sys.stdout.flush()
-    print(f"records: {root}")
+    for w, a in points:  # a row as each run ends, with how far the command is
+        balance = [f"adapter.balance={GPIPE_BALANCE[w]}"] if a == "gpipe" else []
+        run = run_bench(
+            [*COMMON, f"workload={w}", *EXTRA.get(w, []), *ADAPTERS[a], *balance]
+            + ([] if any(o.startswith("launcher.nprocs=") for o in ADAPTERS[a]) else ["launcher.nprocs=2"]),
+            root=root,
+            experiment="memory_ledger",
+            timeout=args.timeout,
+            run_name=(a, w, 2),
+        )
+        led = run.summary.get("memory_ledger") if run.status == "ok" else None
+        if led and led.get("error"):  # stated, not a failure
+            print(f"{a:<16} {w:<14} {'-':>14} {'-':>38} {'-':>7}  {led['error']}{tally.tick()}", flush=True)
+            continue
+        if not led or led.get("ratio") is None:
+            errors = [ln for ln in run.stderr.splitlines() if "error" in ln.lower()]
+            why = run.summary.get("error") or (errors[-1] if errors else run.status)
+            print(f"{a:<16} {w:<14} {'-':>14} {'-':>38} {'-':>7}  not counted: {why[:120]}{tally.tick()}", flush=True)
+            bad += 1
+            continue
+        ratio = led["ratio"]
+        per_rank = " / ".join(f"{b / 1024:,.0f}" for b in led["counted_saved_bytes_per_rank"])
+        flag = "" if abs(ratio - 1) <= args.tolerance else f"  off by more than {args.tolerance:.0%}"
+        bad += bool(flag)
+        print(
+            f"{a:<16} {w:<14} {led['predicted_saved_bytes'] / 1024:>14,.0f} {per_rank:>38} {ratio:>7.3f}{flag}"
+            f"{tally.tick()}"
+        )
+        rows.append((a, w, ratio))
+        sys.stdout.flush()
+    print(f"memory_ledger: {len(points)} runs in {tally.spent()}; records: {root}")
     return 1 if bad else 0
 
 

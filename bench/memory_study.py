@@ -9,6 +9,10 @@
     python -m ptbench.memory_study --deepspeed-estimators --workloads gpt2_tiny --gpus 2 --measure
     python -m ptbench.memory_study --step                # the optimizer step's peak: measured vs predicted
 
+The default is 15 runs (5 variants at 1, 2 and 4 ranks): 6 min 37 s on 2 CPU cores shared with other work
+(load 7-23, 2026-12-02). Every mode that runs prints a line per finished run, with the time left at the mean
+pace so far, on stderr (the tables go to stdout).
+
 Runs `python -m ptbench` once per (variant, ranks) point, as a user would, then prints the bytes of
 parameters, gradients and optimizer state each rank reported (read from the framework's tensors, see
 adapters/zero.py and adapters/fsdp.py) beside two predictions for fp32 Adam (Ψ parameters, N ranks), both
@@ -55,6 +59,7 @@ from pathlib import Path
 
 from ptbench.core.memory_model import numel, predict
 from ptbench.core.records import command_root
+from ptbench.ledger import Tally
 from ptbench.run_point import run_bench
 
 VARIANTS = {
@@ -428,6 +433,17 @@ def step_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def announce(tally: Tally, what: str, status: str, wall_s: float) -> None:
+    """One line per finished run (stderr: the tables own stdout), with how far the command is."""
+    n = tally.done + 1
+    print(f"  [{n}/{tally.total}] {what}: {status} in {wall_s:.0f}s{tally.tick()}", file=sys.stderr, flush=True)
+
+
+def start(total: int, what: str, where) -> Tally:
+    print(f"memory_study: {total} runs ({what}), a line as each ends; records under {where}/", file=sys.stderr)
+    return Tally(total)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ptbench.memory_study", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="bench overrides for every point, e.g. workload=resnet50_tiny")
@@ -479,15 +495,20 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         n = args.ranks[0] if args.ranks != p.get_default("ranks") else 2
         rows, failed = [], 0
+        step_root = command_root("memory-step")  # one folder for the command's runs
+        tally = start(
+            len(variants) * len(args.precisions), f"{' '.join(variants)} x {' '.join(args.precisions)}", step_root
+        )
         for v in variants:
             for prec in args.precisions:
+                t0 = time.perf_counter()
                 try:
-                    rows.append(measure_step(v, prec, n, args.overrides))
+                    rows.append(measure_step(v, prec, n, args.overrides, root=step_root))
+                    status = "measured"
                 except RuntimeError as e:  # a run that failed or recorded no step peak: one line, go on
                     print(f"error: {e}", file=sys.stderr)
-                    failed += 1
-                    continue
-                print(f"  {v} {prec} x {n} rank(s): measured", file=sys.stderr)
+                    failed, status = failed + 1, "failed"
+                announce(tally, f"{v} {prec} x {n} rank(s)", status, time.perf_counter() - t0)
         if rows:
             print(step_table(rows))
         return 1 if failed else 0
@@ -514,14 +535,12 @@ def main(argv: list[str] | None = None) -> int:
             else args.variants
         )
         n = args.ranks[0] if args.ranks != p.get_default("ranks") else 2
+        tally = start(len(variants), f"{' '.join(variants)} at {n} ranks, timed", root / "memory_study")
         for v in variants:
             results[(v, n)] = run_point(
                 v, n, overrides, root, stamp, args.warmup + args.timed_steps, args.warmup, args.timeout
             )
-            print(
-                f"  {v} x {n} rank(s): {results[(v, n)].get('status')} in {results[(v, n)]['wall_s']:.0f}s",
-                file=sys.stderr,
-            )
+            announce(tally, f"{v} x {n} rank(s)", results[(v, n)].get("status"), results[(v, n)]["wall_s"])
         print(timing_table(results, n, variants))
         return 0
     if args.records:
@@ -536,15 +555,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     shapes = param_numels(overrides)
     if not args.records:
+        what = f"{' '.join(args.variants)} at {' '.join(map(str, args.ranks))} ranks"
+        tally = start(len(args.ranks) * len(args.variants), what, root / "memory_study")
         for n in args.ranks:
             for v in args.variants:
                 results[(v, n)] = run_point(
                     v, n, overrides, root, stamp, args.steps, min(args.warmup, args.steps - 1), args.timeout
                 )
-                print(
-                    f"  {v} x {n} rank(s): {results[(v, n)].get('status')} in {results[(v, n)]['wall_s']:.0f}s",
-                    file=sys.stderr,
-                )
+                announce(tally, f"{v} x {n} rank(s)", results[(v, n)].get("status"), results[(v, n)]["wall_s"])
+        print(f"memory_study: {tally.total} runs in {tally.spent()}", file=sys.stderr)
     print(memory_table(results, shapes, args.ranks, args.variants))
     print()
     print(predicted_table(results, overrides, args.ranks, args.variants))

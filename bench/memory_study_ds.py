@@ -19,7 +19,16 @@ import time
 from pathlib import Path
 
 from ptbench.core.memory_model import predict
-from ptbench.memory_study import MIB, expected_state, measured_states, param_numels, run_point, workload_model
+from ptbench.memory_study import (
+    MIB,
+    announce,
+    expected_state,
+    measured_states,
+    param_numels,
+    run_point,
+    start,
+    workload_model,
+)
 
 # --- DeepSpeed's own estimators vs the memory model ----------------------------------------------------
 # (label, stage, offload_optimizer, offload_params): the settings DeepSpeed's estimators take
@@ -293,6 +302,8 @@ def deepspeed_main(args) -> int:
     root = Path(args.results).resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_overrides, mparams, results = {}, {}, {}
+    what = f"{' '.join(args.workloads)} x zero2 zero3 at {' '.join(map(str, args.gpus))} ranks, bf16"
+    tally = start(len(args.workloads) * 2 * len(args.gpus), what, root / "memory_study")
     for w in args.workloads:
         base = ["trainer.batch_size=4", "data.train_samples=512"]
         base += ["workload.seq_len=32"] if w.startswith("gpt2") else []
@@ -312,7 +323,7 @@ def deepspeed_main(args) -> int:
                     min(args.warmup, args.steps - 1),
                     args.timeout,
                 )
-                print(f"  {w} {v} x {n} rank(s): {s.get('status')} in {s['wall_s']:.0f}s", file=sys.stderr)
+                announce(tally, f"{w} {v} x {n} rank(s)", s.get("status"), s["wall_s"])
     print()
     print(ds_measured_table(args.workloads, args.gpus, run_overrides, results, mparams, args.gpus_per_node))
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -139,3 +140,33 @@ def test_ptbench_local_says_what_it_waits_for_and_leaves_no_literal_job_id_folde
     submitit = sweep / ".submitit"
     assert submitit.is_dir() and not any(p.name == "%j" for p in submitit.rglob("*")), list(submitit.rglob("*"))
     assert len(list(submitit.glob("*_0_log.out"))) == 2  # each point's log, named by its job id
+
+
+def test_demo_plan_is_the_first_lines_the_readme_shows(tmp_path):
+    """`python -m ptbench.demo --plan` on a fresh clone's install (make install: every framework but Horovod,
+    which only `make horovod` builds; hidden here as a fresh clone lacks it): the plan's lines are the README's
+    first lines of the demo's output, the runs it counts are the runs it makes, and it writes nothing."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['horovod'] = None\n")
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(hide)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ptbench.demo", "--plan", "--results", str(tmp_path / "results")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    check_ok(proc)
+    assert not (tmp_path / "results").exists()  # a plan writes nothing
+    readme = (REPO / "README.md").read_text().split("make demo   #", 1)[1]
+    shown = readme.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    plan = proc.stdout.replace(f"{tmp_path / 'results'}/", "results/").splitlines()
+    assert plan == shown[:2], (plan, shown[:2])
+    assert shown[0].startswith("demo: 9 points x 2 repeat(s) = 18 runs, interleaved, into results/demo/")
+    assert shown[1] == "  not run: horovod x2: horovod is not installed (`make horovod` builds it)"
+    total = re.fullmatch(
+        r"demo: (\d+)/(\d+) runs ok in (?:\d+|\.\.\.)s; not run: horovod x2 \(framework not installed\)", shown[-1]
+    )
+    assert total and total[2] == "18", shown[-1]  # the closing tally counts the runs the first line promised

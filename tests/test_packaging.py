@@ -25,27 +25,29 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
+def built(tmp_path_factory) -> tuple[Path, str]:
+    """The wheel of this checkout, and what its build printed."""
+    tmp = tmp_path_factory.mktemp("dist")
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", str(REPO), "-w", str(tmp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return next(tmp.glob("ptbench-*.whl")), proc.stdout + proc.stderr
+
+
+def test_the_build_is_quiet_and_ships_every_config(built):
+    """No setuptools warning (it printed ~20 per install, each a screen long, about conf/'s yaml folders taken for
+    packages), and every yaml of conf/ in the wheel: the package data is named by pyproject's globs alone."""
+    wheel, printed = built
+    assert "warn" not in printed.lower(), printed[-3000:]
+    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("ptbench/conf/")}
+    want = {f"ptbench/conf/{p.relative_to(REPO / 'conf')}" for p in (REPO / "conf").rglob("*.yaml")}
+    assert want and want <= shipped, sorted(want - shipped)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory, built) -> Path:
     tmp = tmp_path_factory.mktemp("pkg")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            str(REPO),
-            "-w",
-            str(tmp / "dist"),
-        ],
-        check=True,
-        capture_output=True,
-        cwd=tmp,
-        timeout=600,
-    )
-    wheel = next((tmp / "dist").glob("ptbench-*.whl"))
+    wheel = built[0]
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     site = Path(
