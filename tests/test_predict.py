@@ -108,6 +108,8 @@ def test_the_pipeline_bubble_scales_compute_between_microbatch_counts(records):
     preds, skipped = leave_one_out(points, load_comm(records), str(records))
     # the one-rank runs at batch 4 and 2 have no other point of their per-rank work: they only calibrate
     assert {(t.world_size, t.local_batch) for t, _ in skipped} == {(1, 4), (1, 2)}, skipped
+    for t, why in skipped:  # measured, so the reason is their per-rank work, not a missing measurement
+        assert why.startswith(f"no other point of ddp with its per-rank work gpt2_tiny b={t.local_batch} m=1"), why
     m2 = next(p for p in points if p.pp == 2 and p.microbatches == 2)
     pred = next(p for p in preds if p.target.pp == 2 and p.target.microbatches == 4)
     first_epoch = json.loads((Path(m2.run_dirs[0]) / "events.jsonl").read_text().splitlines()[0])
@@ -142,10 +144,12 @@ def test_a_target_not_measured_is_predicted(records, tmp_path):
     )
     proc = predict(str(folder), "--target", str(targets))
     check_ok(proc)
-    out = proc.stdout.strip().splitlines()
+    # on a loaded machine a last line counts the contended runs (test_contended_runs_are_marked_in_one_line)
+    out = [x for x in proc.stdout.strip().splitlines() if not x.startswith("contention: ")]
     assert len(out) == 2 and all(re.search(r": step \d+\.\d ms \[[\d.]+-[\d.]+\], epoch", x) for x in out), out
     assert out[0].startswith("pipeline schedule=1f1b pp=2 | n=2 m=8") and "memory model n/a" in out[0]
     assert "MiB/rank" in out[1]  # the measured layout: the memory model's bytes beside it
+    assert re.search(r"; measured \d+\.\d ms", out[1]) and "measured" not in out[0]  # ddp at 2 ranks ran
     assert [json.loads(x)["mode"] for x in (folder / "predictions.jsonl").read_text().splitlines()] == ["target"] * 2
 
 
@@ -186,6 +190,12 @@ def _comm_subset(folder: Path, keep) -> None:
             r"cannot predict 'trainer\.batch_size=4': a target sets only",
         ),
         ("adapter", ["--target", "adapter=fsdp"], r"no measured run of adapter=fsdp to take its compute from"),
+        ("stage", ["--target", "adapter=ddp adapter.stage=2"], r"adapter=ddp has no stage setting .*drop adapter"),
+        (
+            "link",
+            ["--target", "adapter=ddp ranks=2 link=300"],
+            r"measured only on this machine's own link, whose rate no record states, so no link=300 can be predicted",
+        ),
     ],
 )
 def test_refusals_are_one_line(records, tmp_path, case, args, want):
@@ -205,6 +215,34 @@ def test_refusals_are_one_line(records, tmp_path, case, args, want):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("predict: ") and re.search(want, err[0]), err
+
+
+def _warn(folder: Path, contended) -> int:
+    """Each record's `contention:` warnings replaced: one for the runs `contended(summary)` picks. The count."""
+    n = 0
+    for path in folder.rglob("summary.json"):
+        s = json.loads(path.read_text())
+        s["warnings"] = [w for w in s.get("warnings") or [] if not w.startswith("contention:")]
+        if contended(s):
+            s["warnings"].append("contention: during the run other processes kept 1.20 CPU(s) busy on average (max 2)")
+            n += 1
+        path.write_text(json.dumps(s))
+    return n
+
+
+def test_contended_runs_are_marked_in_one_line(records, tmp_path):
+    """A run whose record warns of contention: its row says so, and one line above the summary counts them
+    (all of them, when every run was contended); a quiet folder has no such line."""
+    folder = copy_of(records, tmp_path)
+    _warn(folder, lambda s: False)
+    assert "contention" not in predict(str(folder)).stdout
+    _warn(folder, lambda s: s["world_size"] == 2 and s["adapter"] == "ddp")
+    lines = predict(str(folder)).stdout.strip().splitlines()
+    assert any(x.startswith("ddp | n=2") and x.endswith("; contended 1/1 runs") for x in lines), lines
+    assert lines[-2].startswith("contention: 1 of 6 runs behind these figures warn of contention (e.g. during the")
+    _warn(folder, lambda s: True)
+    proc = predict(str(folder), "--target", "adapter=ddp ranks=1")
+    assert proc.stdout.strip().splitlines()[-1].startswith("contention: all 2 runs behind these figures"), proc.stdout
 
 
 def test_the_report_shows_predicted_vs_measured(records, tmp_path):

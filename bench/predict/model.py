@@ -105,6 +105,12 @@ def _link_check(fit: Fit, op: str, n: int, link: float | None) -> None:
                 f"link {_mbit(link)} is outside the measured {min(fit.links):g}-{max(fit.links):g} Mbit/s "
                 f"of {op} at {n} ranks: measure it with ptbench.comm on that link"
             )
+    elif fit.links == (None,) and link is not None:
+        raise PredictError(
+            f"{op} at {n} ranks was measured only on this machine's own link, whose rate no record states, so no "
+            f"link={link:g} can be predicted: measure ptbench.comm at two or more shaped rates (python -m "
+            "ptbench.predict validate, as root, does), or leave link= out"
+        )
     elif fit.links != (link,):
         raise PredictError(
             f"{op} at {n} ranks was measured only at link {_mbit(fit.links[0])}, not {_mbit(link)}: "
@@ -203,6 +209,7 @@ def retarget(cal: Point, world: int, microbatches: int, link: float | None) -> P
         epoch_steps=[],
         memory_bytes=cal.memory_bytes if (world, microbatches) == (cal.world_size, cal.microbatches) else None,
         run_dirs=[],
+        contention=[],
     )
 
 
@@ -275,6 +282,26 @@ def traced_for(target: Point, calibration: list[Point]) -> Point:
     return target
 
 
+def no_calibration(target: Point, calibration: list[Point]) -> str:
+    """Why no calibration point fits the target, in the words of what it is: a measured point that is its series'
+    only one (leave-one-out), or a per-rank work no point of the series measured."""
+    same = [p for p in calibration if p.series == target.series]
+    measured = bool(target.steps) and not np.isnan(target.steps).any()
+    if not same:
+        if measured:
+            return (
+                f"the only point of {target.series} here, so nothing of its series is left to predict it from "
+                "(measure it at a second link rate, device count or micro-batch count)"
+            )
+        return f"no measured point of {target.series} (run that series once)"
+    have = ", ".join(sorted({f"{p.workload} b={p.local_batch} m={p.microbatches}" for p in same}))
+    return (
+        f"no {'other ' if measured else ''}point of {target.series} with its per-rank work {target.workload} "
+        f"b={target.local_batch} m={target.microbatches} (measured: {have}; the same local batch, tp and pp, or "
+        "another micro-batch count of a pipeline at the same global batch)"
+    )
+
+
 def noise_floor(points: list[Point]) -> float:
     spreads = sorted(p.spread for p in points if p.spread > 0)
     return spreads[len(spreads) // 2] if spreads else 0.0
@@ -288,7 +315,7 @@ def predict(target: Point, calibration: list[Point], fits: dict, ref: tuple[floa
     cal, why = [], None
     for p in calibration:
         k = compute_scale(p, target, curve)
-        if k is not None and p.key != target.key:
+        if k is not None:  # the target's own measured point too, when it is one (a target at a measured layout)
             try:
                 cal.append((p, k, comm_time(p, p.link, fits, root)))
             except PredictError as e:  # a calibration point whose communication is not measured cannot calibrate
@@ -296,10 +323,7 @@ def predict(target: Point, calibration: list[Point], fits: dict, ref: tuple[floa
     if not cal and why:
         raise why
     if not cal:
-        raise PredictError(
-            f"no measured point of {target.series} with the same per-rank work (local batch, tp, pp; or another "
-            "micro-batch count of a pipeline at the same global batch): run that series once at any link"
-        )
+        raise PredictError(no_calibration(target, calibration))
     solved = _solve(cal)
     profiled = [p.exposed_measured for p, _, _ in cal if p.exposed_measured is not None]
     if solved and solved[1] >= 0:

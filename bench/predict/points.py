@@ -26,6 +26,7 @@ from ptbench.core.readers import (
 )
 from ptbench.core.records import readable
 
+CONTENTION = "contention:"  # how a record's warnings of a loaded machine start (bench/runner/checks.py, contention.py)
 LINK_DIR = re.compile(r"^link-(\d+(?:\.\d+)?)mbit$")
 
 
@@ -58,6 +59,12 @@ def series_of(s: dict) -> str:
     return " ".join(parts)
 
 
+def shape_of(s: dict) -> tuple:
+    """The workload's size as a record states it (training FLOPs per sample: its parameters and sequence or image)
+    and the precision: a dry run and a measured run of one workload name can differ in both."""
+    return ((s.get("plan") or {}).get("train_flops_per_sample"), s.get("precision"))
+
+
 @dataclass
 class Point:
     series: str
@@ -82,10 +89,18 @@ class Point:
     cpu: bool = True
     run_dirs: list[str] = field(default_factory=list)
     fb_steps: list[float] = field(default_factory=list)  # forward + backward per step, each run (the epochs' phases)
+    contention: list[str] = field(default_factory=list)  # each run's first `contention:` warning, "" for a quiet run
+    shape: tuple = ()  # the model's size and precision (`shape_of`): what a dry run at W must share
 
     @property
     def key(self) -> tuple:
         return (self.series, self.workload, self.world_size, self.microbatches, self.local_batch, self.link)
+
+    @property
+    def contended(self) -> int:
+        """Runs of this point whose record warns of contention (bench/runner/contention.py): a loaded machine's
+        times, which the report keeps out of its verdicts."""
+        return sum(1 for c in self.contention if c)
 
     @property
     def step(self) -> float:
@@ -222,6 +237,7 @@ def _add_point(points: dict, path: Path, s: dict) -> None:
     if epoch:
         p.epoch_ratio = float(epoch) / float(s["step_time_mean_s"])
     p.global_batch = int(s.get("global_batch") or 0)
+    p.shape = shape_of(s)
     p.batch_policy = s.get("batch_policy") or ""
     p.dp, p.tp, p.pp = (int(layout.get(k) or 1) for k in ("dp", "tp", "pp"))
     p.collectives = cv["collectives"]
@@ -232,6 +248,7 @@ def _add_point(points: dict, path: Path, s: dict) -> None:
     if traced := _traced_collectives(s.get("profile"), cv["collectives"], p.world_size):
         p.collectives, p.collectives_from = traced, "trace"
     p.run_dirs.append(str(path.parent))
+    p.contention.append(next((str(w) for w in s.get("warnings") or [] if str(w).startswith(CONTENTION)), ""))
 
 
 @dataclass

@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 from ptbench.predict.model import Prediction, fit_comm, predict, reference_exposed
-from ptbench.predict.points import CommReport, Point, PredictError
+from ptbench.predict.points import CONTENTION, CommReport, Point, PredictError
 
 PREDICTIONS = "predictions.jsonl"
 
@@ -53,10 +53,43 @@ def table(preds: list[Prediction], skipped: list[tuple[Point, str]]) -> list[str
             f"{f'[{p.lo * 1e3:.1f}-{p.hi * 1e3:.1f}]':>17} {error_pct(p):>+7.1f}% {t.spread * 100:>6.1f}%  "
             f"{p.exposed:.2f} ({p.exposed_from})"
             + (f"; micro-batch time {p.micro_batch_time_from}" if p.micro_batch_time_from else "")
+            + contended_mark(t)
         )
     for t, why in skipped:
-        lines.append(f"{t.label():<56} {t.step * 1e3:>8.1f}ms   not predicted: {why.split(' (')[0].split(': run')[0]}")
+        lines.append(
+            f"{t.label():<56} {t.step * 1e3:>8.1f}ms   not predicted: {why.split(' (')[0].split(': run')[0]}"
+            + contended_mark(t)
+        )
     return lines
+
+
+def contended_mark(t: Point) -> str:
+    return f"; contended {t.contended}/{len(t.contention)} runs" if t.contended else ""
+
+
+def behind(preds: list[Prediction], skipped: list[tuple[Point, str]] = ()) -> list[Point]:
+    """The measured points behind a table: its targets and the calibration points each prediction used."""
+    seen: dict[tuple, Point] = {}
+    for p in [*(q.target for q in preds), *(c for q in preds for c in q.calibration), *(t for t, _ in skipped)]:
+        if p.contention:  # a target not measured has no runs
+            seen.setdefault(p.key, p)
+    return list(seen.values())
+
+
+def contention_line(points: list[Point]) -> str | None:
+    """One line when runs behind the figures warn of contention (their records' `contention:` warnings): a loaded
+    machine's times move with the load, so the errors say as much about it as about the model."""
+    runs = sum(len(p.contention) for p in points)
+    warned = [c for p in points for c in p.contention if c]
+    if not warned:
+        return None
+    example = warned[0].removeprefix(CONTENTION).strip().split(" (")[0].split(": ")[0]
+    share = f"all {runs} runs" if len(warned) == runs else f"{len(warned)} of {runs} runs"
+    share = "the one run behind these figures warns" if runs == 1 else f"{share} behind these figures warn"
+    return (
+        f"contention: {share} of contention (e.g. {example}): their times are a "
+        "loaded machine's, so the figures are provisional; rerun them on a quiet machine to make them the model's"
+    )
 
 
 def summary_line(preds: list[Prediction]) -> str:
@@ -73,6 +106,8 @@ def report(preds: list[Prediction], skipped: list[tuple[Point, str]]) -> list[st
     lines.append(
         f"  run-to-run noise (repeats' half range): median {statistics.median(noise):.1f} %, max {max(noise):.1f} %"
     )
+    if line := contention_line(behind(preds, skipped)):
+        lines.append(line)
     lines.append(summary_line(preds))
     return lines
 
@@ -149,6 +184,8 @@ def write_predictions(root: Path, mode: str, preds: list[Prediction], measured: 
                     "measured_step_s": t.step if measured else None,
                     "err_pct": error_pct(p) if measured else None,
                     "noise_pct": t.spread * 100 if measured else None,
+                    # runs behind this figure (the point's own, its calibration's) that warn of contention
+                    "contended_runs": sum(c.contended for c in behind([p])),
                 }
             )
         )
