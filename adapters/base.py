@@ -51,10 +51,10 @@ from ptbench.workloads.base import Workload
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
-# extras whose framework a plain `pip install 'ptbench[EXTRA]'` cannot bring working
+# extras whose framework a plain `pip install -e '.[EXTRA]'` cannot bring working
 INSTALL_NOTES = {
     "horovod": "build it against this torch: `make horovod` in a checkout, or "
-    f"`bash {Path(__file__).with_name('horovod_build.sh')} {sys.executable}` (pip install 'ptbench[horovod]' "
+    f"`bash {Path(__file__).with_name('horovod_build.sh')} {sys.executable}` (pip install -e '.[horovod]' "
     "alone fails to build on torch 2.14)",
 }
 
@@ -73,7 +73,7 @@ class Adapter(ABC):
     framework: ClassVar[str] = "torch"  # distribution name whose version the record states
     framework_module: ClassVar[str] = "torch"  # its import name (checked by `make smoke`, listed in the record)
     # the pip extra that installs the framework (pyproject.toml): "" = torch alone; when the framework is
-    # missing, validate refuses in one line naming it (pip install 'ptbench[EXTRA]')
+    # missing, validate refuses in one line naming it (pip install -e '.[EXTRA]')
     extra: ClassVar[str] = ""
     # What each timed phase holds for this adapter (recorded as `phase_semantics`; the breakdown figure
     # shows it): frameworks put communication and pipeline bubbles in different phases.
@@ -126,7 +126,8 @@ class Adapter(ABC):
         naming the extra that installs it."""
         if not cls.extra or framework_importable(cls.framework_module):
             return None
-        how = INSTALL_NOTES.get(cls.extra, f"pip install 'ptbench[{cls.extra}]'")
+        # ptbench is installed from its checkout (it is not on the package index): the extra is the checkout's
+        how = INSTALL_NOTES.get(cls.extra, f"pip install -e '.[{cls.extra}]' in the ptbench checkout")
         return f"adapter={cls.name} needs {cls.framework}, which is not installed: {how}"
 
     @classmethod

@@ -60,9 +60,9 @@ def test_missing_framework_is_refused_in_one_line_naming_the_extra(tmp_path):
     )
     lines = [line for line in proc.stderr.splitlines() if line.strip() and "warn" not in line.lower()]
     assert proc.returncode == 2, proc.stderr[-2000:]  # a refused configuration, as every ConfigError
-    assert lines == ["error: adapter=zero needs deepspeed, which is not installed: pip install 'ptbench[deepspeed]'"], (
-        proc.stderr[-2000:]
-    )
+    assert lines == [
+        "error: adapter=zero needs deepspeed, which is not installed: pip install -e '.[deepspeed]' in the ptbench checkout"
+    ], proc.stderr[-2000:]
     assert not list((tmp_path / "out").rglob("summary.json"))
 
 
@@ -100,7 +100,7 @@ def test_every_framework_adapter_names_its_extra_and_torch_adapters_still_plan(t
     out = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     for name, (dist, _, extra) in FRAMEWORKS.items():
         assert out[name].startswith(f"REFUSED False adapter={name} needs {dist}, which is not installed: "), out[name]
-        assert f"'ptbench[{extra}]'" in out[name] and "\n" not in out[name], out[name]
+        assert f"'.[{extra}]'" in out[name] and "\n" not in out[name], out[name]
     assert out["horovod"].count("horovod_build.sh") == 1, out["horovod"]
     for name in ("ddp", "fsdp", "pipeline"):
         assert out[name] == "PLANNED True", out[name]
