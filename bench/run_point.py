@@ -43,7 +43,8 @@ class BenchRun:
         """The run's error: the record's, else the last `error:` line (a refusal), else the last line."""
         if self.summary.get("error"):
             return str(self.summary["error"])
-        lines = [ln for ln in self.stderr.strip().splitlines() if ln.strip()]
+        # Hydra ends a failed job with a hint about HYDRA_FULL_ERROR: the error itself is the line before it
+        lines = [ln for ln in self.stderr.strip().splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
         return next(
             (ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else f"exit {self.returncode}"
         )

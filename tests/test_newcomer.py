@@ -170,3 +170,20 @@ def test_demo_plan_is_the_first_lines_the_readme_shows(tmp_path):
         r"demo: (\d+)/(\d+) runs ok in (?:\d+|\.\.\.)s; not run: horovod x2 \(framework not installed\)", shown[-1]
     )
     assert total and total[2] == "18", shown[-1]  # the closing tally counts the runs the first line promised
+
+
+def test_a_failed_runs_line_is_its_error_not_hydras_hint():
+    """A run that fails inside Hydra's job ends its stderr with Hydra's hint about HYDRA_FULL_ERROR: the line
+    the demo and the sweep print is the error before it (as Hydra printed it in a demo run on this machine)."""
+    from ptbench.run_point import BenchRun
+
+    stderr = (
+        "Error executing job with overrides: ['adapter=fsdp']\n"
+        "Traceback (most recent call last):\n"
+        '  File "ptbench/runner/launch.py", line 41, in <module>\n'
+        "ImportError: cannot import name 'lifeline' from 'ptbench.runner'\n"
+        "\n"
+        "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"
+    )
+    run = BenchRun(command=["python", "-m", "ptbench"], returncode=1, run_dir=None, stderr=stderr)
+    assert run.error_line == "ImportError: cannot import name 'lifeline' from 'ptbench.runner'"
