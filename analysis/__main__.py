@@ -1,6 +1,7 @@
 """`python -m ptbench.analysis report RESULTS_DIR [--out DIR]`: all figures, tables and report.md, no Jupyter
 (into RESULTS_DIR/report unless --out names another folder).
-`python -m ptbench.analysis noise FILE`: the statistics of a `python -m ptbench.sweep noise` measurement."""
+`python -m ptbench.analysis noise FILE`: the statistics of a `python -m ptbench.sweep noise` measurement.
+`python -m ptbench.analysis errors [--trials N]`: the simulated error rates and power of the verdicts."""
 
 from __future__ import annotations
 
@@ -34,12 +35,20 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         metavar="VALUE",
-        help="time to target: the validation metric value to reach, fixed in advance (default: the baseline "
-        "point's runs' worst best value, 1 %% looser)",
+        help="time to target: the validation metric value to reach, fixed in advance (default: the level the "
+        "baseline point's runs reach halfway, in epochs, to their best: on the curve's slope, not its plateau)",
     )
     n = sub.add_parser("noise", help="B/A step-time ratio with its interval of a noise file (ptbench.sweep noise)")
     n.add_argument("file", help="<results>/<experiment>/noise/noise-*.json")
+    e = sub.add_parser("errors", help="simulated error rates and power of the report's verdicts (a table)")
+    e.add_argument("--trials", type=int, default=1000, help="simulated studies per row (default 1000)")
+    e.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.command == "errors":
+        from ptbench.analysis.stats import error_lines, error_table
+
+        print("\n".join(error_lines(error_table(args.trials, args.seed), args.trials)))
+        return 0
     if args.command == "noise":
         from ptbench.analysis.stats import _main as noise_main
 

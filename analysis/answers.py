@@ -33,6 +33,7 @@ from ptbench.analysis.stats import (
     geo_interval,
     rank,
     repeats_for,
+    resolve_text,
 )
 from ptbench.analysis.tables import Study, time_to_target, without_contention
 
@@ -55,15 +56,23 @@ def _runner_up(values: list[tuple[float, str]], lower_is_better: bool, unit: str
     return f"; next {who} {fmt(nxt)}{unit}, {100 * gap:.1f} % behind"
 
 
-def _versus(values: dict, margin: float = MARGIN) -> tuple[str, bool]:
-    """(text, fastest) of the point that ranks first against every other (`rank`): Holm-adjusted verdicts."""
+def _plan(r: dict) -> str:
+    """What would resolve a ranking that is not decided: repeats at its pooled spread (`resolve_text`)."""
+    k = len(r["order"])
+    return resolve_text(r["spread"], max(1, k * (k - 1) // 2))
+
+
+def _versus(values: dict, margin: float = MARGIN) -> tuple[str, bool, str]:
+    """(text, fastest, plan) of the point that ranks first against every other (`rank`): Holm-adjusted
+    verdicts; `plan`: the repeats that would decide it, when it is not decided."""
     r = rank(values, margin)
     if len(r["order"]) < 2:
-        return "", False
+        return "", False, ""
     texts = "; ".join(v["text"] for v in r["versus"])
+    fam = f"Holm over {r['family']} pair(s) with an interval"
     if r["fastest"]:
-        return f"; faster than every other point ({len(r['versus'])} comparison(s), Holm-adjusted): {texts}", True
-    return f"; not shown faster than every other point: {texts}", False
+        return f"; faster than every other point ({fam}): {texts}", True, ""
+    return f"; not shown faster than every other point ({fam}): {texts}", False, _plan(r)
 
 
 def run_spread(results_dir: str | Path) -> float:
@@ -104,7 +113,7 @@ def _fastest_to_target(t: pd.DataFrame, margin: float) -> tuple[dict | None, lis
     if ok.empty:
         return None, undecided + ["time to target: no point reached the target in every run"]
     values = {_point(*k): g["time_s"].tolist() for k, g in ok.groupby(["label", "devices"])}
-    versus, fastest = _versus(values, margin)
+    versus, fastest, plan = _versus(values, margin)
     shared = _shared_seeds(ok)
     if shared:
         fastest = False
@@ -121,7 +130,8 @@ def _fastest_to_target(t: pd.DataFrame, margin: float) -> tuple[dict | None, lis
         metric=first["metric"], target=float(first["target"]), target_from=first["target_from"],
         label=w["label"].iloc[0], devices=int(w["devices"].iloc[0]), time_s=geo_interval(w["time_s"]).value,
         epoch=float(np.median(w["epoch"])), runs=sorted(w["run_id"]), run_id=sorted(w["run_id"])[0],
-        ranking=ranking, versus=versus, fastest=fastest,
+        ranking=ranking, versus=versus, fastest=fastest, plan=plan, interval=geo_interval(w["time_s"]),
+        scope=f"among points whose every run reached it; left out: {', '.join(short)}" if short else "",
     ), undecided  # fmt: skip
 
 
@@ -177,7 +187,7 @@ def _best_scaling(r: pd.DataFrame, sp: pd.DataFrame, wl, margin: float) -> tuple
     base_ids = r[(r["label"] == b["baseline_label"]) & (r["devices"] == b["baseline_devices"])]["run_id"]
     sc = dict(devices=devices[-1], label=b["label"], efficiency=float(b["efficiency"]), speedup=float(b["speedup"]),
               efficiency_lo=float(b.get("efficiency_lo", np.nan)), efficiency_hi=float(b.get("efficiency_hi", np.nan)),
-              baseline=b["baseline"], runs=ids, baseline_runs=base_ids.tolist(),
+              baseline=_baseline_name(b), runs=ids, baseline_runs=base_ids.tolist(),
               ranking=[(float(x.efficiency), _point(x.label, x.devices)) for x in s.itertuples()])  # fmt: skip
     if "time_per_sample_used_s" in r and s["baseline"].nunique() == 1:
         # one baseline: efficiencies at one device count rank as the inverse of time per sample
@@ -188,6 +198,15 @@ def _best_scaling(r: pd.DataFrame, sp: pd.DataFrame, wl, margin: float) -> tuple
     said = [f"scaling at {devices[-1]} devices leaves out series not measured there: "
             + ", ".join(f"`{m}`" for m in missing)] if missing else []  # fmt: skip
     return sc, said
+
+
+def _baseline_name(b) -> str:
+    """The speedup baseline named with how it was chosen: one picked as the fastest from these runs reads every
+    speedup low (its own luck is in the denominator)."""
+    if b.get("baseline_mode") == "best":
+        return (f"`{b['baseline']}`, the fastest point at the fewest devices, picked from these runs (speedups read a little low; "
+                "`--baseline LABEL` names one in advance)")  # fmt: skip
+    return f"`{b['baseline']}`"
 
 
 def _fastest_per_count(r: pd.DataFrame, margin: float) -> list[dict]:
@@ -202,7 +221,7 @@ def _fastest_per_count(r: pd.DataFrame, margin: float) -> list[dict]:
         ranked = rank(values, margin)
         best = ranked["best"]
         out.append(dict(devices=int(d), label=best, time=geo_interval(values[best]), points=len(values),
-                        fastest=ranked["fastest"], versus=ranked["versus"],
+                        fastest=ranked["fastest"], versus=ranked["versus"], plan=_plan(ranked),
                         runs=sorted(sub.loc[sub["label"] == best, "run_id"])))  # fmt: skip
     return out
 
@@ -285,7 +304,10 @@ def _fastest_line(f: dict) -> str:
     return (
         f"- **Fastest to the target**: validation {name} {rel} {f['target']:.4g} (fixed from {f['target_from']}): "
         f"**{_point(f['label'], f['devices'])}** after {f['time_s']:.4g} s of wall time (geometric mean of "
-        f"{len(runs)} run(s), crossing at epoch {f['epoch']:.2f}; runs {_ids(runs)})" + f["versus"] + ". Wall time "
+        f"{len(runs)} run(s), crossing at epoch {f['epoch']:.2f}; runs {_ids(runs)})"
+        + (f", {f['scope']}" if f.get("scope") else "")
+        + f["versus"]
+        + ". Wall time "
         "counts from the first epoch's start, includes validation, and is interpolated between epoch ends."
     )
 
@@ -307,7 +329,8 @@ def which_adapter_lines(
 ) -> list[str]:
     """The report's closing "Which adapter" section (markdown lines)."""
     lines = ["## Which adapter", "", "Computed from the finished runs of this folder only; each answer names the runs "
-             f"it came from. Speed verdicts: Welch's t on log times, 95 %, Holm-adjusted per answer; equivalence "
+             f"it came from. Speed verdicts: Welch's t on log times, Holm-adjusted over every pair with an interval, "
+             "each printed at its Holm level (95 % for one comparison); equivalence "
              f"margin ±{100 * MARGIN:.0f} %, stated in advance.", ""]  # fmt: skip
     study = Study.of(data)
     verdicts = which_adapter(study, baseline, include_contended, noise, target)
@@ -356,20 +379,32 @@ def which_adapter_lines(
 
 
 # --- the short answers that open report.md ---------------------------------------------------------------
+def _said(iv) -> str:
+    """ "speed 1.04 [0.955, 1.14], 97.5 %, n=2": a comparison's interval with its level and runs."""
+    return f"speed {iv.value:.3g} [{iv.lo:.3g}, {iv.hi:.3g}], {100 * iv.level:.3g} %, n={iv.n}"
+
+
 def _compact_versus(best: str, versus: list[dict]) -> str:
-    """The comparisons of the best point, grouped: not distinguishable from ..., equivalent to ..., faster than."""
-    same = [f"`{v['b']}`" for v in versus if v["kind"] == NOT_DISTINGUISHABLE and v["speed"].finite]
+    """The comparisons of the best point, grouped, each with its interval, level and n: not distinguishable
+    from ..., equivalent to ..., faster than."""
+    same = [
+        f"`{v['b']}` ({_said(v['speed'])})" for v in versus if v["kind"] == NOT_DISTINGUISHABLE and v["speed"].finite
+    ]
     bare = [f"`{v['b']}`" for v in versus if v["kind"] == NOT_DISTINGUISHABLE and not v["speed"].finite]
-    equal = [f"`{v['b']}`" for v in versus if v["kind"] == EQUIVALENT]
+    equal = [f"`{v['b']}` ({_said(v['speed'])})" for v in versus if v["kind"] == EQUIVALENT]
     beaten = []
     for v in versus:
         if v["kind"] == FASTER and v["faster"] == best:
             s = v["speed"]
-            beaten.append(f"`{v['b']}` by {_pct(s.value)} [{_pct(s.lo)}, {_pct(s.hi)}]")
+            beaten.append(
+                f"`{v['b']}` by {_pct(s.value)} [{_pct(s.lo)}, {_pct(s.hi)}] ({100 * s.level:.3g} %, n={s.n})"
+            )
         elif v["kind"] == FASTER:
             beaten.append(v["text"])
     parts = [f"not distinguishable from {', '.join(same)}"] if same else []
-    parts += [f"no interval against {', '.join(bare)} (one run: repeat points)"] if bare else []
+    parts += (
+        [f"no interval against {', '.join(bare)} (one run, or runs that agree exactly: repeat points)"] if bare else []
+    )
     parts += [f"equivalent within ±{100 * MARGIN:.0f} % to {', '.join(equal)}"] if equal else []
     parts += [f"faster than {'; '.join(beaten)}"] if beaten else []
     return "; ".join(parts)
@@ -380,10 +415,11 @@ def _per_count_line(f: dict) -> str:
     head = f"- **Fastest at {d} device{'s' if d > 1 else ''}**: "
     if f["points"] < 2:
         return head + f"only `{f['label']}` ran there, nothing to compare."
-    ci = f" [{1e3 * iv.lo:.3g}, {1e3 * iv.hi:.3g}]" if iv.finite else " (no interval: one run)"
+    ci = f" [{1e3 * iv.lo:.3g}, {1e3 * iv.hi:.3g}] (95 %, n={iv.n})" if iv.finite else " (no interval: one run)"
     said = "faster than every other point" if f["fastest"] else "not shown faster than every other point"
+    plan = f"; to decide: {f['plan']}" if f.get("plan") and not f["fastest"] else ""
     return head + (f"**`{f['label']}`** {1e3 * iv.value:.3g} ms/sample{ci}; {said}: "
-                   f"{_compact_versus(f['label'], f['versus'])}.")  # fmt: skip
+                   f"{_compact_versus(f['label'], f['versus'])}{plan}.")  # fmt: skip
 
 
 def _memory_answer(memory: list[dict]) -> str:
@@ -405,19 +441,34 @@ def _short_answers(v: dict) -> list[str]:
     if f:
         name = "perplexity ≤" if f["metric"] == "val_perplexity" else "accuracy ≥"
         said = "faster than every other point" if f["fastest"] else "not shown faster than every other point"
+        said += f" {f['scope']}" if f.get("scope") else ""
+        iv = f["interval"]
+        ci = f" [{iv.lo:.4g}, {iv.hi:.4g}] (95 %, n={iv.n})" if iv.finite else f" (no interval: n={iv.n})"
+        plan = f"; to decide: {f['plan']}" if f.get("plan") and not f["fastest"] else ""
         lines.append(f"- **Fastest to the target** (validation {name} {f['target']:.4g}): "
-                     f"**{_point(f['label'], f['devices'])}** {f['time_s']:.4g} s of wall time; {said}.")  # fmt: skip
+                     f"**{_point(f['label'], f['devices'])}** {f['time_s']:.4g} s of wall time{ci}; {said}{plan}.")  # fmt: skip
     return lines
 
 
-def _claim_counts(found: list[dict] | None) -> str:
+def _on_cpu(runs: pd.DataFrame) -> bool:
+    """CPU runs: their plotted memory is the process's RSS (GPU runs plot allocated bytes)."""
+    m = runs["mem_plot_metric"] if "mem_plot_metric" in runs else pd.Series(dtype=object)
+    return bool(m.dropna().astype(str).str.startswith("peak_rss").any())
+
+
+CPU_CAVEAT = (" On CPU: the ranks share one machine's memory and cores, so these verdicts check the harness, "
+              "not the paper's GPU findings.")  # fmt: skip
+
+
+def _claim_counts(found: list[dict] | None, cpu: bool = False) -> str:
     if not found:
         return "- **Paper claims**: none checked (no finished run the verdicts use)."
     holds, fails, undecided, unmeasured = (
         sum(c["verdict"] == k for c in found) for k in ("holds", "does not hold", "undecided", "not measured")
     )
     return (f"- **Paper claims**: {holds} hold{'s' if holds == 1 else ''}, {fails} do{'es' if fails == 1 else ''} "
-            f"not hold, {undecided} undecided; {unmeasured} not measured (table under Paper claims).")  # fmt: skip
+            f"not hold, {undecided} undecided; {unmeasured} not measured (table under Paper claims)."
+            + (CPU_CAVEAT if cpu else ""))  # fmt: skip
 
 
 def _contention_note(study: Study, contended: list[str], include_contended: bool) -> list[str]:
@@ -434,6 +485,17 @@ def _contention_note(study: Study, contended: list[str], include_contended: bool
             f"verdict, marked in the tables (e.g. {example}). `--include-contended` keeps them.", ""]  # fmt: skip
 
 
+def _provisional(v: dict) -> list[str]:
+    """What contended runs show, each answer labelled provisional, with the reason and what would decide it."""
+    plans = [f["plan"] for f in v["per_count"] if f.get("plan")]
+    need = plans[0].split(" runs per point")[0] if plans and plans[0][0].isdigit() else "N"
+    head = ("- **Provisional** (every finished run warns of contention: other work shared the CPUs, so these "
+            "times may not compare and no verdict below is decisive). To decide, rerun on a quiet machine, one "
+            f"point at a time: `python -m ptbench.sweep run SWEEP.txt --repeats {need}`, then "
+            "`python -m ptbench.analysis report RESULTS`.")  # fmt: skip
+    return [head] + [line.replace("- **", "- provisional: **", 1) for line in _short_answers(v)]
+
+
 def answers_lines(
     data: pd.DataFrame | Study,
     baseline: str | None = "best",
@@ -448,10 +510,14 @@ def answers_lines(
     used, contended = without_contention(study, include_contended)
     lines = ["## Answers", "", "From the finished runs of this folder (every comparison and its runs: "
              f"[report-details.md](report-details.md)). Speed: time per training sample, geometric mean with its 95 % "
-             f"interval (ms/sample), Welch's t on log times, Holm-adjusted; equivalence margin ±{100 * MARGIN:.0f} %.",
+             f"interval (ms/sample); each comparison Welch's t on log times, Holm-adjusted over every pair with an "
+             f"interval and printed at its Holm level with its n; equivalence margin ±{100 * MARGIN:.0f} %.",
              ""]  # fmt: skip
     lines += _contention_note(study, contended, include_contended)
     verdicts = which_adapter(study, baseline, include_contended, target=target) if len(used.ok_epochs) else {}
+    busy = {}  # workloads whose every run is contended: what the runs show, provisional
+    if not include_contended and len(study.ok_epochs):
+        busy = {wl: v for wl, v in which_adapter(study, baseline, True, target=target).items() if wl not in verdicts}
     bad = study.not_finished
     workloads = sorted({*study.ok_runs.get("workload", []), *bad.get("workload", [])})
     for wl in workloads:
@@ -461,12 +527,14 @@ def answers_lines(
         undecided = [u for u in (v or {}).get("undecided", []) if not u.startswith("left out for contention")]
         if v:
             lines += _short_answers(v)
-        elif (study.ok_runs.get("workload", pd.Series(dtype=object)) == wl).any():
+        elif wl in busy:
+            lines += _provisional(busy[wl])
             undecided.append("every finished run warns of contention, so no time compares; run the timing points "
                              "on a quiet machine, one at a time (or `--include-contended`)")  # fmt: skip
         else:
             undecided.append("no run finished")
-        lines.append(_claim_counts((claims or {}).get(wl)))
+        wl_runs = study.ok_runs[study.ok_runs["workload"] == wl] if "workload" in study.ok_runs else study.ok_runs
+        lines.append(_claim_counts((claims or {}).get(wl), _on_cpu(wl_runs)))
         if len(wl_bad):
             undecided.append(f"{len(wl_bad)} run(s) did not finish (table under Runs that did not finish)")
         lines += ["- **Could not decide**: " + ("; ".join(undecided) if undecided else "nothing left open") + ".", ""]

@@ -70,8 +70,29 @@ def _at(runs: pd.DataFrame, label: str, n: int, column: str) -> pd.Series:
     return _num(runs.loc[(runs["label"] == label) & (runs["devices"].astype(int) == n), column])
 
 
-def _ratio(num: pd.Series, den: pd.Series) -> Interval:
+BYTES_TOLERANCE = 0.01  # deterministic allocator bytes compare exactly, within ±1 % (allocator rounding)
+DETERMINISTIC = ("peak_allocated",)  # CUDA's allocated bytes repeat run to run; RSS does not
+
+
+def _ratio(num: pd.Series, den: pd.Series, exact: bool = False) -> Interval:
+    """The ratio's 90 % interval; `exact` (deterministic bytes whose runs agree within BYTES_TOLERANCE): the
+    ratio of the values, widened by the tolerance, from one run a side as well as from many."""
+    if exact and len(num) and len(den) and _agree(num) and _agree(den):
+        r = float(num.mean() / den.mean())
+        t = 1 + BYTES_TOLERANCE
+        return Interval(r, r / t, r * t, min(len(num), len(den)), f"exact bytes ±{100 * BYTES_TOLERANCE:g} %",
+                        level=CLAIM_LEVEL)  # fmt: skip
     return ratio_interval(num.tolist(), den.tolist(), level=CLAIM_LEVEL)
+
+
+def _agree(v: pd.Series) -> bool:
+    return bool(v.max() <= v.min() * (1 + BYTES_TOLERANCE))
+
+
+def _exact(runs: pd.DataFrame) -> bool:
+    """Memory compared as exact bytes: every run's plotted peak is a deterministic one (`DETERMINISTIC`)."""
+    m = runs["mem_plot_metric"] if "mem_plot_metric" in runs else pd.Series(dtype=object)
+    return bool(len(m)) and bool(m.isin(DETERMINISTIC).all())
 
 
 def _against(iv: Interval, lo: float, hi: float) -> str:
@@ -92,7 +113,8 @@ def _ci(iv: Interval, pct: bool = False) -> str:
     if not iv.finite:
         return f" (n={iv.n}: no interval without repeats)"
     f = (lambda v: f"{100 * v:.0f}") if pct else (lambda v: f"{v:.2f}")
-    return f" [{f(iv.lo)}, {f(iv.hi)}] ({100 * iv.level:.0f} %, n={iv.n})"
+    how = f"{iv.method}, " if iv.method.startswith("exact") else f"{100 * iv.level:.0f} %, "
+    return f" [{f(iv.lo)}, {f(iv.hi)}] ({how}n={iv.n})"
 
 
 def _series(runs: pd.DataFrame, column: str) -> dict[str, pd.Series]:
@@ -121,10 +143,12 @@ def _of(runs: pd.DataFrame, adapters) -> pd.DataFrame:
 
 
 def _matched(zero: pd.DataFrame, ddp: pd.DataFrame, column: str):
-    """(ZeRO label, devices, ZeRO values, DDP label, DDP values) per ZeRO point with a DDP point of the same
-    device count and global batch (the global batch is not compared where a frame has none)."""
+    """(ZeRO label, devices, ZeRO values, DDP label, DDP values) per ZeRO point at 2 or more devices (at one,
+    ZeRO shards nothing: the paper's claims are about sharding) with a DDP point of the same device count and
+    global batch (the global batch is not compared where a frame has none)."""
     out = []
     gb = "global_batch" in zero and "global_batch" in ddp
+    zero = zero[zero["devices"].astype(int) >= 2]
     for (label, n), z in zero.groupby(["label", zero["devices"].astype(int)]):
         d = ddp[ddp["devices"].astype(int) == n]
         if gb:
@@ -140,8 +164,9 @@ def zero_memory_share(runs: pd.DataFrame) -> dict:
     name = "ZeRO per-GPU memory is 42-66 % of DDP's"
     pairs = _matched(_of(runs, ["zero"]), _of(runs, ["ddp"]), "mem_plot_bytes")
     if not pairs:
-        return _claim(name, NOT_MEASURED, "needs DDP and ZeRO memory at one GPU count and global batch")
-    found = [(z, n, dl, _ratio(zv, dv)) for z, n, zv, dl, dv in pairs]
+        return _claim(name, NOT_MEASURED, "needs DDP and ZeRO memory at one count of 2 or more GPUs and global batch")
+    exact = _exact(_of(runs, ["ddp", "zero"]))
+    found = [(z, n, dl, _ratio(zv, dv, exact)) for z, n, zv, dl, dv in pairs]
     text = "; ".join(f"{z} x{n} / {dl}: {100 * iv.value:.0f} %{_ci(iv, pct=True)}" for z, n, dl, iv in found)
     verdict = _all(_against(iv, *ZERO_MEMORY_SHARE) for *_, iv in found)
     return _claim(name, verdict, text, _of(runs, ["ddp", "zero"]))
@@ -151,7 +176,8 @@ def _steps(runs: pd.DataFrame, label: str, column: str = "mem_plot_bytes") -> li
     """(from count, to count, 90 % interval of the ratio) for each step up in GPU count of one series."""
     counts = sorted(runs.loc[runs["label"] == label, "devices"].astype(int).unique())
     return [
-        (a, b, _ratio(_at(runs, label, b, column), _at(runs, label, a, column))) for a, b in zip(counts, counts[1:])
+        (a, b, _ratio(_at(runs, label, b, column), _at(runs, label, a, column), _exact(runs)))
+        for a, b in zip(counts, counts[1:])
     ]
 
 
@@ -166,7 +192,7 @@ def zero_memory_falls_ddp_flat(runs: pd.DataFrame) -> dict:
     for k in ddps:
         counts = sorted(ddp.loc[ddp["label"] == k, "devices"].astype(int).unique())
         base = _at(ddp, k, counts[0], "mem_plot_bytes")
-        ivs = [(n, _ratio(_at(ddp, k, n, "mem_plot_bytes"), base)) for n in counts[1:]]
+        ivs = [(n, _ratio(_at(ddp, k, n, "mem_plot_bytes"), base, _exact(ddp))) for n in counts[1:]]
         verdicts += [_against(iv, 1 - FLAT, 1 + FLAT) for _, iv in ivs]
         text.append(f"{k} against x{counts[0]}: " + ", ".join(f"x{n} {iv.value:.2f}{_ci(iv)}" for n, iv in ivs))
     for k in zeros:
@@ -182,7 +208,8 @@ def zero_time_close_to_ddp(runs: pd.DataFrame) -> dict:
     name = f"ZeRO epoch time within {100 * (hi - 1):.0f} % of DDP's"
     pairs = _matched(_of(runs, ["zero"]), _of(runs, ["ddp"]), "time_per_sample_used_s")
     if not pairs:
-        return _claim(name, NOT_MEASURED, "needs DDP and ZeRO epoch times at one GPU count and global batch")
+        return _claim(name, NOT_MEASURED, "needs DDP and ZeRO epoch times at one count of 2 or more GPUs and "
+                      "global batch")  # fmt: skip
     found = [(z, n, dl, _ratio(zv, dv)) for z, n, zv, dl, dv in pairs]
     text = "; ".join(f"{z} x{n}: {iv.value:.2f}x {dl}{_ci(iv)}" for z, n, dl, iv in found)
     verdict = _all(_against(iv, lo, hi) for *_, iv in found)
@@ -454,11 +481,12 @@ def claims(per_run: pd.DataFrame, include_contended: bool = False, epochs: pd.Da
     its statistical-efficiency phase, where present. `epochs`: the per-epoch frame (`ptbench.analysis.load.load`)
     the epochs-to-target check reads; None: read from the runs' folders. Each check names the runs of its adapters
     that were left out (contention, failed, ...) beside its numbers (`left_out`)."""
-    done = per_run[(per_run["status"] == "ok")] if len(per_run) else per_run
-    if not include_contended and "contention" in done:  # records that warn of contention: out of the verdicts
-        done = done[done["contention"].isna()]
-    if "mem_plot_bytes" not in done:
-        done = done.assign(mem_plot_bytes=np.nan)
+    ok = per_run[(per_run["status"] == "ok")] if len(per_run) else per_run
+    if "mem_plot_bytes" not in ok:
+        ok = ok.assign(mem_plot_bytes=np.nan)
+    done = ok  # records that warn of contention: out of the timing verdicts; memory is not a timing
+    if not include_contended and "contention" in ok:
+        done = ok[ok["contention"].isna()]
     left = _left_out(per_run, include_contended) if len(per_run) else per_run
     out = {}
     for w, sub in done.groupby("workload"):  # a workload with no run left is the answers' "could not decide"
@@ -466,6 +494,7 @@ def claims(per_run: pd.DataFrame, include_contended: bool = False, epochs: pd.Da
         (memory, lm), (timed, lt), (trained, ls) = (
             _phases_of(sub, gone, p) for p in ("paper-memory-", "paper-epoch-", "paper-stateff-")
         )
+        memory, lm = _phases_of(ok[ok["workload"] == w], gone[gone["why"] != "contention"], "paper-memory-")
         checks = [(c, memory, lm) for c in MEMORY_CHECKS[:2]] + [(zero_time_close_to_ddp, timed, lt)]
         checks += [(c, memory, lm) for c in MEMORY_CHECKS[2:]]
         found = [_with_left_out(c(used), _of(lo, CHECK_ADAPTERS[c])) for c, used, lo in checks]

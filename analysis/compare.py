@@ -363,7 +363,7 @@ def verdict_of(j: dict, p_holm: float, metric: Metric, margin: float) -> tuple[s
         return (REGRESSION if worse else IMPROVEMENT), "exact" if j["exact"] else ""
     if min(j["n_a"], j["n_b"]) < 2:
         return UNDECIDED, "one run on a side: no interval; repeat the point (>= 3 runs per side)"
-    need = repeats_for(j["spread"], margin) if j["spread"] else None
+    need = repeats_for(j["spread"], margin, comparisons=j.get("family", 1)) if j["spread"] else None
     held = "Holm: " if np.isfinite(j["p"]) and j["p"] < ALPHA else ""
     return UNDECIDED, held + (f"{need} runs per side would decide ±{100 * margin:g} % at this spread "
                               f"({100 * j['spread']:.1f} %)" if need else "no spread measured")  # fmt: skip
@@ -407,9 +407,12 @@ def _judge_metric(pairs, pnames, m: str, margin: float, vary, include_contended:
         j = judge(va, vb, METRICS[m], margin)
         rows.append({"point": name, "metric": m, "baseline": _geo(va), "new": _geo(vb), **j,
                      "contended": out_a + out_b, "varied": _varied_text(b, n, vary)})  # fmt: skip
-    ps = [r["p"] if np.isfinite(r["p"]) else 1.0 for r in rows]
-    for r, p in zip(rows, holm(ps) if ps else []):
-        r["p_holm"] = p
+    # a row without a p-value (one run on a side) has nothing to test and would only halve the others' threshold
+    tested = [r for r in rows if np.isfinite(r["p"])]
+    adj = dict(zip(map(id, tested), holm([r["p"] for r in tested]) if tested else []))
+    for r in rows:
+        p = adj.get(id(r), math.nan)
+        r["p_holm"], r["family"] = p, max(1, len(tested))
         r["verdict"], r["note"] = verdict_of(r, p, METRICS[m], margin)
         if r["contended"] and not (r["n_a"] and r["n_b"]):
             r["verdict"], r["note"] = UNDECIDED, "every run on a side contended (--include-contended keeps them)"

@@ -150,6 +150,46 @@ def _lines(
             ax.errorbar(xs, sub[y], yerr=err, fmt="none", ecolor=colors[name]["color"], capsize=3)
 
 
+MIN_RUNS_FOR_BARS = 3  # fewer runs: the runs themselves are drawn, not their interval
+
+
+def _contended(runs: pd.DataFrame) -> pd.Series:
+    return runs["contention"].notna() if "contention" in runs else pd.Series(False, index=runs.index)
+
+
+def _draw_runs(ax, study: Study, wl: str, col: str, colors: dict, dodge: dict) -> int:
+    """Each finished run as a dot beside its point (`x`: its record warns of contention); the contended count."""
+    r = study.finished_runs
+    r = r[r["workload"] == wl]
+    busy = _contended(r)
+    for lab, g in r.groupby("label"):
+        xs, ys, hot = g["devices"].astype(float) * dodge.get(lab, 1.0), g[col], busy[g.index]
+        ax.plot(xs[~hot], ys[~hot], linestyle="none", marker=".", color=colors[lab]["color"], label="_runs")
+        if hot.any():
+            ax.plot(xs[hot], ys[hot], linestyle="none", marker="x", color=colors[lab]["color"], label="_contended")
+    return int(busy.sum())
+
+
+def _mark_contended_points(ax, study: Study, sub: pd.DataFrame, col: str) -> int:
+    """An `x` over each point computed from a run whose record warns of contention; the count of such runs."""
+    r = study.finished_runs
+    r = r[r["workload"].isin(sub["workload"])]
+    hot = r[_contended(r)]
+    pts = sub[sub.set_index(["label", "devices"]).index.isin(hot.set_index(["label", "devices"]).index)]
+    if len(pts):
+        ax.plot(pts["devices"], pts[col], linestyle="none", marker="x", markersize=9, color="black", label="_contended")
+    return len(hot)
+
+
+def _note_runs(ax, contended: int, bars: bool) -> None:
+    """The figure says what its marks are: runs, intervals only from 3 runs, and contended runs."""
+    said = [f"dots: runs; bars: 95 % interval where >= {MIN_RUNS_FOR_BARS} runs"] if bars else []
+    if contended:
+        said.append(f"x: {contended} contended run(s), left out of the verdicts")
+    if said:
+        ax.text(0.01, 0.01, "\n".join(said), transform=ax.transAxes, fontsize=7, va="bottom", color="dimgrey")
+
+
 COINCIDE_NOTE = "= X: same values as series X, drawn on top of it"
 
 
@@ -260,7 +300,10 @@ def epoch_time(data: pd.DataFrame | Study, out=None, name: str = "epoch_time") -
         sub = data[data["workload"] == wl]
         dodge[wl] = dodge_factors(sub["label"])
         band = ("epoch_time_lo", "epoch_time_hi")  # 95 %
+        few = sub["runs"] < MIN_RUNS_FOR_BARS  # a t interval of 2 runs (t = 12.7) would swamp the data
+        sub = sub.assign(epoch_time_lo=sub["epoch_time_lo"].mask(few), epoch_time_hi=sub["epoch_time_hi"].mask(few))
         _lines(ax, sub, "devices", "epoch_time_s", "label", colors, band=band, dodge=dodge[wl])
+        _note_runs(ax, _draw_runs(ax, study, wl, "epoch_time_used_s", colors, dodge[wl]), bars=True)
         bad = _mark_failed(ax, study, wl)
         failed.append(bad)
         _log2_devices(ax, [*sub["devices"], *bad["devices"]])
@@ -301,6 +344,7 @@ def speedup(data: pd.DataFrame | Study, out=None, baseline: str | None = "best",
                     label="ideal",
                 )
             _lines(ax, sub, "devices", col, "label", colors)
+            _note_runs(ax, _mark_contended_points(ax, study, sub, col), bars=False)
             _log2_devices(ax, devs)
             ax.set_ylim(bottom=0)
         failed.append(bad)

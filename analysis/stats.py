@@ -11,8 +11,14 @@ Methods, stated once:
 - a verdict, decided on the interval alone with a margin stated in advance (`MARGIN`): `A is x % faster than
   B [lo %, hi %]` when the 95 % interval of the speed ratio excludes 1; `equivalent within ±δ` when its 90 %
   interval (two one-sided tests) lies inside [1/(1+δ), 1+δ]; else `not distinguishable`;
-- several comparisons behind one answer: Holm's step-down adjustment of their Welch p-values (`holm`), each
-  interval shown at the level its Holm threshold implies.
+- several comparisons behind one answer: Holm's step-down adjustment of their Welch p-values (`holm`) over
+  every pair of points that has an interval (a one-run point has none and stays out of the family), each
+  interval shown at the level its Holm threshold implies; "fastest" is an intersection-union test: the best
+  point is faster than every other one in that family;
+- runs whose times agree exactly carry no spread to test against (a coarse timer, a cached result): no
+  interval for times; `exact=True` (deterministic bytes) takes the ratio as known;
+- repeats: the runs per point that find a `margin` difference with 80 % power, from the noncentral t
+  (`scipy.stats.nct`, df 2(n - 1)) at the level of Holm's first step over the family (`repeats_for`).
 An A/A measurement (`python -m ptbench.sweep noise`) estimates the run-to-run spread and plans the number of
 repeats (`noise_result`); it never moves a verdict.
 """
@@ -85,9 +91,11 @@ def run_median_interval(step_lists, level: float = LEVEL) -> Interval:
     return Interval(iv.value, iv.lo, iv.hi, iv.n, f"{iv.method} of run medians", level=level)
 
 
-def ratio_interval(a, b, paired: bool = False, level: float = LEVEL) -> Interval:
+def ratio_interval(a, b, paired: bool = False, level: float = LEVEL, exact: bool = False) -> Interval:
     """Ratio of geometric means A / B with its interval: Welch's t on the logs (`paired`: ttest_rel on the logs,
-    repeat i of A beside repeat i of B, for an interleaved A/A or A/B measurement only)."""
+    repeat i of A beside repeat i of B, for an interleaved A/A or A/B measurement only). Runs that agree exactly
+    on both sides give no interval (a timer's resolution is not a spread of zero) unless `exact` (deterministic
+    values such as allocated bytes: the ratio is known)."""
     la, lb = np.log(_clean(a)), np.log(_clean(b))
     if len(la) == 0 or len(lb) == 0:
         return _none(math.nan, 0, "none")
@@ -97,9 +105,8 @@ def ratio_interval(a, b, paired: bool = False, level: float = LEVEL) -> Interval
         d = la - lb
         if len(d) < 2:
             return _none(float(np.exp(d.mean())), len(d), "one pair")
-        if _flat(d):
-            r = float(np.exp(d.mean()))
-            return Interval(r, r, r, len(d), "paired t on logs (all equal)", 0.0 if r != 1 else 1.0, level)
+        if _flat(d):  # the runs vary, their ratio does not: the ratio is known
+            return _agreeing(float(np.exp(d.mean())), len(d), "paired t on logs", level, exact or not _flat(la))
         t = sps.ttest_rel(la, lb)
         ci = t.confidence_interval(level)
         r = float(np.exp(d.mean()))
@@ -108,11 +115,18 @@ def ratio_interval(a, b, paired: bool = False, level: float = LEVEL) -> Interval
     n = min(len(la), len(lb))
     if n < 2:
         return _none(r, n, "one repeat")
-    if _flat(la) and _flat(lb):  # no spread on either side: the ratio is known exactly
-        return Interval(r, r, r, n, "Welch t on logs (all equal)", 0.0 if r != 1 else 1.0, level)
+    if _flat(la) and _flat(lb):  # no spread on either side
+        return _agreeing(r, n, "Welch t on logs", level, exact)
     t = sps.ttest_ind(la, lb, equal_var=False)
     ci = t.confidence_interval(level)
     return Interval(r, float(np.exp(ci.low)), float(np.exp(ci.high)), n, "Welch t on logs", float(t.pvalue), level)
+
+
+def _agreeing(r: float, n: int, method: str, level: float, exact: bool) -> Interval:
+    """Runs that agree exactly: a known ratio for deterministic values, no interval for times."""
+    if exact:
+        return Interval(r, r, r, n, f"{method} (all equal, exact)", 0.0 if r != 1 else 1.0, level)
+    return Interval(r, math.nan, math.nan, n, f"{method}: runs agree exactly, no spread to test (timer resolution?)")
 
 
 def holm(pvalues) -> list[float]:
@@ -136,7 +150,10 @@ def decide(name_a: str, times_a, name_b: str, times_b, margin: float = MARGIN, l
     speed = ratio_interval(times_b, times_a, level=level)  # B's time / A's: > 1 when A is faster
     out = {"kind": NOT_DISTINGUISHABLE, "faster": None, "speed": speed, "p": speed.p, "a": name_a, "b": name_b}
     if not speed.finite:
-        out["text"] = f"{NOT_DISTINGUISHABLE} ({name_a} vs {name_b}: {speed.n} repeat(s), no interval; repeat points)"
+        why = "" if speed.method in ("one repeat", "none") else f" ({speed.method})"
+        out["text"] = (
+            f"{NOT_DISTINGUISHABLE} ({name_a} vs {name_b}: {speed.n} repeat(s), no interval{why}; repeat points)"
+        )
         return out
     detail = f"{100 * level:.3g} %, {speed.method}, n={speed.n}"
     if speed.lo > 1 or speed.hi < 1:
@@ -161,27 +178,66 @@ def verdict(name_a: str, times_a, name_b: str, times_b, margin: float = MARGIN) 
     return decide(name_a, times_a, name_b, times_b, margin)["text"]
 
 
+def pair_family(values: dict) -> dict:
+    """{(a, b): Welch p} for every pair of points that has an interval: the Holm family of printed statements
+    (a one-run point, or two points whose runs agree exactly, have none and stay out)."""
+    names = sorted(values)
+    fam = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            p = ratio_interval(values[a], values[b]).p
+            if np.isfinite(p):
+                fam[(a, b)] = p
+    return fam
+
+
+def holm_levels(family: dict, level: float = LEVEL) -> tuple[dict, dict]:
+    """({pair: Holm-adjusted p}, {pair: the interval level its step of Holm's procedure implies})."""
+    keys = sorted(family, key=lambda k: family[k])
+    m = len(keys)
+    adj = dict(zip(family, holm(list(family.values())))) if m else {}
+    return adj, {k: 1 - (1 - level) / (m - i) for i, k in enumerate(keys)}
+
+
 def rank(values: dict, margin: float = MARGIN, level: float = LEVEL) -> dict:
     """Points ranked by the geometric mean of their runs' times (lower is better): {order, best, fastest,
-    versus}. The best is `fastest` only when it is faster than every other point by Welch's test on logs,
-    Holm-adjusted over those comparisons; `versus` holds each comparison (`decide`) at its Holm level."""
+    versus, family, spread, plan}. Each printed comparison of the best with another point is Holm-adjusted over
+    every pair that has an interval (`pair_family`), at its Holm level; `fastest` (an intersection-union test)
+    only when the best is faster than every other point. `spread`: the pooled run-to-run sd of log time;
+    `plan`: the runs per point that would resolve ±`margin` at that spread over the full family."""
     values = {k: _clean(v) for k, v in values.items() if len(_clean(v))}
     order = sorted(values, key=lambda k: (geo_interval(values[k]).value, k))
-    if len(order) < 2:
-        return {"order": order, "best": order[0] if order else None, "fastest": False, "versus": []}
-    best, others = order[0], order[1:]
-    raw = [ratio_interval(values[o], values[best]).p for o in others]
-    known = [p if np.isfinite(p) else 1.0 for p in raw]
-    m = len(others)
-    thresholds = {o: (1 - level) / (m - i) for i, o in enumerate(sorted(others, key=lambda o: known[others.index(o)]))}
-    adj = holm(known)
+    spread = pooled_spread(values)
+    k = len(order)
+    plan = repeats_for(spread, margin, comparisons=max(1, k * (k - 1) // 2)) if spread else None
+    out = {"order": order, "best": order[0] if order else None, "fastest": False, "versus": [], "family": 0,
+           "spread": spread, "plan": plan, "level": level}  # fmt: skip
+    if k < 2:
+        return out
+    best = order[0]
+    family = pair_family(values)
+    adj, levels = holm_levels(family, level)
     versus = []
-    for o, p in zip(others, adj):
-        d = decide(best, values[best], o, values[o], margin, level=1 - thresholds[o])
-        if d["kind"] == FASTER and p >= 1 - level:  # Holm stopped at an earlier comparison
+    for o in order[1:]:
+        key = tuple(sorted((best, o)))
+        d = decide(best, values[best], o, values[o], margin, level=levels.get(key, level))
+        p = adj.get(key, math.nan)
+        if d["kind"] == FASTER and not p < 1 - level:  # Holm stopped at an earlier comparison
             d.update(kind=NOT_DISTINGUISHABLE, faster=None, text=f"{NOT_DISTINGUISHABLE} (Holm: {d['text']})")
         versus.append({**d, "p_holm": p})
-    return {"order": order, "best": best, "fastest": all(v["kind"] == FASTER for v in versus), "versus": versus}
+    fastest = all(v["kind"] == FASTER and v["faster"] == best for v in versus)
+    return {**out, "fastest": fastest, "versus": versus, "family": len(family)}
+
+
+def pooled_spread(values: dict) -> float:
+    """One run's sd of log time pooled over the points with two or more runs (0 when none has)."""
+    ss, df = 0.0, 0
+    for v in values.values():
+        logs = np.log(_clean(v)[_clean(v) > 0])
+        if len(logs) >= 2:
+            ss += float(((logs - logs.mean()) ** 2).sum())
+            df += len(logs) - 1
+    return math.sqrt(ss / df) if df else 0.0
 
 
 def point_stats(runs, keys=("point",), steps_column: str = "step_times_s"):
@@ -217,11 +273,34 @@ NOISE_FIELDS = {
 POWER = 0.80
 
 
-def repeats_for(spread: float, margin: float = MARGIN, power: float = POWER, level: float = LEVEL) -> int:
-    """Runs per point for Welch's test on logs to find a `margin` difference with `power`, when one run's log
-    time has standard deviation `spread` (normal approximation, n = 2 (z_a + z_b)^2 s^2 / log(1 + margin)^2)."""
-    z = sps.norm.ppf(1 - (1 - level) / 2) + sps.norm.ppf(power)
-    return max(2, math.ceil(2 * (z * spread / math.log1p(margin)) ** 2))
+def power_of(n: int, spread: float, margin: float = MARGIN, level: float = LEVEL, comparisons: int = 1) -> float:
+    """The chance that n runs per point find a `margin` difference (two-sided t on logs, df 2(n - 1), at level
+    1 - (1 - level) / comparisons, Holm's first step) when one run's log time has sd `spread`: the noncentral t."""
+    if n < 2 or spread <= 0:
+        return 1.0 if spread <= 0 and n >= 2 else 0.0
+    df, alpha = 2 * (n - 1), (1 - level) / max(1, comparisons)
+    ncp = math.log1p(margin) / (spread * math.sqrt(2 / n))
+    t = sps.t.ppf(1 - alpha / 2, df)
+    return float(sps.nct.sf(t, df, ncp) + sps.nct.cdf(-t, df, ncp))
+
+
+def repeats_for(
+    spread: float, margin: float = MARGIN, power: float = POWER, level: float = LEVEL, comparisons: int = 1
+) -> int:
+    """The fewest runs per point (at least 2) whose `power_of` reaches `power` (2 % spread: 4, 3 %: 8)."""
+    n = 2
+    while power_of(n, spread, margin, level, comparisons) < power and n < 1000:
+        n += 1
+    return n
+
+
+def resolve_text(spread: float, comparisons: int = 1, margin: float = MARGIN) -> str:
+    """ "N runs per point would resolve ±5 % ..." at a pooled spread, or why no plan can be given."""
+    if not spread:
+        return "no point has two runs, so no spread to plan repeats from (repeat points)"
+    n = repeats_for(spread, margin, comparisons=comparisons)
+    return (f"{n} runs per point would resolve ±{100 * margin:.0f} % at the pooled spread {100 * spread:.1f} % "
+            f"(noncentral t, 80 % power, Holm over {comparisons} comparison{'s' if comparisons > 1 else ''})")  # fmt: skip
 
 
 def noise_result(a, b, kind: str = "A/A") -> dict:
@@ -241,6 +320,44 @@ def noise_result(a, b, kind: str = "A/A") -> dict:
     return {"ratio": iv.value, "lo": iv.lo, "hi": iv.hi, "n": iv.n, "method": iv.method, "verdict": said,
             "spread": spread if kind == "A/A" else None, "repeats_for_margin": plan if kind == "A/A" else None,
             "margin": MARGIN}  # fmt: skip
+
+
+# --- the error rates and power of these rules, simulated --------------------------------------------------
+def _study(rng, k: int, n: int, spread: float, faster: float = 0.0) -> dict:
+    """One simulated ranking: k points of n log-normal runs, point 0 `faster` (0.05: 5 % less time)."""
+    shift = [-math.log1p(faster) if i == 0 else 0.0 for i in range(k)]
+    return rank({f"p{i}": np.exp(rng.normal(shift[i], spread, n)).tolist() for i in range(k)})
+
+
+def error_table(trials: int = 1000, seed: int = 0) -> list[dict]:
+    """Simulated: among k tied points, the share of studies printing any "faster" statement and calling one
+    point "fastest" (both should stay at or under 5 %); and the power to find a point 5 % faster than one
+    other at the repeats `repeats_for` plans (and one fewer), at 2 % and 3 % spread."""
+    rng, rows = np.random.default_rng(seed), []
+    for k in (2, 3, 5):
+        for n in (2, 3, 5, 10):
+            said = [_study(rng, k, n, 0.03) for _ in range(trials)]
+            rows.append({"case": f"{k} tied points", "runs": n, "spread": 0.03,
+                         "any faster": np.mean([any(v["kind"] == FASTER for v in r["versus"]) for r in said]),
+                         "fastest": np.mean([r["fastest"] for r in said])})  # fmt: skip
+    for spread in (0.02, 0.03):
+        plan = repeats_for(spread)
+        for n in (plan - 1, plan):
+            said = [_study(rng, 2, n, spread, faster=MARGIN) for _ in range(trials)]
+            rows.append({"case": "one point 5 % faster", "runs": n, "spread": spread,
+                         "any faster": np.mean([r["fastest"] and r["best"] == "p0" for r in said]),
+                         "fastest": power_of(n, spread)})  # fmt: skip
+    return rows
+
+
+def error_lines(rows: list[dict], trials: int) -> list[str]:
+    out = [f"simulated, {trials} studies per row; tied rows: share with a false verdict (nominal <= 0.05); "
+           "5 % rows: share that find it (simulated) and the planned power (noncentral t)",
+           f"{'case':<22} {'runs':>4} {'spread':>6} {'faster/found':>12} {'fastest/planned':>15}"]  # fmt: skip
+    for r in rows:
+        out.append(f"{r['case']:<22} {r['runs']:>4} {100 * r['spread']:>5.0f}% {r['any faster']:>12.3f} "
+                   f"{r['fastest']:>15.3f}")  # fmt: skip
+    return out
 
 
 NOISE_FIX = "copy the noise file into a folder of yours and name the copy"

@@ -2,8 +2,10 @@
 
 The target is given (`python -m ptbench.analysis report --target VALUE`), or by default taken from the
 baseline series alone (the speedup baseline's point, or --baseline LABEL's point at its fewest devices): the
-worst of its runs' best values, loosened by TARGET_SLACK so that it lies on the curve's slope rather than in
-its plateau, where identical runs cross epochs apart. A run's time to the target is linear interpolation of
+level each of its runs reaches halfway, in epochs, to its best (`slope_target`: the worst of those levels, so
+every baseline run reaches it). A target a little short of the best lies in the plateau, where identical runs
+cross epochs apart (the noise of the plateau, not the speed of training); halfway lies on the slope.
+`default_target` (the worst best value, TARGET_SLACK looser) stays for epochs-to-target claims. A run's time to the target is linear interpolation of
 wall time between the last epoch end before the crossing and the first one at or past it (the first epoch:
 its end, the metric before it being unknown). A run that never reaches the target is `reached` False, with no
 time: it is counted as not reached, never ranked on its best epoch.
@@ -29,6 +31,26 @@ def default_target(e: pd.DataFrame, metric: str, label: str, devices: int) -> fl
     lower = _lower(metric)
     best = base.groupby("run_id")["val_metric"].agg("min" if lower else "max")
     return float(best.max() * (1 + TARGET_SLACK)) if lower else float(best.min() * (1 - TARGET_SLACK))
+
+
+def _halfway(run: pd.DataFrame, lower: bool) -> float:
+    """The metric one run reaches halfway, in epochs, to its best epoch (interpolated between epoch ends;
+    before the first epoch's end the metric is unknown, so the first epoch's value at the earliest)."""
+    r = run.sort_values("epoch")
+    v, ep = r["val_metric"].to_numpy(float), r["epoch"].to_numpy(float) + 1
+    best = int(np.argmin(v) if lower else np.argmax(v))
+    return float(np.interp(max(ep[0], ep[best] / 2), ep, v))
+
+
+def slope_target(e: pd.DataFrame, metric: str, label: str, devices: int) -> float:
+    """The default target: the worst, over the baseline point's runs, of the level each reaches halfway in
+    epochs to its best (`_halfway`); nan without them."""
+    base = e[(e["label"] == label) & (e["devices"].astype(int) == int(devices))]
+    if base.empty:
+        return float("nan")
+    lower = _lower(metric)
+    half = [_halfway(run, lower) for _, run in base.groupby("run_id")]
+    return float(max(half) if lower else min(half))
 
 
 def crossing(run: pd.DataFrame, target: float, lower: bool) -> tuple[float, float]:
@@ -62,8 +84,8 @@ def time_to_target_table(e: pd.DataFrame, bases: dict, target: float | None = No
             goal, source = float(target), "--target"
         elif wl in bases:
             goal, source = (
-                default_target(sub, metric, *bases[wl]),
-                f"the runs of baseline `{bases[wl][0]}` x{bases[wl][1]}",
+                slope_target(sub, metric, *bases[wl]),
+                f"the runs of baseline `{bases[wl][0]}` x{bases[wl][1]}, halfway in epochs to their best",
             )
         else:
             continue

@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats",
         type=int,
         default=1,
-        help="run each epoch-time point N times, interleaved (one array task each), and phase 2 N times with "
-        "trainer.seed + R (bands on the curves)",
+        help="run each epoch-time and memory point N times, interleaved (one array task each), and phase 2 N "
+        "times with trainer.seed + R (bands on the curves)",
     )
     st = sub.add_parser("stateff", help="phase 2: choose from phase 1's records, then run or submit")
     st.add_argument("out", type=Path)
@@ -300,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             extra,
         )
         phases["epoch"] = with_repeats(phases["epoch"], args.repeats)
+        # the memory phase too: CPU peak RSS varies run to run (GPU allocated bytes repeat, and compare exactly)
+        phases["memory"] = with_repeats(phases["memory"], args.repeats)
         if not args.dry_run:
             line = shlex.join(argv + (["--", *extra] if extra else []))
             write_plan(args.out, phases, line, args.stateff_epochs, args.repeats)

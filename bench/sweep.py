@@ -2,7 +2,7 @@
 
     python -m ptbench.sweep grid adapter=ddp,zero workload=gpt2_small launcher.nprocs=1,2,4 -o sweep.txt
     python -m ptbench.sweep run sweep.txt [--resume] [-- trainer.epochs=3 ...]   # here, one after another
-    python -m ptbench.sweep run sweep.txt --repeats 3 [--no-vary-seed]  # each point 3 times, interleaved ABCABCABC, seed + R
+    python -m ptbench.sweep run sweep.txt --repeats 3 [--no-vary-seed]  # 3 rounds ABC BCA CAB, seed + R
     python -m ptbench.sweep noise --repeats 5 [--b trainer.inject_fault=slow@0.15] -- overrides  # A/A noise floor
     python -m ptbench.sweep submit sweep.txt [--resume] [--gpus-per-node 8] [--sbatch=--partition=gpu]  # job arrays
     python -m ptbench.sweep submit sweep.txt --repeats 3 [--no-vary-seed]  # one array task per repeat, interleaved
@@ -171,8 +171,9 @@ def _run(args) -> int:
         measure_comm(points, args.extra, dry_run=args.dry_run, resume=args.resume)
     failed, tally = [], Counter()
     repeats = max(1, args.repeats)
-    # interleaved: every point once, then every point again (ABCABC): a drift of the machine spreads over all
-    order = [(r, i) for r in range(repeats) for i in range(len(points))]
+    order = sweep_order(len(points), repeats)
+    if repeats > 1:
+        _record_order(args, points, order)
     for n, (r, i) in enumerate(order):
         if stop.signal_name:
             return stop.report(args, order, n, tally)
@@ -205,6 +206,27 @@ def _run(args) -> int:
     if not args.dry_run:
         print(f"sweep: {len(order)} run(s): {', '.join(f'{n} {k}' for k, n in sorted(tally.items()))}", flush=True)
     return 1 if failed else 0
+
+
+def sweep_order(points: int, repeats: int) -> list[tuple[int, int]]:
+    """(round, point) pairs: every point once per round (a drift of the machine spreads over all), each round
+    starting one point later (ABC BCA CAB), so no point always runs first or after the same neighbour."""
+    return [(r, (r + i) % points) for r in range(repeats) for i in range(points)]
+
+
+def _record_order(args, points: list, order: list) -> None:
+    """The order the runs will take, printed and (unless --dry-run) written beside the sweep file."""
+    rounds = [[i for rr, i in order if rr == r] for r in sorted({r for r, _ in order})]
+    print("sweep order (rotated per round): " + "; ".join(" ".join(map(str, r)) for r in rounds), flush=True)
+    if args.dry_run:
+        return
+    import json
+    import time
+
+    path = Path(f"{args.file}.order-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    rows = [{"position": n, "round": r, "point": i, "overrides": points[i]} for n, (r, i) in enumerate(order)]
+    path.write_text(json.dumps({"sweep": str(args.file), "order": rows}, indent=1) + "\n")
+    print(f"sweep order: {path}", flush=True)
 
 
 class StopRequest:
@@ -409,7 +431,11 @@ def main(argv=None) -> int:
     r.add_argument("--resume", action="store_true", help="skip points that already have an ok record")
     r.add_argument("--dry-run", action="store_true", help="print the commands only")
     r.add_argument(
-        "--repeats", type=int, default=1, help="run each point N times, interleaved (ABCABC); results.repeat=R"
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each point N times, in rounds rotated ABC BCA CAB (the order written to FILE.order-*.json); "
+        "results.repeat=R",
     )
     r.add_argument(
         "--vary-seed",

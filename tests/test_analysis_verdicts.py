@@ -44,12 +44,15 @@ def test_time_to_target_is_interpolated_and_repeats_need_seeds(tmp_path):
 
     root = tmp_path / "r"
     _runs(root, "ddp", "ddp", [10.0, 10.2])
-    t = time_to_target(load(root)).set_index("run_id")
-    # perplexity e^2 at 10 s, e^1.9 at 20 s; target e^1.9 x 1.01 (the baseline's worst best, 1 % looser)
+    # perplexity e^2 at 10 s, e^1.9 at 20 s; a target between them is interpolated
     hi, lo = np.exp(2.0), np.exp(1.9)
     target = lo * 1.01
+    t = time_to_target(load(root), target=target).set_index("run_id")
     f = (hi - target) / (hi - lo)
     assert set(t["target"]) == {target} and t.loc["ddp0", "time_s"] == 10 + 10 * f and t["reached"].all()
+    # the default: the level reached halfway in epochs to the best (epoch 2 of 2): epoch 1's e^2, at 10 s
+    t = time_to_target(load(root)).set_index("run_id")
+    assert set(t["target"]) == {hi} and t.loc["ddp0", "time_s"] == 10.0
     assert time_to_target(load(root), target=1.0)["reached"].sum() == 0  # never reached: counted, no time
     same = tmp_path / "same"
     for i, w in enumerate([10.0, 10.2]):

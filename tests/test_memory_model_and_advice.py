@@ -436,7 +436,7 @@ def test_which_adapter_names_the_winners_and_their_runs(tmp_path):
     assert (
         "**Fastest to the target**: validation perplexity ≤ 22 (fixed from --target): **`zero stage=3 "
         "gb=8/replica` x2** after 15.85 s of wall time (geometric mean of 1 run(s), crossing at epoch 1.98; runs "
-        "z3x2); not shown faster than every other point: not distinguishable"
+        "z3x2); not shown faster than every other point (Holm over 0 pair(s) with an interval): not distinguishable"
     ) in section
     assert (
         "**Lowest memory per rank at 2 devices** (`peak_rss_delta`, busiest rank): **`zero stage=3 gb=8/replica` x2** 200 MiB"

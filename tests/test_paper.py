@@ -254,7 +254,8 @@ def test_claims_hold_on_records_that_show_them():
     assert x1.startswith("**ddp** 1e+03 ms/sample (geometric mean); ddp is 10.0 % faster than zero2 [")
     assert found["fastest framework at x4"]["numbers"].startswith("**ddp**")  # 0.25 < megatron 0.3
     share = found["ZeRO per-GPU memory is 42-66 % of DDP's"]["numbers"]
-    assert share.startswith("zero2 x1 / ddp: 60 % [60, 60] (90 %, n=2); zero2 x2 / ddp: 49 %"), share
+    # ZeRO is checked where it shards, at 2 or more GPUs (at x1 it holds the whole model, as DDP does)
+    assert share.startswith("zero2 x2 / ddp: 49 % [49, 49] (90 %, n=2); zero2 x4 / ddp: 46 %"), share
     assert found["Megatron per-GPU memory is U-shaped"]["runs"] == [f"meg-x{n}-{i}" for n in (1, 2, 4) for i in (0, 1)]
     # the same records without repeats: no interval, so every claim is undecided
     assert {
@@ -267,7 +268,7 @@ def test_claims_fail_on_records_that_contradict_them():
         ("ddp", "ddp", 1, 100, 1.0),
         ("ddp", "ddp", 2, 130, 0.5),  # DDP not flat (100 -> 130)
         ("zero", "zero2", 1, 80, 1.3),
-        ("zero", "zero2", 2, 50, 0.5),  # 80 % of DDP; 1.30x slower
+        ("zero", "zero2", 2, 50, 0.65),  # 38 % of DDP; 1.30x slower (x1 is not checked: nothing to shard)
         ("gpipe", "gpipe", 1, 100, 1),
         ("gpipe", "gpipe", 2, 95, 1),
         ("gpipe", "gpipe", 4, 60, 1),  # -5 % first

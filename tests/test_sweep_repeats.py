@@ -1,6 +1,7 @@
 """`python -m ptbench.sweep run --repeats N` (issue 29): interleaved order, the repeat index and the seed in
 each record, one point id over repeats, and --resume counting repeats. Real runs."""
 
+import json
 import re
 import sys
 
@@ -32,7 +33,10 @@ def test_repeats_interleave_keep_the_point_and_resume_counts_them(tmp_path):
     out = _sweep(tmp_path, res, "--repeats", "2", "--vary-seed")
     check_ok(out)
     order = re.findall(r"^\[\d/4\] point (\w+) repeat (\d): trainer.batch_size=(\d)", out.stdout, re.M)
-    assert [(r, b) for _, r, b in order] == [("0", "2"), ("0", "4"), ("1", "2"), ("1", "4")]  # ABAB, not AABB
+    assert [(r, b) for _, r, b in order] == [("0", "2"), ("0", "4"), ("1", "4"), ("1", "2")]  # AB BA: rotated
+    assert "sweep order (rotated per round): 0 1; 1 0" in out.stdout
+    written = json.loads(next(tmp_path.glob("sweep.txt.order-*.json")).read_text())
+    assert [(r["round"], r["point"]) for r in written["order"]] == [(0, 0), (0, 1), (1, 1), (1, 0)]
     recs = _records(res)
     assert len(recs) == 4
     by_batch = {b: [(p, r, s) for p, r, s, bb in recs if bb == b] for b in (2, 4)}
