@@ -37,6 +37,7 @@ from ptbench.core.torch_support import torch_warnings
 from ptbench.runner import multirun
 from ptbench.runner.checks import contention_warnings, slurm_warnings
 from ptbench.runner.compose import in_multirun, typed
+from ptbench.runner.lifeline import record_failure
 from ptbench.runner.plan import RunPlan, plan_run, run_dir_of
 from ptbench.runner.rank import packages, run_rank
 
@@ -342,7 +343,7 @@ def run_with_launcher(
         "MASTER_ADDR": addr,
         "MASTER_PORT": str(port),
         "BENCH_LAUNCH_T0": _launch_t0(),
-        "BENCH_LAUNCHER_PID": str(os.getpid()),  # the ranks end themselves once it is gone (rank.watch_launcher)
+        "BENCH_LAUNCHER_PID": str(os.getpid()),  # the ranks end themselves once it is gone (lifeline.watch_launcher)
     }
     proc = subprocess.Popen([*command, sys.executable, "-m", "ptbench.runner.rank", str(writer.dir)], env=env)
 
@@ -385,31 +386,6 @@ def _exit_code(writer: RunWriter) -> int:
         print(f"run {status}: {where}{summary.get('error')}", file=sys.stderr)
         return 1
     return 0
-
-
-def record_failure(writer: RunWriter, exc: Exception, elapsed: float) -> None:
-    """The launcher's word on a failed run: the earliest rank error is the cause; a rank killed by a
-    signal (it could write nothing) is named from the exit status."""
-    # the earliest error is the cause; in a hang, a rank that froze before one that only waited for it
-    errors = sorted(writer.record.rank_errors(), key=lambda e: (bool(e.get("waiting")), e.get("time", 0)))
-    killed = getattr(exc, "signal_name", None)
-    if killed and not any(e.get("status") == "timeout" for e in errors):
-        cause = {"rank": exc.error_index, "status": "failed", "error": f"rank {exc.error_index} killed by {killed}"}
-    elif errors:
-        cause = errors[0]
-    else:
-        cause = {
-            "rank": getattr(exc, "error_index", None),
-            "status": "failed",
-            "error": str(exc).strip().splitlines()[-1],
-        }
-    writer.fail(
-        cause["status"],
-        cause["error"],
-        cause["rank"],
-        total_time_s=elapsed,
-        rank_errors=[{k: e.get(k) for k in ("rank", "status", "error")} for e in errors],
-    )
 
 
 def _spawned_rank(local_rank: int, cfg_dict: dict, plan: RunPlan, port: int, run_dir: str) -> None:

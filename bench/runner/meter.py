@@ -14,12 +14,15 @@ facts gathered): the loop keeps per-step losses on the device until the epoch en
 from __future__ import annotations
 
 import socket
+import sys
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
+from ptbench import adapters
 from ptbench.adapters.base import Adapter, compile_stats
 from ptbench.core import schema
 from ptbench.core.config import BenchConfig
@@ -50,9 +53,12 @@ LAST_EPOCH = ("val_loss", "val_accuracy", "val_perplexity", "train_loss", "peak_
 
 
 class Meter:
-    """Turns one epoch's raw measurements into its event, and the events into the run's summary."""
+    """Turns one epoch's raw measurements into its event, the events into the run's summary, and that summary
+    with the run's setup into the record rank 0 writes (`record`)."""
 
-    def __init__(self, cfg: BenchConfig, plan: RunPlan, ctx: DistContext, adapter: Adapter, workload: Workload):
+    def __init__(
+        self, cfg: BenchConfig, plan: RunPlan, ctx: DistContext, adapter: Adapter, workload: Workload, profiler=None
+    ):
         self.cfg = cfg
         self.plan = plan
         self.ctx = ctx
@@ -61,12 +67,7 @@ class Meter:
         self.compile_warm: dict | None = None  # torch._dynamo counters when the warm-up ended (trainer.compile)
         self.global_batch = plan.global_batch
         self.local_batch = plan.local_batch
-        self.workers = 0  # set by the trainer once its loaders exist
-        self.samples_dropped = 0
-        self.saved_activations: dict | None = None  # the trainer's count of the last untimed step (memory ledger)
-        self.step_peak: int | None = None  # that step's optimizer-phase peak (memory_model.StepPeak)
-        self.host_syncs: dict | None = None  # trainer.count_syncs: the epoch's timed steps (runner/syncs.py)
-        self.profiler = None  # the trainer's StepProfiler (trainer.profile): collective waits per rank
+        self.profiler = profiler  # the trainer's StepProfiler (trainer.profile): collective waits per rank
 
     # --- one epoch -------------------------------------------------------------------------------
     def epoch_event(
@@ -87,10 +88,12 @@ class Meter:
         checkpoint_time: float,
         compile: dict | None,
         resumed_at: int | None,
+        counted: dict,
     ) -> dict:
         """The epoch's event (a collective: every rank calls it). `rows`: this rank's per-step phase times;
         `lrs`: with an lr schedule, the lr of every step of the run so far; `resumed_at`: the global step
-        of the checkpoint this epoch continued from (None: it ran in one attempt)."""
+        of the checkpoint this epoch continued from (None: it ran in one attempt); `counted`: this rank's
+        saved_activations and step_peak (the last untimed step, memory ledger) and host_syncs (trainer.count_syncs)."""
         device = self.ctx.device
         steps = len(losses)
         loss_vec = self._mean_losses(losses)
@@ -101,9 +104,9 @@ class Meter:
                 "host": socket.gethostname(),
                 "memory": mem,
                 "state_bytes": state,
-                "saved_activations": self.saved_activations,
-                "step_peak": self.step_peak,
-                "host_syncs": self.host_syncs,
+                "saved_activations": counted["saved_activations"],
+                "step_peak": counted["step_peak"],
+                "host_syncs": counted["host_syncs"],
                 "epoch_time_s": epoch_time,
                 "comm_wait_s": self.profiler.wait_in(first_step, first_step + steps) if self.profiler else None,
             },
@@ -242,10 +245,15 @@ class Meter:
         checkpoint: dict | None,
         resumed_from: list[dict],
         timing: dict,
+        data_workers: int,
+        samples_dropped: int,
         diverged_at_step: int | None = None,
+        profile: dict | None = None,
     ) -> dict:
-        """The run's totals from its epoch events (rank.py adds the run's setup before writing it).
-        `diverged_at_step`: the global step whose training loss was first non-finite (status diverged)."""
+        """The run's totals from its epoch events (`record` adds the run's setup before rank 0 writes it).
+        `data_workers`: the loaders' worker processes; `samples_dropped`: per epoch, the incomplete last
+        global batch; `diverged_at_step`: the global step whose training loss was first non-finite (status
+        diverged); `profile`: what trainer.profile's window measured."""
         last = epochs[-1] if epochs else {}
         timed = [e for e in epochs if e["timed_steps"]]
         total_timed = sum(e["timed_steps"] for e in timed)
@@ -266,10 +274,10 @@ class Meter:
             "steps": steps,
             "global_batch": self.global_batch,
             "local_batch": self.local_batch,
-            "samples_dropped_per_epoch": self.samples_dropped,  # the incomplete last global batch
-            "data_workers": self.workers,
+            "samples_dropped_per_epoch": samples_dropped,
+            "data_workers": data_workers,
             # loader and input settings as used: pin_memory, persistent_workers, channels_last, decoder, cache
-            "data_pipeline": {**loader_options(self.ctx.device.type, self.workers), **self.workload.describe()},
+            "data_pipeline": {**loader_options(self.ctx.device.type, data_workers), **self.workload.describe()},
             "compile": self._compile_summary(leaked),
             "step_time_mean_s": mean_step,
             "samples_per_s": self.global_batch / mean_step if mean_step else None,
@@ -281,7 +289,8 @@ class Meter:
             "epoch_time_steady_s": float(np.mean(steady)) if steady else None,
             "timing": timing,
             "tf32": self.cfg.trainer.tf32,
-            "warnings": self._warnings(epochs, timed, leaked) + [w for w in [flops_check.get("warning")] if w],
+            "warnings": self._warnings(epochs, timed, leaked, data_workers)
+            + [w for w in [flops_check.get("warning")] if w],
             "flops_check": flops_check,
             "memory_ledger": self._memory_ledger(last),
             "state_bytes_per_rank": [r["state_bytes"] for r in last.get("ranks", [])],
@@ -295,7 +304,39 @@ class Meter:
                 f"the end of epoch {last.get('epoch')}); its times are not comparable: lower optimizer.lr "
                 f"(now {self.cfg.optimizer.lr:g}) or set trainer.grad_clip"
             )
-        return schema.check(summary, schema.SUMMARY, "summary.json", deep=True)
+        schema.check(summary, schema.SUMMARY, "summary.json", deep=True)
+        if profile is not None:  # the profiler's own keys: checked at the top level when the summary is written
+            summary["profile"] = profile
+        if status == "interrupted" and not summary.get("error"):  # the report's one line on it
+            summary["error"] = f"interrupted (Ctrl-C, SIGINT) after step {steps}"
+        return summary
+
+    def record(self, summary: dict, *, requeue: str | None, threads: int, rank_environment: dict) -> dict:
+        """Rank 0's final summary: the totals, the Slurm job to requeue (`requeue`: its id, None: none), and the
+        run's setup from the config, plan and adapter this meter holds and the rank's start (`threads`, CPU
+        threads per rank; `rank_environment`, the adapter's variables and the values the process started with)."""
+        extra = OmegaConf.to_container(self.cfg.extra) if OmegaConf.is_config(self.cfg.extra) else self.cfg.extra
+        return {
+            **summary,
+            **({"requeue": {"slurm_job_id": requeue, "time": time.time()}} if requeue else {}),
+            "adapter_settings": self.adapter.describe(),
+            "plan": self.plan.describe(),
+            "layout": self.plan.layout.as_dict(),
+            "precision": self.plan.precision,
+            "predicted_memory": self.plan.predicted_memory,
+            "comm_volume": self.plan.comm_volume,
+            "extra": extra,
+            "batch_reduced_from": (extra or {}).get("batch_reduced_from") if isinstance(extra, dict) else None,
+            "phase_semantics": self.adapter.phase_semantics,
+            "precision_semantics": self.adapter.precision_semantics,
+            "batch_policy": self.plan.batch_policy,
+            "warmup_steps": self.cfg.trainer.untimed_steps,
+            "launcher": self.ctx.launcher,
+            "conventions": CONVENTIONS,
+            "frameworks_imported": frameworks_imported(),
+            "cpu_threads_per_rank": threads,
+            "rank_environment": rank_environment,
+        }
 
     def _memory_ledger(self, last: dict) -> dict | None:
         """Predicted (memory model, busiest rank) vs counted (last untimed step, each rank) saved-activation bytes."""
@@ -317,13 +358,13 @@ class Meter:
             return {"error": f"{type(e).__name__}: {e}"}
         return flops_check(self.plan.train_flops_per_sample, counted)
 
-    def _warnings(self, epochs: list[dict], timed: list[dict], leaked: int) -> list[str]:
+    def _warnings(self, epochs: list[dict], timed: list[dict], leaked: int, workers: int) -> list[str]:
         warnings = list(self.plan.warnings)  # found before launch (contention)
         data_share = [e["data_share"] for e in timed if e.get("data_share") is not None]
         if data_share and max(data_share) > 0.10:
             warnings.append(
                 f"data loading is {100 * max(data_share):.0f}% of the step time (> 10%): the run is "
-                f"input-bound; raise data.num_workers (now {self.workers}) or use faster storage"
+                f"input-bound; raise data.num_workers (now {workers}) or use faster storage"
             )
         if leaked:
             warnings.append(
@@ -348,6 +389,12 @@ class Meter:
             "warmup_steps": t.untimed_steps,
             "timed_step_frames": timed_step_frames,
         }
+
+
+def frameworks_imported() -> list[str]:
+    """Frameworks other than torch that this process has imported (ddp must import none)."""
+    tops = {m.split(".")[0] for m in adapters.frameworks().values()} - {"torch"}
+    return sorted(m for m in tops if m in sys.modules)
 
 
 def launch_time() -> float:

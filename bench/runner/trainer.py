@@ -85,13 +85,15 @@ class Trainer:
         )
         if self.syncs is not None:
             self.timer.step_watchers.append(self.syncs)
-        self.meter = Meter(cfg, plan, ctx, adapter, workload)
+        # trainer.profile: traces of a window of steps, the communication ledger, bubble, waits (profiling.py)
+        self.profiler = StepProfiler.of(cfg, plan, ctx, run_dir, adapter)
+        self.meter = Meter(cfg, plan, ctx, adapter, workload, self.profiler)
+        # the last untimed step's saved activations and optimizer-phase peak (memory ledger), once counted
+        self.step_memory = {"saved_activations": None, "step_peak": None}
         self.checkpointer = Checkpointer(cfg, plan, ctx, adapter, self.state, run_dir, self.watchdog, resume_info)
         self.resume_from = Path(resume_from) if resume_from is not None else None
         self.faults = Faults(cfg.trainer, ctx.rank)
         self.sampling = SampledTiming.of(cfg, ctx.device)  # trainer.timing_sample (None: full epochs)
-        # trainer.profile: traces of a window of steps, the communication ledger, bubble, waits (profiling.py)
-        self.profiler = self.meter.profiler = StepProfiler.of(cfg, plan, ctx, run_dir, adapter)
         refusal = adapter.checkpoint_refusal(cfg)
         if cfg.trainer.resume == "auto" and refusal and ctx.rank == 0:
             print(
@@ -111,7 +113,7 @@ class Trainer:
 
     def run(self) -> dict:
         t = self.cfg.trainer
-        train, sampler, val = self._loaders()
+        train, sampler, val, workers = self._loaders()
         steps_per_epoch = sampler.steps if t.max_steps <= 0 else min(sampler.steps, t.max_steps)
         self.checkpointer.steps_per_epoch = steps_per_epoch
         self.full_epoch_steps = sampler.steps  # a whole pass over the data (incomplete last batch dropped)
@@ -149,7 +151,7 @@ class Trainer:
             if self.stop_requested or diverged is not None:  # every rank has the same event: all stop
                 break
         profile = self.profiler.finish()  # a collective when trainer.profile is set
-        summary = self.meter.summary(
+        return self.meter.summary(
             epochs,
             status="diverged"
             if diverged is not None
@@ -164,16 +166,16 @@ class Trainer:
             checkpoint=self.checkpointer.describe(),
             resumed_from=self.state.resumed_from,
             timing={**self.timer.settings, "count_syncs": self.syncs is not None},
+            data_workers=workers,
+            samples_dropped=len(sampler.dataset) - sampler.steps * self.plan.global_batch,  # the incomplete last batch
+            profile=profile,
         )
-        if profile is not None:
-            summary["profile"] = profile
-        return summary
 
     def _loaders(self):
         t = self.cfg.trainer
         train_set, val_set = self.workload.datasets(local_rank=self.ctx.local_rank)
         batch, dp_size, dp_rank = self.plan.local_batch, self.plan.dp_size, self.adapter.dp_rank
-        workers = self.meter.workers = data_workers(self.cfg.data.num_workers, self.ctx.local_world_size)
+        workers = data_workers(self.cfg.data.num_workers, self.ctx.local_world_size)
         train, sampler = train_loader(
             train_set, dp_size, dp_rank, batch, t.grad_accum, t.seed, workers, self.ctx.device.type
         )
@@ -182,12 +184,11 @@ class Trainer:
                 f"the training set has {len(train_set)} samples, fewer than one global batch of "
                 f"{self.plan.global_batch}; lower trainer.batch_size or add data"
             )
-        self.meter.samples_dropped = len(sampler.dataset) - sampler.steps * self.plan.global_batch
         # trainer.max_eval_batches: None (the default) = as many batches as trainer.max_steps when that caps
         # the epoch (a short run validates briefly; val_samples in the epoch event says how many), else all
         cap = t.max_eval_batches if t.max_eval_batches is not None else max(t.max_steps, 0)
         val = eval_loader(val_set, dp_size, dp_rank, batch, workers, cap)
-        return train, sampler, val
+        return train, sampler, val, workers
 
     # --- one epoch -------------------------------------------------------------------------------
     def _epoch(self, epoch: int, train, val, steps: int, run_start: float) -> dict:
@@ -224,7 +225,7 @@ class Trainer:
         if mem.get("peak_rss") is not None and rss_before is not None:
             mem["peak_rss_delta"] = mem["peak_rss"] - rss_before  # what training added on top of the process
         state_bytes = self.adapter.state_bytes()
-        self.meter.host_syncs = self.syncs.result() if self.syncs is not None else None
+        host_syncs = self.syncs.result() if self.syncs is not None else None
 
         tv = time.perf_counter()
         val_metrics = {} if self.stop_requested else self._validate(val, epoch)  # preempted: save the grace time
@@ -248,6 +249,7 @@ class Trainer:
             if c0 is not None
             else None,
             resumed_at=prior["global_step"] if prior else None,
+            counted={**self.step_memory, "host_syncs": host_syncs},
         )
         return event if self.sampling is None else self.sampling.annotate(event, self.full_epoch_steps)
 
@@ -272,7 +274,7 @@ class Trainer:
                 state.lrs.append(schedule.lr())
             # the memory ledger: what autograd saves in the last untimed step (the first holds one-off work such as
             # a pipeline's shape inference), counted per rank
-            count = state.global_step == t.untimed_steps - 1 and self.meter.saved_activations is None
+            count = state.global_step == t.untimed_steps - 1 and self.step_memory["saved_activations"] is None
             # and the optimizer phase's peak there, once the optimizer's state exists (torch makes it in the first
             # step) and not inside trainer.profile's window (one profiler at a time)
             measure = count and state.global_step >= 1 and not self.profiler.covers(state.global_step)
@@ -283,9 +285,11 @@ class Trainer:
                 with self.profiler.step(state.global_step):  # trainer.profile's window (profiling.py)
                     loss = self.adapter.train_step(micro, self.timer)
             if count:
-                self.meter.saved_activations = ledger.result()
                 self.timer.watch.pop("optimizer", None)
-                self.meter.step_peak = peak.peak if peak is not None else None
+                self.step_memory = {
+                    "saved_activations": ledger.result(),
+                    "step_peak": peak.peak if peak is not None else None,
+                }
             if schedule is not None:
                 schedule.step()
             self.timer.end_step()
