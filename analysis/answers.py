@@ -487,12 +487,13 @@ def _contention_note(study: Study, contended: list[str], include_contended: bool
 
 def _provisional(v: dict) -> list[str]:
     """What contended runs show, each answer labelled provisional, with the reason and what would decide it."""
-    plans = [f["plan"] for f in v["per_count"] if f.get("plan")]
-    need = plans[0].split(" runs per point")[0] if plans and plans[0][0].isdigit() else "N"
+    # the repeats a contended spread asks for say nothing of a quiet machine's: 3, then the report plans more
+    # from the quiet runs' own spread
     head = ("- **Provisional** (every finished run warns of contention: other work shared the CPUs, so these "
             "times may not compare and no verdict below is decisive). To decide, rerun on a quiet machine, one "
-            f"point at a time: `python -m ptbench.sweep run SWEEP.txt --repeats {need}`, then "
-            "`python -m ptbench.analysis report RESULTS`.")  # fmt: skip
+            "point at a time: `python -m ptbench.sweep run SWEEP.txt --repeats 3`, then "
+            "`python -m ptbench.analysis report RESULTS`, which plans any further repeats from the quiet "
+            "runs' spread.")  # fmt: skip
     return [head] + [line.replace("- **", "- provisional: **", 1) for line in _short_answers(v)]
 
 

@@ -68,7 +68,8 @@ def test_every_run_contended_still_answers_provisionally(tmp_path):
     _runs(tmp_path, "z", "zero", [12.0, 12.3], settings={"stage": 1}, warnings=busy)
     text = "\n".join(answers_lines(load(tmp_path)))
     assert "- **Provisional** (every finished run warns of contention" in text, text
-    assert "`python -m ptbench.sweep run SWEEP.txt --repeats" in text
+    # 3 repeats, not what the contended spread would ask for (the demo's read 391)
+    assert "`python -m ptbench.sweep run SWEEP.txt --repeats 3`" in text, text
     assert "- provisional: **Fastest at 1 device**: **`ddp gb=8/replica`**" in text, text
     assert "every finished run warns of contention, so no time compares" in text  # still not a verdict
 
