@@ -303,3 +303,19 @@ def test_the_reports_comm_time_rule():
     assert busbw_at(report, "all_gather", 1 << 20) is None
     t, how = comm_time(volume("none", params=1_000_000, world_size=4)["collectives"], "gloo", [report])
     assert t == pytest.approx(6e6 / 3e9) and "3 GB/s at 4 MiB" in how  # 4 MB gradient message -> the 4M row
+
+
+def test_zero3_reuse_distance_is_the_model_not_times_the_ranks():
+    """GPT-2 medium (355M parameters, under stage3_max_reuse_distance's 1e9) at 64 ranks: DeepSpeed keeps forward's
+    gathers for backward (the dry run's ledger: one all-gather of the parameters per step), whatever the rank count;
+    1.5B parameters exceed it and are re-gathered."""
+    from ptbench.adapters import get_adapter_class
+    from ptbench.core.comm_volume import corrected, record_fields, volume
+    from ptbench.runner.compose import compose, typed
+
+    cfg = typed(compose(["workload=gpt2_medium", "adapter=zero3"]))
+    cost = get_adapter_class(cfg.adapter.name).cost_inputs(cfg)
+    for psi, regather in ((354_823_168, False), (1_500_000_000, True)):
+        fields = record_fields(volume("zero3", params=psi, world_size=64))
+        names = [it["name"] for it in corrected(fields, cost, cfg.workload)["collectives"]]
+        assert ("dp_param_all_gather_bwd" in names) is regather, psi

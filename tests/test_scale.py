@@ -93,12 +93,76 @@ def test_tensor_parallel_dry_run_counts_every_all_reduce():
         assert p["memory"]["parts"][part]["ratio"] == pytest.approx(1.0, abs=0.001), part
 
 
+def test_ddp_standin_hook_sums_then_divides_and_ddp_runs_on_the_fake_group():
+    """DDP's own Reducer on the fake group with real tensors: the stand-in hook all-reduces each bucket (a fake
+    all-reduce returns this rank's gradient) and divides by the group's size, as DDP's built-in hook does."""
+    import torch
+
+    from ptbench.scale.standins import _ddp_standins, fake_world
+
+    torch.manual_seed(0)
+    local = torch.nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+    local(x).square().sum().backward()
+    used: set[str] = set()
+    with fake_world(4, 1), _ddp_standins(used):
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
+        model.module.load_state_dict(local.state_dict())
+        for _ in range(2):  # the second forward is where DDP would rebuild its buckets
+            model.zero_grad()
+            model(x).square().sum().backward()
+    assert torch.allclose(model.module.weight.grad, local.weight.grad / 4)
+    assert used == {"ddp_comm_hook", "ddp_shape_check", "ddp_bucket_rebuild"}
+
+
+def test_ddp_dry_run_all_reduces_every_gradient_once():
+    from ptbench.scale.point import measure_point
+
+    p = measure_point(["adapter=ddp", "workload=gpt2_tiny", "trainer.batch_size=2"], 8, 0)
+    (row,) = p["ledger"][-1]  # one all-reduce: the one bucket DDP builds at construction (ddp_bucket_rebuild)
+    assert row["op"] == "all_reduce" and row["group_size"] == 8
+    assert row["buffer_bytes"] == p["memory"]["parts"]["grads"]["tracker"]  # the gradients, once
+    assert p["comm"]["ratio"] == pytest.approx(1.0, abs=0.001)
+    assert p["memory"]["worst"] == pytest.approx(1.0, abs=0.05)
+    assert {"ddp_comm_hook", "ddp_shape_check", "ddp_bucket_rebuild"} <= set(p["standins"])
+
+
+def test_zero3_dry_run_matches_the_corrected_formula():
+    """ZeRO-3 on DeepSpeed's own engine: one all-gather of the parameters per step (a model within
+    stage3_max_reuse_distance keeps forward's gathers for backward) and one reduce-scatter of the gradients."""
+    from ptbench.scale.point import measure_point
+
+    p = measure_point(["adapter=zero", "adapter.stage=3", "workload=gpt2_tiny", "trainer.batch_size=2"], 8, 0)
+    for op in ("all_gather", "reduce_scatter"):
+        assert p["comm"]["by_op"][op]["ratio"] == pytest.approx(1.0, abs=0.01), op
+    assert any("stage3_max_reuse_distance" in d for d in p["formula"]["differences"])
+    assert "deepspeed_host_checks" in p["standins"]
+    assert p["memory"]["parts"]["optimizer"]["ratio"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_megatron_dry_run_without_gloo_groups():
+    """megatron-core's own groups, GPTModel and DDP at TP 2 x DP 4: its gradient buckets' coalesced all-reduce
+    (DP, 4 ranks) and the TP all-reduces (2 ranks) in the ledger, against the corrected formula."""
+    from ptbench.scale.point import measure_point
+
+    p = measure_point(
+        ["adapter=megatron", "adapter.tensor_parallel=2", "workload=gpt2_tiny", "trainer.batch_size=2"], 8, 0
+    )
+    rows = {(r["op"], r["group_size"]): r for r in p["ledger"][-1]}
+    assert set(rows) == {("all_reduce", 2), ("all_reduce", 4)}
+    # the DP all-reduce carries this rank's TP shard of the gradients, once
+    assert rows[("all_reduce", 4)]["buffer_bytes"] == p["memory"]["parts"]["params"]["tracker"]
+    assert p["comm"]["ratio"] == pytest.approx(1.0, abs=0.01)
+    assert {"megatron_no_gloo", "coalesced_allreduce_meta"} <= set(p["standins"])
+    assert p["memory"]["parts"]["total"]["ratio"] == pytest.approx(1.0, abs=0.05)
+
+
 def test_dry_run_refusals_are_one_line():
     from ptbench.core.errors import ConfigError
     from ptbench.scale.run import dry_run
 
-    with pytest.raises(ConfigError, match="adapter=ddp cannot run on the fake backend: DDP's C.. Reducer"):
-        dry_run(["adapter=ddp", "workload=gpt2_tiny"], 8)
+    with pytest.raises(ConfigError, match="adapter=pipeline cannot run on the fake backend: torch.distributed.pipe"):
+        dry_run(["adapter=pipeline", "adapter.pipeline_parallel=2", "adapter.microbatches=2", "workload=gpt2_tiny"], 8)
     with pytest.raises(ConfigError, match="tensor_parallel=3 must be >= 1 and divide the 8 ranks"):
         dry_run(["adapter=tensor_parallel", "adapter.tensor_parallel=3", "workload=gpt2_tiny"], 8)
     with pytest.raises(ConfigError, match="--rank 8 is not a rank of 8"):

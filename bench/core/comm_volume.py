@@ -633,7 +633,9 @@ def corrected(fields: dict, cost, workload, root_params: int | None = None) -> d
                     "all-reduces the gradient buckets instead of reduce-scattering them: 2(N-1)/N instead of "
                     "(N-1)/N x Psi x B, 1.5x the paper's total"
                 )
-    if fields.get("params_per_rank", 0) * fields.get("dp", 1) < cost.live_params_limit:
+    # stage3_max_reuse_distance counts the elements fetched whole (a parameter's full ds_numel), so it is
+    # compared with the model-parallel shard's parameters, not with them times the data-parallel ranks
+    if fields.get("params_per_rank", 0) < cost.live_params_limit:
         if any(it["name"] == "dp_param_all_gather_bwd" for it in items):
             items = [it for it in items if it["name"] != "dp_param_all_gather_bwd"]
             diffs.append(

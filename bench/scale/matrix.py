@@ -11,7 +11,19 @@ import time
 from pathlib import Path
 
 WORKLOADS = ("gpt2_small", "gpt2_medium", "resnet50", "vgg16")
-ADAPTERS = ("fsdp", "tensor_parallel", "ddp", "zero", "megatron", "pipeline", "pipedream", "gpipe", "horovod")
+ADAPTERS = (
+    "fsdp",
+    "tensor_parallel",
+    "ddp",
+    "zero1",
+    "zero2",
+    "zero3",
+    "megatron",
+    "pipeline",
+    "pipedream",
+    "gpipe",
+    "horovod",
+)
 WORLDS = (8, 64, 256, 1024)
 POINT_TIMEOUT_S = 150
 LINE = re.compile(
@@ -21,9 +33,10 @@ HEADS = {"gpt2_small": 12, "gpt2_medium": 16}
 
 
 def overrides(adapter: str, workload: str) -> list[str]:
-    """A point's overrides: tensor parallel within a node of 8 where the heads divide, else 4."""
+    """A point's overrides: tensor parallel (torch's, Megatron's) within a node of 8 where the heads divide, else
+    4; zero1-3 are adapter=zero at that stage (conf/adapter/zero3.yaml)."""
     out = [f"adapter={adapter}", f"workload={workload}", "results.experiment=scale"]
-    if adapter == "tensor_parallel" and workload in HEADS:
+    if adapter in ("tensor_parallel", "megatron") and workload in HEADS:
         out.append(f"adapter.tensor_parallel={8 if HEADS[workload] % 8 == 0 else 4}")
     return out
 

@@ -70,6 +70,12 @@ class CollectiveLedger(TorchDispatchMode):
     def _count(self, func, res, args, kwargs) -> None:
         from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 
+        if func is torch.ops.c10d.allreduce_coalesced_.default and self.steps:
+            # the coalesced all-reduce of a non-NCCL group (torch's fake-collective tools do not list it)
+            row = self.steps[-1][("all_reduce", _group(args[1]).size())]
+            row[0] += 1
+            row[1] += sum(t.numel() * t.element_size() for t in args[0])
+            return
         if func not in collective_ops or func in sync_ops or not self.steps:
             return
         name = func.overloadpacket.__name__
@@ -96,6 +102,13 @@ class CollectiveLedger(TorchDispatchMode):
         return out
 
 
+def _group(group):
+    """A process group as the dispatcher hands it to a c10d op (a ScriptObject, or the group itself)."""
+    import torch.distributed as dist
+
+    return group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
+
+
 def tracker_class(fsdp: bool):
     """MemTracker (FSDPMemTracker for a fully_shard model) that also keeps each category's own peak: torch's
     `peak` snapshot is the categories at the moment of the total's peak, where a persistent state (the
@@ -110,6 +123,13 @@ def tracker_class(fsdp: bool):
             super().__init__(*args, **kwargs)
             self.category_peaks: dict[str, int] = defaultdict(int)
 
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            if not callable(getattr(module, "buffers", None)):
+                # megatron-core's DistributedDataParallel keeps its gradient buffers in a list attribute named
+                # `buffers`, which hides nn.Module.buffers: read the module's own through nn.Module
+                module = _ModuleView(module)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
             for snap in self._curr_mem_snap.values():
@@ -118,6 +138,19 @@ def tracker_class(fsdp: bool):
                         self.category_peaks[key] = val
 
     return CategoryPeaks
+
+
+class _ModuleView:
+    """A module's parameters and buffers as nn.Module lists them, whatever attributes the module shadows."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._module = module
+
+    def parameters(self, *args, **kwargs):
+        return torch.nn.Module.parameters(self._module, *args, **kwargs)
+
+    def buffers(self, *args, **kwargs):
+        return torch.nn.Module.buffers(self._module, *args, **kwargs)
 
 
 def category_names(snap: dict) -> dict:

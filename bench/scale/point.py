@@ -37,12 +37,16 @@ def measure_point(overrides: list[str], world_size: int, rank: int) -> dict:
 
 def _formula(cfg, plan, root_shapes) -> dict:
     """The comm formula's record fields for the plan, the FSDP2 root unit's shapes given."""
-    from ptbench.core.comm_volume import record_fields, volume_run
+    from ptbench.core.comm_volume import corrected, record_fields, volume_run
     from ptbench.runner.plan import meta_model
     from ptbench.workloads import build_workload
 
     model = meta_model(build_workload(cfg.workload, cfg.data))
-    return record_fields(volume_run(cfg, plan, lambda: model, root_shapes=root_shapes), "fake")
+    fields = record_fields(volume_run(cfg, plan, lambda: model, root_shapes=root_shapes), "fake")
+    # what the frameworks move beyond the papers' formulas (ZeRO-3's reuse distance, DeepSpeed's bucket
+    # all-reduce, Megatron's vocab-parallel loss), as the traced ledger compares; FSDP2's root unit is in
+    # fsdp_padded already (root_params not given again)
+    return corrected(fields, plan.cost, cfg.workload)
 
 
 def _memory_prediction(cfg, plan) -> dict:

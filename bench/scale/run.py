@@ -13,16 +13,9 @@ STEPS = 2  # the first makes the optimizer state; the second is a steady step (t
 
 # adapters whose framework cannot run under FakeTensorMode on the fake backend, and why (measured on torch 2.14.1)
 CANNOT_RUN = {
-    "ddp": "DDP's C++ Reducer reads its parameters' storage (bucket views, _verify_params_across_processes, "
-    "Reducer._rebuild_buckets) and fake tensors have none: 'The tensor has a non-zero number of elements, but its "
-    "data is not allocated yet'",
-    "zero": "DeepSpeed reads tensor values on the host inside its step (is_invalid_grad_norm's bool(), ZeRO-3's "
-    "assert_ints_same_as_other_ranks' .item()) and fake tensors have none; its setup, forward and backward do run",
-    "megatron": "megatron-core's initialize_model_parallel makes gloo groups beside the default group "
-    "(create_gloo_process_groups defaults to true) and the process segfaults on the fake backend (exit 139, at W=8)",
-    "pipeline": "its data-parallel replicas of each stage are DDP-wrapped (the Reducer reads parameter storage, as "
-    "adapter=ddp's), and torch.distributed.pipelining infers stage shapes with real sends, which the fake backend "
-    "does not deliver",
+    "pipeline": "torch.distributed.pipelining infers each stage's input and output shapes with real sends at the "
+    "first step, which the fake backend does not deliver; adapters/pipeline.py builds its PipelineStage without "
+    "static input_args / output_args, which would skip that inference",
     "pipedream": "an asynchronous pipeline without flush: in 2 steps rank 0 only fills the pipeline (2 sends, no "
     "optimizer step; measured at W=4), so there is no steady step to compare",
     "gpipe": "torchgpipe drives several devices from one process; a dry run is one process per rank",
@@ -59,7 +52,7 @@ def dry_run(overrides: list[str], world_size: int, rank: int = 0) -> dict:
 
     used: set[str] = set()
     ledger = CollectiveLedger()
-    with fake_world(world_size, rank), patched(used), fake_mode():
+    with fake_world(world_size, rank), patched(used, cfg.adapter.name), fake_mode():
         adapter, workload = _build(cfg, plan, rank, world_size)
         tracker = _tracker(adapter)
         step_start: dict = {}

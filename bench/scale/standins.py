@@ -28,6 +28,28 @@ STANDINS = {
     "FakeTensorMode of its own, as in a real run: it takes the active fake mode when there is one "
     "(torch/distributed/tensor/_sharding_prop.py), and the tracker would then count those global-shape tensors "
     "as this rank's memory (a TP loss's full-vocabulary logits, an optimizer step's full parameters)",
+    "ddp_comm_hook": "DDP's buckets are all-reduced by a comm hook that issues the same all_reduce on the bucket's "
+    "buffer, divides it by the group's size and returns it in a completed Future: DDP's built-in hook hands back "
+    "the Work's value, and the fake backend's Work has none ('expected the hook result is either a Tensor or a "
+    "TensorList found None')",
+    "ddp_shape_check": "DDP's constructor skips _verify_param_shape_across_processes, a C++ all-gather of every "
+    "parameter's shape read from host memory (fake tensors have none): on a fake group there are no other ranks' "
+    "shapes to compare, and it runs once at setup, outside the steps measured",
+    "ddp_bucket_rebuild": "DDP keeps the buckets it built at construction: its rebuild after the first step "
+    "broadcasts rank 0's bucket indices through a host buffer, which a fake tensor does not have. torch 2.14's DDP "
+    "puts every parameter in one bucket at construction (find_unused_parameters off) and cuts bucket_cap_mb buckets "
+    "only at that rebuild, so the ledger's all-reduce count is 1 where a real step makes about gradient bytes / "
+    "bucket_cap_mb; the bytes all-reduced per step are the same",
+    "deepspeed_host_checks": "DeepSpeed's checks that read a value on the host take their passing answer: "
+    "is_invalid_grad_norm (bool() of the gradient norm: the step is not skipped for an overflow, as in a healthy "
+    "run) and ZeRO-3's assert_ints_same_as_other_ranks (its lists of parameter ids broadcast from rank 0 and "
+    "compared: a fake broadcast returns this rank's own); the few small collectives of that assert are not issued",
+    "megatron_no_gloo": "megatron-core's initialize_model_parallel is called with create_gloo_process_groups=False: "
+    "the gloo groups it makes by default beside each NCCL group segfault on the fake backend (exit 139); its "
+    "training collectives run on the default group's backend, here the fake one",
+    "coalesced_allreduce_meta": "c10d's allreduce_coalesced_ (what torch.distributed's coalescing manager issues "
+    "on a non-NCCL group: megatron-core's gradient buckets on CPU) gets a Meta kernel that hands the tensors to "
+    "the fake backend, as c10d's other collectives have one: FakeTensorMode has no kernel to run it with",
 }
 
 
@@ -56,8 +78,9 @@ def fake_world(world_size: int, rank: int):
 
 
 @contextlib.contextmanager
-def patched(used: set[str]):
-    """The stand-ins module_to_fake, device_mesh_real and dtensor_propagation_mode for the block; `used` collects those that ran."""
+def patched(used: set[str], adapter: str = ""):
+    """The stand-ins module_to_fake, device_mesh_real, dtensor_propagation_mode and DDP's for the block; `used`
+    collects those that ran."""
     import torch.distributed.device_mesh as mesh_module
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -89,11 +112,130 @@ def patched(used: set[str]):
 
     nn.Module.to, mesh_module.DeviceMesh.__init__ = module_to, real_mesh_init
     mesh_module.init_device_mesh, propagation.detect_fake_mode = real_init_mesh, own_mode
+    framework = {"zero": _deepspeed_standins, "megatron": _megatron_standins}.get(adapter)
+    # a Library registration lives as long as its object: made here, destroyed on the way out
+    coalesced = torch.library.Library("c10d", "IMPL")
+    coalesced.impl("allreduce_coalesced_", _coalesced_allreduce_meta(used), "Meta")
+    try:
+        with _ddp_standins(used), framework(used) if framework else contextlib.nullcontext():
+            yield
+    finally:
+        coalesced._destroy()
+        nn.Module.to, mesh_module.DeviceMesh.__init__ = to, mesh_init
+        mesh_module.init_device_mesh, propagation.detect_fake_mode = init_mesh, detect
+
+
+@contextlib.contextmanager
+def _ddp_standins(used: set[str]):
+    """ddp_shape_check and ddp_comm_hook: every DDP built in the block (an adapter's model, a pipeline stage's
+    replicas) skips the cross-rank shape check and all-reduces its buckets through `fake_allreduce_hook`."""
+    import torch.nn.parallel.distributed as ddp_module
+
+    verify, init = ddp_module._verify_param_shape_across_processes, ddp_module.DistributedDataParallel.__init__
+
+    def no_verify(*_args, **_kwargs):
+        used.add("ddp_shape_check")
+
+    def init_with_hook(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        used.add("ddp_comm_hook")
+        self.register_comm_hook(self.process_group, fake_allreduce_hook)
+        self.reducer = _NoRebuild(self.reducer, used)
+
+    ddp_module._verify_param_shape_across_processes = no_verify
+    ddp_module.DistributedDataParallel.__init__ = init_with_hook
     try:
         yield
     finally:
-        nn.Module.to, mesh_module.DeviceMesh.__init__ = to, mesh_init
-        mesh_module.init_device_mesh, propagation.detect_fake_mode = init_mesh, detect
+        ddp_module._verify_param_shape_across_processes = verify
+        ddp_module.DistributedDataParallel.__init__ = init
+
+
+@contextlib.contextmanager
+def _deepspeed_standins(used: set[str]):
+    """deepspeed_host_checks in each DeepSpeed module that imported the checks by name."""
+    import importlib
+
+    from deepspeed.runtime.utils import is_invalid_grad_norm
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def finite_norm(norm):
+        if isinstance(norm, FakeTensor):
+            used.add("deepspeed_host_checks")
+            return False
+        return is_invalid_grad_norm(norm)
+
+    def same_ints(_ints):
+        used.add("deepspeed_host_checks")
+
+    replaced = []
+    for name in ("stage3", "stage_1_and_2", "partition_parameters", "partitioned_param_coordinator"):
+        module = importlib.import_module(f"deepspeed.runtime.zero.{name}")
+        for attr, standin in (("is_invalid_grad_norm", finite_norm), ("assert_ints_same_as_other_ranks", same_ints)):
+            if hasattr(module, attr):
+                replaced.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, standin)
+    try:
+        yield
+    finally:
+        for module, attr, original in replaced:
+            setattr(module, attr, original)
+
+
+def _coalesced_allreduce_meta(used: set[str]):
+    """coalesced_allreduce_meta: the Meta kernel of c10d::allreduce_coalesced_, the fake backend's Work boxed."""
+
+    def kernel(tensors, group, *_reduce_op_async_timeout):
+        used.add("coalesced_allreduce_meta")
+        group = group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
+        backend = group._get_backend(torch.device("cpu"))
+        return backend.allreduce_coalesced(tensors, dist.AllreduceCoalescedOptions()).boxed()
+
+    return kernel
+
+
+@contextlib.contextmanager
+def _megatron_standins(used: set[str]):
+    """megatron_no_gloo: initialize_model_parallel without its gloo groups."""
+    from megatron.core import parallel_state
+
+    init = parallel_state.initialize_model_parallel
+
+    def without_gloo(*args, **kwargs):
+        used.add("megatron_no_gloo")
+        return init(*args, **{**kwargs, "create_gloo_process_groups": False})
+
+    parallel_state.initialize_model_parallel = without_gloo
+    try:
+        yield
+    finally:
+        parallel_state.initialize_model_parallel = init
+
+
+class _NoRebuild:
+    """A DDP Reducer whose `_rebuild_buckets` keeps the buckets it has (ddp_bucket_rebuild); the rest is the
+    Reducer's own."""
+
+    def __init__(self, reducer, used: set[str]):
+        self._reducer, self._used = reducer, used
+
+    def _rebuild_buckets(self) -> bool:
+        self._used.add("ddp_bucket_rebuild")
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+
+def fake_allreduce_hook(group, bucket):  # unannotated: DDP checks the annotation as a type, not a string
+    """DDP's default all-reduce of one bucket (sum, then divide by the group's size), its result in a completed
+    Future: the default hook returns the Work's value, which the fake backend's Work does not have."""
+    buffer = bucket.buffer()
+    dist.all_reduce(buffer, group=group)
+    buffer.div_(dist.get_world_size(group))
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
 
 
 def _fake_on(module: nn.Module, *args, **kwargs) -> bool:
