@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from ptbench.runner.checks import affinity_cpus, contention_warnings, slurm_warnings
 from ptbench.runner.contention import Sampler, busy_limit, other_gpu_processes, sampled_warnings, visible_gpu_indices
@@ -62,6 +63,8 @@ def test_the_warning_reaches_the_record_and_a_quiet_run_has_none(tmp_path, smoke
         assert not [w for w in quiet["warnings"] if w.startswith("contention: 2 rank(s)")]
         sampled = quiet["contention_sampled"]
         assert sampled["samples"] >= 1 and sampled["cpus"] == cpus and sampled["own_busy_cpus_mean"] > 0
+        # the observer's own cost, recorded: above nothing, within its goal of half a percent of one core
+        assert 0 < sampled["sampler_cpu_s"] and sampled["sampler_cpu_share"] <= 0.005, sampled
         # the decision on that run's own figures: a warning exactly when others passed the stated threshold
         fired = [w for w in quiet["warnings"] if w.startswith("contention: during the run")]
         assert bool(fired) == (sampled["other_busy_cpus_mean"] >= busy_limit(cpus, 2))
@@ -194,6 +197,47 @@ def test_slurm_allocation_that_oversubscribes_its_cores():
     # the local Slurm of old: the node claims 4 CPUs on a 2-core box, each job gets 2, two jobs share the cores
     adv = slurm_warnings(2, 1, {**job, "SLURM_CPUS_ON_NODE": "2"}, host_cpus=2, advertised=4)
     assert len(adv) == 1 and "advertises 4 CPU(s) (CPUTot) but has 2" in adv[0]
+
+
+def test_tree_walk_of_proc_matches_psutils_scan_and_records_its_cost():
+    """The sampler's own-tree CPU read from /proc (children lists) equals psutil's scan of every process: the
+    same pids (a child and its child) and CPU seconds; a sampled child tree's CPU is the run's own; and the
+    sampler's CPU time is recorded. Bounds load cannot break: CPU time, not CPU share."""
+    import resource
+    import time
+
+    from ptbench.runner.contention import _proc_tree_cpu_s, _psutil_tree_cpu_s
+
+    grand = "import time; t = time.time() + 2\nwhile time.time() < t: pass"
+    cmd = [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grand!r}])"]
+    me = psutil.Process()
+    child = subprocess.Popen(cmd)
+    try:
+        deadline = time.monotonic() + 60
+        while not psutil.Process(child.pid).children() and time.monotonic() < deadline:  # the grandchild started
+            time.sleep(0.05)
+        for _ in range(5):  # another test's leftover child of this process may end meanwhile: a stable read
+            ref_cpu, ref_pids = _psutil_tree_cpu_s(me)
+            cpu, pids = _proc_tree_cpu_s(me.pid)
+            if _psutil_tree_cpu_s(me)[1] == ref_pids:
+                break
+        grandchild = {p.pid for p in psutil.Process(child.pid).children()}
+        assert pids == ref_pids and {me.pid, child.pid, *grandchild} <= pids and grandchild, (pids, ref_pids)
+        assert abs(cpu - ref_cpu) <= 0.05, (cpu, ref_cpu)  # read a moment apart, a grandchild running
+    finally:
+        child.kill()
+        child.wait()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    s = Sampler(interval_s=0.2).start()
+    subprocess.run(cmd, check=True)
+    with open(f"/proc/self/task/{s._thread.native_id}/stat") as f:  # its thread alone at the lowest priority
+        assert int(f.read().rsplit(")", 1)[1].split()[16]) == 19
+    fig = s.stop()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    tree = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)  # child and grandchild
+    assert tree > 0 and fig["own_busy_cpus_mean"] * fig["span_s"] >= 0.9 * tree - 0.05, (tree, fig)
+    assert fig["sampler_cpu_s"] > 0  # span_s is rounded to the ms: the share from it to 1 %
+    assert fig["sampler_cpu_share"] == pytest.approx(fig["sampler_cpu_s"] / fig["span_s"], rel=0.01, abs=1e-5)
 
 
 def test_sampler_root_makes_that_tree_the_runs_own():

@@ -1,6 +1,6 @@
-"""Peak memory per rank, reset at each epoch; and the memory ledger's instruments: the optimizer phase's peak
-(`StepPeak`) and what autograd saves for backward (`SavedTensorLedger`), which the trainer runs in the last untimed
-step and the memory model's counting functions run on the meta device.
+"""Peak memory per rank, reset at each epoch and after the warm-up steps (`end_warmup`); and the memory ledger's
+instruments: the optimizer phase's peak (`StepPeak`) and what autograd saves for backward (`SavedTensorLedger`),
+which the trainer runs in the last untimed step and the memory model's counting functions run on the meta device.
 
 CUDA: max allocated / reserved from the caching allocator. CPU twin: the process high-water mark
 VmHWM from /proc/self/status, reset by writing 5 to /proc/self/clear_refs after malloc_trim(0)
@@ -38,17 +38,26 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
+def reset_method(device_type: str) -> str:
+    """How a device's peak is reset: "allocator" (CUDA: torch.cuda.reset_peak_memory_stats) or "vmhwm" (any
+    other device computes in host memory: the process high-water mark, reset through /proc/self/clear_refs)."""
+    return "allocator" if device_type == "cuda" else "vmhwm"
+
+
+def reset_peak(device: torch.device) -> bool:
+    """Reset `device`'s peak; False when it could not be (no /proc/self/clear_refs, or not permitted: the
+    CPU peak then keeps covering everything since the last reset that took, or the process start)."""
+    if reset_method(device.type) == "allocator":
         torch.cuda.reset_peak_memory_stats(device)
-        return
+        return True
     if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        pass  # not Linux, or not permitted: the peak then covers the whole run
+        return False
+    return True
 
 
 def rss() -> int | None:
@@ -91,9 +100,31 @@ def _unique(devices) -> list[torch.device]:
     return out
 
 
-def reset_peaks(devices) -> None:
-    for d in _unique(devices):
-        reset_peak(d)
+def reset_peaks(devices) -> bool:
+    """Reset the peaks of every device this process drives; True when every reset took."""
+    return all([reset_peak(d) for d in _unique(devices)])
+
+
+def end_warmup(devices) -> dict:
+    """The peaks of the warm-up steps (cuDNN autotuning, compilation, the memory ledger's step), read and then
+    reset, so that the epoch's peak read at its end covers only the steady steps after them. `reset`: whether
+    every reset took (CPU: False where /proc/self/clear_refs is missing or refused; the epoch's peak then
+    still holds the warm-up)."""
+    reading = peak_over(devices)
+    reading.pop("outside_allocator", None)  # read at the epoch end, not a peak: only the epoch's reading has it
+    return {**reading, "reset": reset_peaks(devices)}
+
+
+def with_warmup(mem: dict, warm: dict) -> dict:
+    """An epoch reading `mem` taken after `end_warmup` reset the peaks at the epoch's last step: every step was
+    warm-up, so its peaks are the larger of the two readings (peak_rss_delta moves with peak_rss)."""
+    out = dict(mem)
+    for k in ("peak_allocated", "peak_reserved", "peak_rss"):
+        if out.get(k) is not None and warm.get(k) is not None:
+            out[k] = max(out[k], warm[k])
+    if out.get("peak_rss_delta") is not None:
+        out["peak_rss_delta"] += out["peak_rss"] - mem["peak_rss"]
+    return out
 
 
 def peak_over(devices) -> dict:

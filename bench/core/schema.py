@@ -79,7 +79,7 @@ VAL_METRICS = (  # ptbench.workloads.base.Workload.metrics
 MEMORY = F(
     "memory",
     "bytes",
-    "the rank's peak memory over the epoch's training steps (reset each epoch)",
+    "the rank's peak memory over the epoch's training steps (reset each epoch, and after the warm-up steps)",
     F("peak_allocated", "bytes", "CUDA max_memory_allocated (null on CPU)"),
     F("peak_reserved", "bytes", "CUDA max_memory_reserved (null on CPU)"),
     F(
@@ -104,6 +104,18 @@ RANK = (
     F("rank", "", "global rank"),
     F("host", "", "host name"),
     MEMORY,
+    F(
+        "memory_warmup",
+        "bytes",
+        "in the epoch in which the warm-up ended: the rank's peaks over the warm-up steps (cuDNN autotuning, "
+        "compilation, the memory ledger's step; those of this epoch), read and then reset (memory.end_warmup); an "
+        "epoch whose every step was warm-up has them in its memory too",
+        F("peak_allocated", "bytes", "CUDA max_memory_allocated (null on CPU)"),
+        F("peak_reserved", "bytes", "CUDA max_memory_reserved (null on CPU)"),
+        F("peak_rss", "bytes", "host VmHWM of the process"),
+        T("per_device", "GPipe: one reading per device", closed=False),
+        F("reset", "", "whether every reset took (CPU: /proc/self/clear_refs written; CUDA: always)"),
+    ),
     OPEN("state_bytes", "model-state bytes this rank holds (ptbench.adapters.base.Adapter.state_bytes)", *STATE_BYTES),
     F("epoch_time_s", "s", "this rank's epoch time"),
     F(
@@ -185,6 +197,13 @@ EPOCH_EVENT = (
     F("memory_metric", "", "peak_allocated (CUDA) or peak_rss (CPU): what peak_memory_* compare"),
     F("peak_memory_max", "bytes", "highest memory_metric over ranks"),
     F("peak_memory_min", "bytes", "lowest memory_metric over ranks"),
+    F(
+        "peak_memory_after_warmup",
+        "",
+        "whether peak_memory_* leave the warm-up steps out (the epoch began after them, or every rank reset "
+        "its peaks when they ended): the steady peak the memory model is set against",
+    ),
+    F("warmup_peak_memory_max", "bytes", "the epoch in which the warm-up ended: highest warm-up memory_metric"),
     T("ranks", "one row per rank, in rank order", *RANK),
     F("rank_step_time_mean_s", "s", "per rank (rank order): mean of its own timed step times", kind="list"),
     F(
@@ -391,6 +410,8 @@ SUMMARY = (
             "mean CPUs this run's processes used (launcher/torchrun agent/slurmstepd, ranks, children)",
         ),
         F("loadavg_1m_max", "", "highest 1-minute load average seen (this run included)"),
+        F("sampler_cpu_s", "s", "the CPU time of the sampler's samples (time.thread_time around each) over the run"),
+        F("sampler_cpu_share", "fraction", "sampler_cpu_s / span_s: the share of one core the observer took"),
         F("gpu_other_pids", "", "CUDA: {device: pids} of other processes on our GPUs (NVML; -1: pid unknown)"),
         F("gpu_error", "", "why the GPUs could not be watched (NVML missing or failing)"),
     ),
@@ -435,6 +456,8 @@ SUMMARY = (
     F("train_loss", "nats", "the last epoch's"),
     F("peak_memory_max", "bytes", "the last epoch's"),
     F("peak_memory_min", "bytes", "the last epoch's"),
+    F("peak_memory_after_warmup", "", "the last epoch's: whether its peaks leave the warm-up steps out"),
+    F("warmup_peak_memory_max", "bytes", "the warm-up steps' own peak (highest memory_metric over ranks)"),
     F("mfu", "fraction", "the last epoch's"),
     # the run's setup (ptbench.runner.rank)
     OPEN("adapter_settings", "the adapter's settings as used (Adapter.describe)"),

@@ -119,7 +119,7 @@ class PhaseTimer:
         self._start = None
         self._in_step = False
         self._next_clock = None  # a clock set during a step takes over at the next one
-        self.watch: dict = {}  # phase name -> a context manager entered around that phase's body (StepPeak)
+        self._watch: dict = {}  # phase name -> a context manager entered around that phase's body (`watching`)
         self.step_watchers: list = []  # objects told `start_step()` / `end_step()` (the sync counter)
 
     @property
@@ -157,13 +157,26 @@ class PhaseTimer:
         _DOMAIN.push_range(message=name)
         a = self.clock.mark()
         try:
-            with self.watch.get(name) or nullcontext():
+            with self._watch.get(name) or nullcontext():
                 yield
         finally:
             if self.phase_sync:
                 torch.cuda.synchronize()
             self._marks.append((name, a, self.clock.mark()))
             _DOMAIN.pop_range()
+
+    @contextmanager
+    def watching(self, phase: str, watcher):
+        """Within this block, enter `watcher` (a context manager: StepPeak) around every `phase` body;
+        None watches nothing."""
+        if watcher is None:
+            yield
+            return
+        self._watch[phase] = watcher
+        try:
+            yield
+        finally:
+            self._watch.pop(phase, None)
 
     def end_step(self) -> dict[str, float] | None:
         """The step's times at once with the host clock; None with events (read `steps` later)."""

@@ -17,6 +17,10 @@ Verdict (`sampled_warnings`), one `contention:` line each, so the report keeps s
 - steal >= STEAL_SHARE (5 %) of the CPUs' time;
 - any process of someone else on one of our GPUs.
 A quiet run (no other work: others' mean well under half a CPU, no steal, our GPUs ours alone) gets none.
+
+The sampler itself runs beside the ranks (a thread of the launcher): it reads only its own tree's /proc files
+(not every process's), runs at the lowest priority (nice 19, its thread alone), and records its own CPU time
+(`sampler_cpu_s`, and per second of the run `sampler_cpu_share`, a share of one core: its goal is at most 0.5 %).
 """
 
 from __future__ import annotations
@@ -36,7 +40,55 @@ STEAL_SHARE = 0.05
 
 def _tree_cpu_s(root) -> tuple[float, set[int]]:
     """CPU seconds of `root` (a psutil.Process), its live descendants and the children each already reaped;
-    with the pids counted."""
+    with the pids counted. From /proc directly where the kernel lists each thread's children: a walk of our
+    own tree, not psutil's scan of every process on the host (which was most of the sampler's CPU)."""
+    if _PROC_CHILDREN:
+        try:
+            return _proc_tree_cpu_s(root.pid)
+        except (OSError, ValueError, IndexError):  # the root itself gone or unreadable: psutil says so its way
+            pass
+    return _psutil_tree_cpu_s(root)
+
+
+# the kernel lists each thread's children (CONFIG_PROC_CHILDREN); else psutil's scan of every process
+_PROC_CHILDREN = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """utime + stime + cutime + cstime of `pid` from /proc/PID/stat, in seconds (psutil's source too)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+    return sum(int(v) for v in fields[11:15]) * _TICK_S
+
+
+def _proc_children(pid: int) -> list[int]:
+    """The live children of `pid`: the union of its threads' /proc/PID/task/TID/children lists."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out += [int(c) for c in f.read().split()]
+        except FileNotFoundError:  # a thread that just ended
+            continue
+    return out
+
+
+def _proc_tree_cpu_s(root: int) -> tuple[float, set[int]]:
+    total = _proc_cpu_s(root)  # the root must be readable: else the caller falls back to psutil
+    pids, todo = {root}, _proc_children(root)
+    while todo:
+        pid = todo.pop()
+        try:
+            todo += _proc_children(pid)
+            total += _proc_cpu_s(pid)
+            pids.add(pid)
+        except (FileNotFoundError, ProcessLookupError):  # ended between the listing and the read
+            continue
+    return total, pids
+
+
+def _psutil_tree_cpu_s(root) -> tuple[float, set[int]]:
     import psutil
 
     total, pids = 0.0, set()
@@ -154,8 +206,16 @@ class Sampler:
         self._gpu_others: dict = {}
         self._gpu_error: str | None = None
         self._last: tuple[float, float, float, float] | None = None
+        self._cpu_s = 0.0  # the sampler's own CPU time: an observer must not change what it observes
 
     def _sample(self) -> None:
+        c0 = time.thread_time()
+        try:
+            self._measure()
+        finally:
+            self._cpu_s += time.thread_time() - c0
+
+    def _measure(self) -> None:
         now = time.monotonic()
         busy, steal = _cpu_busy_steal(self.cpus)
         own, pids = _tree_cpu_s(self.me)
@@ -179,6 +239,10 @@ class Sampler:
                 self._gpu_error = f"{type(e).__name__}: {e}"
 
     def _loop(self) -> None:
+        try:  # the lowest priority for this thread alone (Linux): on a full machine the ranks run first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         while not self._stop.wait(self.interval_s):
             try:
                 self._sample()
@@ -220,6 +284,8 @@ class Sampler:
             "steal_share": round(self._steal / (span * len(self.cpus)), 4) if span else None,
             "own_busy_cpus_mean": round(self._own / span, 3) if span else None,
             "loadavg_1m_max": round(self._load_max, 2),
+            "sampler_cpu_s": round(self._cpu_s, 6),
+            "sampler_cpu_share": round(self._cpu_s / span, 5) if span else None,
             "gpu_other_pids": {k: sorted(v) for k, v in self._gpu_others.items()} if self.gpus else None,
             "gpu_error": self._gpu_error,
         }

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from ptbench import adapters
 from ptbench.adapters.base import Adapter, compile_stats
-from ptbench.core import schema
+from ptbench.core import memory, schema
 from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext
 from ptbench.core.flops import math_dtype, mfu, peak_flops
@@ -40,7 +40,8 @@ CONVENTIONS = {
     "step_time": "per step, the slowest rank; phases are means over ranks",
     "flops": "analytic, 2 FLOPs per multiply-add, training = 3 x forward (vision: less the first convolution's "
     "input gradient); flops_check: the same counted by torch's FlopCounterMode",
-    "memory": "CUDA: max allocated/reserved; CPU: VmHWM; both reset each epoch",
+    "memory": "CUDA: max allocated/reserved; CPU: VmHWM; both reset each epoch and after the warm-up steps: "
+    "an epoch's peak is the steady steps' (peak_memory_after_warmup), warmup_peak_memory_max the warm-up's",
     "startup": "startup_s = launch of the command to the end of the first step",
     "compile": "trainer.compile: compilation runs in the warm-up steps (out of step stats, inside the first "
     "epoch_time_s); compile.time_s is torch._dynamo's own compile time; frames compiled after warm-up "
@@ -49,7 +50,16 @@ CONVENTIONS = {
     "time is the sum of its parts before and after the restart, the restart gap left out",
 }
 # the last epoch's values the summary repeats
-LAST_EPOCH = ("val_loss", "val_accuracy", "val_perplexity", "train_loss", "peak_memory_max", "peak_memory_min", "mfu")
+LAST_EPOCH = (
+    "val_loss",
+    "val_accuracy",
+    "val_perplexity",
+    "train_loss",
+    "peak_memory_max",
+    "peak_memory_min",
+    "peak_memory_after_warmup",
+    "mfu",
+)
 
 
 class Meter:
@@ -65,6 +75,7 @@ class Meter:
         self.adapter = adapter
         self.workload = workload
         self.compile_warm: dict | None = None  # torch._dynamo counters when the warm-up ended (trainer.compile)
+        self.warmup_memory: dict | None = None  # this rank's warm-up peaks (after_warmup), until its epoch's event
         self.global_batch = plan.global_batch
         self.local_batch = plan.local_batch
         self.profiler = profiler  # the trainer's StepProfiler (trainer.profile): collective waits per rank
@@ -96,6 +107,9 @@ class Meter:
         saved_activations and step_peak (the last untimed step, memory ledger) and host_syncs (trainer.count_syncs)."""
         device = self.ctx.device
         steps = len(losses)
+        warmup, self.warmup_memory = self.warmup_memory, None  # the epoch in which the warm-up ended has it
+        if warmup is not None and first_step + steps <= self.cfg.trainer.untimed_steps:
+            mem = memory.with_warmup(mem, warmup)  # the reset came after this epoch's last step
         loss_vec = self._mean_losses(losses)
         times, per_rank = self._gather(
             rows,
@@ -103,6 +117,7 @@ class Meter:
                 "rank": self.ctx.rank,
                 "host": socket.gethostname(),
                 "memory": mem,
+                "memory_warmup": warmup,
                 "state_bytes": state,
                 "saved_activations": counted["saved_activations"],
                 "step_peak": counted["step_peak"],
@@ -169,6 +184,7 @@ class Meter:
             "memory_metric": mem_key,
             "peak_memory_max": max(mem_values) if mem_values else None,
             "peak_memory_min": min(mem_values) if mem_values else None,
+            **self._warmup_peaks(per_rank, mem_key, first_step, steps),
             "ranks": per_rank,
             **_stragglers(timed, per_rank),
             **val_metrics,
@@ -210,6 +226,31 @@ class Meter:
         per_rank = [None] * self.ctx.world_size
         dist.all_gather_object(per_rank, facts)
         return torch.stack([g.cpu() for g in gathered]).numpy(), per_rank
+
+    def after_warmup(self, devices) -> None:
+        """Called once, after the last untimed step: keeps this rank's warm-up peaks (cuDNN autotuning,
+        compilation, the memory ledger's step) as their own reading and resets the peaks, so the epoch's
+        recorded peak, the one set against the memory model, is the steady steps'."""
+        self.warmup_memory = memory.end_warmup(devices)
+
+    def _warmup_peaks(self, per_rank: list[dict], mem_key: str, first_step: int, steps: int) -> dict:
+        """`peak_memory_after_warmup`: whether the epoch's peaks leave the warm-up steps out (the epoch began
+        after them, or every rank reset its peaks when they ended); and in the epoch in which the warm-up
+        ended, `warmup_peak_memory_max`: the highest warm-up peak over ranks."""
+        warm = [r["memory_warmup"] for r in per_rank if r.get("memory_warmup")]
+        for r in per_rank:
+            if r.get("memory_warmup") is None:
+                r.pop("memory_warmup", None)
+        untimed = self.cfg.trainer.untimed_steps
+        holds_warmup = first_step < untimed
+        after = not holds_warmup or (
+            first_step + steps > untimed and len(warm) == len(per_rank) and all(w["reset"] for w in warm)
+        )
+        out = {"peak_memory_after_warmup": after}
+        values = [w[mem_key] for w in warm if w.get(mem_key) is not None]
+        if values:
+            out["warmup_peak_memory_max"] = max(values)
+        return out
 
     def warmup_ended(self) -> None:
         """Called at the last warm-up step (trainer.compile): later compiles are recompiles in timed steps."""
@@ -296,6 +337,10 @@ class Meter:
             "state_bytes_per_rank": [r["state_bytes"] for r in last.get("ranks", [])],
             "hosts": [r["host"] for r in last.get("ranks", [])],  # one per rank, in rank order
             **{k: last.get(k) for k in LAST_EPOCH},
+            # the warm-up's own peak (the epoch in which it ended): beside the steady peak_memory_max
+            "warmup_peak_memory_max": next(
+                (e["warmup_peak_memory_max"] for e in epochs if e.get("warmup_peak_memory_max") is not None), None
+            ),
         }
         if diverged_at_step is not None:
             summary["diverged_at_step"] = diverged_at_step

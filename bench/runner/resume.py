@@ -42,7 +42,7 @@ class TrainState:
 
     def __init__(self, timer: PhaseTimer):
         self.timer = timer  # its `steps` are this attempt's per-step phase times of the epoch
-        self.schedule: Schedule | None = None  # set once the steps per epoch are known
+        self.schedule: Schedule | None = None  # given once the steps per epoch are known (`use_schedule`)
         self.global_step = 0
         self.epoch = 0
         self.epoch_first_step = 0  # the global step the epoch started at
@@ -59,6 +59,31 @@ class TrainState:
         self.resumed_from: list[dict] = []  # one entry per restart of this record
         self.checkpoints: list[dict] = []  # every save of this record (earlier attempts' included)
         self.restored: dict | None = None  # the loaded state: its epoch continues where it stopped
+
+    def use_schedule(self, schedule: Schedule | None) -> None:
+        self.schedule = schedule  # None: a constant lr; given before a restore, which loads its position
+
+    def start_run(self) -> float:
+        """The run's clock starts now (after a restore: loading is not training time); returns the start."""
+        self.run_start = time.perf_counter()
+        return self.run_start
+
+    def start_timing(self) -> None:
+        self.epoch_t0 = time.perf_counter()  # the epoch's clock
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` spent inside the epoch (the profiler's start and export) out of its time."""
+        self.epoch_t0 += seconds
+
+    def start_steps(self) -> list[torch.Tensor]:
+        """A new list of this attempt's losses (a checkpoint saves the epoch's losses so far); returns it."""
+        self.losses = []
+        return self.losses
+
+    def step_done(self, loss: torch.Tensor) -> None:
+        """One optimizer step ran: its loss (on the device) is kept and the global step advances."""
+        self.losses.append(loss)
+        self.global_step += 1
 
     def continued(self, epoch: int) -> dict | None:
         """The restored state if `epoch` is the one it stopped in, else None."""
@@ -144,8 +169,11 @@ class Checkpointer:
         self.resume_info = resume_info or {}
         self.enabled = self.run_dir is not None and ckpt.enabled(cfg, adapter.checkpoint_refusal(cfg))
         self.saved_on_stop = False
-        self.steps_per_epoch = 0  # recorded in each checkpoint's meta
+        self.steps_per_epoch = 0  # recorded in each checkpoint's meta (`set_steps_per_epoch`)
         self._last_saved = -1
+
+    def set_steps_per_epoch(self, steps: int) -> None:
+        self.steps_per_epoch = steps  # known once the loaders exist
 
     def due(self, step: int) -> bool:
         every = self.cfg.trainer.checkpoint_every

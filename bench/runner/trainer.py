@@ -115,10 +115,10 @@ class Trainer:
         t = self.cfg.trainer
         train, sampler, val, workers = self._loaders()
         steps_per_epoch = sampler.steps if t.max_steps <= 0 else min(sampler.steps, t.max_steps)
-        self.checkpointer.steps_per_epoch = steps_per_epoch
+        self.checkpointer.set_steps_per_epoch(steps_per_epoch)
         self.full_epoch_steps = sampler.steps  # a whole pass over the data (incomplete last batch dropped)
         # lr schedule (bench/core/schedule.py): stepped after every optimizer step; lr per step in state.lrs
-        self.state.schedule = (
+        self.state.use_schedule(
             None
             if self.cfg.lr_schedule.name == "constant"
             else Schedule(self.cfg.lr_schedule, self.adapter.optimizer, steps_per_epoch, t.epochs * steps_per_epoch)
@@ -128,7 +128,7 @@ class Trainer:
         if self.resume_from is not None:
             start_epoch = self.checkpointer.restore(self.resume_from)
             epochs = self.checkpointer.replace_events(self.record, start_epoch)
-        run_start = self.state.run_start = time.perf_counter()
+        run_start = self.state.start_run()
         diverged = None  # the global step of the first non-finite loss, found when the epoch's losses are on the host
         for epoch in range(start_epoch, t.epochs):
             prior = self.state.continued(epoch)
@@ -210,7 +210,7 @@ class Trainer:
         c0 = compile_stats() if self.cfg.trainer.compile else None
         if self.sampling is not None:
             self.sampling.start_epoch()
-        self.state.epoch_t0 = time.perf_counter()
+        self.state.start_timing()
         self.train_steps(it, steps - done, bar)
         self.adapter.end_epoch()  # work an adapter keeps in flight across steps ends here (a pipeline's drain)
         for d in self.adapter.devices():  # every device this process drives (GPipe: several)
@@ -258,11 +258,10 @@ class Trainer:
         t = self.cfg.trainer
         device = self.ctx.device
         state, schedule = self.state, self.state.schedule
-        losses: list[torch.Tensor] = []
-        state.losses = losses  # a checkpoint saves the epoch's losses so far
+        losses = state.start_steps()  # a checkpoint saves the epoch's losses so far
         for _ in range(steps):
             # trainer.profile: the profiler starts before the step's timer, and out of the epoch's time
-            self.state.epoch_t0 += self.profiler.start_window(state.global_step)
+            state.exclude(self.profiler.start_window(state.global_step))
             self.timer.start_step()
             with self.timer.phase("data"):
                 micro = []
@@ -272,53 +271,71 @@ class Trainer:
             self.faults.before_step(state.global_step)
             if schedule is not None:
                 state.lrs.append(schedule.lr())
-            # the memory ledger: what autograd saves in the last untimed step (the first holds one-off work such as
-            # a pipeline's shape inference), counted per rank
-            count = state.global_step == t.untimed_steps - 1 and self.step_memory["saved_activations"] is None
-            # and the optimizer phase's peak there, once the optimizer's state exists (torch makes it in the first
-            # step) and not inside trainer.profile's window (one profiler at a time)
-            measure = count and state.global_step >= 1 and not self.profiler.covers(state.global_step)
-            peak = StepPeak(device) if measure else None
-            if peak is not None:
-                self.timer.watch["optimizer"] = peak
-            with SavedTensorLedger(self.adapter.modules()) if count else contextlib.nullcontext() as ledger:
-                with self.profiler.step(state.global_step):  # trainer.profile's window (profiling.py)
-                    loss = self.adapter.train_step(micro, self.timer)
-            if count:
-                self.timer.watch.pop("optimizer", None)
-                self.step_memory = {
-                    "saved_activations": ledger.result(),
-                    "step_peak": peak.peak if peak is not None else None,
-                }
+            with self._step_measures(state.global_step):
+                loss = self.adapter.train_step(micro, self.timer)
             if schedule is not None:
                 schedule.step()
             self.timer.end_step()
             # trainer.profile: the trace's export after the step's timer, and out of the epoch's time
-            self.state.epoch_t0 += self.profiler.end_window()
+            state.exclude(self.profiler.end_window())
             if self.first_step_end is None:  # startup ends when step 1 has run, not when it was queued
                 for d in self.adapter.devices():
                     if torch.device(d).type == "cuda":
                         torch.cuda.synchronize(d)
                 self.first_step_end = time.time()
-            losses.append(loss if loss is not None else torch.zeros((), device=device))
-            state.global_step += 1
-            if state.global_step == t.untimed_steps and t.compile:
-                self.meter.warmup_ended()
-            self.watchdog.beat()
-            if bar is not None:
-                bar.update(1)
-            self.faults.after_step(state.global_step, self.stop)
-            if self.checkpointer.due(state.global_step):
-                self.checkpointer.save("every")
-            sampled = self.sampling is not None
-            if sampled and self.sampling.enough(state.epoch_rows, state.epoch_first_step, state.global_step):
-                break  # trainer.timing_sample: measured enough; the epoch's time is an estimate
-            if state.global_step % t.stop_check_every == 0 and self.stop.agreed():
-                self.stop_requested = True
-                if self.checkpointer.enabled:
-                    self.checkpointer.save("stop")
+            state.step_done(loss if loss is not None else torch.zeros((), device=device))
+            if self._after_step(bar):
                 break
         return losses
+
+    @contextlib.contextmanager
+    def _step_measures(self, step: int):
+        """The measurements around one step's body: trainer.profile's window (profiling.py) and, in the last
+        untimed step, the memory ledger's counts."""
+        # what autograd saves in the last untimed step (the first holds one-off work such as a pipeline's shape
+        # inference), counted per rank
+        count = step == self.cfg.trainer.untimed_steps - 1 and self.step_memory["saved_activations"] is None
+        # and the optimizer phase's peak there, once the optimizer's state exists (torch makes it in the first
+        # step) and not inside trainer.profile's window (one profiler at a time)
+        measure = count and step >= 1 and not self.profiler.covers(step)
+        peak = StepPeak(self.ctx.device) if measure else None
+        with (
+            self.timer.watching("optimizer", peak),
+            SavedTensorLedger(self.adapter.modules()) if count else contextlib.nullcontext() as ledger,
+            self.profiler.step(step),
+        ):
+            yield
+        if count:
+            self.step_memory = {
+                "saved_activations": ledger.result(),
+                "step_peak": peak.peak if peak is not None else None,
+            }
+
+    def _after_step(self, bar) -> bool:
+        """What follows every step (its count is in `state.global_step`); True when the loop stops: measured
+        enough (trainer.timing_sample) or every rank agreed to stop (then a checkpoint when checkpointing is on)."""
+        t = self.cfg.trainer
+        state = self.state
+        if state.global_step == t.untimed_steps:
+            self.meter.after_warmup(self.adapter.devices())  # the recorded peak is then the steady steps'
+            if t.compile:
+                self.meter.warmup_ended()
+        self.watchdog.beat()
+        if bar is not None:
+            bar.update(1)
+        self.faults.after_step(state.global_step, self.stop)
+        if self.checkpointer.due(state.global_step):
+            self.checkpointer.save("every")
+        if self.sampling is not None and self.sampling.enough(
+            state.epoch_rows, state.epoch_first_step, state.global_step
+        ):
+            return True  # trainer.timing_sample: measured enough; the epoch's time is an estimate
+        if state.global_step % t.stop_check_every == 0 and self.stop.agreed():
+            self.stop_requested = True
+            if self.checkpointer.enabled:
+                self.checkpointer.save("stop")
+            return True
+        return False
 
     @torch.no_grad()
     def _validate(self, val, epoch: int = 0) -> dict:
