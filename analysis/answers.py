@@ -466,6 +466,8 @@ def _claim_counts(found: list[dict] | None, cpu: bool = False) -> str:
     holds, fails, undecided, unmeasured = (
         sum(c["verdict"] == k for c in found) for k in ("holds", "does not hold", "undecided", "not measured")
     )
+    if unmeasured == len(found):
+        return "- **Paper claims**: none checked (no run measures one; `python -m ptbench.paper plan` makes them)."
     return (f"- **Paper claims**: {holds} hold{'s' if holds == 1 else ''}, {fails} do{'es' if fails == 1 else ''} "
             f"not hold, {undecided} undecided; {unmeasured} not measured (table under Paper claims)."
             + (CPU_CAVEAT if cpu else ""))  # fmt: skip

@@ -489,8 +489,10 @@ def claims(per_run: pd.DataFrame, include_contended: bool = False, epochs: pd.Da
         done = ok[ok["contention"].isna()]
     left = _left_out(per_run, include_contended) if len(per_run) else per_run
     out = {}
-    for w, sub in done.groupby("workload"):  # a workload with no run left is the answers' "could not decide"
-        gone = left[left["workload"] == w]
+    # every workload with a finished run: its memory claims stand on contended runs too, so a workload whose
+    # every run is contended still has them (its time claims then have no run)
+    for w in sorted(ok["workload"].unique()) if len(ok) else []:
+        sub, gone = done[done["workload"] == w], left[left["workload"] == w]
         (memory, lm), (timed, lt), (trained, ls) = (
             _phases_of(sub, gone, p) for p in ("paper-memory-", "paper-epoch-", "paper-stateff-")
         )

@@ -638,7 +638,7 @@ def claims_table_lines(found: dict, include_contended: bool) -> list[str]:
         "The findings of Lin et al. checked against these records (analysis/claims.py states each test): a claim "
         "holds when the 90 % interval of its ratio lies inside the paper's range, does not hold when wholly outside "
         "it, else (or without repeats) it is undecided; runs that warn of contention are "
-        + ("kept (asked for)." if include_contended else "left out.")
+        + ("kept (asked for)." if include_contended else "left out of the time claims (memory is not a timing: kept).")
         + f" Every number and run: [{DETAILS}]({DETAILS}).",
         "",
     ]

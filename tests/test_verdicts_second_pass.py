@@ -180,3 +180,11 @@ def test_zero_claims_are_checked_where_zero_shards_and_keep_contended_memory_run
     # before: "does not hold: x1 100 % [100, 100]; x2 55 % [55, 55]", and the contended x2 runs dropped
     assert c["verdict"] == "holds" and "x1" not in c["numbers"] and "zero2 x2 / ddp: 55 %" in c["numbers"], c
     assert {"ddp-x2-6", "zero2-x2-7"} <= set(c["runs"]) and "contention" not in c["numbers"]
+
+
+def test_memory_claims_decide_when_every_run_is_contended():
+    """A loaded machine contends every run: the time claims have none left, the memory claims keep them all
+    (a real paper workflow on 2 shared cores read "no finished run the verdicts use" for every claim)."""
+    rows = [("ddp", "ddp", 2, 8, 600, 1.0), ("zero", "zero2", 2, 8, 330, 1.1)] * 2
+    c = _mem_claim(rows, busy=range(4))
+    assert c["verdict"] == "holds" and "zero2 x2 / ddp: 55 %" in c["numbers"], c
