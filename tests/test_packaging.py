@@ -116,10 +116,10 @@ def test_smoke_run_from_any_directory(installed, tmp_path):
 SBATCH = ("array.sbatch", "run.sbatch", "stage_data.sh", "local_cluster.sh", "README.md")
 
 
-def test_sbatch_scripts_ship_and_an_installed_copy_finds_them(installed, tmp_path):
+def test_sbatch_scripts_ship_and_an_installed_copy_finds_them(built, installed, tmp_path):
     """slurm/ is package data (ptbench.slurm): the wheel holds the scripts, and the installed copy's
     submission (`ptbench.sweep submit`) points sbatch at its own copy, jobs running from the submit folder."""
-    wheel = next((installed.parents[2] / "dist").glob("ptbench-*.whl"))
+    wheel = built[0]
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"ptbench/slurm/{name}" for name in SBATCH} <= names, sorted(n for n in names if "slurm" in n)
     proc = _run(

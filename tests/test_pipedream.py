@@ -372,7 +372,7 @@ def test_the_adapter_states_its_stash_through_cost_inputs():
 
 
 def _slow_last_stage(rank: int, world: int, port: int, out: str) -> None:
-    """Two stages, the last one 0.1 s slower per micro-batch (a forward hook): the first must wait for it."""
+    """Two stages, the last one 0.2 s slower per micro-batch (a forward hook): the first must wait for it."""
     import time
 
     import torch.distributed as dist
@@ -388,7 +388,7 @@ def _slow_last_stage(rank: int, world: int, port: int, out: str) -> None:
     ad = PipedreamAdapter(cfg, build_workload(cfg.workload, cfg.data), DistContext(rank=rank, world_size=world))
     ad.setup()
     if ad.is_last:
-        ad.module.register_forward_hook(lambda *_: time.sleep(0.1))
+        ad.module.register_forward_hook(lambda *_: time.sleep(0.2))
     ad.train()
     for x, y in batches()[:4]:
         ad.train_step([(x, y)], PhaseTimer(cuda_sync=False))
@@ -417,7 +417,9 @@ def test_recv_wait_fraction_sees_a_slow_stage(tmp_path):
     print(got)
     first, last = got["recv_wait_fraction_per_stage"]
     assert got["recv_wait_clock"] == "host_perf_counter"
-    assert first > 0.6 and last < 0.4, got
+    # the slow stage waits too when a loaded machine slows the first (0.48 in a full suite on 2 busy cores):
+    # the claim is the difference, not an absolute level for the slow stage
+    assert first > 0.6 and last < first - 0.25, got
 
 
 def test_the_memory_ledger_counts_the_stage_weights_as_weights(tmp_path):
