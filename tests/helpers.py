@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,11 @@ def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
 
 
 def run_dirs(results: Path) -> list[Path]:
+    for _ in range(50):
+        try:
+            return sorted(p.parent for p in Path(results).rglob("summary.json"))
+        except FileNotFoundError:  # a running launcher's write probe, made and removed while rglob walked
+            time.sleep(0.02)
     return sorted(p.parent for p in Path(results).rglob("summary.json"))
 
 
