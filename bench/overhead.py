@@ -28,6 +28,14 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def bare_step(workload, model, opt, x, y, device) -> None:
+    """One step of a hand-written loop, as a user writes it without a harness: both bare loops take it."""
+    x, y = x.to(device), y.to(device)
+    workload.loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
 def _compose(overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
 
@@ -84,12 +92,7 @@ def _rank(rank: int, cfg_dict: dict, world: int, port: int, blocks: int, steps: 
 
     def bare_steps(n: int) -> None:
         for _ in range(n):
-            x, y = next(bare_data)
-            x, y = x.to(device), y.to(device)
-            loss = workload.loss(bare_model(x), y)
-            loss.backward()
-            bare_opt.step()
-            bare_opt.zero_grad(set_to_none=False)
+            bare_step(workload, bare_model, bare_opt, *next(bare_data), device)
 
     # the harness: the real adapter and the trainer's hot loop
     torch.manual_seed(cfg.trainer.seed)
@@ -363,12 +366,7 @@ def _bare_rank(rank: int, cfg_dict: dict, world: int, port: int, out: str) -> No
     times = []
     for _ in range(t.max_steps):
         t0 = time.perf_counter()
-        x, y = next(loader)
-        x, y = x.to(device), y.to(device)
-        loss = workload.loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
+        bare_step(workload, model, opt, *next(loader), device)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
