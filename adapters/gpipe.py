@@ -11,7 +11,7 @@ size and chunks = 4 x partitions, so the mini-batch grows with the partition cou
 explicit `adapter.balance` or torchgpipe's `balance_by_time` profiling. BatchNorm: deferred (running
 statistics once per mini-batch, as a full-batch BatchNorm would keep them). GPT-2's tied embedding /
 head weight: the head gets its own copy whose gradient is summed with the embedding's every step
-(see bench/pipeline.py), because torchgpipe refuses one Parameter in two partitions.
+(see adapters/_pipeline.py), because torchgpipe refuses one Parameter in two partitions.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class GPipeAdapter(Adapter):
         self.micro_batch = self.local_batch_size(self.cfg, 1) // self.chunks
 
         seq = self.workload.sequential(self.workload.build_model())
-        # torchgpipe refuses one Parameter in two partitions: the head gets an equal copy (bench/pipeline.py)
+        # torchgpipe refuses one Parameter in two partitions: the head gets an equal copy (adapters/_pipeline.py)
         self.ties = P.untie(seq, self.workload.tied_parameters(sequential=True))
         self.has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in seq.modules())
         if self.has_batchnorm and a.deferred_batch_norm:

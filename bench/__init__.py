@@ -6,6 +6,7 @@ Layers, lowest first; no module imports a layer above its own (tests/test_layers
   adapters       one file per framework behind adapters/base.py; their config schemas
   ptbench.runner   composing the config, checks, the run plan, launching, one rank, the training loop
   bench.*        drivers, each a command: `python -m ptbench` (one run), ptbench.sweep, ptbench.smoke,
-                 ptbench.demo, ptbench.overhead, ptbench.memory_study, ptbench.comm, ptbench.model_speed
+                 ptbench.demo, ptbench.paper, ptbench.comm, ptbench.compare, ptbench.predict, ptbench.scale;
+                 the studies and maintainers' benchmarks apart in ptbench.studies (memory_study, ledger, ...)
   analysis       reads records only (it imports none of the above)
 """

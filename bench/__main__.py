@@ -98,7 +98,7 @@ def _precheck(argv: list[str]) -> None:
 
 def _plan(argv: list[str]) -> int:
     """`python -m ptbench --plan <overrides>`: the run plan and the predicted memory per rank
-    (bench/core/memory_model.py) against this machine's device memory, and the comm volume per step; no
+    (bench/core/memory_model/) against this machine's device memory, and the comm volume per step; no
     rank starts. The launcher's own `plan_run` computes them, so this prints what a run would record."""
     from ptbench.core.memory_model import GIB, table
     from ptbench.runner.compose import typed

@@ -1,12 +1,12 @@
-"""`python -m ptbench.memory_study --deepspeed-estimators`: the memory model beside DeepSpeed's own
+"""`python -m ptbench.studies.memory_study --deepspeed-estimators`: the memory model beside DeepSpeed's own
 estimators (estimate_zero2/zero3_model_states_mem_needs, model_to_params), called for real."""
 
 from __future__ import annotations
 
 import pytest
 
-from ptbench import memory_study as ms
-from ptbench import memory_study_ds as ds
+from ptbench.studies import memory_study as ms
+from ptbench.studies import memory_study_ds as ds
 
 PSI, LARGEST, N = 1_000_000, 100_000, 4  # a known parameter count; hand-computed bytes below (bf16, Adam)
 

@@ -64,12 +64,12 @@ def test_measured_bytes_within_2_percent_of_the_corrected_formula(tmp_path, case
 
 
 def test_ledger_command_measures_busbw_and_the_report_times_each_kind_at_it(tmp_path, capsys):
-    """`python -m ptbench.ledger --only bytes --runs ddp`: the table's row (measured = formula), the bus bandwidth
+    """`python -m ptbench.studies.ledger --only bytes --runs ddp`: the table's row (measured = formula), the bus bandwidth
     measured at 2 ranks stored where the report looks, and the report's ledger row timed at that bandwidth."""
     from ptbench.analysis.load import load, load_comm
     from ptbench.analysis.report import why_lines
 
-    cmd = [sys.executable, "-m", "ptbench.ledger", "--only", "bytes", "--runs", "ddp", "--root", str(tmp_path)]
+    cmd = [sys.executable, "-m", "ptbench.studies.ledger", "--only", "bytes", "--runs", "ddp", "--root", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     row = next(line.split() for line in proc.stdout.splitlines() if line.startswith("ddp "))
@@ -84,7 +84,7 @@ def test_ledger_command_measures_busbw_and_the_report_times_each_kind_at_it(tmp_
     cells = next([c.strip() for c in line.split("|")] for line in lines if "| all_reduce " in line)
     assert float(cells[col]) > 0, cells
     # a second ledger on the same root keeps the measurement there, never overwrites it
-    from ptbench.ledger import measure_busbw
+    from ptbench.studies.ledger import measure_busbw
 
     before = (tmp_path / "ledger" / "comm" / "gloo-2.json").read_bytes()
     assert measure_busbw(tmp_path) == tmp_path / "ledger" / "comm" / "gloo-2.json"

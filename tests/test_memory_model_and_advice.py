@@ -128,7 +128,7 @@ def test_deepspeed_step_holds_an_fp32_gradient_partition_after_backward():
 
 def test_per_tensor_partition_keeps_straddling_gradients_whole():
     # one big tensor (90 %) and a small one: at N = 2 the big tensor straddles the middle of the flat
-    # buffer, so both ranks keep its whole gradient (bench/memory_study.py's expected_state)
+    # buffer, so both ranks keep its whole gradient (bench/studies/memory_points.py's expected_state)
     shapes = [(900, 10), (100, 10)]
     psi = 10_000
     flat = _states("zero2", psi, 2)

@@ -21,7 +21,7 @@ from tests.helpers import REPO, SMOKE, bench, check_ok, only_run, run, run_dirs,
 
 def test_memory_study_records_of_a_folder_it_did_not_write_is_one_line(tmp_path):
     (tmp_path / "smoke" / "20260101-000000-ddp-gpt2_tiny-w2-abc").mkdir(parents=True)  # somebody else's run
-    proc = run([sys.executable, "-m", "ptbench.memory_study", "--records", str(tmp_path)], timeout=300)
+    proc = run([sys.executable, "-m", "ptbench.studies.memory_study", "--records", str(tmp_path)], timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout == ""  # no empty tables
     lines = proc.stderr.strip().splitlines()

@@ -1,4 +1,4 @@
-"""`python -m ptbench.overhead --whole-run`: a whole `python -m ptbench` run against a bare DDP program, each in its
+"""`python -m ptbench.studies.overhead --whole-run`: a whole `python -m ptbench` run against a bare DDP program, each in its
 own processes, and the ratio's interval (Welch's t on the logs)."""
 
 import math
@@ -8,7 +8,7 @@ import sys
 import numpy as np
 from scipy import stats
 
-from ptbench.overhead import log_ratio_interval, run_overrides
+from ptbench.studies.overhead import log_ratio_interval, run_overrides
 from tests.helpers import run
 
 
@@ -33,7 +33,18 @@ def test_overrides_fit_the_steps_in_one_epoch():
 def test_one_pair_runs_both_programs_and_prints_the_ratio():
     """One pair at the smoke model's size: both sides run in their own processes and report a step time, and
     the ratio line closes the output (the interval needs two pairs)."""
-    cmd = [sys.executable, "-m", "ptbench.overhead", "--whole-run", "--pairs", "1", "--steps", "4", "--untimed", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ptbench.studies.overhead",
+        "--whole-run",
+        "--pairs",
+        "1",
+        "--steps",
+        "4",
+        "--untimed",
+        "1",
+    ]
     proc = run([*cmd, "--batch", "2", "workload.vocab_size=256"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

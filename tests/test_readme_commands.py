@@ -1,5 +1,5 @@
 """README promises that no other test file covers: sweeps that go on past a failed point, a local Hydra
-multirun, `python -m ptbench --help` and `--cfg job`, every paper preset composing, ptbench.overhead, and
+multirun, `python -m ptbench --help` and `--cfg job`, every paper preset composing, ptbench.studies.overhead, and
 training with each optimizer the README lists. Each runs the command a user would type."""
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_every_paper_experiment_composes():
 def test_overhead_prints_its_ratio():
     # a small head (vocabulary 256): what is checked is that the harness and the bare loop both ran and were compared
     proc = run(
-        [sys.executable, "-m", "ptbench.overhead", "--blocks", "2", "--steps", "3", "workload.vocab_size=256"],
+        [sys.executable, "-m", "ptbench.studies.overhead", "--blocks", "2", "--steps", "3", "workload.vocab_size=256"],
         timeout=600,
     )
     check_ok(proc)
@@ -198,7 +198,7 @@ def test_optimizer_trains(optimizer_runs, optimizer):
 # into its typed config, a make target and its variables are in the Makefile, a script, notebook or pip
 # extra exists. Running them all would take hours (ledger alone 23 minutes on 2 shared cores); the tests above and the other
 # test files run them.
-PAGES = ("README.md", "bench/README.md", "analysis/README.md", "adapters/README.md", "slurm/README.md", "results/README.md")  # fmt: skip
+PAGES = ("README.md", "bench/README.md", "analysis/README.md", "adapters/README.md", "slurm/README.md", "results/README.md", "results/MEASUREMENTS.md")  # fmt: skip
 INLINE = re.compile(r"`((?:[A-Z_]+=\S+ )*(?:\.venv/bin/)?(?:python -m ptbench|torchrun -m ptbench|make [a-z])[^`]*)`")
 # what a page writes for "your value here", and a value of that kind
 PLACEHOLDERS = {"N": "2", "i": "0", "DIR": "results/smoke", "FILE": "results/sweep.txt", "<root>": "results"}

@@ -1,4 +1,4 @@
-"""`python -m ptbench.report_scale`: the benchmark of the report on N synthetic records (a test of function at a
+"""`python -m ptbench.studies.report_scale`: the benchmark of the report on N synthetic records (a test of function at a
 tiny N, not of speed): the records it writes are what `load` reads, and the report it times has every section."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.helpers import REPO
 
 def test_report_scale_writes_records_and_times_a_whole_report(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "ptbench.report_scale", "--records", "20", "--keep", str(tmp_path)],
+        [sys.executable, "-m", "ptbench.studies.report_scale", "--records", "20", "--keep", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -2,11 +2,11 @@
 
 Writers: every key real runs write (the shared smoke run; a run stopped with a checkpoint and resumed)
 is in the schema, nested keys included, and the record writer refuses a key that is not. Readers:
-every record key that analysis/, core/sinks.py, memory_study.py and runner/console.py read (string subscripts,
-`.get("...")`, `"..." in`, column lists, found in their syntax trees) is in the schema or is a column
-those files make themselves; the test does this reading, so analysis still imports nothing of the
-runner. results/README.md's field table is the schema's. Each check is also fed a misspelt key, to
-show that it fails.
+every record key that analysis/, core/sinks.py, the memory study (studies/memory_study*.py, memory_points.py)
+and runner/console.py read (string subscripts, `.get("...")`, `"..." in`, column lists, found in their syntax
+trees) is in the schema or is a column those files make themselves; the test does this reading, so analysis
+still imports nothing of the runner. results/README.md's field table is the schema's. Each check is also fed a
+misspelt key, to show that it fails.
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ from tests.helpers import bench, check_ok, events, only_run, summary
 REPO = Path(__file__).resolve().parents[1]
 READERS = sorted((REPO / "analysis").rglob("*.py")) + [
     REPO / p
-    for p in ("bench/core/sinks.py", "bench/memory_study.py", "bench/memory_study_ds.py", "bench/runner/console.py")
+    for p in (
+        "bench/core/sinks.py",
+        "bench/studies/memory_study.py",
+        "bench/studies/memory_points.py",
+        "bench/studies/memory_study_ds.py",
+        "bench/runner/console.py",
+    )
 ]
 KEY = re.compile(r"^[a-z][a-z0-9_]*$")  # record keys are snake_case; "MLLOG" names, "comm MB/step" labels are not
 # read by those files but no run record's: the `python -m ptbench.comm` report (bench/comm.py) that analysis

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from ptbench.core.errors import ConfigError
-from ptbench.memory_study import VARIANTS, expected_state, paper_formula, param_numels
-from ptbench.memory_study import main as memory_study_main
 from ptbench.runner.compose import compose, typed
 from ptbench.runner.plan import make_plan
+from ptbench.studies.memory_points import VARIANTS, expected_state, paper_formula, param_numels
+from ptbench.studies.memory_study import main as memory_study_main
 from tests.helpers import (
     assert_loss_falls,
     assert_losses_close,
@@ -119,7 +119,7 @@ def _total(r):
 
 def test_zero_state_bytes_match_expected_at_two_ranks(gpt_runs, vision_runs):
     """fp32 Adam, Ψ parameters, N = 2. What DeepSpeed 0.19 holds per rank (derivation in
-    analysis/memory_study.py): parameters 4Ψ (stages 1-2) or 4Ψ/N (stage 3); optimizer 8Ψ/N for the two
+    bench/studies/memory_study.py): parameters 4Ψ (stages 1-2) or 4Ψ/N (stage 3); optimizer 8Ψ/N for the two
     Adam moments plus 4Ψ/N for the fp32 master copy of the partition, which DeepSpeed keeps even for an
     fp32 model (it steps the copy, then copies it back); gradients 4Ψ/N, except that stages 1-2 keep
     whole tensors, so a tensor straddling the partition edge keeps its full gradient (gpt2_tiny's
@@ -160,7 +160,7 @@ def test_fsdp_holds_half_the_parameters_of_ddp(gpt_runs, vision_runs):
 
 
 def test_memory_study_tables_from_these_records(gpt_runs, tmp_path, capsys):
-    """`python -m ptbench.memory_study --records DIR` (README): the study's tables from earlier records, running
+    """`python -m ptbench.studies.memory_study --records DIR` (README): the study's tables from earlier records, running
     nothing. The records are these 2-rank runs, named as the study names its points (STAMP-VARIANT-wN)."""
     for variant in ("ddp", *SHARDED):
         shutil.copytree(gpt_runs[variant]["dir"], tmp_path / f"20261123-120000-{variant}-w2")
@@ -297,7 +297,7 @@ def test_deepspeed_config_for_gpu_only_settings():
     assert "optimizer" not in c and c["zero_force_ds_cpu_optimizer"] is False
 
 
-# --- the memory formulas at 1 and 4 ranks (python -m ptbench.memory_study's other rank counts) --------------
+# --- the memory formulas at 1 and 4 ranks (python -m ptbench.studies.memory_study's other rank counts) --------------
 SCALED = [
     *WORKLOADS["gpt2_tiny"],  # (a small head: 4 DeepSpeed ranks on 2 cores)
     "trainer.max_steps=2",
@@ -324,7 +324,7 @@ def scaled_runs(tmp_path_factory):
 @pytest.mark.parametrize("variant, n", SCALED_POINTS, ids=[f"{v}-{n}rank" for v, n in SCALED_POINTS])
 def test_state_bytes_match_the_formulas_at_1_and_4_ranks(scaled_runs, variant, n):
     """Each rank's reported model-state bytes against `expected_state` (the partition rule per tensor,
-    bench/memory_study.py) and, for fully sharded variants, the ZeRO paper's 16Ψ/N (+ DeepSpeed's 4Ψ/N
+    bench/studies/memory_points.py) and, for fully sharded variants, the ZeRO paper's 16Ψ/N (+ DeepSpeed's 4Ψ/N
     master copy): at 1 rank nothing is sharded, at 4 every rank holds about a quarter."""
     shapes = param_numels(SCALED)
     psi = sum(math.prod(s) for s in shapes)

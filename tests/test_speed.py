@@ -91,10 +91,10 @@ def test_channels_last_model_and_record(tmp_path):
 
 
 def test_model_speed_profile_lists_both_models_top_ops():
-    """`python -m ptbench.model_speed --profile`: torch.profiler's top ops by self CPU time of the harness GPT-2
+    """`python -m ptbench.studies.model_speed --profile`: torch.profiler's top ops by self CPU time of the harness GPT-2
     and Megatron's GPT (tiny sizes here; the comparison itself is a benchmark, quoted, not asserted)."""
     pytest.importorskip("megatron.core")
-    from ptbench.model_speed import profile_models
+    from ptbench.studies.model_speed import profile_models
 
     # every op listed (rows=1000): at these sizes which ops lead the self-CPU ranking is timing noise (a
     # top-5 table without aten::mm failed CI once), so the test checks that both tables hold the matmuls

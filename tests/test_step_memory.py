@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from ptbench import memory_study as ms
 from ptbench.core import memory_model as mm
 from ptbench.core.memory import StepPeak
+from ptbench.studies import memory_study as ms
 
 SLACK = 64  # bytes: the optimizer's 4-byte step counters and scalars beside the temporaries
 

@@ -148,7 +148,7 @@ class TrainerConfig:
     dist_timeout_s: int = 0
     hang_timeout_s: float = 900.0  # watchdog: no step/eval progress this long = status timeout; 0 = off
     # steps between agreements on a preemption signal: each is a tiny CPU all-reduce that also
-    # lines the ranks up; every step cost ~2-5 % on 50 ms CPU steps (ptbench.overhead), every 10 is noise
+    # lines the ranks up; every step cost ~2-5 % on 50 ms CPU steps (ptbench.studies.overhead), every 10 is noise
     stop_check_every: int = 10
     # CUDA: phases are timed by CUDA events (no host sync); true adds a device sync at every phase end, a
     # diagnostic that serialises host and device and slows frameworks that overlap host work (recorded)
@@ -186,7 +186,7 @@ class TrainerConfig:
     # checkpoint, in that record; never: always a fresh run (the default: a benchmark record is one
     # uninterrupted attempt unless asked; slurm/run.sbatch passes auto so requeued jobs resume)
     resume: str = "never"
-    # the memory model's verdict before launch (bench/core/memory_model.py; it is an estimate, about -30 %/+50 %):
+    # the memory model's verdict before launch (bench/core/memory_model/; it is an estimate, about -30 %/+50 %):
     # warn = one line with its numbers when the busiest rank's prediction exceeds 90 % of the device, and run;
     # refuse = refuse such a run before launch; off = predict and record only
     memory_check: str = "warn"

@@ -81,7 +81,7 @@ class CostInputs:
     step_phase: str | None = None  # one timed phase holding every collective of the step (a pipeline schedule)
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer state and fp32 master in host memory (zero1-3)
     offload_params: bool = False  # ZeRO-Infinity style: stage 3 parameters in host memory, gathered per unit
-    # what the framework moves beside the papers' formulas (comm_volume.corrected; measured by ptbench.ledger):
+    # what the framework moves beside the papers' formulas (comm_volume.corrected; measured by ptbench.studies.ledger):
     grad_bucket_all_reduce: bool = False  # sharded gradients all-reduced in buckets, not reduce-scattered
     # stage 3: a model below this many parameters (DeepSpeed's stage3_max_reuse_distance) keeps them gathered for
     # backward; 0: re-gathered

@@ -105,12 +105,8 @@ def shape(rate: float, burst: int = BURST) -> None:
       messages find it empty, so steps with collectives between compute (megatron's all-reduces between layers)
       run faster than the alpha-beta says;
     - a smaller one bends the collectives' time off 1/rate (a late timer loses tokens), which the fit needs.
-    Measured here (2026-11-28, ptbench.comm at 30 calls per size; median / max held-out step error, tau, and the
-    worst collective of 1 MiB or more at the held-out rate): 128 KiB, `--repeats 2`: 1.9 / 21.7 %, tau 0.87,
-    collectives within 2.9 %, megatron +21.7 %; 64 KiB, `--repeats 2`, twice: 5.6 / 7.6 % and 2.3 / 11.3 %, tau
-    1.00 and 0.87 (a pair measured 95.7 ms both), all-reduce and reduce-scatter up to +7.7 %, megatron +6.8 and
-    +10.3 %; 32 KiB (ddp and megatron only): DDP +7.3 %, all-reduce +12.0 %. 64 KiB is the default: the steps,
-    which are what a user predicts, come closest. The queue (latency) holds a second at the rate, so TCP meets
+    64 KiB is the default: the steps, which are what a user predicts, come closest (128, 64 and 32 KiB measured,
+    dated: results/MEASUREMENTS.md, "Predict: validate"). The queue (latency) holds a second at the rate, so TCP meets
     delay, not drops."""
     for dev in VETHS:
         _sh(

@@ -9,11 +9,8 @@ all stop at the same step). Step times are autocorrelated (a slow phase of the m
 the interval is Student-t's on the mean with an effective sample size, n (1 - r) / (1 + r) (AR(1)), r the lag-1
 autocorrelation with the Marriott-Pope small-sample correction r + (1 + 4 r) / n, clipped to [0, 0.95]; t from
 scipy.stats.t. It remains an ESTIMATE, and stopping when the interval first looks narrow enough makes it
-narrower than it should be. Simulated AR(1) steps (5 % spread, 1000 epochs each, 2026-12-02): at a FIXED count
-of 10 to 50 steps the 95 % interval covers 96-97 % when independent, 90-94 % at autocorrelation 0.5, 84-93 % at
-0.8 (the plain t interval: 73-75 % and 46-48 %); under this STOP RULE (timing_sample=2, cap 200) it covers 95 %,
-88 %, 82 % and 66 % at autocorrelation 0, 0.5, 0.8 and 0.95 (at timing_sample=5, no cap: 97, 87, 84, 78 %).
-Where steps are autocorrelated, read the estimate's interval as an 80-90 % one (two thirds at 0.95).
+narrower than it should be: simulated on AR(1) steps (results/MEASUREMENTS.md, "Sampled timing"), where steps
+are autocorrelated, read the estimate's interval as an 80-90 % one (two thirds at autocorrelation 0.95).
 Estimate = the measured part of the epoch + mean x the steps left (interval: the same with the
 mean's bounds). On CUDA each check reads the steps' events (one device sync every CHECK_EVERY steps).
 """

@@ -1,4 +1,4 @@
-"""`python -m ptbench.report_scale --records 1000 [--records 10000] [--keep DIR]`: how long the report takes
+"""`python -m ptbench.studies.report_scale --records 1000 [--records 10000] [--keep DIR]`: how long the report takes
 on a large study.
 
 Writes N synthetic run records shaped like a real sweep (adapters x workloads x ranks 1..64 x repeats, 2-4
@@ -353,7 +353,7 @@ def run_one(n: int, folder: Path, seed: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ptbench.report_scale", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ptbench.studies.report_scale", description=__doc__.splitlines()[0])
     p.add_argument(
         "--records", type=int, action="append", help="records to write (repeat for several sizes; default 1000)"
     )

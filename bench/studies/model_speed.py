@@ -1,9 +1,9 @@
 """Model speed: the harness GPT-2 against megatron-core's GPTModel (and Hugging Face's GPT2LMHeadModel,
 when transformers is installed) of one size, stepped in interleaved blocks inside one process.
 
-    python -m ptbench.model_speed                       # 4 layers x 256 wide, 8 heads, T=128, batch 8, fp32
-    python -m ptbench.model_speed --blocks 7 --n-layer 2
-    python -m ptbench.model_speed --profile            # torch.profiler: each model's top ops by self CPU time
+    python -m ptbench.studies.model_speed                       # 4 layers x 256 wide, 8 heads, T=128, batch 8, fp32
+    python -m ptbench.studies.model_speed --blocks 7 --n-layer 2
+    python -m ptbench.studies.model_speed --profile            # torch.profiler: each model's top ops by self CPU time
 
 Each step is a full train step: forward, loss, backward, AdamW step (zero_grad(set_to_none) first).
 What is kept equal, so that the ratio compares models and not set-ups:
@@ -108,7 +108,7 @@ def _megatron_world():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != 1:
         raise RuntimeError(
-            f"ptbench.model_speed runs Megatron on 1 rank; the process group has {dist.get_world_size()}"
+            f"ptbench.studies.model_speed runs Megatron on 1 rank; the process group has {dist.get_world_size()}"
         )
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     try:
@@ -222,7 +222,7 @@ def compare_models(
 
     if torch.cuda.is_available():
         raise RuntimeError(
-            "ptbench.model_speed compares the models on CPU, and this machine has CUDA, where "
+            "ptbench.studies.model_speed compares the models on CPU, and this machine has CUDA, where "
             "adapters/_megatron_cpu.py refuses to patch Megatron; run it on a CPU-only machine"
         )
     torch.set_num_threads(1)
@@ -358,7 +358,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ptbench.model_speed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ptbench.studies.model_speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--n-head", type=int, default=8)

@@ -1,11 +1,11 @@
 """The memory ledger: predicted vs counted saved-activation bytes per adapter x workload.
 
-    python -m ptbench.memory_ledger                                  # every adapter x tiny workload, 2 ranks
-    python -m ptbench.memory_ledger --adapters ddp zero3 --workloads gpt2_tiny
-    python -m ptbench.memory_ledger --tolerance 0.10                 # exit 1 when a point is further off
+    python -m ptbench.studies.memory_ledger                          # every adapter x tiny workload, 2 ranks
+    python -m ptbench.studies.memory_ledger --adapters ddp zero3 --workloads gpt2_tiny
+    python -m ptbench.studies.memory_ledger --tolerance 0.10         # exit 1 when a point is further off
 
 Runs `python -m ptbench` once per point (2 ranks on this machine, a few steps, fp32): the runner counts
-what autograd saves in the last untimed step on every rank (the second here) (bench/core/memory_model.py,
+what autograd saves in the last untimed step on every rank (the second here) (bench/core/memory.py,
 `SavedTensorLedger`: saved-tensor hooks, each storage once, parameters and buffers excluded, the most
 bytes alive at once) and records it beside the memory model's prediction for the busiest rank in the
 summary's `memory_ledger`. The table prints both and their ratio. gpipe (torchgpipe, one process driving 2
@@ -24,20 +24,16 @@ import sys
 from pathlib import Path
 
 from ptbench.core.records import command_root
-from ptbench.ledger import Tally
 from ptbench.run_point import run_bench
+from ptbench.studies.tally import Tally
+from ptbench.studies.variants import overrides
 
+# rows of ptbench.studies.variants at 2 ranks; gpipe: one process driving the 2 partitions
 ADAPTERS = {
-    "ddp": ["adapter=ddp"],
-    "zero1": ["adapter=zero", "adapter.stage=1"],
-    "zero2": ["adapter=zero", "adapter.stage=2"],
-    "zero3": ["adapter=zero", "adapter.stage=3"],
-    "fsdp": ["adapter=fsdp"],
-    "tensor_parallel": ["adapter=tensor_parallel", "adapter.tensor_parallel=2"],
-    "megatron": ["adapter=megatron", "adapter.tensor_parallel=2"],
-    "pipeline": ["adapter=pipeline", "adapter.microbatches=4"],
-    "gpipe": ["adapter=gpipe", "adapter.pipeline_parallel=2", "adapter.microbatches=4", "launcher.nprocs=1"],
+    name: overrides(name, 2)
+    for name in ("ddp", "zero1", "zero2", "zero3", "fsdp", "tensor_parallel", "megatron", "pipeline", "gpipe")
 }
+ADAPTERS["gpipe"].append("launcher.nprocs=1")
 LANGUAGE_ONLY = ("tensor_parallel", "megatron")
 WORKLOADS = ("gpt2_tiny", "resnet50_tiny", "vgg16_tiny")
 # small enough for 2 ranks on 2 cores; vocabulary 1024 so that the transformer layers, not the head, dominate

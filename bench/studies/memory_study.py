@@ -1,22 +1,21 @@
 """Model-state memory per rank: DDP, ZeRO-1/2/3 (DeepSpeed) and FSDP2 at several rank counts.
 
-    python -m ptbench.memory_study                       # gpt2_tiny at 1, 2, 4 ranks
-    python -m ptbench.memory_study --ranks 2 4 workload=resnet50_tiny
-    python -m ptbench.memory_study --timing              # step-time ratios vs DDP at 2 ranks
-    python -m ptbench.memory_study --variants ddp zero3 tensor_parallel pipeline --ranks 2 4
-    python -m ptbench.memory_study --records results/memory_study   # the tables again from records, no run
-    python -m ptbench.memory_study --deepspeed-estimators --workloads gpt2_small gpt2_medium --gpus 1 2 8 64
-    python -m ptbench.memory_study --deepspeed-estimators --workloads gpt2_tiny --gpus 2 --measure
-    python -m ptbench.memory_study --step                # the optimizer step's peak: measured vs predicted
+    python -m ptbench.studies.memory_study                       # gpt2_tiny at 1, 2, 4 ranks
+    python -m ptbench.studies.memory_study --ranks 2 4 workload=resnet50_tiny
+    python -m ptbench.studies.memory_study --timing              # step-time ratios vs DDP at 2 ranks
+    python -m ptbench.studies.memory_study --variants ddp zero3 tensor_parallel pipeline --ranks 2 4
+    python -m ptbench.studies.memory_study --records results/memory_study   # the tables again from records, no run
+    python -m ptbench.studies.memory_study --deepspeed-estimators --workloads gpt2_small gpt2_medium --gpus 1 2 8 64
+    python -m ptbench.studies.memory_study --deepspeed-estimators --workloads gpt2_tiny --gpus 2 --measure
+    python -m ptbench.studies.memory_study --step                # the optimizer step's peak: measured vs predicted
 
-The default is 15 runs (5 variants at 1, 2 and 4 ranks): 6 min 37 s on 2 CPU cores shared with other work
-(load 7-23, 2026-12-02). Every mode that runs prints a line per finished run, with the time left at the mean
+The default is 15 runs (5 variants at 1, 2 and 4 ranks; how long they took: results/MEASUREMENTS.md). Every mode that runs prints a line per finished run, with the time left at the mean
 pace so far, on stderr (the tables go to stdout).
 
 Runs `python -m ptbench` once per (variant, ranks) point, as a user would, then prints the bytes of
 parameters, gradients and optimizer state each rank reported (read from the framework's tensors, see
 adapters/zero.py and adapters/fsdp.py) beside two predictions for fp32 Adam (Ψ parameters, N ranks), both
-from bench/core/memory_model.py (the one memory model), for the sharding each adapter's cost inputs state:
+from bench/core/memory_model/ (the one memory model), for the sharding each adapter's cost inputs state:
 
 - paper: the ZeRO paper's model-state formula (the model's Ψ/N rule). DDP 16Ψ; ZeRO-1 4Ψ+4Ψ+8Ψ/N; ZeRO-2 4Ψ+12Ψ/N;
   ZeRO-3 16Ψ/N; FSDP (fully sharded, like ZeRO-3) 16Ψ/N. "+master" adds the fp32 copy of its
@@ -29,7 +28,7 @@ from bench/core/memory_model.py (the one memory model), for the sharding each ad
   touches (GPT-2's token embedding is ~94 % of gpt2_tiny: at 2 ranks both ranks keep its gradient);
   stage 3 and FSDP split every tensor, so they follow the formula.
 
-A second table sets bench/core/memory_model.py's prediction (what `python -m ptbench --plan` prints
+A second table sets bench/core/memory_model/'s prediction (what `python -m ptbench --plan` prints
 and the runner checks before launch) against the record, per variant and rank count, with the
 error of the model-state bytes of the busiest rank: "formula" uses Ψ/N, "model" the per-tensor
 partition rule. The model-parallel variants (tensor_parallel, megatron: TP = N; pipeline: N stages;
@@ -37,13 +36,13 @@ gpipe: one process, N partitions) are predicted by the same module. ΔRSS (CPU: 
 before the first step, the busiest rank) is set beside the predicted activations + transient for
 orientation only: it also holds allocator slack and the lazily allocated gradients / moments.
 
---deepspeed-estimators sets the memory model against DeepSpeed's own estimators (bench/memory_study_ds.py).
+--deepspeed-estimators sets the memory model against DeepSpeed's own estimators (bench/studies/memory_study_ds.py).
 
 --step measures the optimizer step's peak: per variant (--variants, default ddp fsdp zero1 zero2 zero3) and
 precision (--precisions, default fp32 bf16) a real `python -m ptbench` run at --ranks (default 2) ranks on the
 CPU (gpt2_tiny, gloo, two untimed steps; `measure_step`). Every run's trainer measures the adapter's
 "optimizer" phase (clip + step; DeepSpeed's engine.step) in its last untimed step once the optimizer's state
-exists (ptbench.core.memory_model.StepPeak: on the CPU torch.profiler's memory events, the most bytes held at
+exists (ptbench.core.memory.StepPeak: on the CPU torch.profiler's memory events, the most bytes held at
 once beyond the phase's start) and records it in the memory ledger beside the run's predicted step_transient
 (the optimizer's temporaries; DeepSpeed's fp32 gradient partition, fp64 norms and gloo all-gather): the table
 reads those records. Overrides are passed to every run (e.g. optimizer=sgd).
@@ -52,146 +51,27 @@ reads those records. Overrides are passed to every run (e.g. optimizer=sgd).
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
 from pathlib import Path
 
-from ptbench.core.memory_model import numel, predict
+from ptbench.core.memory_model import numel
 from ptbench.core.records import command_root
-from ptbench.ledger import Tally
-from ptbench.run_point import run_bench
-
-VARIANTS = {
-    "ddp": ["adapter=ddp"],
-    "zero0": ["adapter=zero", "adapter.stage=0"],
-    "zero1": ["adapter=zero", "adapter.stage=1"],
-    "zero2": ["adapter=zero", "adapter.stage=2"],
-    # shard every parameter: DeepSpeed's default keeps tensors under 1e5 elements whole on every rank,
-    # which on the tiny CPU models is nearly all of them
-    "zero3": ["adapter=zero", "adapter.stage=3", "adapter.param_persistence_threshold=0"],
-    "fsdp": ["adapter=fsdp"],
-}
-# variants whose layout follows the rank count N (model parallel over all N ranks)
-RANKED_VARIANTS = {
-    "tensor_parallel": lambda n: ["adapter=tensor_parallel", f"adapter.tensor_parallel={n}"],
-    "megatron": lambda n: ["adapter=megatron", f"adapter.tensor_parallel={n}"],
-    "pipeline": lambda n: ["adapter=pipeline", "adapter.microbatches=4"],
-    "gpipe": lambda n: ["adapter=gpipe", f"adapter.pipeline_parallel={n}", "adapter.microbatches=4"],
-    "horovod": lambda n: ["adapter=horovod"],
-}
-ALL_VARIANTS = [*VARIANTS, *RANKED_VARIANTS]
-MIB = 2**20
-
-
-def variant_overrides(variant: str, ranks: int) -> list[str]:
-    if variant in VARIANTS:
-        return list(VARIANTS[variant])
-    return RANKED_VARIANTS[variant](ranks)
-
-
-# --- predictions: bench/core/memory_model.py, the one memory model ---------------------------------------
-@functools.cache
-def sharding_of(variant: str) -> str:
-    """How the variant's adapter splits the model states: its cost inputs (`Adapter.cost_inputs`)."""
-    from ptbench.adapters import get_adapter_class
-    from ptbench.runner.compose import compose, typed
-
-    cfg = typed(compose(variant_overrides(variant, 2)))
-    return get_adapter_class(cfg.adapter.name).cost_inputs(cfg).sharding
-
-
-def paper_formula(variant: str, psi: int, n: int) -> dict[str, float]:
-    """The ZeRO paper's model-state bytes per rank for fp32 Adam (the memory model's Ψ/N rule at its peak:
-    ZeRO-1's full gradients during backward included); `master` is DeepSpeed's extra fp32 partition."""
-    p = predict(sharding_of(variant), params=psi, world_size=n)
-    return {"total": p["model_states"] - p["master"] + p["transient"], "master": p["master"]}
-
-
-def workload_model(overrides: list[str], device: str = "meta"):
-    """The workload's model of `overrides` (their workload / data keys), built on `device` (meta: shapes, no
-    memory)."""
-    import torch
-
-    from ptbench.runner.compose import compose
-    from ptbench.workloads import build_workload
-
-    cfg = compose([o for o in overrides if o.split("=")[0].split(".")[0] in ("workload", "data")])
-    workload = build_workload(cfg.workload, cfg.data)
-    with torch.device(device):
-        return workload.build_model()
-
-
-def param_numels(overrides: list[str]) -> list[tuple[int, ...]]:
-    """Shapes of the workload's unique parameters, in `model.parameters()` order (DeepSpeed's flat order)."""
-    return [tuple(p.shape) for p in workload_model(overrides).parameters()]  # parameters() yields a tied tensor once
-
-
-def expected_state(
-    variant: str, shapes: list[tuple[int, ...]], n: int, rank: int, precision: str = "fp32"
-) -> dict[str, int]:
-    """Bytes rank `rank` of `n` should hold for Adam, from the tensor shapes and the partitioning rule of
-    the memory model (`predict` with `shapes` and `rank`): {params, grads, optimizer (moments + master)}.
-
-    DDP / ZeRO-0: everything whole. ZeRO-1/2: parameters whole; moments and the fp32 master for an equal
-    1/N slice of the flat buffer; gradients, when the optimizer step begins, for every tensor overlapping
-    that slice, whole. ZeRO-3: each tensor split into ceil(numel/N). FSDP2: each tensor split along dim 0
-    in torch.chunk pieces; no master copy. bf16/fp16: DeepSpeed stages 1-3 hold 2-byte parameters and
-    gradients; FSDP2's MixedPrecisionPolicy and DDP's autocast keep fp32 state."""
-    if variant == "zero0" and precision != "fp32":
-        raise ValueError("zero0 in half precision uses DeepSpeed's BF16/FP16 optimizer wrappers: not modelled")
-    p = predict(
-        sharding_of(variant),
-        params=sum(numel(s) for s in shapes),
-        world_size=n,
-        shapes=shapes,
-        rank=rank,
-        precision=precision,
-    )
-    return {"params": p["params"], "grads": p["grads"], "optimizer": p["optimizer"] + p["master"]}
-
-
-# --- running the points -----------------------------------------------------------------------------
-def run_point(
-    variant: str, ranks: int, overrides: list[str], root: Path, stamp: str, steps: int, warmup: int, timeout: int
-) -> dict:
-    run = run_bench(
-        [
-            *variant_overrides(variant, ranks),
-            *overrides,
-            f"launcher.nprocs={ranks}",
-            f"trainer.max_steps={steps}",
-            f"trainer.untimed_steps={warmup}",
-            "trainer.epochs=1",
-            "trainer.eval_every_epoch=false",
-            "trainer.progress=false",
-        ],
-        root=root,
-        experiment="memory_study",
-        run_id=f"{stamp}-{variant}-w{ranks}",
-        timeout=timeout,
-    )
-    summary = dict(run.summary) if run.ok else {"status": run.status, "error": run.error_line}
-    summary["wall_s"] = run.wall_s
-    if run.ok and run.run_dir is not None:
-        summary["rss_delta_max"] = _rss_delta_max(Path(run.run_dir))
-    return summary
-
-
-def _rss_delta_max(run_dir: Path) -> float | None:
-    """The busiest rank's peak_rss_delta in the last epoch of a record (CPU runs), else None."""
-    import json
-
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return None
-    epochs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-    epochs = [e for e in epochs if e.get("type", "epoch") == "epoch"]
-    if not epochs:
-        return None
-    vals = [(r.get("memory") or {}).get("peak_rss_delta") for r in epochs[-1].get("ranks") or []]
-    vals = [v for v in vals if v is not None]
-    return max(vals) if vals else None
+from ptbench.studies.memory_points import (
+    ALL_VARIANTS,
+    DATA_PARALLEL,
+    MIB,
+    announce,
+    expected_state,
+    measured_states,
+    paper_formula,
+    param_numels,
+    rss_delta_max,
+    run_point,
+    start,
+    variant_overrides,
+)
+from ptbench.studies.memory_study_ds import deepspeed_main
 
 
 def load_records(folder: Path) -> dict:
@@ -206,7 +86,7 @@ def load_records(folder: Path) -> dict:
         if not m or m["variant"] not in ALL_VARIANTS or not (d / "summary.json").exists():
             continue
         summary = json.loads((d / "summary.json").read_text())
-        summary["rss_delta_max"] = _rss_delta_max(d)
+        summary["rss_delta_max"] = rss_delta_max(d)
         summary["run_dir"] = str(d)
         key = (m["variant"], int(m["ranks"]))
         if summary.get("status") == "ok" or found.get(key, {}).get("status") != "ok":
@@ -231,7 +111,7 @@ def memory_table(results: dict, shapes, ranks_list, variants) -> str:
             s = results.get((v, n))
             if s is None:
                 continue
-            if v not in VARIANTS:
+            if v not in DATA_PARALLEL:
                 continue  # the ZeRO formulas cover data-parallel variants only: see predicted_table
             f = paper_formula(v, psi, n)
             if s.get("status") != "ok":
@@ -257,31 +137,8 @@ def memory_table(results: dict, shapes, ranks_list, variants) -> str:
     return "\n".join(lines)
 
 
-def _state_total(s: dict) -> int:
-    return sum(s.get(k) or 0 for k in ("params", "grads", "optimizer"))
-
-
-def measured_states(summary: dict) -> dict | None:
-    """Model-state bytes of the busiest rank (of the busiest device, for a rank that records per-device
-    states: gpipe's partitions): {params, grads, optimizer, total}."""
-    per_rank = summary.get("state_bytes_per_rank") or []
-    entries = []
-    for r in per_rank:
-        devs = next((r[k] for k in ("per_device", "per_partition") if isinstance(r.get(k), list) and r[k]), None)
-        entries += devs if devs else [r]
-    if not entries:
-        return None
-    top = max(entries, key=_state_total)
-    return {
-        "params": top.get("params") or 0,
-        "grads": top.get("grads") or 0,
-        "optimizer": top.get("optimizer") or 0,
-        "total": _state_total(top),
-    }
-
-
 def predictions(variant: str, n: int, overrides: list[str]) -> tuple[dict, dict]:
-    """(formula, per-tensor model) predictions of bench/core/memory_model.py for one point, from the
+    """(formula, per-tensor model) predictions of bench/core/memory_model/ for one point, from the
     same composed config and run plan `python -m ptbench --plan` uses."""
     from ptbench.core.memory_model import predict_run
     from ptbench.runner.compose import compose, typed
@@ -306,10 +163,10 @@ def _pct(v) -> str:
 
 
 def predicted_table(results: dict, overrides: list[str], ranks_list, variants) -> str:
-    """Predicted (bench/core/memory_model.py) vs measured (record) model-state bytes of the busiest rank,
+    """Predicted (bench/core/memory_model/) vs measured (record) model-state bytes of the busiest rank,
     the error per point, and the largest error per variant."""
     head = (
-        "predicted vs measured model states per rank (MiB; busiest rank / device), bench/core/memory_model.py\n"
+        "predicted vs measured model states per rank (MiB; busiest rank / device), bench/core/memory_model/\n"
         f"{'variant':<15} {'N':>2} {'measured':>9} | {'formula':>9} {'err':>8} | {'model':>9} {'err':>8} | "
         f"{'meas grads':>10} {'pred grads':>10} | {'pred act':>9} {'pred Δ':>9} {'ΔRSS meas':>10} {'err':>8}"
     )
@@ -412,7 +269,7 @@ def step_table(rows: list[dict]) -> str:
     head = (
         "optimizer step peak per rank, CPU: each run's record (memory_ledger.counted_step_bytes_per_rank, the "
         "trainer's StepPeak: torch.profiler memory events around the adapter's optimizer phase, bytes beyond what "
-        "the phase began with) vs bench/core/memory_model.py's step_transient\n"
+        "the phase began with) vs bench/core/memory_model/'s step_transient\n"
         f"{'variant':<7} {'prec':<5} {'N':>2} {'measured B (busiest)':>21} {'predicted B':>12} {'pred/meas':>9} "
         f"{'of which optimizer':>18}  formula"
     )
@@ -433,19 +290,8 @@ def step_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def announce(tally: Tally, what: str, status: str, wall_s: float) -> None:
-    """One line per finished run (stderr: the tables own stdout), with how far the command is."""
-    n = tally.done + 1
-    print(f"  [{n}/{tally.total}] {what}: {status} in {wall_s:.0f}s{tally.tick()}", file=sys.stderr, flush=True)
-
-
-def start(total: int, what: str, where) -> Tally:
-    print(f"memory_study: {total} runs ({what}), a line as each ends; records under {where}/", file=sys.stderr)
-    return Tally(total)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ptbench.memory_study", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ptbench.studies.memory_study", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="bench overrides for every point, e.g. workload=resnet50_tiny")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--variants", nargs="+", default=["ddp", "zero1", "zero2", "zero3", "fsdp"], choices=ALL_VARIANTS)
@@ -519,8 +365,6 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        from ptbench.memory_study_ds import deepspeed_main
-
         return deepspeed_main(args)
 
     overrides = ["workload=gpt2_tiny", "workload.seq_len=32", "trainer.batch_size=4", "data.train_samples=512"]
@@ -548,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         if not results:  # a folder this command did not write: say so, not empty tables
             print(
                 f"error: --records {args.records}: no memory_study records there (run folders "
-                "STAMP-VARIANT-wN with a summary.json); run `python -m ptbench.memory_study` first and pass "
+                "STAMP-VARIANT-wN with a summary.json); run `python -m ptbench.studies.memory_study` first and pass "
                 "its folder, e.g. --records results/memory_study",
                 file=sys.stderr,
             )

@@ -2,11 +2,11 @@
 the harness's trainer (phase timers, NVTX, loss bookkeeping, stop agreement, watchdog), in
 interleaved blocks inside one run so both see the same machine state.
 
-    python -m ptbench.overhead                    # gpt2_tiny, synthetic data, 2 ranks
-    python -m ptbench.overhead --blocks 8 --steps 10 workload=resnet50_tiny
-    python -m ptbench.overhead --models           # harness GPT-2 vs Megatron's GPT (and HF's), then data shares
-    python -m ptbench.overhead --data-shares --variants   # data shares only, plus each vision input option
-    python -m ptbench.overhead --whole-run --pairs 6      # whole `python -m ptbench` runs vs a bare DDP program
+    python -m ptbench.studies.overhead                    # gpt2_tiny, synthetic data, 2 ranks
+    python -m ptbench.studies.overhead --blocks 8 --steps 10 workload=resnet50_tiny
+    python -m ptbench.studies.overhead --models           # harness GPT-2 vs Megatron's GPT (and HF's), then data shares
+    python -m ptbench.studies.overhead --data-shares --variants   # data shares only, plus each vision input option
+    python -m ptbench.studies.overhead --whole-run --pairs 6      # whole `python -m ptbench` runs vs a bare DDP program
 
 Prints the per-block step times and the ratio harness/bare (goal <= 1.02), plus the time from
 launch to the first finished step of a normal `python -m ptbench` run when `--startup` is given.
@@ -253,10 +253,10 @@ def harness_step_time(overrides: list[str], entry: list[str], timeout: float = 9
 
 
 def bare_step_time(overrides: list[str], timeout: float = 900) -> dict:
-    """One bare loop in its own processes (`python -m ptbench.overhead --bare`): its mean timed step
+    """One bare loop in its own processes (`python -m ptbench.studies.overhead --bare`): its mean timed step
     (`step_time_mean_s`, slowest rank per step) and rank 0's own (`rank0_step_time_mean_s`)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "ptbench.overhead", "--bare", out.name, *overrides]
+        cmd = [sys.executable, "-m", "ptbench.studies.overhead", "--bare", out.name, *overrides]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if proc.returncode:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "--models",
         action="store_true",
         help="instead: the harness GPT-2, Megatron's GPT and Hugging Face's GPT-2 of one size stepped in "
-        "interleaved blocks (bench/model_speed.py), then the data-loading share per bundled workload",
+        "interleaved blocks (bench/studies/model_speed.py), then the data-loading share per bundled workload",
     )
     p.add_argument(
         "--data-shares",
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         print(data_shares(args.nprocs, points={**DATA_SHARE_POINTS, **DATA_SHARE_VARIANTS} if args.variants else None))
         return 0
     if args.models:
-        from ptbench.model_speed import main as model_speed
+        from ptbench.studies.model_speed import main as model_speed
 
         code = model_speed(["--blocks", str(max(args.blocks, 5))])
         print()

@@ -1,4 +1,4 @@
-"""`python -m ptbench.memory_study --deepspeed-estimators`: the memory model beside DeepSpeed's own estimators.
+"""`python -m ptbench.studies.memory_study --deepspeed-estimators`: the memory model beside DeepSpeed's own estimators.
 
 --deepspeed-estimators sets the memory model against DeepSpeed's own estimators, called as they are
 (deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs, stage3.
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ptbench.core.memory_model import predict
-from ptbench.memory_study import (
+from ptbench.studies.memory_points import (
     MIB,
     announce,
     expected_state,
@@ -191,7 +191,7 @@ def ds_rows(workload: str, psi: int, largest: int, gpus: list[int], gpn: int = 8
 
 def ds_table(rows: list[dict], params: dict) -> str:
     head = (
-        "model-state bytes per GPU (MiB): ours (bench/core/memory_model.py predict, bf16 + Adam) vs DeepSpeed "
+        "model-state bytes per GPU (MiB): ours (bench/core/memory_model/ predict, bf16 + Adam) vs DeepSpeed "
         "0.19's estimators\n"
         f"{'workload':<12} {'variant':<17} {'N':>4} {'ours':>10} {'ours@step':>10} {'ours+gath':>10} "
         f"{'DeepSpeed':>10} {'DS/@step':>8} | {'reasons (MiB, DS - ours@step)':<34} {'unexplained B':>13}"

@@ -1,4 +1,4 @@
-"""`python -m ptbench.ledger`: the communication ledger and the pipeline bubble, measured from traces.
+"""`python -m ptbench.studies.ledger`: the communication ledger and the pipeline bubble, measured from traces.
 
 Runs, at 2 ranks on CPU (tiny GPT-2, a few steps, `trainer.profile` over the last steps): ddp, zero stages
 1-3, fsdp, megatron TP=2 (without and with adapter.sequence_parallel), a 2-stage torch pipeline and megatron
@@ -12,15 +12,15 @@ busbw`; --no-comm skips the measurement).
 Then the pipeline bubble of torch's GPipe and 1F1B schedules and megatron-core's 1F1B at 2 and 4 stages and
 m = 4, 8 micro-batches beside the theory (p-1)/(m+p-1) (goal: within 20 %).
 
-    python -m ptbench.ledger                 # both tables
-    python -m ptbench.ledger --only bytes    # the ledger only (--only bubble: the bubble only)
-    python -m ptbench.ledger --only bubble --bubble-adapters megatron   # megatron's pipeline only (or: pipeline)
-    python -m ptbench.ledger --only bubble --repeats 2   # every bubble case twice, interleaved (--stages 2: 2 only)
-    python -m ptbench.ledger --json out.json # also write every row
+    python -m ptbench.studies.ledger                 # both tables
+    python -m ptbench.studies.ledger --only bytes    # the ledger only (--only bubble: the bubble only)
+    python -m ptbench.studies.ledger --only bubble --bubble-adapters megatron   # megatron's pipeline only (or: pipeline)
+    python -m ptbench.studies.ledger --only bubble --repeats 2   # every bubble case twice, interleaved (--stages 2: 2 only)
+    python -m ptbench.studies.ledger --json out.json # also write every row
     python -m ptbench.analysis report <root> # the report: the ledger with the time at the measured busbw
 
-The default command is 23 runs (11 ledger, 12 bubble) and the bus-bandwidth measurement: 23 min 20 s on 2 CPU
-cores shared with other work (load 7-23, 2026-12-02). Each finished run prints a line with the time spent and
+The default command is 23 runs (11 ledger, 12 bubble) and the bus-bandwidth measurement (how long it took:
+results/MEASUREMENTS.md). Each finished run prints a line with the time spent and
 the time left at the runs' mean pace so far.
 """
 
@@ -37,6 +37,8 @@ from pathlib import Path
 from ptbench.core.records import command_root
 from ptbench.run_point import run_bench
 from ptbench.runner.points import COMM_ARGS
+from ptbench.studies.tally import Tally, clock, progress
+from ptbench.studies.variants import overrides
 
 BASE = [
     "workload=gpt2_tiny",
@@ -50,22 +52,22 @@ BASE = [
     "trainer.epochs=1",
     "results.mllog=false",
 ]
-TP2PP2 = ["adapter=megatron", "adapter.tensor_parallel=2", "adapter.pipeline_parallel=2", "trainer.batch_size=8"]
+# the ledger's runs: rows of ptbench.studies.variants at 2 ranks (TP=2 x PP=2: 4), with the batch each needs
 LEDGER_RUNS = {
-    "ddp": ["adapter=ddp"],
-    "zero1": ["adapter=zero", "adapter.stage=1"],
-    "zero2": ["adapter=zero", "adapter.stage=2"],
-    "zero3": ["adapter=zero", "adapter.stage=3"],
-    "fsdp": ["adapter=fsdp"],
-    "megatron_tp2": ["adapter=megatron", "adapter.tensor_parallel=2"],
-    "megatron-sp": ["adapter=megatron", "adapter.tensor_parallel=2", "adapter.sequence_parallel=true"],
+    "ddp": overrides("ddp"),
+    "zero1": overrides("zero1"),
+    "zero2": overrides("zero2"),
+    "zero3": overrides("zero3"),
+    "fsdp": overrides("fsdp"),
+    "megatron_tp2": overrides("megatron", 2),
+    "megatron-sp": overrides("megatron-sp", 2),
     # the pipeline's trainer.batch_size is its global batch: 8 = its default 4 x 2 micro-batches of 1
-    "pipeline_pp2": ["adapter=pipeline", "adapter.schedule=1f1b", "trainer.batch_size=8"],
-    "megatron_pp2": ["adapter=megatron", "adapter.pipeline_parallel=2", "trainer.batch_size=8"],
+    "pipeline_pp2": [*overrides("pipeline-1f1b"), "trainer.batch_size=8"],
+    "megatron_pp2": [*overrides("megatron-pp", 2), "trainer.batch_size=8"],
     # tensor x pipeline parallel at 4 ranks (dp 1): the vocab-parallel collectives split over the first and the
     # last stage, each kind counted on its busiest
-    "megatron_tp2pp2": [*TP2PP2, "launcher.nprocs=4"],
-    "megatron_tp2pp2-sp": [*TP2PP2, "adapter.sequence_parallel=true", "launcher.nprocs=4"],
+    "megatron_tp2pp2": [*overrides("megatron-tp2pp2"), "trainer.batch_size=8", "launcher.nprocs=4"],
+    "megatron_tp2pp2-sp": [*overrides("megatron-tp2pp2-sp"), "trainer.batch_size=8", "launcher.nprocs=4"],
 }
 
 
@@ -226,34 +228,6 @@ def bubble_runs(
     return [row for _, _, row in sorted(runs, key=lambda t: t[:2])]
 
 
-def clock(seconds: float) -> str:
-    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s" if seconds >= 60 else f"{seconds:.0f} s"
-
-
-class Tally:
-    """The runs of the whole command done so far, and the time left at their mean pace."""
-
-    def __init__(self, total: int):
-        self.total, self.done, self.t0 = total, 0, time.perf_counter()
-
-    def spent(self) -> str:
-        return clock(time.perf_counter() - self.t0)
-
-    def tick(self) -> str:
-        """After a run: how far the whole command is and the time left, while runs remain."""
-        self.done += 1
-        if self.done >= self.total:
-            return ""
-        left = (self.total - self.done) * (time.perf_counter() - self.t0) / self.done
-        return f"  ({self.done}/{self.total} runs in {self.spent()}, about {clock(left)} left)"
-
-
-def progress(what: str, n: int, total: int, name: str, run, tally: Tally | None = None) -> None:
-    """One line per finished run: a command of several minutes is never silent for long, and says how long."""
-    whole = tally.tick() if tally else ""
-    print(f"{what} [{n}/{total}] {name}: {run.status} in {run.wall_s:.0f}s{whole}", flush=True)
-
-
 def _mb(x) -> str:
     return "-" if x is None else f"{x / 1e6:9.3f}"
 
@@ -358,7 +332,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ptbench.ledger", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ptbench.studies.ledger", description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=("bytes", "bubble"), help="run one of the two tables")
     ap.add_argument("--runs", nargs="*", choices=list(LEDGER_RUNS), help="ledger runs to do (default: all)")
     ap.add_argument(
