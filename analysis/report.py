@@ -33,6 +33,8 @@ from ptbench.analysis.tables import (
     PROFILE_PART_TEXT,
     Study,
     comm_table,
+    layout_mixes,
+    layout_table,
     marked,
     summary_table,
     time_to_target,  # noqa: F401 - ptbench.analysis.report.time_to_target, as before
@@ -621,6 +623,43 @@ def not_finished_lines(study: Study, cap: int | None = SHOWN_NOT_FINISHED) -> li
     return [*lines, markdown_table(bad[cols].head(cap) if cap else bad[cols]), "", *more]
 
 
+def layout_notes(study: Study, contended: list[str], out: Path | None = None) -> dict[str, list[str]]:
+    """Per vision workload, the lines beside its answers and claims: each point that ran in two memory layouts
+    with its step-time ratio and interval (layouts.csv), and one line where the series compared differ in layout
+    (a layout difference is not a framework difference)."""
+    notes: dict[str, list[str]] = {}
+    table = layout_table(study, contended)
+    if out is not None and len(table):
+        safe_io.to_csv(table, out / "layouts.csv")
+    for c in table.itertuples():
+        n = f"n={c.n} vs {c.n_against}"
+        ci = (
+            f" [{c.lo:.3g}, {c.hi:.3g}] (95 %, {c.method}, {n})" if c.lo == c.lo else f" (no interval: {c.method}, {n})"
+        )
+        said = f"{c.ratio:.3g}{ci}" if c.n and c.n_against else f"not compared (left: {n})"
+        left = f"; {c.left_out} contended run(s) left out" if c.left_out else ""
+        notes.setdefault(c.workload, []).append(f"- **Layout** `{c.settings}` x{c.devices}: {c.layout} / {c.against} "
+                                                f"median step time {said}{left} (runs {c.runs}).")  # fmt: skip
+    for wl, per in layout_mixes(study, contended).items():
+        each = "; ".join(f"`{lab}` {lay}" for lab, lay in per.items())
+        mixed = any("+" in v for v in per.values())
+        mixed = " A series whose runs ran in two layouts averages them here." if mixed else ""
+        notes.setdefault(wl, []).append(f"- **Layouts differ** among the runs compared here ({each}): a time difference "
+                                        f"includes the layout's, not only the framework's.{mixed} "
+                                        "`workload.channels_last=false` runs every adapter in NCHW.")  # fmt: skip
+    return notes
+
+
+def beside_claims(lines: list[str], notes: dict[str, list[str]]) -> list[str]:
+    """The answers with each workload's `notes` before its "Paper claims" line."""
+    out, wl = [], None
+    for ln in lines:
+        wl = ln[4:] if ln.startswith("### ") else wl
+        out += notes.get(wl, []) if ln.startswith("- **Paper claims**") else []
+        out.append(ln)
+    return out
+
+
 def _short(text: str, n: int = 160) -> str:
     """A claim's numbers cut at a "; " before n characters (the whole text is in report-details.md)."""
     if len(text) <= n:
@@ -629,7 +668,7 @@ def _short(text: str, n: int = 160) -> str:
     return (text[:cut] if cut > 0 else text[:n]) + " ..."
 
 
-def claims_table_lines(found: dict, include_contended: bool) -> list[str]:
+def claims_table_lines(found: dict, include_contended: bool, notes: dict | None = None) -> list[str]:
     """The "Paper claims" section of report.md: each check's verdict and its numbers, cut short (the whole
     table, with the runs, in report-details.md)."""
     lines = [
@@ -647,6 +686,8 @@ def claims_table_lines(found: dict, include_contended: bool) -> list[str]:
     for wl, checks in found.items():
         rows = [(c["claim"], f"**{c['verdict']}**", _short(c["numbers"])) for c in checks]
         lines += [f"### {wl}", "", markdown_table(pd.DataFrame(rows, columns=["claim", "verdict", "numbers"])), ""]
+        differ = [n for n in (notes or {}).get(wl, []) if n.startswith("- **Layouts differ**")]
+        lines += [*differ, ""] if differ else []
     return lines
 
 
@@ -736,14 +777,15 @@ def write_report(
     study = Study(df)  # every table below and every figure is computed once, from this
     used, contended = without_contention(study, include_contended)
     found = claims(study.runs, include_contended, study.epochs)
-    lines += answers_lines(study, baseline, include_contended, target=target, claims=found)
+    notes = layout_notes(study, contended, out)  # beside the answers and the claims that compare vision runs
+    lines += beside_claims(answers_lines(study, baseline, include_contended, target=target, claims=found), notes)
     lines += figure_lines(study, out, baseline)
     lines += _runs_lines(study, contended, include_contended)
     if len(study.ok_epochs):
         lines += summary_lines(study, used, contended, baseline, out)
     lines += predicted_lines(results_dir)
     lines += not_finished_lines(study)
-    lines += claims_table_lines(found, include_contended)
+    lines += claims_table_lines(found, include_contended, notes)
     details = _details_lines(study, used, contended, baseline, include_contended, target, out, results_dir, found)
     safe_io.write_text(out / DETAILS, "\n".join(details))
     safe_io.write_text(path, "\n".join(lines))

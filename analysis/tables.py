@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 from functools import cached_property
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from ptbench.analysis.load import PROFILE_COLS, PROFILE_PARTS, AnalysisError, _missing
+from ptbench.analysis import records_io
+from ptbench.analysis.load import PROFILE_COLS, PROFILE_PARTS, AnalysisError, _missing, series_labels
 from ptbench.analysis.stats import geo_interval, ratio_interval
 from ptbench.analysis.target import time_to_target_table
 
@@ -82,6 +84,10 @@ class Study:
     @cached_property
     def epoch_time(self) -> pd.DataFrame:
         return _epoch_time_table(self)
+
+    @cached_property
+    def layouts(self) -> pd.DataFrame:
+        return _layout_runs(self)
 
     def time_to_target(self, target: float | None = None, baseline: str | None = "best") -> pd.DataFrame:
         key = (target, baseline or "best")
@@ -675,3 +681,73 @@ def marked(used: pd.DataFrame, every: pd.DataFrame, marks: pd.DataFrame, after: 
     cols = [c for c in out.columns if c != IN_VERDICTS]
     at = cols.index(after) + 1 if after in cols else len(cols)
     return out[[*cols[:at], IN_VERDICTS, *cols[at:]]]
+
+
+# --- vision memory layout (workload.channels_last) ---------------------------------------------------------
+# (channels_last, channels_last_weights) as a run's record says it ran -> its name; compared in this order
+LAYOUTS = {(False, False): "NCHW", (True, False): "NCHW weights / NHWC activations", (True, True): "NHWC"}
+
+
+def run_layout(run_dir) -> str | None:
+    """A vision run's memory layout from its summary's `data_pipeline` (`channels_last`; `channels_last_weights`
+    false where the adapter keeps NCHW weights: zero, fsdp, horovod); None where the record does not say."""
+    try:
+        s = records_io.read_json(Path(run_dir) / "summary.json")
+    except (OSError, ValueError):
+        return None  # load() said why
+    dp = s.get("data_pipeline") if isinstance(s, dict) else None
+    cl = dp.get("channels_last") if isinstance(dp, dict) else None
+    if not isinstance(cl, bool):
+        return None
+    return LAYOUTS[(cl, cl and dp.get("channels_last_weights", True) is not False)]  # older records: weights too
+
+
+def _layout_runs(study: Study) -> pd.DataFrame:
+    """The finished vision runs whose record names their layout, with `layout`, `step_s` (the run's median timed
+    step: of its step times, else its epochs' p50) and `settings` (the series label from its settings alone, a
+    `results.label` left out: runs that differ only in layout share it)."""
+    r = study.ok_runs
+    if r.empty or "kind" not in r or "run_dir" not in r:
+        return pd.DataFrame(columns=["workload", "devices", "settings", "label", "layout", "run_id", "step_s"])
+    r = r[r["kind"] == "vision"]
+    r = r.assign(layout=[run_layout(d) for d in r["run_dir"]]).dropna(subset=["layout"])
+    p50 = pd.to_numeric(r["step_time_p50_s"], errors="coerce") if "step_time_p50_s" in r else np.nan
+    lists = r["step_times_s"] if "step_times_s" in r else pd.Series(None, index=r.index, dtype=object)
+    med = lists.map(lambda x: float(np.median(x)) if isinstance(x, list) and x else np.nan)
+    settings = series_labels(r.drop(columns="record_label", errors="ignore")) if len(r) else []
+    return r.assign(step_s=med.fillna(p50), settings=settings, devices=r["devices"].astype(int))
+
+
+def layout_table(data: pd.DataFrame | Study, contended=()) -> pd.DataFrame:
+    """Per point (workload, devices, settings) whose finished vision runs ran in two layouts: the later layout's
+    step time over the earlier's (`LAYOUTS` order; below 1: the later is faster), the ratio of the geometric means
+    of the runs' median steps with its 95 % interval (`ratio_interval`, Welch's t on the logs), over the runs the
+    verdicts use: runs in `contended` are left out, counted in `left_out`."""
+    r, order, rows = Study.of(data).layouts, list(LAYOUTS.values()), []
+    for (wl, d, settings), g in r.groupby(["workload", "devices", "settings"]) if len(r) else ():
+        names = sorted(set(g["layout"]), key=order.index)
+        out = g["run_id"].isin(list(contended))
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                tb, ta = (g.loc[~out & (g["layout"] == x), "step_s"].dropna() for x in (b, a))
+                iv = ratio_interval(tb, ta)
+                both = g["layout"].isin((a, b))
+                rows.append({"workload": wl, "devices": d, "settings": settings, "layout": b, "against": a,
+                             "ratio": iv.value, "lo": iv.lo, "hi": iv.hi, "n": len(tb), "n_against": len(ta),
+                             "method": iv.method, "left_out": int((both & out).sum()),
+                             "runs": _join(g.loc[both, "run_id"])})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def layout_mixes(data: pd.DataFrame | Study, contended=()) -> dict[str, dict[str, str]]:
+    """Per vision workload whose answered comparisons (series against series, points against the speedup
+    baseline) hold more than one layout, over the runs the verdicts use (every run when all are contended):
+    {workload: {series label: its layouts, joined " + " when its runs ran in several}}."""
+    r = Study.of(data).layouts
+    used = r[~r["run_id"].isin(list(contended))] if len(r) else r
+    out = {}
+    for wl, g in (used if len(used) else r).groupby("workload"):
+        per = g.groupby("label")["layout"].agg(lambda v: " + ".join(sorted(set(v), key=list(LAYOUTS.values()).index)))
+        if g["layout"].nunique() > 1:
+            out[wl] = per.to_dict()
+    return out

@@ -214,6 +214,7 @@ MICRO = (  # (label, gpu_micro arguments, CUDA_DEVICE_MAX_CONNECTIONS at the pro
     ("loss peak", ["loss"], None),
     ("lm_head V", ["lm_head"], None),
     ("resnet50 layouts", ["resnet"], None),
+    ("StepPeak profiler", ["steppeak"], None),
 )
 
 
@@ -266,6 +267,12 @@ def micro_line(r: dict) -> str:
     if r["check"] == "loss":
         model = "-" if r.get("model_per_NV") is None else f"{r['model_per_NV']:g}"
         return f"  {r['micro']}: {r['per_NV']} bytes per N*V measured (N={r['N']}, V={r['V']}); the memory model charges {model}"
+    if r["check"] == "steppeak":  # the trainer's timed steps follow StepPeak's step: `after` is what they pay
+        return (
+            f"  {r['micro']}: median step {r['ms_before']} ms before it ran, {r['ms_inside']} ms inside "
+            f"(ratio {r['inside_ratio']}), {r['ms_after']} ms after it exited (ratio {r['after_ratio']}); "
+            f"fastest steps' ratios {r['inside_ratio_min']} inside, {r['after_ratio_min']} after; {r['steps']} steps each"
+        )
     if r["check"] == "lm_head":
         return f"  {r['micro']}: {r['ms_V50257']} ms at 50257, {r['ms_V50304']} ms at 50304 (ratio {r['ratio']})"
     times = ", ".join(f"{k[3:]} {v} ms" for k, v in r.items() if k.startswith("ms_"))

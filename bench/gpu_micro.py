@@ -12,6 +12,11 @@ prints one JSON line.
   (the next multiple of 64).
 - `resnet`: a ResNet-50 training step in NCHW, channels_last (weights and input), NCHW weights with
   channels_last input, and channels_last with cudnn.benchmark.
+- `steppeak`: the cost of the memory ledger's profiler (bench/core/memory.py `StepPeak`, torch.profiler with
+  profile_memory): a training step's times (median, fastest) before any profiler ran in the process, inside one
+  StepPeak, and after it exited (the trainer's timed steps follow the untimed step it measures: a profiler that
+  leaves CUPTI or its callbacks attached shows as `after_ratio` above 1). The step is launch-bound (many small
+  kernels), where a cost per kernel launch shows most.
 
 `--cpu` runs the same code at tiny sizes on the CPU (the test suite's twin): CPU timings say nothing about
 a GPU; the checks' code paths are what it tests. On a GPU, timing is by CUDA events after warm-up.
@@ -33,6 +38,7 @@ SIZES = {  # (GPU, CPU twin)
     "loss": ((8192, 50257), (256, 1024)),
     "lm_head": ((8192, 768), (128, 32)),
     "resnet": ((64, 224), (2, 32)),
+    "steppeak": ((1024, 16, 1024, 40), (64, 8, 32, 60)),  # width, depth, batch, steps per phase
 }
 
 
@@ -182,7 +188,65 @@ def resnet(cpu: bool) -> dict:
     return out
 
 
-CHECKS = {"cdmc": cdmc, "loss": loss_peak, "lm_head": lm_head, "resnet": resnet}
+def step_times_ms(fn, dev: torch.device, n: int) -> list[float]:
+    """Each of `n` calls' milliseconds: CUDA events between the calls on a GPU (read after the last; a launch-bound
+    step's host delays show as device idle between them), perf_counter around each on the CPU."""
+    _sync(dev)
+    if dev.type == "cuda":
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        marks[0].record()
+        for m in marks[1:]:
+            fn()
+            m.record()
+        marks[-1].synchronize()
+        return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def step_peak_cost(cpu: bool) -> dict:
+    """Step times (forward, backward, AdamW; median and fastest) before StepPeak's profiler ever ran in this process,
+    inside one StepPeak, and after it exited; the ratios are against `before`."""
+    from ptbench.core.memory import StepPeak
+
+    dev = _device(cpu)
+    if dev.type == "cpu":  # one thread: a busy machine's cores make threads wait on each other, swamping the ratio
+        torch.set_num_threads(1)
+    width, depth, batch, n = SIZES["steppeak"][cpu]
+    layers = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(depth)]
+    model = torch.nn.Sequential(*layers).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, width, device=dev)
+
+    def step():
+        with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step_times_ms(step, dev, 3)  # the optimizer's state and the kernels' first launches
+    before = step_times_ms(step, dev, n)
+    with StepPeak(dev) as p:
+        inside = step_times_ms(step, dev, n)
+    after = step_times_ms(step, dev, n)
+    out = {"check": "steppeak", "steps": n, "profiled_peak_bytes": p.peak}
+    # the median, and the fastest step: on a shared machine other work lengthens some steps, never shortens one
+    for stat, name in ((statistics.median, "ms"), (min, "min_ms")):
+        out.update(
+            {f"{name}_{k}": round(stat(v), 3) for k, v in (("before", before), ("inside", inside), ("after", after))}
+        )
+        suffix = "" if name == "ms" else "_min"
+        out[f"inside_ratio{suffix}"] = round(stat(inside) / stat(before), 3)
+        out[f"after_ratio{suffix}"] = round(stat(after) / stat(before), 3)
+    return out
+
+
+CHECKS = {"cdmc": cdmc, "loss": loss_peak, "lm_head": lm_head, "resnet": resnet, "steppeak": step_peak_cost}
 
 
 def main(argv: list[str] | None = None) -> int:

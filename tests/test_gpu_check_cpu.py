@@ -17,7 +17,7 @@ import torch
 
 from ptbench.adapters import available, get_adapter_class
 from ptbench.core.timing import PhaseTimer
-from ptbench.gpu_check import GLOBAL_BATCH, case_overrides, micro_checks
+from ptbench.gpu_check import GLOBAL_BATCH, case_overrides, micro_checks, micro_line
 from ptbench.runner.syncs import SyncCounter
 from ptbench.smoke import framework_installed
 
@@ -144,6 +144,17 @@ def test_micro_checks_on_cpu_measure_the_loss_path_and_see_the_start_environment
     assert {k for k in rows["resnet50 layouts"] if k.startswith("ms_")} == {
         "ms_nchw", "ms_channels_last", "ms_nchw_weights_cl_input", "ms_channels_last_cudnn_benchmark",
     }  # fmt: skip
+    # StepPeak's profiler: steps timed before it ever ran, inside it (it saw their allocations) and after it exited
+    cost = rows["StepPeak profiler"]
+    assert cost["ms_before"] > 0 and cost["ms_inside"] > 0 and cost["ms_after"] > 0 and cost["steps"] >= 10
+    assert cost["after_ratio"] == pytest.approx(cost["ms_after"] / cost["ms_before"], rel=0.05)
+    assert cost["inside_ratio"] == pytest.approx(cost["ms_inside"] / cost["ms_before"], rel=0.05)
+    assert cost["after_ratio_min"] == pytest.approx(cost["min_ms_after"] / cost["min_ms_before"], rel=0.05)
+    assert 0 < cost["min_ms_before"] <= cost["ms_before"]
+    assert cost["profiled_peak_bytes"] > 0
+    line = micro_line(cost)
+    print(line)
+    assert f"(ratio {cost['after_ratio']})" in line and "after it exited" in line
 
 
 def test_sync_counter_counts_host_reads_per_timed_step_with_their_lines():
@@ -151,7 +162,7 @@ def test_sync_counter_counts_host_reads_per_timed_step_with_their_lines():
     opt = torch.optim.Adam(model.parameters())  # its step counters are host tensors: not counted
     timer = PhaseTimer()
     counter = SyncCounter(torch.device("cpu"), untimed_steps=1, optimizer=opt).install()
-    timer.step_watchers.append(counter)
+    timer.watch_steps(counter)
     try:
         for _ in range(3):
             timer.start_step()
