@@ -254,20 +254,36 @@ class MegatronAdapter(Adapter):
             self._setup()
 
     def _setup(self) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        a, w = self.cfg.adapter, self.cfg.workload
+        cuda = self.ctx.is_cuda
+        pp_rank = self._init_parallel(cuda)
+        self.vocab = padded_vocab_size(w.vocab_size, self.tp, a.make_vocab_size_divisible_by)
+        self.timers = _PhaseTimers()
+        self.config = self._transformer_config(cuda)
+        self.layer_spec = "transformer_engine" if self.attention(cuda) == "te" else "local"
+        self.model = self._ddp(self._gpt_model(cuda, pp_rank), cuda)
+        self.forward_backward = get_forward_backward_func()
+        self.optimizer = self._build_optimizer()
+        self.scheduler = self._constant_scheduler()
+        ps = self.ps
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.vocab_start = ps.get_tensor_model_parallel_rank() * (self.vocab // self.tp)
+        self.positions = torch.arange(w.seq_len, device=self.device).unsqueeze(0)
+        # get_default_causal_mask hard-codes cuda; True = masked out
+        self.causal_mask = (
+            None
+            if cuda
+            else torch.triu(torch.ones(w.seq_len, w.seq_len, dtype=torch.bool, device=self.device), 1)[None, None]
+        )
+
+    def _init_parallel(self, cuda: bool) -> int:
+        """Megatron's process groups and seeds; this rank's pipeline stage."""
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.transformer.transformer_config import TransformerConfig
 
-        a, w, t = self.cfg.adapter, self.cfg.workload, self.cfg.trainer
-        cuda = self.ctx.is_cuda
+        a, t = self.cfg.adapter, self.cfg.trainer
         self.tp, self.pp = a.tensor_parallel, a.pipeline_parallel
         ps.initialize_model_parallel(
             tensor_model_parallel_size=self.tp,
@@ -282,14 +298,17 @@ class MegatronAdapter(Adapter):
         pp_rank = ps.get_pipeline_model_parallel_rank()
         # Megatron-LM's seeding: one seed per pipeline stage; the tracker adds one per TP rank
         tensor_parallel.model_parallel_cuda_manual_seed(t.seed + 100 * pp_rank)
+        return pp_rank
 
-        self.vocab = padded_vocab_size(w.vocab_size, self.tp, a.make_vocab_size_divisible_by)
-        self.timers = _PhaseTimers()
+    def _transformer_config(self, cuda: bool):
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        a, w = self.cfg.adapter, self.cfg.workload
         # batch_p2p_sync=False on both: True (megatron-core's default) synchronizes the device after every
         # batched pipeline send/recv, a workaround for old NCCL/torch (Megatron-LM: --no-batch-p2p-sync)
         on_gpu = dict(bias_activation_fusion=True, bias_dropout_fusion=True, deallocate_pipeline_outputs=True)
         on_cpu = dict(use_cpu_initialization=True, deallocate_pipeline_outputs=True, activation_func=gelu_tanh)
-        self.config = TransformerConfig(
+        return TransformerConfig(
             num_layers=w.n_layer,
             hidden_size=w.n_embd,
             num_attention_heads=w.n_head,
@@ -306,42 +325,62 @@ class MegatronAdapter(Adapter):
             batch_p2p_sync=False,
             **(on_gpu if cuda else on_cpu),
         )
-        self.layer_spec = "transformer_engine" if self.attention(cuda) == "te" else "local"
-        torch.manual_seed(t.seed)  # the embedding is built first on the first stage: same in every layout
+
+    def _gpt_model(self, cuda: bool, pp_rank: int):
+        """This stage's GPTModel, seeded as Megatron-LM seeds it."""
+        from megatron.core import tensor_parallel
+        from megatron.core.models.gpt import GPTModel
+
+        w, seed = self.cfg.workload, self.cfg.trainer.seed
+        torch.manual_seed(seed)  # the embedding is built first on the first stage: same in every layout
         with self._compat():
             model = GPTModel(
                 self.config,
                 self._spec(),
                 vocab_size=self.vocab,
                 max_sequence_length=w.seq_len,
-                pre_process=ps.is_pipeline_first_stage(),
-                post_process=ps.is_pipeline_last_stage(),
+                pre_process=self.ps.is_pipeline_first_stage(),
+                post_process=self.ps.is_pipeline_last_stage(),
                 share_embeddings_and_output_weights=True,
                 position_embedding_type="learned_absolute",
             )
-        torch.manual_seed(t.seed + 100 * pp_rank)  # dropout outside TP regions: same on the TP ranks of a stage
+        torch.manual_seed(seed + 100 * pp_rank)  # dropout outside TP regions: same on the TP ranks of a stage
         for p in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
         if cuda:
             model.cuda(torch.cuda.current_device())
+        return model
 
+    def _ddp(self, model, cuda: bool):
+        """Megatron's own DDP around the model (distributed optimizer's buffers when chosen), hooked into the
+        schedule's config."""
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        a = self.cfg.adapter
         self.megatron_optimizer = self.distributed_optimizer(self.cfg, cuda)
         self.ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=bool(cuda and a.overlap_comm),  # overlap uses CUDA streams
             use_distributed_optimizer=self.megatron_optimizer,
             bucket_size=a.reduce_bucket_size,
         )
-        self.model = DistributedDataParallel(self.config, self.ddp_config, model)
-        self.config.no_sync_func = self.model.no_sync
+        wrapped = DistributedDataParallel(self.config, self.ddp_config, model)
+        self.config.no_sync_func = wrapped.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
         if self.ddp_config.overlap_grad_reduce:
-            self.config.grad_sync_func = self.model.start_grad_sync
-        self.forward_backward = get_forward_backward_func()
-        self.optimizer = self._build_optimizer()
+            self.config.grad_sync_func = wrapped.start_grad_sync
+        return wrapped
+
+    def _constant_scheduler(self):
+        """Megatron-LM's loop sets lr and weight decay (x each group's wd_mult) through this scheduler;
+        constant here, as the harness's other adapters run."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
         o = self.cfg.optimizer
-        # Megatron-LM's loop sets lr and weight decay (x each group's wd_mult) through this scheduler;
-        # constant here, as the harness's other adapters run
-        self.scheduler = OptimizerParamScheduler(
+        return OptimizerParamScheduler(
             self.optimizer,
             init_lr=o.lr,
             max_lr=o.lr,
@@ -353,16 +392,6 @@ class MegatronAdapter(Adapter):
             end_wd=o.weight_decay,
             wd_incr_steps=1,
             wd_incr_style="constant",
-        )
-
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.vocab_start = ps.get_tensor_model_parallel_rank() * (self.vocab // self.tp)
-        self.positions = torch.arange(w.seq_len, device=self.device).unsqueeze(0)
-        # get_default_causal_mask hard-codes cuda; True = masked out
-        self.causal_mask = (
-            None
-            if cuda
-            else torch.triu(torch.ones(w.seq_len, w.seq_len, dtype=torch.bool, device=self.device), 1)[None, None]
         )
 
     def _spec(self):

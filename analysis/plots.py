@@ -420,37 +420,99 @@ def _broken(runs_of: pd.DataFrame, col: str) -> np.ndarray:
 
 
 # --- Fig 12: memory per rank vs devices --------------------------------------------------------------
+MEMORY_PARTS = [
+    ("params_mib", "parameters"),
+    ("grads_mib", "gradients"),
+    ("optimizer_mib", "optimizer state"),
+    ("other_mib", "rest of peak"),
+]
+
+
+def _memory_rows(study: Study, data: pd.DataFrame, max_cols: int) -> list[list[tuple[str, str]]]:
+    """The panels (workload, series), `max_cols` to a row, each workload starting a new row; a series whose runs
+    all failed gets a panel too."""
+    panels = []
+    for wl in sorted(data["workload"].unique()):
+        drawn = sorted(data.loc[data["workload"] == wl, "label"].unique())
+        only_failed = sorted(set(_failed_points(study, wl)["label"]) - set(drawn)) if len(study.not_finished) else []
+        panels += [(wl, lab) for lab in [*drawn, *only_failed]]
+    rows = []
+    for wl in sorted(data["workload"].unique()):
+        mine = [p for p in panels if p[0] == wl]
+        rows += [mine[i : i + max_cols] for i in range(0, len(mine), max_cols)]
+    return rows
+
+
+def _memory_ylabel(data: pd.DataFrame) -> str:
+    metrics = sorted({m for ms in data["memory_metric"].dropna() for m in ms.split("; ")})
+    if len(metrics) == 1:
+        return MEMORY_METRICS.get(metrics[0], "peak memory per rank (MiB)")
+    return "peak memory per rank (MiB): " + ", ".join(metrics)
+
+
+def _memory_stack(ax, sub: pd.DataFrame, xs: list[int], colors: dict) -> None:
+    """One panel's stacked bars, each bar's states (and CPU-held bytes) in numbers, the measured peak marked."""
+    bottom = np.zeros(len(sub))
+    for col, text in MEMORY_PARTS:  # without recorded states the whole peak is "rest"
+        vals = sub[col].fillna(0).to_numpy()
+        ax.bar(xs, vals, bottom=bottom, color=colors[col], label=text, width=0.6)
+        bottom = bottom + vals
+    # on CPU the process itself dwarfs the model states: state the split in numbers too
+    for x, st, top, host in zip(xs, sub["states_mib"], bottom, sub["host_mib"]):
+        note = [] if np.isnan(st) else [f"states {st:.3g}"]
+        if not np.isnan(host):
+            note.append(f"+{host:.3g} on CPU")
+        if note:
+            ax.annotate(
+                "\n".join(note),
+                (x, top),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
+    if len(sub):  # the stack's top is the peak unless the states exceed it (a CPU delta without params)
+        ax.plot(
+            xs,
+            sub["peak_mib"],
+            marker="_",
+            markersize=22,
+            markeredgewidth=1.5,
+            color="black",
+            linestyle="none",
+            label="measured peak",
+        )
+
+
+def _memory_panel(ax, study: Study, data: pd.DataFrame, wl: str, lab: str, colors: dict) -> pd.DataFrame:
+    """One (workload, series) panel; returns its failed points (marked red x)."""
+    sub = data[(data["workload"] == wl) & (data["label"] == lab)].sort_values("devices")
+    bad = _failed_points(study, wl, lab) if len(study.not_finished) else pd.DataFrame(columns=["devices"])
+    devs = sorted({*sub["devices"].astype(int), *bad["devices"].astype(int)})
+    pos = {d: i for i, d in enumerate(devs)}
+    offload = _join(sub["offload"])
+    title = textwrap.fill(f"{wl}: {lab}", 30)  # long series names wrap instead of running into the next panel
+    ax.set_title(title + (f"\n[{offload} held on CPU: not in the bars]" if offload else ""), fontsize=9)
+    _memory_stack(ax, sub, [pos[int(d)] for d in sub["devices"]], colors)
+    failed = _mark_failed(ax, study, wl, lab, x_of=lambda _lab, d, pos=pos: pos[d]) if len(bad) else bad
+    ax.set_xticks(range(len(devs)), [str(d) for d in devs])
+    ax.set_xlim(-0.6, len(devs) - 0.4)
+    ax.margins(y=0.1)
+    ax.set_xlabel("devices")
+    return failed
+
+
 def memory(data: pd.DataFrame | Study, out=None, name: str = "memory", max_cols: int = 4) -> Figure:
     """Stacked bars per series: peak memory of the busiest rank vs devices, model states vs the rest.
     One panel per (workload, series), `max_cols` to a row; panels of one workload share the y axis.
     A series whose runs all failed gets a panel too, holding its red x marks."""
     study = Study.of(data)
     data = study.memory
-    bad_all = study.not_finished
-    panels = []
-    for wl in sorted(data["workload"].unique()):
-        drawn = sorted(data.loc[data["workload"] == wl, "label"].unique())
-        only_failed = sorted(set(_failed_points(study, wl)["label"]) - set(drawn)) if len(bad_all) else []
-        panels += [(wl, lab) for lab in [*drawn, *only_failed]]
-    rows = []  # workloads start on a new row
-    for wl in sorted(data["workload"].unique()):
-        mine = [p for p in panels if p[0] == wl]
-        rows += [mine[i : i + max_cols] for i in range(0, len(mine), max_cols)]
-    n_cols = max(len(r) for r in rows)
-    fig, axes = _grid(len(rows), n_cols, w=3.4, h=3.2)
-    parts = [
-        ("params_mib", "parameters"),
-        ("grads_mib", "gradients"),
-        ("optimizer_mib", "optimizer state"),
-        ("other_mib", "rest of peak"),
-    ]
-    colors = dict(zip([p for p, _ in parts], sns.color_palette("muted", 4)))
-    metrics = sorted({m for ms in data["memory_metric"].dropna() for m in ms.split("; ")})
-    ylabel = (
-        MEMORY_METRICS.get(metrics[0], "peak memory per rank (MiB)")
-        if len(metrics) == 1
-        else "peak memory per rank (MiB): " + ", ".join(metrics)
-    )
+    rows = _memory_rows(study, data, max_cols)
+    fig, axes = _grid(len(rows), max(len(r) for r in rows), w=3.4, h=3.2)
+    colors = dict(zip([p for p, _ in MEMORY_PARTS], sns.color_palette("muted", 4)))
+    ylabel = _memory_ylabel(data)
     first_of, failed = {}, []
     for ax_row, row in zip(axes, rows):
         for ax in ax_row[len(row) :]:
@@ -460,55 +522,12 @@ def memory(data: pd.DataFrame | Study, out=None, name: str = "memory", max_cols:
             if wl in first_of:
                 ax.sharey(first_of[wl])
             first_of.setdefault(wl, ax)
-            sub = data[(data["workload"] == wl) & (data["label"] == lab)].sort_values("devices")
-            bad = _failed_points(study, wl, lab) if len(bad_all) else pd.DataFrame(columns=["devices"])
-            devs = sorted({*sub["devices"].astype(int), *bad["devices"].astype(int)})
-            pos = {d: i for i, d in enumerate(devs)}
-            offload = _join(sub["offload"])
-            title = textwrap.fill(f"{wl}: {lab}", 30)  # long series names wrap instead of running into the next panel
-            ax.set_title(title + (f"\n[{offload} held on CPU: not in the bars]" if offload else ""), fontsize=9)
-            xs = [pos[int(d)] for d in sub["devices"]]
-            bottom = np.zeros(len(sub))
-            for col, text in parts:  # without recorded states the whole peak is "rest"
-                vals = sub[col].fillna(0).to_numpy()
-                ax.bar(xs, vals, bottom=bottom, color=colors[col], label=text, width=0.6)
-                bottom = bottom + vals
-            # on CPU the process itself dwarfs the model states: state the split in numbers too
-            for x, st, top, host in zip(xs, sub["states_mib"], bottom, sub["host_mib"]):
-                note = [] if np.isnan(st) else [f"states {st:.3g}"]
-                if not np.isnan(host):
-                    note.append(f"+{host:.3g} on CPU")
-                if note:
-                    ax.annotate(
-                        "\n".join(note),
-                        (x, top),
-                        ha="center",
-                        va="bottom",
-                        fontsize=7,
-                        xytext=(0, 2),
-                        textcoords="offset points",
-                    )
-            if len(sub):  # the stack's top is the peak unless the states exceed it (a CPU delta without params)
-                ax.plot(
-                    xs,
-                    sub["peak_mib"],
-                    marker="_",
-                    markersize=22,
-                    markeredgewidth=1.5,
-                    color="black",
-                    linestyle="none",
-                    label="measured peak",
-                )
-            failed.append(_mark_failed(ax, study, wl, lab, x_of=lambda _lab, d, pos=pos: pos[d]) if len(bad) else bad)
-            ax.set_xticks(range(len(devs)), [str(d) for d in devs])
-            ax.set_xlim(-0.6, len(devs) - 0.4)
-            ax.margins(y=0.1)
-            ax.set_xlabel("devices")
+            failed.append(_memory_panel(ax, study, data, wl, lab, colors))
     handles = {}
     for ax in axes.flat:
         for h, t in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(t, h)
-    order = [t for _, t in parts] + ["measured peak", FAILED_LEGEND]  # the stack's parts bottom up, then marks
+    order = [t for _, t in MEMORY_PARTS] + ["measured peak", FAILED_LEGEND]  # the stack's parts bottom up, then marks
     texts = sorted(handles, key=lambda t: order.index(t) if t in order else len(order))
     fig.legend(
         [handles[t] for t in texts], texts, loc="outside lower center", ncols=len(texts), fontsize=8, frameon=False

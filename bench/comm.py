@@ -325,22 +325,8 @@ def _sum_over_ranks(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
-def measure(cfg: CommConfig, device: torch.device | None = None) -> dict:
-    """Measure in the current (initialized) default process group; every rank returns the report."""
-    if not dist.is_initialized():
-        raise RuntimeError("measure() needs an initialized process group; use run_rank() or launch()")
-    n, rank = dist.get_world_size(), dist.get_rank()
-    backend = dist.get_backend()
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    max_bytes = cfg.max_bytes if cfg.max_bytes is not None else default_max_bytes(backend)
-    size_list = sizes(cfg.min_bytes, max_bytes, cfg.factor)
-    for op in cfg.ops:
-        busbw_factor(op, n)  # validates names
-    if cfg.iters < 1 or cfg.warmup < 0:
-        raise ValueError(f"need iters >= 1 and warmup >= 0, got {cfg.iters}, {cfg.warmup}")
-
-    # Which reduce-scatter runs, and why
+def _reduce_scatter_choice(cfg: CommConfig, device: torch.device, n: int, backend: str) -> tuple[str, str, dict]:
+    """Which reduce-scatter runs, why, and the ops that cannot run here ({op: reason})."""
     rs_impl, rs_note, na = "native", "", {}
     if "reduce_scatter" in cfg.ops:
         if cfg.reduce_scatter_impl not in ("auto", "native", "ring"):
@@ -358,79 +344,64 @@ def measure(cfg: CommConfig, device: torch.device | None = None) -> dict:
             rs_impl = "native"  # a 1-rank ring has no peer; native one-rank reduce-scatter is a copy
     if "send_recv" in cfg.ops and n == 1:
         na["send_recv"] = "needs at least 2 ranks (each rank sends to rank+1)"
+    return rs_impl, rs_note, na
 
-    hosts: list = [None] * n
-    dist.all_gather_object(hosts, socket.gethostname())
-    results = []
-    for op in cfg.ops:
-        factor = busbw_factor(op, n)
-        for nbytes in size_list:
-            if op in na:
-                results.append(
-                    dict(
-                        op=op,
-                        bytes=nbytes,
-                        count=None,
-                        type=TYPE_NAME,
-                        time_s=None,
-                        algbw_GBps=None,
-                        busbw_GBps=None,
-                        wrong=None,
-                        impl=None,
-                        na=na[op],
-                    )
-                )
-                continue
-            o = _Op(op, nbytes, rank, n, device, rs_impl)
-            if o.count == 0:
-                results.append(
-                    dict(
-                        op=op,
-                        bytes=nbytes,
-                        count=0,
-                        type=TYPE_NAME,
-                        time_s=None,
-                        algbw_GBps=None,
-                        busbw_GBps=None,
-                        wrong=None,
-                        impl=o.impl,
-                        na=f"{nbytes} B is less than one fp32 element per rank",
-                    )
-                )
-                continue
-            wrong = 0
-            if cfg.check:  # one call with known data, like nccl-tests' data check
-                o()
-                _sync(device)
-                wrong = int((o.result() != o.expected()).sum().item())
-            for _ in range(cfg.warmup):
-                o()
-            # Timed calls on zeroed buffers: repeated in-place sums of the pattern would grow without
-            # bound (and could reach inf for many ranks and iterations); zeros keep every call alike.
-            if op in ("all_reduce", "broadcast"):
-                o.buf.zero_()
-            else:
-                o.inp.zero_()
-            per_call = _time_calls(o, cfg.iters, device)
-            (t_max,) = _max_over_ranks([per_call], device)
-            t_mean_sum, wrong_sum = _sum_over_ranks([per_call, float(wrong)], device)
-            algbw = o.size / t_max / 1e9
-            results.append(
-                dict(
-                    op=op,
-                    bytes=o.size,
-                    count=o.count,
-                    type=TYPE_NAME,
-                    time_s=t_max,
-                    algbw_GBps=algbw,
-                    busbw_GBps=algbw * factor,
-                    wrong=int(wrong_sum) if cfg.check else None,
-                    impl=o.impl,
-                    time_s_rank_mean=t_mean_sum / n,
-                )
-            )
-            del o
 
+def _not_measured(op: str, nbytes: int, count, impl, why: str) -> dict:
+    """A result row for a size that was not timed, with the reason."""
+    return dict(
+        op=op,
+        bytes=nbytes,
+        count=count,
+        type=TYPE_NAME,
+        time_s=None,
+        algbw_GBps=None,
+        busbw_GBps=None,
+        wrong=None,
+        impl=impl,
+        na=why,
+    )
+
+
+def _measure_size(cfg: CommConfig, op: str, nbytes: int, rank: int, n: int, device, rs_impl: str) -> dict:
+    """One collective at one size: the data check, warm-up, timed calls; the row (time: max over ranks)."""
+    o = _Op(op, nbytes, rank, n, device, rs_impl)
+    if o.count == 0:
+        return _not_measured(op, nbytes, 0, o.impl, f"{nbytes} B is less than one fp32 element per rank")
+    wrong = 0
+    if cfg.check:  # one call with known data, like nccl-tests' data check
+        o()
+        _sync(device)
+        wrong = int((o.result() != o.expected()).sum().item())
+    for _ in range(cfg.warmup):
+        o()
+    # Timed calls on zeroed buffers: repeated in-place sums of the pattern would grow without
+    # bound (and could reach inf for many ranks and iterations); zeros keep every call alike.
+    if op in ("all_reduce", "broadcast"):
+        o.buf.zero_()
+    else:
+        o.inp.zero_()
+    per_call = _time_calls(o, cfg.iters, device)
+    (t_max,) = _max_over_ranks([per_call], device)
+    t_mean_sum, wrong_sum = _sum_over_ranks([per_call, float(wrong)], device)
+    algbw = o.size / t_max / 1e9
+    return dict(
+        op=op,
+        bytes=o.size,
+        count=o.count,
+        type=TYPE_NAME,
+        time_s=t_max,
+        algbw_GBps=algbw,
+        busbw_GBps=algbw * busbw_factor(op, n),
+        wrong=int(wrong_sum) if cfg.check else None,
+        impl=o.impl,
+        time_s_rank_mean=t_mean_sum / n,
+    )
+
+
+def _report(cfg: CommConfig, backend: str, n: int, hosts: list, device, max_bytes: int, rs: tuple, results) -> dict:
+    """The report: how it was measured (nccl-tests' definitions), where, and the rows."""
+    rs_impl, rs_note, na = rs
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
     else:
@@ -460,6 +431,33 @@ def measure(cfg: CommConfig, device: torch.device | None = None) -> dict:
         **({"extra": cfg.extra} if cfg.extra else {}),
         results=results,
     )
+
+
+def measure(cfg: CommConfig, device: torch.device | None = None) -> dict:
+    """Measure in the current (initialized) default process group; every rank returns the report."""
+    if not dist.is_initialized():
+        raise RuntimeError("measure() needs an initialized process group; use run_rank() or launch()")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    backend = dist.get_backend()
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    max_bytes = cfg.max_bytes if cfg.max_bytes is not None else default_max_bytes(backend)
+    size_list = sizes(cfg.min_bytes, max_bytes, cfg.factor)
+    for op in cfg.ops:
+        busbw_factor(op, n)  # validates names
+    if cfg.iters < 1 or cfg.warmup < 0:
+        raise ValueError(f"need iters >= 1 and warmup >= 0, got {cfg.iters}, {cfg.warmup}")
+    rs_impl, rs_note, na = _reduce_scatter_choice(cfg, device, n, backend)
+    hosts: list = [None] * n
+    dist.all_gather_object(hosts, socket.gethostname())
+    results = []
+    for op in cfg.ops:
+        for nbytes in size_list:
+            if op in na:
+                results.append(_not_measured(op, nbytes, None, None, na[op]))
+            else:
+                results.append(_measure_size(cfg, op, nbytes, rank, n, device, rs_impl))
+    return _report(cfg, backend, n, hosts, device, max_bytes, (rs_impl, rs_note, na), results)
 
 
 # ----------------------------------------------------------------------------------------------

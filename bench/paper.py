@@ -236,11 +236,7 @@ def _point_id(overrides: list[str]) -> str:
     return point_id(overrides)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = []
-    if "--" in argv:
-        argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ptbench.paper", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     pl = sub.add_parser("plan", help="write the sweep files; --submit: Slurm arrays, phase 2 after phase 1")
@@ -283,100 +279,118 @@ def main(argv: list[str] | None = None) -> int:
     wt = sub.add_parser("wait", help="wait until every job of a submitted plan has left the queue")
     wt.add_argument("out", type=Path)
     wt.add_argument("--timeout", type=float, default=3600)
-    args = p.parse_args(argv)
+    return p
+
+
+def _submit_phase(args, name: str, points: list, sbatch: list[str], serial: bool) -> tuple[int, list[str]]:
+    """One phase's Slurm arrays (printed only under --dry-run); the job ids, added to the plan's jobs.txt."""
+    code, ids = submit_arrays(
+        args.out / f"{name}.txt",
+        [],
+        gpus_per_node=args.gpus_per_node,
+        sbatch=sbatch,
+        dry_run=args.dry_run,
+        points=points if args.dry_run else None,
+    )
+    code = code or (release_serial(ids) if serial else 0)
+    if not args.dry_run:
+        add_jobs(args.out, ids)
+    return code, ids
+
+
+def _submit_stateff_after(args, ids: list[str], submit: bool) -> int:
+    """Phase 2 as a job that starts when every epoch-time task has ended well (it chooses, then submits);
+    printed always, submitted when `submit`."""
+    phase2 = [
+        "sbatch",
+        "--parsable",
+        f"--dependency=afterok:{':'.join(ids)}",
+        "--job-name=bench-paper-stateff",
+        "--ntasks=1",
+        f"--output={results_root().absolute() / 'slurm'}/%x-%j.out",
+        f"--wrap={sys.executable} -m ptbench.paper stateff {args.out.absolute()} --submit "
+        f"--gpus-per-node {args.gpus_per_node}" + (" --one-at-a-time" if args.one_at_a_time else ""),
+    ]
+    print(shlex.join(phase2), flush=True)
+    if not submit:
+        return 0
+    proc = subprocess.run(phase2, capture_output=True, text=True, cwd=REPO)
+    print(proc.stdout.strip() or proc.stderr.strip(), flush=True)
+    add_jobs(args.out, [proc.stdout.strip().split(";")[0]] if proc.returncode == 0 else [])
+    return proc.returncode
+
+
+def _plan_cmd(args, argv: list[str], extra: list[str]) -> int:
+    phases = plan(
+        args.workloads.split(","),
+        args.adapters.split(","),
+        [int(g) for g in args.gpus.split(",")],
+        args.gpus_per_node,
+        extra,
+    )
+    phases["epoch"] = with_repeats(phases["epoch"], args.repeats)
+    # the memory phase too: CPU peak RSS varies run to run (GPU allocated bytes repeat, and compare exactly)
+    phases["memory"] = with_repeats(phases["memory"], args.repeats)
+    if not args.dry_run:
+        line = shlex.join(argv + (["--", *extra] if extra else []))
+        write_plan(args.out, phases, line, args.stateff_epochs, args.repeats)
+    print(
+        f"plan: {len(phases['epoch'])} epoch-time points, {len(phases['memory'])} memory points -> {args.out}/; "
+        f"{len(phases['skipped'])} skipped (plan.json)" + ("; dry run: nothing written" if args.dry_run else "")
+    )
+    if args.dry_run:
+        print("".join(f"skipped: {why}\n" for why in phases["skipped"]), end="")
+    if not (args.submit or args.dry_run):
+        return 0
+    serial = args.one_at_a_time and not args.dry_run
+    sbatch = [*args.sbatch, *(serial_args(args.out) if args.one_at_a_time else [])]
+    if not args.dry_run:
+        (args.out / "jobs.txt").write_text("")
+    code, ids = _submit_phase(args, "epoch", phases["epoch"], sbatch, serial)
+    code = _submit_stateff_after(args, ids, submit=not args.dry_run and code == 0) or code
+    code2, _ = _submit_phase(args, "memory", phases["memory"], sbatch, serial)
+    return code or code2
+
+
+def _sweep_run(out: Path, phase: str, results: Path) -> int:
+    """One phase's sweep file run here, its records under `results` (the root phase 2 chooses from)."""
+    cmd = [sys.executable, "-m", "ptbench.sweep", "run", str(out / f"{phase}.txt")]
+    return subprocess.run([*cmd, "--", f"results.root={results.absolute()}"]).returncode
+
+
+def _stateff_cmd(args) -> int:
+    chosen = choose_stateff(args.out, args.results)
+    print(f"stateff: {len(chosen)} points -> {args.out / 'stateff.txt'}")
+    if args.submit:
+        sbatch = serial_args(args.out) if args.one_at_a_time else []
+        code, ids = submit_arrays(args.out / "stateff.txt", [], gpus_per_node=args.gpus_per_node, sbatch=sbatch)
+        add_jobs(args.out, ids)  # before this job ends, so `wait` sees them
+        return code or (release_serial(ids) if args.one_at_a_time else 0)
+    return _sweep_run(args.out, "stateff", args.results) if args.run else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+    args = _parser().parse_args(argv)
     if getattr(args, "results", None) is None and args.cmd in ("stateff", "run"):
         args.results = results_root()
     if args.cmd == "wait":
         return wait(args.out, args.timeout)
-    if args.cmd == "plan" and args.out is None:
-        args.out = results_root() / "paper"  # never a folder of the checkout outside results/
-
     if args.cmd == "plan":
-        phases = plan(
-            args.workloads.split(","),
-            args.adapters.split(","),
-            [int(g) for g in args.gpus.split(",")],
-            args.gpus_per_node,
-            extra,
-        )
-        phases["epoch"] = with_repeats(phases["epoch"], args.repeats)
-        # the memory phase too: CPU peak RSS varies run to run (GPU allocated bytes repeat, and compare exactly)
-        phases["memory"] = with_repeats(phases["memory"], args.repeats)
-        if not args.dry_run:
-            line = shlex.join(argv + (["--", *extra] if extra else []))
-            write_plan(args.out, phases, line, args.stateff_epochs, args.repeats)
-        print(
-            f"plan: {len(phases['epoch'])} epoch-time points, {len(phases['memory'])} memory points -> {args.out}/; "
-            f"{len(phases['skipped'])} skipped (plan.json)" + ("; dry run: nothing written" if args.dry_run else "")
-        )
-        if args.dry_run:
-            print("".join(f"skipped: {why}\n" for why in phases["skipped"]), end="")
-        if not (args.submit or args.dry_run):
-            return 0
-        serial = args.one_at_a_time and not args.dry_run
-        sbatch = [*args.sbatch, *(serial_args(args.out) if args.one_at_a_time else [])]
-        code, ids = submit_arrays(
-            args.out / "epoch.txt",
-            [],
-            gpus_per_node=args.gpus_per_node,
-            sbatch=sbatch,
-            dry_run=args.dry_run,
-            points=phases["epoch"] if args.dry_run else None,
-        )
-        code = code or (release_serial(ids) if serial else 0)
-        if not args.dry_run:
-            (args.out / "jobs.txt").write_text("")
-            add_jobs(args.out, ids)
-        dep = f"--dependency=afterok:{':'.join(ids)}"
-        phase2 = [
-            "sbatch",
-            "--parsable",
-            dep,
-            "--job-name=bench-paper-stateff",
-            "--ntasks=1",
-            f"--output={results_root().absolute() / 'slurm'}/%x-%j.out",
-            f"--wrap={sys.executable} -m ptbench.paper stateff {args.out.absolute()} --submit "
-            f"--gpus-per-node {args.gpus_per_node}" + (" --one-at-a-time" if args.one_at_a_time else ""),
-        ]
-        print(shlex.join(phase2), flush=True)
-        if not args.dry_run and code == 0:
-            proc = subprocess.run(phase2, capture_output=True, text=True, cwd=REPO)
-            print(proc.stdout.strip() or proc.stderr.strip(), flush=True)
-            code = proc.returncode
-            add_jobs(args.out, [proc.stdout.strip().split(";")[0]] if code == 0 else [])
-        code2, ids3 = submit_arrays(
-            args.out / "memory.txt",
-            [],
-            gpus_per_node=args.gpus_per_node,
-            sbatch=sbatch,
-            dry_run=args.dry_run,
-            points=phases["memory"] if args.dry_run else None,
-        )
-        code2 = code2 or (release_serial(ids3) if serial else 0)
-        if not args.dry_run:
-            add_jobs(args.out, ids3)
-        return code or code2
+        if args.out is None:
+            args.out = results_root() / "paper"  # never a folder of the checkout outside results/
+        return _plan_cmd(args, argv, extra)
     if args.cmd == "stateff":
-        chosen = choose_stateff(args.out, args.results)
-        print(f"stateff: {len(chosen)} points -> {args.out / 'stateff.txt'}")
-        if args.submit:
-            sbatch = serial_args(args.out) if args.one_at_a_time else []
-            code, ids = submit_arrays(args.out / "stateff.txt", [], gpus_per_node=args.gpus_per_node, sbatch=sbatch)
-            add_jobs(args.out, ids)  # before this job ends, so `wait` sees them
-            return code or (release_serial(ids) if args.one_at_a_time else 0)
-        if args.run:
-            return subprocess.run(
-                [sys.executable, "-m", "ptbench.sweep", "run", str(args.out / "stateff.txt")]
-            ).returncode
-        return 0
-    # run: the whole protocol here
+        return _stateff_cmd(args)
+    # run: the whole protocol here, every phase's records under --results (phase 2 chooses from them)
     code = 0
     for phase in PHASES:
         if phase == "stateff":
             choose_stateff(args.out, args.results)
-        code |= subprocess.run(
-            [sys.executable, "-m", "ptbench.sweep", "run", str(args.out / f"{phase}.txt")]
-        ).returncode
+        code |= _sweep_run(args.out, phase, args.results)
     return code
 
 

@@ -414,6 +414,16 @@ def _submit(args) -> int:
     return code
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ptbench.sweep", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    each = (_grid_parser(sub), _run_parser(sub), _submit_parser(sub))
+    _noise_parser(sub)
+    for one in (*each, _point_parser(sub)):
+        _trust_option(one)
+    return parser
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--grid"]:  # `python -m ptbench.sweep --grid ...` reads naturally too
@@ -421,11 +431,24 @@ def main(argv=None) -> int:
     extra = []
     if "--" in argv:  # overrides after `--` go to every point
         argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
-    parser = argparse.ArgumentParser(prog="python -m ptbench.sweep", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args, extra)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _grid_parser(sub) -> argparse.ArgumentParser:
+    """`grid`: a sweep file from Hydra-style comma lists."""
     g = sub.add_parser("grid", help="write the cartesian product of sweep overrides, one point per line")
     g.add_argument("overrides", nargs="+", help="Hydra overrides, e.g. adapter=ddp,zero launcher.nprocs=1,2,4")
     g.add_argument("-o", "--output", default="-", help="sweep file to write (default: print)")
+    return g
+
+
+def _run_parser(sub) -> argparse.ArgumentParser:
+    """`run`: every point here, one after another."""
     r = sub.add_parser("run", help="run every point here, one after another (overrides after -- go to every point)")
     r.add_argument("file", type=Path)
     r.add_argument("--resume", action="store_true", help="skip points that already have an ok record")
@@ -450,6 +473,11 @@ def main(argv=None) -> int:
         help="skip the per-sweep `python -m ptbench.comm` measurement "
         "(stored in <results>/<experiment>/comm/ for the report)",
     )
+    return r
+
+
+def _submit_parser(sub) -> argparse.ArgumentParser:
+    """`submit`: Slurm arrays, one per allocation shape."""
     s = sub.add_parser(
         "submit", help="sbatch slurm/array.sbatch once per allocation shape (overrides after -- go to every point)"
     )
@@ -483,6 +511,11 @@ def main(argv=None) -> int:
         help="skip the one small `python -m ptbench.comm` job per world "
         "size (stored in <results>/<experiment>/comm/ for the report)",
     )
+    return s
+
+
+def _noise_parser(sub) -> argparse.ArgumentParser:
+    """`noise`: the noise floor of one point (A/A or A/B)."""
     n = sub.add_parser(
         "noise",
         help="the noise floor: the point given after -- run 2 x --repeats times interleaved (A/A), or against "
@@ -496,6 +529,11 @@ def main(argv=None) -> int:
         metavar="OVERRIDE",
         help="an override for arm B only, e.g. --b trainer.inject_fault=slow@0.15 (repeatable; none: A/A)",
     )
+    return n
+
+
+def _point_parser(sub) -> argparse.ArgumentParser:
+    """`point`: one line of a sweep file, for array.sbatch."""
     p = sub.add_parser(
         "point",
         help="print RANKS GPUS_PER_RANK OVERRIDES of point INDEX (used by array.sbatch);"
@@ -510,14 +548,7 @@ def main(argv=None) -> int:
         help="after a failed run: RANKS GPUS_PER_RANK and the overrides that retry the point with half its "
         "per-device batch if its newest record says oom (extra.batch_reduced_from), else `skip`",
     )
-    for each in (g, r, s, p):
-        _trust_option(each)
-    args = parser.parse_args(argv)
-    try:
-        return _dispatch(args, extra)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return p
 
 
 def _trust_option(parser: argparse.ArgumentParser) -> None:

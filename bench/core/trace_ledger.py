@@ -128,46 +128,37 @@ def clip(intervals, lo: float, hi: float):
     return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
 
 
-def analyse(trace: dict, default_group: int) -> dict:
-    """One rank's trace -> its communication ledger, exposed time, work intervals (pipelines).
+def _span(e: dict) -> tuple[float, float]:
+    """An event's [start, end] on the trace clock (us)."""
+    return float(e["ts"]), float(e["ts"]) + float(e["dur"])
 
-    Returns {steps: [G...], step_windows: {G: [t0, t1]} (us, trace clock), collectives: [{kind, op,
-    group_size, message_bytes, bus_bytes, time_s, step}], by_kind: {kind: {calls, message_bytes,
-    bus_bytes, time_s}} per step, comm_time_s, exposed_s, compute_s (per step, means over the profiled
-    steps), stage_work: {G: [[t0, t1], ...]}, notes}."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    windows = {}
-    for e in events:
-        name = e.get("name", "")
-        if name.startswith(STEP):
-            windows[int(name[len(STEP) :])] = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-    notes: list[str] = []
 
-    def step_of(ts: float):
-        for g, (a, b) in windows.items():
-            if a <= ts <= b:
-                return g
-        return None
+def _step_windows(events: list[dict]) -> dict[int, tuple[float, float]]:
+    """Global step -> its window, from the runner's `ptbench.step#G` annotations."""
+    return {int(e["name"][len(STEP) :]): _span(e) for e in events if e.get("name", "").startswith(STEP)}
 
-    labels = [e for e in events if e.get("name", "").startswith(COMM)]
-    # an unlabelled collective (issued from C++): the data-parallel size, unless the trace's process groups
-    # larger than one all have one size (then that one)
-    sizes = {g.get("pg_size") for g in trace.get("distributedInfo", {}).get("pg_config", []) if g.get("pg_size", 1) > 1}
-    if len(sizes) == 1:
-        default_group = sizes.pop()
+
+def _step_of(windows: dict, ts: float):
+    for g, (a, b) in windows.items():
+        if a <= ts <= b:
+            return g
+    return None
+
+
+def _outer_c10d_ops(events: list[dict], windows: dict) -> list[tuple[dict, tuple, int]]:
+    """The c10d ops inside a profiled step, outermost only (a coalesced op may issue another inside it, on the
+    same thread), in issue order: (event, (kind, buffer argument), step)."""
     ops = []
     for e in events:
         spec = c10d_op(e.get("name", ""))
         if spec is None or e.get("cat") not in (None, "cpu_op"):
             continue
-        g = step_of(float(e["ts"]))
-        if g is None:
-            continue
-        ops.append((e, spec, g))
-    # keep the outermost c10d op (a coalesced op may issue another inside it, on the same thread)
+        g = _step_of(windows, float(e["ts"]))
+        if g is not None:
+            ops.append((e, spec, g))
     outer = []
     for e, spec, g in ops:
-        t0, t1 = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        t0, t1 = _span(e)
         inside = any(
             o is not e
             and o.get("tid") == e.get("tid")
@@ -178,85 +169,76 @@ def analyse(trace: dict, default_group: int) -> dict:
         )
         if not inside:
             outer.append((e, spec, g))
-    outer.sort(key=lambda x: float(x[0]["ts"]))
+    return sorted(outer, key=lambda x: float(x[0]["ts"]))
 
-    # execution of the collective: gloo's worker events (CPU), NCCL kernels (CUDA)
-    gloo = sorted((e for e in events if e.get("name", "").startswith("gloo:")), key=lambda e: float(e["ts"]))
-    nccl = sorted(
-        (e for e in events if e.get("cat") == "kernel" and "nccl" in e.get("name", "").lower()),
-        key=lambda e: float(e["ts"]),
+
+def _label_of(e: dict, labels: list[dict]) -> dict | None:
+    """The `ptbench.comm:` annotation around a c10d op on its thread (None: issued from C++)."""
+    t0, t1 = _span(e)
+    for lab in labels:
+        if lab.get("tid") == e.get("tid") and float(lab["ts"]) <= t0 and t1 <= _span(lab)[1] + 1e-3:
+            return lab
+    return None
+
+
+def _execution(e: dict, kind: str, elems: int, n: int, pools: tuple[list, list], used: set[int]) -> dict | None:
+    """The collective's execution event: the first unused one (gloo's worker event of the same size, or an NCCL
+    kernel) that starts after the op was issued; marked used."""
+    gloo, nccl = pools
+    for pool in (gloo, nccl):
+        for x in pool:
+            if id(x) in used or float(x["ts"]) + 1.0 < float(e["ts"]):
+                continue
+            xd = (x.get("args", {}).get("Input Dims") or [[]])[0]
+            if pool is nccl or _numel(xd) == elems or kind in ("all_gather",) and _numel(xd) * n == elems:
+                used.add(id(x))
+                return x
+    return None
+
+
+def _bus_bytes(kind: str, message: int, n: int) -> float:
+    """nccl-tests' bus volume of one call (a recv is counted at its sender; barriers and all_to_all move none
+    that the formulas count)."""
+    if kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        return message * ring_factor(kind, n) if n > 1 else 0.0
+    if kind in ("send_recv", "broadcast"):
+        return float(message)
+    return 0.0
+
+
+def _collective_row(e, kind, arg, g, labels, default_group, pools, used) -> tuple[dict, tuple[float, float], bool]:
+    """One c10d op -> its ledger row, its execution interval, and whether its dtype was missing (4 bytes taken)."""
+    args = e.get("args", {})
+    dims, types = args.get("Input Dims") or [], args.get("Input type") or []
+    label = _label_of(e, labels)
+    parts = label["name"][len(COMM) :].split(":") if label else []
+    n = int(parts[1]) if label else default_group
+    idx = 0 if arg == "out" else arg
+    elems = _elems(dims[idx]) if isinstance(idx, int) and idx < len(dims) else 0
+    typ = types[idx] if isinstance(idx, int) and idx < len(types) else ""
+    exe = _execution(e, kind, elems, n, pools, used)
+    if typ not in DTYPE_BYTES and exe is not None:
+        typ = (exe.get("args", {}).get("Input type") or [""])[0]
+    size = DTYPE_BYTES.get(typ)
+    message = elems * (size or 4)
+    t0, t1 = _span(exe) if exe else _span(e)
+    row = dict(
+        kind=kind,
+        op=e["name"],
+        group_size=n,
+        group=parts[2] if len(parts) > 2 else None,
+        message_bytes=message,
+        bus_bytes=_bus_bytes(kind, message, n),
+        time_s=(t1 - t0) * 1e-6,
+        step=g,
+        labelled=label is not None,
+        executed_as=exe["name"] if exe else None,
     )
-    used: set[int] = set()
-    rows, comm_iv = [], []
-    unknown_dtype = 0
-    for e, (kind, arg), g in outer:
-        args = e.get("args", {})
-        dims, types = args.get("Input Dims") or [], args.get("Input type") or []
-        label = next(
-            (
-                lab
-                for lab in labels
-                if lab.get("tid") == e.get("tid")
-                and float(lab["ts"]) <= float(e["ts"])
-                and float(e["ts"]) + float(e["dur"]) <= float(lab["ts"]) + float(lab["dur"]) + 1e-3
-            ),
-            None,
-        )
-        parts = label["name"][len(COMM) :].split(":") if label else []
-        n = int(parts[1]) if label else default_group
-        group = parts[2] if len(parts) > 2 else None
-        idx = 0 if arg == "out" else arg
-        elems = _elems(dims[idx]) if isinstance(idx, int) and idx < len(dims) else 0
-        typ = types[idx] if isinstance(idx, int) and idx < len(types) else ""
-        # execution event: the first unused one of the same size that starts after the op was issued
-        exe = None
-        for pool in (gloo, nccl):
-            for x in pool:
-                if id(x) in used or float(x["ts"]) + 1.0 < float(e["ts"]):
-                    continue
-                xd = (x.get("args", {}).get("Input Dims") or [[]])[0]
-                if pool is nccl or _numel(xd) == elems or kind in ("all_gather",) and _numel(xd) * n == elems:
-                    exe = x
-                    used.add(id(x))
-                    break
-            if exe is not None:
-                break
-        if typ not in DTYPE_BYTES and exe is not None:
-            typ = (exe.get("args", {}).get("Input type") or [""])[0]
-        size = DTYPE_BYTES.get(typ)
-        if size is None:
-            size = 4
-            unknown_dtype += 1
-        message = elems * size
-        if kind in ("all_reduce", "all_gather", "reduce_scatter"):
-            bus = message * ring_factor(kind, n) if n > 1 else 0.0
-        elif kind in ("send_recv", "broadcast"):
-            bus = float(message)
-        else:  # recv (counted at the sender), barrier, all_to_all
-            bus = 0.0
-        t0, t1 = (
-            (float(exe["ts"]), float(exe["ts"]) + float(exe["dur"]))
-            if exe
-            else (
-                float(e["ts"]),
-                float(e["ts"]) + float(e["dur"]),
-            )
-        )
-        comm_iv.append((t0, t1))
-        rows.append(
-            dict(
-                kind=kind,
-                op=e["name"],
-                group_size=n,
-                group=group,
-                message_bytes=message,
-                bus_bytes=bus,
-                time_s=(t1 - t0) * 1e-6,
-                step=g,
-                labelled=label is not None,
-                executed_as=exe["name"] if exe else None,
-            )
-        )
+    return row, (t0, t1), size is None
+
+
+def _ledger_notes(rows: list[dict], unknown_dtype: int, default_group: int) -> list[str]:
+    notes = []
     if unknown_dtype:
         notes.append(f"{unknown_dtype} collective(s) with no recorded dtype counted as 4-byte elements")
     if any(not r["labelled"] and r["kind"] in ("all_reduce", "all_gather", "reduce_scatter") for r in rows):
@@ -265,30 +247,24 @@ def analyse(trace: dict, default_group: int) -> dict:
             f"label: group size taken as {default_group} (the one size of the trace's process groups > 1, else "
             "the data-parallel size)"
         )
+    return notes
 
-    # compute: aten operators on CPU threads (gloo's threads excluded), non-NCCL kernels on the GPU
-    # (gloo's send/recv run on the calling thread, the step's own: that one stays in)
-    gloo_tids = {e.get("tid") for e in gloo} - {e.get("tid") for e in events if e.get("name", "").startswith(STEP)}
+
+def _compute_intervals(events: list[dict], gloo: list[dict]) -> list[tuple[float, float]]:
+    """Compute: aten operators on CPU threads (gloo's threads excluded), non-NCCL kernels on the GPU (gloo's
+    send/recv run on the calling thread, the step's own: that one stays in)."""
     if any(e.get("cat") == "kernel" for e in events):
-        comp = [
-            (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-            for e in events
-            if e.get("cat") == "kernel" and "nccl" not in e.get("name", "").lower()
-        ]
-    else:
-        comp = [
-            (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-            for e in events
-            if e.get("cat") == "cpu_op" and e.get("name", "").startswith("aten::") and e.get("tid") not in gloo_tids
-        ]
-    marks = sorted(
-        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"][len(STAGE) :])
+        return [_span(e) for e in events if e.get("cat") == "kernel" and "nccl" not in e.get("name", "").lower()]
+    gloo_tids = {e.get("tid") for e in gloo} - {e.get("tid") for e in events if e.get("name", "").startswith(STEP)}
+    return [
+        _span(e)
         for e in events
-        if e.get("name", "").startswith(STAGE)
-    )
-    stage_work = {g: union(clip([(t0, t1) for t0, t1, _ in marks], a, b)) for g, (a, b) in windows.items()}
-    stage_items = {g: [[tag, t0, t1] for t0, t1, tag in marks if a <= t0 < b] for g, (a, b) in windows.items()}
-    k = max(1, len(windows))
+        if e.get("cat") == "cpu_op" and e.get("name", "").startswith("aten::") and e.get("tid") not in gloo_tids
+    ]
+
+
+def _by_kind(rows: list[dict], k: int) -> dict:
+    """Per collective kind: calls, message and bus bytes, time, each per profiled step (k steps)."""
     by_kind: dict = {}
     for r in rows:
         d = by_kind.setdefault(r["kind"], dict(calls=0, message_bytes=0.0, bus_bytes=0.0, time_s=0.0))
@@ -296,9 +272,48 @@ def analyse(trace: dict, default_group: int) -> dict:
         d["message_bytes"] += r["message_bytes"]
         d["bus_bytes"] += r["bus_bytes"]
         d["time_s"] += r["time_s"]
-    for d in by_kind.values():
-        for key in ("calls", "message_bytes", "bus_bytes", "time_s"):
-            d[key] = d[key] / k
+    return {kind: {key: v / k for key, v in d.items()} for kind, d in by_kind.items()}
+
+
+def _stage_marks(events: list[dict], windows: dict) -> tuple[dict, dict]:
+    """A pipeline stage's work per step: the union of its marked intervals, and the marked items themselves."""
+    marks = sorted((*_span(e), e["name"][len(STAGE) :]) for e in events if e.get("name", "").startswith(STAGE))
+    work = {g: union(clip([(t0, t1) for t0, t1, _ in marks], a, b)) for g, (a, b) in windows.items()}
+    items = {g: [[tag, t0, t1] for t0, t1, tag in marks if a <= t0 < b] for g, (a, b) in windows.items()}
+    return work, items
+
+
+def analyse(trace: dict, default_group: int) -> dict:
+    """One rank's trace -> its communication ledger, exposed time, work intervals (pipelines).
+
+    Returns {steps: [G...], step_windows: {G: [t0, t1]} (us, trace clock), collectives: [{kind, op,
+    group_size, message_bytes, bus_bytes, time_s, step}], by_kind: {kind: {calls, message_bytes,
+    bus_bytes, time_s}} per step, comm_time_s, exposed_s, compute_s (per step, means over the profiled
+    steps), stage_work: {G: [[t0, t1], ...]}, notes}."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    windows = _step_windows(events)
+    labels = [e for e in events if e.get("name", "").startswith(COMM)]
+    # an unlabelled collective (issued from C++): the data-parallel size, unless the trace's process groups
+    # larger than one all have one size (then that one)
+    sizes = {g.get("pg_size") for g in trace.get("distributedInfo", {}).get("pg_config", []) if g.get("pg_size", 1) > 1}
+    if len(sizes) == 1:
+        default_group = sizes.pop()
+    # execution of the collective: gloo's worker events (CPU), NCCL kernels (CUDA)
+    gloo = sorted((e for e in events if e.get("name", "").startswith("gloo:")), key=lambda e: float(e["ts"]))
+    nccl = sorted(
+        (e for e in events if e.get("cat") == "kernel" and "nccl" in e.get("name", "").lower()),
+        key=lambda e: float(e["ts"]),
+    )
+    used: set[int] = set()
+    rows, comm_iv, unknown_dtype = [], [], 0
+    for e, (kind, arg), g in _outer_c10d_ops(events, windows):
+        row, interval, unknown = _collective_row(e, kind, arg, g, labels, default_group, (gloo, nccl), used)
+        rows.append(row)
+        comm_iv.append(interval)
+        unknown_dtype += unknown
+    comp = _compute_intervals(events, gloo)
+    stage_work, stage_items = _stage_marks(events, windows)
+    k = max(1, len(windows))
     exposed = comm = compute = 0.0
     for a, b in windows.values():
         civ = clip(comm_iv, a, b)
@@ -310,13 +325,13 @@ def analyse(trace: dict, default_group: int) -> dict:
         step_windows={g: list(w) for g, w in sorted(windows.items())},
         step_time_s=sum(b - a for a, b in windows.values()) * 1e-6 / k,
         collectives=rows,
-        by_kind=by_kind,
+        by_kind=_by_kind(rows, k),
         comm_time_s=comm * 1e-6 / k,
         exposed_s=exposed * 1e-6 / k,
         compute_s=compute * 1e-6 / k,
         stage_work={g: [list(w) for w in iv] for g, iv in stage_work.items()},
         stage_items=stage_items,
-        notes=notes,
+        notes=_ledger_notes(rows, unknown_dtype, default_group),
     )
 
 
@@ -335,6 +350,95 @@ def marked(items: list[list]) -> tuple[dict, int]:
     return counts, nested
 
 
+BUBBLE_DEFINITION = (
+    "wall: per step, 1 - a stage's work time / the schedule's span (first work start to last work "
+    "end over all stages), work = forward/backward of one micro-batch (ptbench.stage:* marks: torch "
+    "pipelining's forward_one_chunk / backward_one_chunk, the loss outside them; megatron-core's forward_step "
+    "(the loss inside) / backward_step); it includes p2p transfers, torch pipelining's loss, and any time the "
+    "stages could not run at once (ranks sharing CPU cores). item_cv: per direction, the coefficient of "
+    "variation (population standard deviation / mean) of the work items' durations over every stage and "
+    "profiled step (the theory assumes 0). step_item_cv: per profiled step, the same spread of its items, each "
+    "divided by its stage's median item of that direction; steady: the wall figure over the steps whose "
+    "step_item_cv is at most steady_cv (the theory's equal items held; chosen on item times, not on idle time). marks: per stage, fwd and bwd marks per profiled "
+    "step; marked_once: each is m on every stage and step and no mark lies inside another. "
+    "replayed: the same with the measured work items (each at its stage's fastest instance of that direction "
+    "over the profiled steps) replayed in each stage's traced order with the pipeline's dependencies (forward i after the previous stage's forward i, backward i after the "
+    "next stage's backward i), one device per stage and free transfers"
+)
+
+
+def _cv(xs: list[float]) -> float | None:
+    """Population standard deviation over mean (None for no data or a zero mean)."""
+    mu = statistics.fmean(xs) if xs else 0.0
+    return statistics.pstdev(xs) / mu if mu > 0 else None
+
+
+def _mark_counts(per_rank: list[dict], steps: list[int], microbatches: int) -> tuple[list[dict], int, bool]:
+    """Per stage, its fwd and bwd marks per step; marks nested in another; whether every micro-batch's forward
+    and backward was marked once on every stage, in every step measured."""
+    marks = [{"fwd": [], "bwd": []} for _ in per_rank]
+    nested = 0
+    for s, rank in enumerate(per_rank):
+        for g in steps:
+            counts, n = marked(rank.get("stage_items", {}).get(g, []))
+            nested += n
+            for tag in ("fwd", "bwd"):
+                marks[s][tag].append(counts.get(tag, 0))
+    once = nested == 0 and all(n == microbatches for st in marks for tag in ("fwd", "bwd") for n in st[tag])
+    return marks, nested, once
+
+
+def _idle_fractions(per_rank: list[dict], steps: list[int]) -> list[list[float]]:
+    """Per stage, per step: 1 - its work time / the schedule's span (first work start to last work end)."""
+    fractions = [[] for _ in per_rank]
+    for g in steps:
+        work = [rank["stage_work"][g] for rank in per_rank]
+        span = max(w[-1][1] for w in work) - min(w[0][0] for w in work)
+        for s, w in enumerate(work):
+            fractions[s].append(1.0 - length([tuple(x) for x in w]) / span if span > 0 else 0.0)
+    return fractions
+
+
+def _item_durations(per_rank: list[dict], steps: list[int]) -> dict:
+    """Every work item's duration per (stage, direction), over the profiled steps."""
+    by_stage: dict = {}
+    for s, rank in enumerate(per_rank):
+        for g in steps:
+            for tag, t0, t1 in rank.get("stage_items", {}).get(g, []):
+                by_stage.setdefault((s, tag), []).append(t1 - t0)
+    return by_stage
+
+
+def _step_item_cv(per_rank: list[dict], steps: list[int], by_stage: dict) -> list[float | None]:
+    """Per step, the spread (std/mean) of its items' durations, each divided by its stage's median item of that
+    direction over the profiled steps (so that a stage heavier than another does not count as spread)."""
+    medians = {k: statistics.median(v) for k, v in by_stage.items()}
+    step_cv = []
+    for g in steps:
+        xs = [
+            (t1 - t0) / medians[(s, tag)]
+            for s, rank in enumerate(per_rank)
+            for tag, t0, t1 in rank.get("stage_items", {}).get(g, [])
+            if medians[(s, tag)] > 0
+        ]
+        step_cv.append(_cv(xs))
+    return step_cv
+
+
+def _replayed(per_rank: list[dict], steps: list[int], by_stage: dict) -> list[float] | None:
+    """Per stage, the mean replayed bubble: each stage's items of one direction do the same work, so their
+    fastest instance over the profiled steps is the one least slowed by other ranks sharing the cores; the replay
+    times every item at that."""
+    fastest = {k: min(v) for k, v in by_stage.items()}
+    replays = [replay([rank.get("stage_items", {}).get(g, []) for rank in per_rank], fastest) for g in steps]
+    replays = [r for r in replays if r is not None]
+    return [sum(r[s] for r in replays) / len(replays) for s in range(len(per_rank))] if replays else None
+
+
+def _over(x: float | None, theory: float) -> float | None:
+    return x / theory if x is not None and theory else None
+
+
 def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None) -> dict | None:
     """Pipeline bubble per stage from every rank's `analyse` (rank r = stage r; one replica): per profiled
     step, the schedule's span is the first stage work start to the last work end over all stages; a stage's
@@ -345,64 +449,22 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
     steps = [g for g in steps if all(per_rank[s]["stage_work"].get(g) for s in range(p))]
     if p < 2 or not steps:
         return None
-    # every micro-batch's forward and backward marked once on every stage, in every step measured
-    marks = [{"fwd": [], "bwd": []} for _ in range(p)]
-    nested = 0
-    for s in range(p):
-        for g in steps:
-            counts, n = marked(per_rank[s].get("stage_items", {}).get(g, []))
-            nested += n
-            for tag in ("fwd", "bwd"):
-                marks[s][tag].append(counts.get(tag, 0))
-    once = nested == 0 and all(n == microbatches for st in marks for tag in ("fwd", "bwd") for n in st[tag])
-    fractions = [[] for _ in range(p)]
-    for g in steps:
-        work = [per_rank[s]["stage_work"][g] for s in range(p)]
-        lo = min(w[0][0] for w in work)
-        hi = max(w[-1][1] for w in work)
-        span = hi - lo
-        for s in range(p):
-            fractions[s].append(1.0 - length([tuple(x) for x in work[s]]) / span if span > 0 else 0.0)
+    marks, nested, once = _mark_counts(per_rank, steps, microbatches)
+    fractions = _idle_fractions(per_rank, steps)
     per_stage = [sum(f) / len(f) for f in fractions]
     theory = (p - 1) / (microbatches + p - 1)
     mean = sum(per_stage) / p
     per_step = [sum(fractions[s][i] for s in range(p)) / p for i in range(len(steps))]  # the spread over steps
-    # every work item's duration per (stage, direction), over the profiled steps
-    by_stage: dict = {}
-    for s in range(p):
-        for g in steps:
-            for tag, t0, t1 in per_rank[s].get("stage_items", {}).get(g, []):
-                by_stage.setdefault((s, tag), []).append(t1 - t0)
-
-    def cv(xs: list[float]) -> float | None:  # population std / mean
-        mu = statistics.fmean(xs) if xs else 0.0
-        return statistics.pstdev(xs) / mu if mu > 0 else None
-
-    # each stage's items of one direction do the same work: their fastest instance over the profiled steps is
-    # the one least slowed by other ranks sharing the cores; the replay times every item at that
-    fastest = {k: min(v) for k, v in by_stage.items()}
+    by_stage = _item_durations(per_rank, steps)
     # how far the run was from the theory's equal items: the spread of one direction's item times over every
     # stage and step (a stage waits for the slowest item it depends on, so uneven items widen the bubble)
-    item_cv = {tag: cv([d for (_, t), ds in by_stage.items() if t == tag for d in ds]) for tag in ("fwd", "bwd")}
-    # steady steps: those in which the theory's equal items held. Per step, the spread (std/mean) of its items'
-    # durations, each divided by its stage's median item of that direction over the profiled steps (so that a
-    # stage heavier than another does not count as spread); a step at most STEADY_CV is steady. The selection
-    # reads the work items only, never the idle time it then averages
-    medians = {k: statistics.median(v) for k, v in by_stage.items()}
-    step_cv = []
-    for g in steps:
-        xs = [
-            (t1 - t0) / medians[(s, tag)]
-            for s in range(p)
-            for tag, t0, t1 in per_rank[s].get("stage_items", {}).get(g, [])
-            if medians[(s, tag)] > 0
-        ]
-        step_cv.append(cv(xs))
+    item_cv = {tag: _cv([d for (_, t), ds in by_stage.items() if t == tag for d in ds]) for tag in ("fwd", "bwd")}
+    # steady steps: those in which the theory's equal items held (a step's item spread at most STEADY_CV); the
+    # selection reads the work items only, never the idle time it then averages
+    step_cv = _step_item_cv(per_rank, steps, by_stage)
     steady = [i for i, c in enumerate(step_cv) if c is not None and c <= STEADY_CV]
     steady_mean = sum(per_step[i] for i in steady) / len(steady) if steady else None
-    replays = [replay([per_rank[s].get("stage_items", {}).get(g, []) for s in range(p)], fastest) for g in steps]
-    replays = [r for r in replays if r is not None]
-    rp = [sum(r[s] for r in replays) / len(replays) for s in range(p)] if replays else None
+    rp = _replayed(per_rank, steps, by_stage)
     rmean = sum(rp) / p if rp else None
     return dict(
         schedule=schedule,
@@ -420,25 +482,13 @@ def bubble(per_rank: list[dict], microbatches: int, schedule: str | None = None)
         steady_cv=STEADY_CV,
         steady_steps=len(steady),
         steady_mean=steady_mean,
-        steady_ratio=steady_mean / theory if steady_mean is not None and theory else None,
+        steady_ratio=_over(steady_mean, theory),
         theory=theory,
-        ratio=mean / theory if theory else None,
+        ratio=_over(mean, theory),
         replayed_per_stage=rp,
         replayed_mean=rmean,
-        replayed_ratio=rmean / theory if rmean is not None and theory else None,
-        definition="wall: per step, 1 - a stage's work time / the schedule's span (first work start to last work "
-        "end over all stages), work = forward/backward of one micro-batch (ptbench.stage:* marks: torch "
-        "pipelining's forward_one_chunk / backward_one_chunk, the loss outside them; megatron-core's forward_step "
-        "(the loss inside) / backward_step); it includes p2p transfers, torch pipelining's loss, and any time the "
-        "stages could not run at once (ranks sharing CPU cores). item_cv: per direction, the coefficient of "
-        "variation (population standard deviation / mean) of the work items' durations over every stage and "
-        "profiled step (the theory assumes 0). step_item_cv: per profiled step, the same spread of its items, each "
-        "divided by its stage's median item of that direction; steady: the wall figure over the steps whose "
-        "step_item_cv is at most steady_cv (the theory's equal items held; chosen on item times, not on idle time). marks: per stage, fwd and bwd marks per profiled "
-        "step; marked_once: each is m on every stage and step and no mark lies inside another. "
-        "replayed: the same with the measured work items (each at its stage's fastest instance of that direction "
-        "over the profiled steps) replayed in each stage's traced order with the pipeline's dependencies (forward i after the previous stage's forward i, backward i after the "
-        "next stage's backward i), one device per stage and free transfers",
+        replayed_ratio=_over(rmean, theory),
+        definition=BUBBLE_DEFINITION,
     )
 
 

@@ -60,44 +60,62 @@ def launch(cfg: DictConfig) -> int:
             f"this process is one of {in_srun_step()} srun tasks but launcher={cfg.launcher.name} would "
             "start its own ranks in every task: add launcher=slurm (one rank per task)"
         )
-
     if environment is not None:  # this process is one rank of a job someone else started
-        if cfg.launcher.cpu_bind != "none":
-            raise ConfigError(
-                f"launcher.cpu_bind={cfg.launcher.cpu_bind} binds the ranks launcher=local spawns, but "
-                f"{environment.name} started these: bind them there (srun --cpu-bind=cores, torchrun "
-                "--numa-binding) and leave launcher.cpu_bind=none"
-            )
-        ctx = environment.context(os.environ, cfg.launcher.backend, cfg.launcher.master_port)
-        if (
-            environment is SlurmEnvironment
-            and os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
-            and ctx.world_size != adapter_cls.processes(cfg)
-        ):
-            raise ConfigError(
-                f"this submitit job has {ctx.world_size} task(s) but the point needs "
-                f"{adapter_cls.processes(cfg)} ranks: use hydra/launcher=bench_slurm "
-                "(conf/hydra/launcher/bench_slurm.yaml), which sizes each job"
-            )
-        # the one rank that writes the summary records the comm volume; every rank checks the memory (a refusal
-        # ends them all alike), rank 0 alone says so: under torchrun / srun no launcher of ours checked before
-        plan, _ = plan_run(
-            cfg,
-            environment.name,
-            ctx.world_size,
-            backend=ctx.backend if ctx.rank == 0 else None,
-            on_host=ctx.local_world_size,
-            quiet=ctx.rank != 0,
-        )
-        if ctx.rank == 0:  # the rank that writes the summary: a Slurm allocation that oversubscribes its cores
-            threads = cfg.launcher.threads_per_rank or int(os.environ.get("SLURM_CPUS_PER_TASK") or 1)
-            warnings = (*torch_warnings(), *slurm_warnings(ctx.local_world_size, threads))
-            plan = dataclasses.replace(plan, warnings=warnings)
-            for w in plan.warnings:
-                print(f"warning: {w}", file=sys.stderr, flush=True)
-        return run_rank(cfg, plan, ctx, run_dir=None)
-
+        return _as_started_rank(cfg, adapter_cls, environment)
     multirun.hold()  # a stop signal from here on ends a multirun after this point, not the process
+    plan, command = _local_plan(cfg, adapter_cls)
+    multirun.stop_before_point()
+    mark_killed(point_folders(cfg.results), plan.point)  # a record its killed launcher left `running`
+    writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
+    multirun.hold(always=not command)  # from the record on, a stop signal goes to the ranks spawn_local starts
+    writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
+    print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {plan.world_size} rank(s)", flush=True)
+    code = _run_ranks(cfg, plan, command, writer, adapter_cls)
+    multirun.stop_after_point(writer.dir, (writer.record.summary() or {}).get("status"))
+    return code
+
+
+def _as_started_rank(cfg: DictConfig, adapter_cls, environment) -> int:
+    """This process as one rank of a job torchrun, srun or submitit started: checked, planned, run."""
+    if cfg.launcher.cpu_bind != "none":
+        raise ConfigError(
+            f"launcher.cpu_bind={cfg.launcher.cpu_bind} binds the ranks launcher=local spawns, but "
+            f"{environment.name} started these: bind them there (srun --cpu-bind=cores, torchrun "
+            "--numa-binding) and leave launcher.cpu_bind=none"
+        )
+    ctx = environment.context(os.environ, cfg.launcher.backend, cfg.launcher.master_port)
+    if (
+        environment is SlurmEnvironment
+        and os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+        and ctx.world_size != adapter_cls.processes(cfg)
+    ):
+        raise ConfigError(
+            f"this submitit job has {ctx.world_size} task(s) but the point needs "
+            f"{adapter_cls.processes(cfg)} ranks: use hydra/launcher=bench_slurm "
+            "(conf/hydra/launcher/bench_slurm.yaml), which sizes each job"
+        )
+    # the one rank that writes the summary records the comm volume; every rank checks the memory (a refusal
+    # ends them all alike), rank 0 alone says so: under torchrun / srun no launcher of ours checked before
+    plan, _ = plan_run(
+        cfg,
+        environment.name,
+        ctx.world_size,
+        backend=ctx.backend if ctx.rank == 0 else None,
+        on_host=ctx.local_world_size,
+        quiet=ctx.rank != 0,
+    )
+    if ctx.rank == 0:  # the rank that writes the summary: a Slurm allocation that oversubscribes its cores
+        threads = cfg.launcher.threads_per_rank or int(os.environ.get("SLURM_CPUS_PER_TASK") or 1)
+        warnings = (*torch_warnings(), *slurm_warnings(ctx.local_world_size, threads))
+        plan = dataclasses.replace(plan, warnings=warnings)
+        for w in plan.warnings:
+            print(f"warning: {w}", file=sys.stderr, flush=True)
+    return run_rank(cfg, plan, ctx, run_dir=None)
+
+
+def _local_plan(cfg: DictConfig, adapter_cls) -> tuple[RunPlan, list[str] | None]:
+    """The plan when this launcher starts the ranks, its warnings said, and the framework's own launcher
+    command if it has one (horovodrun); every check that needs no record happens here."""
     plan, _ = plan_run(cfg, "local")
     # an untested torch first: one line before launch, kept in the record with the others
     warnings = (*torch_warnings(), *contention_warnings(cfg, plan.world_size))
@@ -114,13 +132,13 @@ def launch(cfg: DictConfig) -> int:
         plan = dataclasses.replace(plan, start_method=None)
     if cfg.launcher.master_port:
         _check_port(cfg.launcher.master_port)  # before the record: rank 0 would fail, the others wait for it
-    multirun.stop_before_point()
-    mark_killed(point_folders(cfg.results), plan.point)  # a record its killed launcher left `running`
-    writer = RunWriter(run_dir_of(cfg, plan), plan.identity())
-    multirun.hold(always=not command)  # from the record on, a stop signal goes to the ranks spawn_local starts
-    writer.start(OmegaConf.to_yaml(cfg, resolve=True), packages())
+    return plan, command
+
+
+def _run_ranks(cfg: DictConfig, plan: RunPlan, command, writer: RunWriter, adapter_cls) -> int:
+    """Start the ranks (ours or the framework's launcher), sample contention beside them, write the sinks; the
+    exit code. A record's final status is written whatever ends the run."""
     port = cfg.launcher.master_port or free_port()
-    print(f"run {writer.dir}: {plan.adapter} x {plan.workload}, {plan.world_size} rank(s)", flush=True)
     # contention during the run (bench/runner/contention.py), added to the final summary in its one final write
     contention = _Contention(_start_sampler(plan), plan.world_size, cfg.launcher.threads_per_rank or 1)
     writer.complete = contention
@@ -151,7 +169,6 @@ def launch(cfg: DictConfig) -> int:
             raise
         print(f"run failed: {e.strerror}; {writer.dir} keeps status running (no final record)", file=sys.stderr)
         code = 1
-    multirun.stop_after_point(writer.dir, (writer.record.summary() or {}).get("status"))
     return code
 
 
@@ -204,6 +221,68 @@ def _launch_t0() -> str:
     return str(psutil.Process().create_time())  # startup_s counts from the user's command
 
 
+class _StopForwarder:
+    """The launcher's handler of stop signals: each reaches every rank (SIGKILL after a second Ctrl-C); those
+    that come before the ranks exist wait for them."""
+
+    def __init__(self):
+        self.procs = None  # the ranks, once spawned
+        self.pending: list[int] = []  # stop signals that came before them
+        self.interrupts: list[float] = []  # SIGINTs so far: the second ends the ranks at once
+
+    def __call__(self, signum, frame):
+        multirun.note(signum)
+        if signum == signal.SIGINT:
+            self.interrupts.append(time.time())
+            if len(self.interrupts) == 2:
+                print(
+                    "second interrupt: ending the ranks now (no checkpoint at this stop)", file=sys.stderr, flush=True
+                )
+        if self.procs is None:
+            self.pending.append(signum)
+            return
+        self.deliver(signum)
+
+    def deliver(self, signum):
+        hard = len(self.interrupts) >= 2
+        for p in self.procs.processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL if hard else signum)
+
+    def deliver_pending(self) -> None:
+        """The ranks exist: the signals held until now reach them."""
+        for signum in self.pending:
+            self.deliver(signum)
+
+
+def _start_ranks(cfg_dict: dict, plan: RunPlan, port: int, writer: RunWriter, method: str, rank_env: dict):
+    """mp.start_processes with stop signals blocked meanwhile (held, not lost: the ranks inherit the mask and
+    unblock once their handlers are set, bench/core/stopping.py)."""
+    # multiprocessing's resource tracker, started by the first spawn, *unblocks* SIGINT and SIGTERM in
+    # this process as a side effect: start it first (a signal meanwhile is caught and kept), then block
+    from multiprocessing import resource_tracker
+
+    import torch.multiprocessing as mp
+
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # the ranks inherit the framework instead of importing it; not in a multirun process, which runs point
+    # after point: the ranks of its later points (forked from it) would carry an earlier point's framework
+    if method == "fork" and not in_multirun():
+        _preload(plan.adapter_cls.framework_module)
+    sys.stdout.flush()  # a forked rank would print the launcher's unflushed output again
+    sys.stderr.flush()
+    with environment(rank_env):  # what a spawned or forked rank inherits; this process keeps its own
+        procs = mp.start_processes(
+            _spawned_rank,
+            args=(cfg_dict, plan, port, str(writer.dir)),
+            nprocs=plan.world_size,
+            start_method=method,
+            join=False,
+        )
+    return procs
+
+
 def spawn_local(
     cfg_dict: dict,
     plan: RunPlan,
@@ -219,58 +298,13 @@ def spawn_local(
 
     start = time.time()
     os.environ["BENCH_LAUNCH_T0"] = _launch_t0()  # inherited by the ranks
-    stop_signals = STOP_SIGNALS  # SIGUSR1, SIGTERM (preempted) and SIGINT (Ctrl-C: interrupted)
-    started: list = []  # the ranks, once spawned
-    pending: list[int] = []  # stop signals that came before them
-    interrupts = []  # SIGINTs so far: the second ends the ranks at once
-
-    def forward(signum, frame):  # a stop signal to the launcher reaches every rank
-        multirun.note(signum)
-        if signum == signal.SIGINT:
-            interrupts.append(time.time())
-            if len(interrupts) == 2:
-                print(
-                    "second interrupt: ending the ranks now (no checkpoint at this stop)", file=sys.stderr, flush=True
-                )
-        if not started:
-            pending.append(signum)
-            return
-        deliver(signum)
-
-    def deliver(signum):
-        hard = len(interrupts) >= 2
-        for p in started[0].processes:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL if hard else signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in stop_signals}
-    pending += multirun.received()  # a multirun's stop that came after its point's record was made
-    # multiprocessing's resource tracker, started by the first spawn, *unblocks* SIGINT and SIGTERM in
-    # this process as a side effect: start it first (a signal meanwhile is caught and kept), then block
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()
-    # ranks inherit the blocked mask and unblock once their handlers are set (bench/core/stopping.py), so
-    # a stop signal forwarded while they still import torch is held, not fatal
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-    # the ranks inherit the framework instead of importing it; not in a multirun process, which runs point
-    # after point: the ranks of its later points (forked from it) would carry an earlier point's framework
-    if method == "fork" and not in_multirun():
-        _preload(plan.adapter_cls.framework_module)
-    sys.stdout.flush()  # a forked rank would print the launcher's unflushed output again
-    sys.stderr.flush()
-    with environment(rank_env or {}):  # what a spawned or forked rank inherits; this process keeps its own
-        procs = mp.start_processes(
-            _spawned_rank,
-            args=(cfg_dict, plan, port, str(writer.dir)),
-            nprocs=plan.world_size,
-            start_method=method,
-            join=False,
-        )
-    started.append(procs)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
-    for signum in pending:
-        deliver(signum)
+    forward = _StopForwarder()  # SIGUSR1, SIGTERM (preempted) and SIGINT (Ctrl-C: interrupted)
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    forward.pending += multirun.received()  # a multirun's stop that came after its point's record was made
+    procs = _start_ranks(cfg_dict, plan, port, writer, method, rank_env or {})
+    forward.procs = procs  # from here a stop signal goes straight to the ranks
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    forward.deliver_pending()
     try:
         # join() ends the other ranks as soon as one fails: no orphans. A rank takes SIGTERM as a graceful stop
         # (useless once a peer is gone; one waiting for a dead peer never gets to it), so SIGKILL follows soon,
@@ -279,7 +313,7 @@ def spawn_local(
         while not procs.join(timeout=JOIN_POLL_S, grace_period=JOIN_GRACE_S):
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        if len(interrupts) >= 2:  # the ranks ended by a second Ctrl-C: still a final status
+        if len(forward.interrupts) >= 2:  # the ranks ended by a second Ctrl-C: still a final status
             writer.fail(
                 "interrupted",
                 "interrupted twice (SIGINT): the ranks were ended at once, after their last checkpoint",
@@ -292,7 +326,7 @@ def spawn_local(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if interrupts:  # the record is final: a further Ctrl-C while this process ends must not kill it midway
+        if forward.interrupts:  # the record is final: a further Ctrl-C while this process ends must not kill it
             signal.signal(signal.SIGINT, signal.SIG_IGN)
     writer.settle()  # rank 0's final summary, completed and written in one write
     return _exit_code(writer)
