@@ -12,6 +12,10 @@ split by layer count or `adapter.balance` (layers per stage). Ranks = pipeline r
 replicas: rank r is stage rank r % pp of replica r // pp; replicas read different data and average
 gradients with DDP over the replica group (the DDP support built into PipelineStage).
 
+Stage shapes are given to each PipelineStage (`input_args` / `output_args`, from one micro-batch's forward
+on fake tensors: `stage_shapes`), so the schedule does not infer them at the first step; torch's inference
+and these are equal (tests/test_scale_pipeline.py), and they let the stages run on a fake process group.
+
 GPT-2's tied embedding / head weight: when the embedding and the head land on different stages, the
 head stage holds its own copy, initialised equal, and after every step the two gradients are summed
 (an all-reduce between the first and the last stage rank of each replica), so both copies take the
@@ -199,21 +203,23 @@ class PipelineAdapter(Adapter):
         del seq, layers
         gc.collect()
 
-        if getattr(self.workload, "channels_last", False):  # the p2p buffers must be contiguous (gloo, NCCL)
-            for module in self.stage_modules:
-                module.register_forward_pre_hook(_contiguous_input_grad)
-                module.register_forward_hook(_contiguous_output)
-        precision = cfg.trainer.precision
+        self.m = self.layout(cfg, world).microbatches
+        self.local_batch = self.local_batch_size(cfg, world)
+        shapes = self.stage_shapes(self.local_batch // self.m)
         stages = []
         for s, module in zip(self.stage_ids, self.stage_modules):
-            wrapped = module if precision == "fp32" else AutocastModule(module, precision, self.device)
+            wrapped = self._wrap(module)
             if dp > 1:  # PipelineStage drives DDP itself: no_sync on all but the last micro-batch
                 wrapped = DDP(
                     wrapped, process_group=self.dp_group, device_ids=[self.device.index] if self.ctx.is_cuda else None
                 )
-            stages.append(pipelining.PipelineStage(wrapped, s, n_stages, self.device, group=self.pp_group))
+            inputs, outputs = shapes[s] if shapes is not None else (None, None)
+            stages.append(
+                pipelining.PipelineStage(
+                    wrapped, s, n_stages, self.device, input_args=inputs, output_args=outputs, group=self.pp_group
+                )
+            )
 
-        self.m = self.layout(cfg, world).microbatches
         scale = 1.0 / (self.m * cfg.trainer.grad_accum)
 
         def loss_fn(out, y):
@@ -229,7 +235,44 @@ class PipelineAdapter(Adapter):
         self.optimizer = build_optimizer([p for mod in self.stage_modules for p in mod.parameters()], cfg.optimizer)
         copies = P.tied_copies(self.ties)
         self.unique_params = [p for mod in self.stage_modules for p in mod.parameters() if id(p) not in copies]
-        self.local_batch = self.local_batch_size(cfg, world)
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        """A stage as the schedule runs it: contiguous at its boundaries, under autocast below fp32."""
+        if getattr(self.workload, "channels_last", False):  # the p2p buffers must be contiguous (gloo, NCCL)
+            module.register_forward_pre_hook(_contiguous_input_grad)
+            module.register_forward_hook(_contiguous_output)
+        precision = self.cfg.trainer.precision
+        return module if precision == "fp32" else AutocastModule(module, precision, self.device)
+
+    def stage_shapes(self, micro_batch: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+        """{stage: (input, output)} of this rank's stages for one micro-batch, as `PipelineStage`'s static
+        `input_args` / `output_args`: the whole model's forward, stage by stage through `_wrap`, on fake tensors
+        (FakeTensorMode: shapes, dtypes and strides; no storage, no arithmetic, no random draw).
+
+        Why: without them each stage infers its neighbours' shapes at the first step with a real forward and
+        backward of every stage and metadata sends between the ranks, which a fake process group cannot deliver
+        (python -m ptbench.scale); torchtitan passes them too. The inputs of stage s > 0 require grad, as the
+        activations the schedule receives do, so that their gradients are sent back. None where the workload
+        gives no example batch: the schedule then infers them."""
+        from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+        try:
+            self.workload.example_batch(micro_batch, "meta")
+        except NotImplementedError:
+            return None
+        # built on meta, then made fake: a model built under the fake mode could not take channels_last weights
+        # (Module._apply cannot swap fake parameters); outside a dry run's own fake mode, so it is a plain module
+        with unset_fake_temporarily(), torch.device("meta"):
+            model = self.workload.build_model()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            x, _ = self.workload.example_batch(micro_batch, self.device)
+            layers = list(self.workload.sequential(model.to_empty(device=self.device)).named_children())
+            shapes = {}
+            for s, part in enumerate(P.stage_slices(self.balance)):
+                out = self._wrap(nn.Sequential(OrderedDict(layers[part])))(x)
+                shapes[s] = (x, out)
+                x = out.detach().requires_grad_(out.requires_grad)
+        return {s: shapes[s] for s in self.stage_ids}
 
     def _untie(self, seq: nn.Sequential, n_stages: int) -> list[P.TiedPair]:
         """Untie weights whose two users land on different stages; keep on this rank what it holds."""

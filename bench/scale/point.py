@@ -26,6 +26,8 @@ def measure_point(overrides: list[str], world_size: int, rank: int) -> dict:
         seconds=run["seconds"],
         standins=run["standins"],
         standin_reasons={k: STANDINS[k] for k in run["standins"]},
+        # what the adapter's describe() read, for the record as a real run's (bench/scale/__main__.py)
+        **({"adapter_settings": run["adapter_settings"]} if "adapter_settings" in run else {}),
         ledger=run["ledger"],
         formula=formula,
         comm=compare.comm(formula, run["ledger"][-1]),

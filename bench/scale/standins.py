@@ -47,6 +47,10 @@ STANDINS = {
     "megatron_no_gloo": "megatron-core's initialize_model_parallel is called with create_gloo_process_groups=False: "
     "the gloo groups it makes by default beside each NCCL group segfault on the fake backend (exit 139); its "
     "training collectives run on the default group's backend, here the fake one",
+    "memtracker_microbatches": "torch's MemTracker refuses a top-level module that runs forward twice before "
+    "reset_mod_stats ('does not support memory tracking for multiple iterative calls'), taking it for the next "
+    "iteration; a pipeline stage runs once per micro-batch within one step, so its next micro-batch is tracked "
+    "as the tracker tracks a submodule used twice in one iteration. The category totals compared are the same",
     "coalesced_allreduce_meta": "c10d's allreduce_coalesced_ (what torch.distributed's coalescing manager issues "
     "on a non-NCCL group: megatron-core's gradient buckets on CPU) gets a Meta kernel that hands the tensors to "
     "the fake backend, as c10d's other collectives have one: FakeTensorMode has no kernel to run it with",
@@ -79,8 +83,8 @@ def fake_world(world_size: int, rank: int):
 
 @contextlib.contextmanager
 def patched(used: set[str], adapter: str = ""):
-    """The stand-ins module_to_fake, device_mesh_real, dtensor_propagation_mode and DDP's for the block; `used`
-    collects those that ran."""
+    """The stand-ins module_to_fake, device_mesh_real, dtensor_propagation_mode and DDP's for the block, and those
+    of `adapter`'s framework (DeepSpeed's, Megatron's, torch pipelining's); `used` collects those that ran."""
     import torch.distributed.device_mesh as mesh_module
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -112,7 +116,9 @@ def patched(used: set[str], adapter: str = ""):
 
     nn.Module.to, mesh_module.DeviceMesh.__init__ = module_to, real_mesh_init
     mesh_module.init_device_mesh, propagation.detect_fake_mode = real_init_mesh, own_mode
-    framework = {"zero": _deepspeed_standins, "megatron": _megatron_standins}.get(adapter)
+    framework = {"zero": _deepspeed_standins, "megatron": _megatron_standins, "pipeline": _pipeline_standins}.get(
+        adapter
+    )
     # a Library registration lives as long as its object: made here, destroyed on the way out
     coalesced = torch.library.Library("c10d", "IMPL")
     coalesced.impl("allreduce_coalesced_", _coalesced_allreduce_meta(used), "Meta")
@@ -210,6 +216,35 @@ def _megatron_standins(used: set[str]):
         yield
     finally:
         parallel_state.initialize_model_parallel = init
+
+
+@contextlib.contextmanager
+def _pipeline_standins(used: set[str]):
+    """memtracker_microbatches: a stage module's forward for its next micro-batch, within the step, is tracked as
+    MemTracker's own case of a module called again in one iteration (its parents then hold more than "Global")."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    pre_forward = MemTracker._pre_fw_hook
+    schedule = "pipeline schedule (micro-batch loop)"
+
+    def next_microbatch(self, module, inputs):
+        tracker = self._mod_tracker
+        again = module in self.memory_tracking and not tracker.is_bw
+        # a top-level module: nothing but "Global" and its own name (there while its hooks run) in parents
+        if not again or tracker.parents - {tracker.get_known_fqn(module)} != {"Global"}:
+            return pre_forward(self, module, inputs)
+        used.add("memtracker_microbatches")
+        tracker.parents.add(schedule)
+        try:
+            return pre_forward(self, module, inputs)
+        finally:
+            tracker.parents.discard(schedule)
+
+    MemTracker._pre_fw_hook = next_microbatch
+    try:
+        yield
+    finally:
+        MemTracker._pre_fw_hook = pre_forward
 
 
 class _NoRebuild:
