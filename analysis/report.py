@@ -285,7 +285,7 @@ def comm_lines(
         "",
         (
             "`comm MB/step`: bytes one rank moves per optimizer step (nccl-tests bus volume), from each record's "
-            "`comm_volume` (bench/core/comm_volume.py, formulas in `formula`). `at busbw (ms)`: that volume over "
+            "`comm_volume` (bench/core/comm_volume/, formulas in `formula`). `at busbw (ms)`: that volume over "
             "the bus bandwidth `python -m ptbench.comm` measured (`<results>/<experiment>/comm/`; a sweep stores it) "
             "on the run's backend at the collective's group size, at the measured message size nearest to the "
             "collective's whole message (log scale; beyond the range, the end point), summed over collectives "
@@ -484,7 +484,7 @@ def why_lines(df: pd.DataFrame, reports: list[dict] | None = None) -> list[str]:
             "",
             markdown_table(pd.DataFrame(memory.values())),
             "",
-            "Predicted: the memory model's saved activations of the busiest rank (bench/core/memory_model.py); "
+            "Predicted: the memory model's saved activations of the busiest rank (bench/core/memory_model/); "
             "counted: saved-tensor hooks around one training step, the peak bytes alive, the most any rank "
             "counted (each rank's in `counted MB per rank`). Step: the memory model's `step_transient` (the "
             "optimizer's temporaries; DeepSpeed's fp32 gradient partition and norms) beside the most any rank's "

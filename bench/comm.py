@@ -68,7 +68,7 @@ from ptbench.core.records import read_json, write_json
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 
 # nccl-tests' bus-bandwidth correction factors (doc/PERFORMANCE.md, "Summary"): the same ring factors
-# the communication-volume formulas use (bench/core/comm_volume.py)
+# the communication-volume formulas use (bench/core/comm_volume/)
 busbw_factor = ring_factor
 
 

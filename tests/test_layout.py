@@ -147,7 +147,7 @@ def _code_strings(path: Path) -> set[str]:
     "module",
     [
         *(str(p.relative_to(REPO)) for p in sorted((REPO / "bench/core/memory_model").glob("*.py"))),
-        "bench/core/comm_volume.py",
+        *(str(p.relative_to(REPO)) for p in sorted((REPO / "bench/core/comm_volume").glob("*.py"))),
         "bench/runner/plan.py",
     ],
 )

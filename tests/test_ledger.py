@@ -1,5 +1,5 @@
 """The communication ledger: bytes measured from real traces (2 ranks, gloo) equal the corrected formulas
-(bench/core/comm_volume.py `corrected`), each correction stated; the trace arithmetic and the bubble rule."""
+(bench/core/comm_volume/ `corrected`), each correction stated; the trace arithmetic and the bubble rule."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ The runner (bench/runner/profiling.py) profiles a window of steps and marks, in 
 
 Bytes come from the `c10d::*` dispatcher ops (every collective goes through one, the C++ callers such as
 DDP's reducer included) and their recorded input shapes and dtypes; they are turned into nccl-tests' bus
-volume with bench/core/comm_volume.py's ring factors, so measured and formula bytes compare 1:1. A
+volume with bench/core/comm_volume/'s ring factors, so measured and formula bytes compare 1:1. A
 collective issued from C++ (DDP's reducer) carries no `ptbench.comm` label: its group is taken as the
 data-parallel group (`default_group`).
 

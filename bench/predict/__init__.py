@@ -7,7 +7,7 @@ measured, from the parts a results folder already holds, with the error on the u
     python -m ptbench.predict validate                                       # two-node Slurm + tc, as root
 
 The model (bench/predict/model.py): step = compute + e x communication (+ the pipeline bubble), where
-communication = sum over the record's collectives (bench/core/comm_volume.py) of calls x (alpha + S / beta)
+communication = sum over the record's collectives (bench/core/comm_volume/) of calls x (alpha + S / beta)
 fitted by least squares per collective kind and group size on `python -m ptbench.comm` reports, compute and
 the exposed factor e are fitted on the measured calibration points, and the bubble scales with
 (m + p - 1) / m at a fixed global batch. It refuses, in one line, what it was not calibrated for. At a device

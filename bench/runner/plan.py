@@ -48,7 +48,7 @@ class RunPlan:
     facts: ModelFacts | None = field(default=None, repr=False, compare=False)
     # bench/core/memory_model's prediction for this run (launcher=local computes it before launch)
     predicted_memory: dict | None = field(default=None, repr=False, compare=False)
-    # bench/core/comm_volume.py's bytes per optimizer step per rank (the launcher computes it before the
+    # bench/core/comm_volume/'s bytes per optimizer step per rank (the launcher computes it before the
     # ranks start, for every launcher); recorded as `comm_volume`
     comm_volume: dict | None = field(default=None, repr=False, compare=False)
     # launcher=local: how the ranks were started (spawn | fork, ptbench.runner.checks.start_method); None
@@ -276,7 +276,7 @@ def predicted_memory(
 
 
 def comm_volume(cfg, plan: RunPlan, backend: str, model=None) -> dict:
-    """Bytes per optimizer step per rank by collective (bench/core/comm_volume.py), with the backend the
+    """Bytes per optimizer step per rank by collective (bench/core/comm_volume/), with the backend the
     ranks use, so the report can set them against `python -m ptbench.comm` at that backend. `model`: the
     launch's meta model (None: built here). Never fatal."""
     from ptbench.core.comm_volume import record_fields, volume_run

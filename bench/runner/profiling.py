@@ -1,7 +1,7 @@
 """`trainer.profile=START:COUNT`: torch.profiler over COUNT optimizer steps from global step START (0-based),
 one Chrome/Perfetto trace per rank in RUN_DIR/traces/rank{R}.json and a merged one (traces/merged.json,
 each rank a process row, pid = rank), and what the traces measure (bench/core/trace_ledger.py): the
-communication ledger per collective kind beside the corrected formulas (bench/core/comm_volume.py
+communication ledger per collective kind beside the corrected formulas (bench/core/comm_volume/
 `corrected`), the exposed (non-overlapped) communication per rank, the pipeline bubble per stage, and
 the time each rank waits in collectives (the straggler view of the epoch event).
 

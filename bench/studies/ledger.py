@@ -3,7 +3,7 @@
 Runs, at 2 ranks on CPU (tiny GPT-2, a few steps, `trainer.profile` over the last steps): ddp, zero stages
 1-3, fsdp, megatron TP=2 (without and with adapter.sequence_parallel), a 2-stage torch pipeline and megatron
 PP=2; at 4 ranks megatron TP=2 x PP=2 (without and with sequence parallelism); and prints per collective kind
-the bytes by the corrected formula (bench/core/comm_volume.py `corrected`) beside the bytes measured from the
+the bytes by the corrected formula (bench/core/comm_volume/ `corrected`) beside the bytes measured from the
 traces' c10d operators (goal: within 2 %), the measured time and the exposed (non-overlapped) communication.
 Before those runs it measures the bus bandwidth of the same collectives at 2 ranks (`python -m ptbench.comm`,
 stored in <root>/ledger/comm/ as a sweep stores it), so that `python -m ptbench.analysis report <root>` sets

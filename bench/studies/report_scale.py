@@ -108,12 +108,13 @@ class Configs:
 def comm_volume(adapter: str, lay: dict, sharding: str, params: int) -> dict | None:
     """The record's comm_volume from the one comm-volume model (None if that model refuses the point)."""
     try:
-        from ptbench.core.comm_volume import record_fields, volume
+        from ptbench.core.comm_volume import Activation, Inputs, compose, record_fields
+        from ptbench.core.layout import CostInputs, Layout
 
-        kw = dict(params=params, world_size=lay["world_size"] * lay["devices_per_process"], tp=lay["tp"], pp=lay["pp"])
-        if lay["tp"] > 1 or lay["pp"] > 1:
-            kw.update(layers=4, hidden=128, seq_len=32, micro_batch=2, microbatches=lay["microbatches"])
-        return record_fields(volume(sharding, label=adapter, **kw), "gloo")
+        layout = Layout(**{k: v for k, v in lay.items() if k != "devices"})  # the adapter's, as recorded
+        act = Activation(layers=4, hidden=128, seq_len=32, micro_batch=2)
+        inp = Inputs(layout, CostInputs(sharding=sharding), params=params, act=act, label=adapter)
+        return record_fields(compose(inp), "gloo")
     except Exception as e:  # noqa: BLE001 - the record says why, as a real run's does
         return {"error": f"{type(e).__name__}: {e}"}
 
