@@ -14,7 +14,11 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from ptbench.core import checkpoint as ckpt
+from ptbench.core.checkpoint_load import pin
+from ptbench.core.errors import ConfigError
 from tests.helpers import bench, check_ok, only_run, run, run_dirs, summary
 
 TINY = [
@@ -96,10 +100,35 @@ def test_manifest_checks_sizes_and_checksums(tmp_path):
     assert ckpt.damage(final) is None
     (final / "sub" / "shard").write_bytes(b"z" * 5)  # same size, other bytes
     assert ckpt.damage(final) == "sub/shard does not match its checksum"
+    # a resume chooses by sizes and hashes once, where it loads: through the descriptor the loaders read
+    assert ckpt.newest_verified(tmp_path) == final
+    pin(final, verify=False).close()  # the ranks that do not verify compare meta.json's digest instead
+    with pytest.raises(ConfigError, match=r"sub/shard does not match its checksum \(changed since it was saved\); remove"):
+        pin(final, verify=True)
     (final / "sub" / "shard").unlink()
     assert ckpt.damage(final) == "sub/shard is missing"
     said = []
     assert ckpt.newest_verified(tmp_path, said.append) is None and "step-000003" in said[0]
+
+
+def test_choosing_a_checkpoint_and_loading_it_refuse_a_writable_one_in_the_same_line(tmp_path):
+    """The owner and mode checks are the pin's, run once by rank 0 before it takes a record over and again
+    through the descriptor that is loaded: the same line either way."""
+    tmp = ckpt.temp_path(tmp_path, 2)
+    ckpt.prepare(tmp)
+    (tmp / "dcp").mkdir()
+    (tmp / "dcp" / ".metadata").write_bytes(b"x")
+    final = ckpt.commit(tmp, {"step": 2, "time": 1.0})
+    assert ckpt.unsafe_to_resume(final) is None
+    (final / "dcp").chmod(0o775)  # a group's shared space under umask 002
+    line = ckpt.unsafe_to_resume(final)
+    assert line == (
+        f"not resuming from {final / 'dcp'}: mode 0775, writable by others (loading a checkpoint can run code): "
+        f"chmod -R go-w {final} if you trust it, or set trainer.resume=never"
+    )
+    with pytest.raises(ConfigError) as refused:
+        pin(final, verify=True)
+    assert str(refused.value) == line
 
 
 def test_a_failed_torchrun_attempt_keeps_the_earlier_record(tmp_path):

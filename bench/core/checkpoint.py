@@ -10,8 +10,10 @@ Atomic: every rank writes into the temp folder; after a barrier rank 0 writes me
 renames the folder to step-NNNNNN (one rename on one file system), then prunes to the newest K. A
 crash at any point of a save leaves the previous checkpoints untouched and the temp folder
 ignored. Only folders named step-* that hold meta.json count as checkpoints. meta.json carries the
-manifest (each file's size and SHA-256); resume loads only a checkpoint whose files match it (`damage`),
-passing over a damaged newer one with one line that names it and why.
+manifest (each file's size and SHA-256). Resume chooses the newest checkpoint whose files are all there at
+their sizes, passing over a damaged newer one (a save cut short) with one line that names it and why, and
+hashes its files once, where they are loaded: through the descriptor the loaders read
+(bench/core/checkpoint_load.py `pin`), so the checksums checked are those of what is loaded.
 
 Resume (`trainer.resume=auto`): the newest verified checkpoint of a record of the same point
 (results.point, bench/runner/points.py) under results.root/results.experiment (and results.dir) whose
@@ -34,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ptbench.core.checkpoint_load import unsafe_to_resume
 from ptbench.core.errors import ConfigError
 from ptbench.core.records import point_records, read_json, write_json
 
@@ -118,10 +121,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def damage(path: Path) -> str | None:
+def damage(path: Path, checksums: bool = True) -> str | None:
     """Why checkpoint `path` cannot be loaded as written (a file missing, short, changed; meta.json
-    unreadable), or None when every file of its manifest is there with its size and checksum. A
-    checkpoint written before manifests existed is checked for its files' total size only."""
+    unreadable), or None when every file of its manifest is there with its size and (`checksums`) its
+    checksum. A checkpoint written before manifests existed is checked for its files' total size only."""
     try:
         meta = read_meta(path)
     except (OSError, ValueError) as e:
@@ -142,17 +145,19 @@ def damage(path: Path) -> str | None:
         size = p.stat().st_size
         if size != want["bytes"]:
             return f"{rel} has {size} bytes, the manifest says {want['bytes']}"
-        if _sha256(p) != want["sha256"]:
+        if checksums and _sha256(p) != want["sha256"]:
             return f"{rel} does not match its checksum"
     return None
 
 
 def newest_verified(run_dir: Path, say=None) -> Path | None:
-    """The newest checkpoint of `run_dir` whose files verify (`damage`); each damaged newer one is passed
-    over with one line to `say` (default: stderr) naming it and why."""
+    """The newest checkpoint of `run_dir` whose files are all there at their manifest's sizes (`damage`
+    without checksums: the rank that loads it hashes them once, through the descriptor it reads them by,
+    checkpoint_load.pin); each damaged newer one is passed over with one line to `say` (default: stderr)
+    naming it and why."""
     say = say or _stderr
     for _, p in reversed(complete(run_dir)):
-        why = damage(p)
+        why = damage(p, checksums=False)
         if why is None:
             return p
         say(f"warning: checkpoint {p} is damaged ({why}): skipped, trying the next older one")
@@ -280,25 +285,6 @@ def load_rank_state(path: Path, rank: int) -> dict:
         ) from None
 
 
-def unsafe_to_resume(path: Path) -> str | None:
-    """One line refusing checkpoint `path` when someone but this user could have written into it, or None.
-
-    Every adapter's format holds pickles that loading runs (DCP's .metadata, DeepSpeed's and Megatron's
-    torch.load(weights_only=False) files): like ssh with a key file others can write, a checkpoint folder,
-    or a file or folder in it, that is not this user's or that group or others may write is refused,
-    naming it and its mode. (A folder swapped in by another user is theirs: the owner check refuses it.)"""
-    me = os.getuid()
-    for p in [Path(path), *sorted(Path(path).rglob("*"))]:
-        st = p.lstat()
-        if st.st_uid != me or st.st_mode & 0o022:
-            who = f"owned by uid {st.st_uid}, not you (uid {me})" if st.st_uid != me else "writable by others"
-            return (
-                f"not resuming from {p}: mode {stat.S_IMODE(st.st_mode):04o}, {who} (loading a checkpoint can run "
-                f"code): chmod -R go-w {path} if you trust it, or set trainer.resume=never"
-            )
-    return None
-
-
 def open_to_everyone(run_dir: Path, roots) -> str | None:
     """One line refusing a resume when a folder from `run_dir` up to the results root it was found under may
     be written by every user of the machine without the sticky bit (anyone could rename our record away and
@@ -338,7 +324,8 @@ def find_resumable(
 ) -> tuple[Path, Path] | None:
     """(record folder, its newest checkpoint that verifies) of the newest unfinished record of `point`,
     or None. Records of another adapter or world size are passed over; a damaged checkpoint is skipped
-    with one line to `say` (default: stderr) saying which and why."""
+    with one line to `say` (default: stderr) saying which and why; one that someone else could have written
+    is refused (`unsafe_to_resume`, the pin's own checks) before its record is taken over."""
     if not point:
         return None
     best = None

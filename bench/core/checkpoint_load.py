@@ -10,7 +10,9 @@ these do not:
   group/other-writable) and, on the rank that verifies, every file against meta.json's manifest (size and
   SHA-256). Only our uid can change a tree that passes, and the loaders read it through the same descriptor
   (the working directory while they load, `Pinned`), never through the path again: what was checked is what
-  is loaded.
+  is loaded. That hash is the only one a resume makes (rank 0's choice of a checkpoint compares sizes); the
+  owner and mode checks also run once before the choice takes a record over (`unsafe_to_resume`), with the
+  same refusal lines.
 - `restricted_unpickling` makes every unpickling inside it an allowlisted one: torch.load is forced to
   weights_only (DeepSpeed and Megatron call it with weights_only=False) with the frameworks' own record types
   allowed, and DCP's `.metadata`, which torch reads with a plain pickle.load, goes through torch's
@@ -74,15 +76,12 @@ class Pinned:
 def pin(where: Path, verify: bool, expect: dict | None = None) -> Pinned:
     """Open checkpoint folder `where` and check it through the descriptor (see the module's docstring).
     `verify`: also hash every file against the manifest (one rank does; the others compare meta.json's
-    digest with it). `expect`: meta.json values it must hold (point, adapter, world size): a swapped-in
-    checkpoint of another of our runs is refused too. Refusals raise ConfigError with one line."""
+    digest with it): the one time a resume reads a checkpoint's files before loading them. `expect`:
+    meta.json values it must hold (point, adapter, world size): a swapped-in checkpoint of another of our
+    runs is refused too. Refusals raise ConfigError with one line."""
+    fd = _open_folder(where)
     try:
-        fd = os.open(where, _DIR_FLAGS)
-    except OSError as e:
-        raise ConfigError(_refusal(where, f"it cannot be opened as a folder ({e.strerror})")) from None
-    try:
-        _check_ours(os.fstat(fd), where)
-        _check_tree(fd, where)
+        _check_owned(fd, where)
         try:
             pinned = Pinned(where, fd, _read(fd, META, where))
         except ValueError as e:  # our own file, cut short (a crash during a rewrite): not a checkpoint to load
@@ -94,6 +93,30 @@ def pin(where: Path, verify: bool, expect: dict | None = None) -> Pinned:
         raise
 
 
+def unsafe_to_resume(where: Path) -> str | None:
+    """The pin's owner and mode checks alone, for rank 0 choosing a checkpoint before it takes a record over:
+    one line refusing checkpoint `where` (itself, or a file or folder in it, not ours, a link, or writable by
+    group or others: like ssh with a key file others can write), or None. The same checks, through the
+    descriptor that is then read, are repeated where it is loaded (`pin`): a folder swapped in between is
+    refused there."""
+    try:
+        fd = _open_folder(where)
+        try:
+            _check_owned(fd, where)
+        finally:
+            os.close(fd)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _open_folder(where: Path) -> int:
+    try:
+        return os.open(where, _DIR_FLAGS)
+    except OSError as e:
+        raise ConfigError(_refusal(where, f"it cannot be opened as a folder ({e.strerror})")) from None
+
+
 def _refusal(where: Path, why: str) -> str:
     return (
         f"not resuming from {where}: {why} (loading a checkpoint can run code); check who else can write its "
@@ -101,22 +124,27 @@ def _refusal(where: Path, why: str) -> str:
     )
 
 
-def _check_ours(st: os.stat_result, where: Path | str) -> None:
+def _check_owned(fd: int, where: Path) -> None:
+    """The folder held by `fd` and every entry beneath it, by descriptor: ours, a plain file or folder, no one
+    else's write. The first entry that fails is refused in one line naming it."""
+    _check_ours(os.fstat(fd), where, where)
+    for root, dirs, files, root_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
+        for name in sorted((*dirs, *files)):
+            st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+            _check_ours(st, Path(where) / root / name, where)
+
+
+def _check_ours(st: os.stat_result, entry: Path | str, where: Path) -> None:
     me = os.getuid()
     if st.st_uid != me:
-        raise ConfigError(_refusal(where, f"owned by uid {st.st_uid}, not you (uid {me})"))
+        raise ConfigError(_refusal(entry, f"owned by uid {st.st_uid}, not you (uid {me})"))
     if stat.S_ISLNK(st.st_mode) or not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
-        raise ConfigError(_refusal(where, "neither a file nor a folder"))
-    if st.st_mode & 0o022:
-        raise ConfigError(_refusal(where, f"mode {stat.S_IMODE(st.st_mode):04o}, writable by others"))
-
-
-def _check_tree(fd: int, where: Path) -> None:
-    """Every entry beneath the pinned folder, by descriptor: ours, a plain file or folder, no one else's write."""
-    for root, dirs, files, root_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
-        for name in (*dirs, *files):
-            st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
-            _check_ours(st, Path(where) / root / name)
+        raise ConfigError(_refusal(entry, "neither a file nor a folder"))
+    if st.st_mode & 0o022:  # ours: the fix is ours to make, once we trust what is there
+        raise ConfigError(
+            f"not resuming from {entry}: mode {stat.S_IMODE(st.st_mode):04o}, writable by others (loading a "
+            f"checkpoint can run code): chmod -R go-w {where} if you trust it, or set trainer.resume=never"
+        )
 
 
 def _read(fd: int, rel: str, where: Path) -> bytes:
@@ -147,7 +175,11 @@ def _check_meta(pinned: Pinned, verify: bool, expect: dict | None) -> None:
             if size != want.get("bytes"):
                 raise ConfigError(_refusal(where, f"{rel} has {size} bytes, the manifest says {want.get('bytes')}"))
             if verify and hashlib.file_digest(fh, "sha256").hexdigest() != want.get("sha256"):
-                raise ConfigError(_refusal(where, f"{rel} does not match its checksum"))
+                # its sizes matched when it was chosen: a changed file, not a save cut short
+                raise ConfigError(
+                    f"not resuming from {where}: {rel} does not match its checksum (changed since it was saved); "
+                    f"remove {where} to resume from the checkpoint before it, or set trainer.resume=never"
+                )
 
 
 # --- unpickling with an allowlist ----------------------------------------------------------------------

@@ -120,7 +120,7 @@ class PhaseTimer:
         self._in_step = False
         self._next_clock = None  # a clock set during a step takes over at the next one
         self._watch: dict = {}  # phase name -> a context manager entered around that phase's body (`watching`)
-        self.step_watchers: list = []  # objects told `start_step()` / `end_step()` (the sync counter)
+        self._step_watchers: list = []  # objects told `start_step()` / `end_step()` (`watch_steps`)
 
     @property
     def settings(self) -> dict:
@@ -142,6 +142,10 @@ class PhaseTimer:
         if len(cuda) >= 2 and isinstance(self.clock, CudaEventClock):
             self.use_clock(PerDeviceClock(DeviceEventClock(d) for d in cuda))
 
+    def watch_steps(self, watcher) -> None:
+        """Tell `watcher` (the sync counter: `start_step()`, `end_step()`) where every step begins and ends."""
+        self._step_watchers.append(watcher)
+
     def start_step(self) -> None:
         if self._next_clock is not None:
             self.clock, self._next_clock = self._next_clock, None
@@ -149,7 +153,7 @@ class PhaseTimer:
         self._marks = []
         self._start = self.clock.mark()
         _DOMAIN.push_range(message="step")
-        for w in self.step_watchers:
+        for w in self._step_watchers:
             w.start_step()
 
     @contextmanager
@@ -182,7 +186,7 @@ class PhaseTimer:
         """The step's times at once with the host clock; None with events (read `steps` later)."""
         self._pending.append((self.clock, self._start, self.clock.mark(), self._marks))
         self._in_step = False
-        for w in self.step_watchers:
+        for w in self._step_watchers:
             w.end_step()
         _DOMAIN.pop_range()
         if isinstance(self.clock, HostClock):

@@ -1,4 +1,5 @@
-"""What the training loop measured, as the record: the epoch event and the summary (bench/core/schema.py).
+"""What the training loop measured in one epoch, as its event (bench/core/schema.py EPOCH_EVENT); the run's
+summary and the record built from the events: bench/runner/summary.py.
 
 Stated conventions (also written into every record under "conventions"):
 - the first `trainer.untimed_steps` optimizer steps of the run are excluded from step statistics and
@@ -14,25 +15,20 @@ facts gathered): the loop keeps per-step losses on the device until the epoch en
 from __future__ import annotations
 
 import socket
-import sys
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from ptbench import adapters
 from ptbench.adapters.base import Adapter, compile_stats
 from ptbench.core import memory, schema
 from ptbench.core.config import BenchConfig
 from ptbench.core.dist import DistContext
 from ptbench.core.flops import math_dtype, mfu, peak_flops
-from ptbench.core.loaders import loader_options
 from ptbench.core.timing import PHASES
 from ptbench.runner.console import print_epoch
 from ptbench.runner.plan import RunPlan
-from ptbench.workloads.base import Workload
 
 CONVENTIONS = {
     "warmup": "first trainer.untimed_steps steps of the run excluded from step stats and throughput",
@@ -49,38 +45,20 @@ CONVENTIONS = {
     "checkpoints": "epoch_time_s leaves out time spent saving checkpoints (checkpoint_time_s); a resumed epoch's "
     "time is the sum of its parts before and after the restart, the restart gap left out",
 }
-# the last epoch's values the summary repeats
-LAST_EPOCH = (
-    "val_loss",
-    "val_accuracy",
-    "val_perplexity",
-    "train_loss",
-    "peak_memory_max",
-    "peak_memory_min",
-    "peak_memory_after_warmup",
-    "mfu",
-)
 
 
 class Meter:
-    """Turns one epoch's raw measurements into its event, the events into the run's summary, and that summary
-    with the run's setup into the record rank 0 writes (`record`)."""
+    """Turns one epoch's raw measurements into its event (`epoch_event`, a collective: every rank calls it)."""
 
-    def __init__(
-        self, cfg: BenchConfig, plan: RunPlan, ctx: DistContext, adapter: Adapter, workload: Workload, profiler=None
-    ):
+    def __init__(self, cfg: BenchConfig, plan: RunPlan, ctx: DistContext, adapter: Adapter, profiler=None):
         self.cfg = cfg
         self.plan = plan
         self.ctx = ctx
         self.adapter = adapter
-        self.workload = workload
         self.compile_warm: dict | None = None  # torch._dynamo counters when the warm-up ended (trainer.compile)
         self.warmup_memory: dict | None = None  # this rank's warm-up peaks (after_warmup), until its epoch's event
-        self.global_batch = plan.global_batch
-        self.local_batch = plan.local_batch
         self.profiler = profiler  # the trainer's StepProfiler (trainer.profile): collective waits per rank
 
-    # --- one epoch -------------------------------------------------------------------------------
     def epoch_event(
         self,
         epoch: int,
@@ -105,91 +83,105 @@ class Meter:
         `lrs`: with an lr schedule, the lr of every step of the run so far; `resumed_at`: the global step
         of the checkpoint this epoch continued from (None: it ran in one attempt); `counted`: this rank's
         saved_activations and step_peak (the last untimed step, memory ledger) and host_syncs (trainer.count_syncs)."""
-        device = self.ctx.device
         steps = len(losses)
         warmup, self.warmup_memory = self.warmup_memory, None  # the epoch in which the warm-up ended has it
         if warmup is not None and first_step + steps <= self.cfg.trainer.untimed_steps:
             mem = memory.with_warmup(mem, warmup)  # the reset came after this epoch's last step
         loss_vec = self._mean_losses(losses)
-        times, per_rank = self._gather(
-            rows,
-            {
-                "rank": self.ctx.rank,
-                "host": socket.gethostname(),
-                "memory": mem,
-                "memory_warmup": warmup,
-                "state_bytes": state,
-                "saved_activations": counted["saved_activations"],
-                "step_peak": counted["step_peak"],
-                "host_syncs": counted["host_syncs"],
-                "epoch_time_s": epoch_time,
-                "comm_wait_s": self.profiler.wait_in(first_step, first_step + steps) if self.profiler else None,
-            },
-        )
-
-        timed_from = max(0, self.cfg.trainer.untimed_steps - first_step)
-        timed = times[:, timed_from:, :]
-        step_times = timed[:, :, -1].max(axis=0) if timed.shape[1] else np.zeros(0)
-        phase_means = {c: float(timed[:, :, i].mean()) if timed.shape[1] else None for i, c in enumerate(PHASES)}
-        step_stats = _stats(step_times)
-        samples_per_s = self.global_batch / step_stats["mean"] if step_stats["mean"] else None
-        flops_per_sample = self.plan.train_flops_per_sample
-        flops_per_s = samples_per_s * flops_per_sample if samples_per_s else None
-        t = self.cfg.trainer
-        peak = peak_flops(device, t.precision, t.tf32)
-        devices = self.plan.devices
+        facts = {"memory": mem, "memory_warmup": warmup, "state_bytes": state, **counted, "epoch_time_s": epoch_time}
+        times, per_rank = self._gather(rows, self._rank_facts(facts, first_step, steps))
+        timed = times[:, max(0, self.cfg.trainer.untimed_steps - first_step) :, :]
         slowest = max(r["epoch_time_s"] for r in per_rank)
-        mfu_value, mfu_note = mfu(flops_per_s, peak, devices)
-        if self.ctx.is_cuda and peak is None:
-            mfu_note = (
-                f"no MFU: no peak FLOP/s known for {torch.cuda.get_device_name(device)} in "
-                f"{math_dtype(t.precision, t.tf32)} (bench/core/flops.py)"
-            )
-        mem_key = "peak_allocated" if self.ctx.is_cuda else "peak_rss"
-        mem_values = [r["memory"][mem_key] for r in per_rank if r["memory"][mem_key] is not None]
         event = {
             "type": "epoch",
             "epoch": epoch,
             "steps": steps,
-            "timed_steps": int(len(step_times)),
-            "warmup_steps_excluded": int(steps - len(step_times)),
-            "global_batch": self.global_batch,
-            "devices": devices,  # world_size x devices per process (GPipe drives several from one)
-            # the slowest rank's: an epoch ends when its last rank does
-            "epoch_time_s": slowest,
+            "timed_steps": int(timed.shape[1]),
+            "warmup_steps_excluded": int(steps - timed.shape[1]),
+            "global_batch": self.plan.global_batch,
+            "devices": self.plan.devices,  # world_size x devices per process (GPipe drives several from one)
+            "epoch_time_s": slowest,  # the slowest rank's: an epoch ends when its last rank does
             # cut short (trainer.max_steps, a stop signal): flagged, and left out of epoch-time means
             "partial": partial,
             "val_time_s": val_time,
             "wall_time_s": time.perf_counter() - run_start,
-            "step_time_mean_s": step_stats["mean"],
-            "step_time_p50_s": step_stats["p50"],
-            "step_time_p95_s": step_stats["p95"],
-            "step_time_cv": step_stats["cv"],
-            # the timed steps' times (slowest rank per step), rounded to the us: the step-time interval
-            "step_times_s": [round(float(v), 6) for v in step_times],
-            **{f"{c}_time_mean_s": v for c, v in phase_means.items()},
-            "data_share": phase_means["data"] / step_stats["mean"] if step_stats["mean"] else None,
-            "samples_per_s": samples_per_s,
-            "epoch_samples_per_s": self.global_batch * steps / slowest if slowest > 0 else None,
-            "tokens_per_s": samples_per_s * self.plan.tokens_per_sample if samples_per_s else None,
-            "train_flops_per_sample": flops_per_sample,
-            "flops_per_s": flops_per_s,
-            "mfu": mfu_value,
-            "mfu_note": mfu_note,
-            "train_loss": float(loss_vec.mean()) if len(loss_vec) else None,
-            "train_losses": [float(v) for v in loss_vec] if t.log_step_losses else None,
-            # the lr of the epoch's first step; with a schedule, every step's (lr_schedule=..., bench/core/schedule.py)
-            "lr_epoch_start": lrs[first_step] if lrs is not None and len(lrs) > first_step else self.cfg.optimizer.lr,
-            "lrs": lrs[first_step : first_step + steps] if lrs is not None else None,
-            "memory_metric": mem_key,
-            "peak_memory_max": max(mem_values) if mem_values else None,
-            "peak_memory_min": min(mem_values) if mem_values else None,
-            **self._warmup_peaks(per_rank, mem_key, first_step, steps),
+            **self._speed(timed, steps, slowest),
+            **self._losses(loss_vec, lrs, first_step, steps),
+            **self._memory(per_rank, first_step, steps),
             "ranks": per_rank,
             **_stragglers(timed, per_rank),
             **val_metrics,
             "checkpoint_time_s": checkpoint_time,
         }
+        return self._flagged(event, compile, loss_vec, first_step, resumed_at)
+
+    def _rank_facts(self, facts: dict, first_step: int, steps: int) -> dict:
+        """This rank's row of the event (`ranks`): who it is, and `facts` (its memory, state bytes, counts, time)."""
+        waits = self.profiler.wait_in(first_step, first_step + steps) if self.profiler else None
+        return {"rank": self.ctx.rank, "host": socket.gethostname(), **facts, "comm_wait_s": waits}
+
+    def _speed(self, timed: np.ndarray, steps: int, slowest: float) -> dict:
+        """The timed steps' times (the slowest rank per step), phase means over ranks, throughput and MFU."""
+        step_times = timed[:, :, -1].max(axis=0) if timed.shape[1] else np.zeros(0)
+        phases = {c: float(timed[:, :, i].mean()) if timed.shape[1] else None for i, c in enumerate(PHASES)}
+        stats = _stats(step_times)
+        mean, batch = stats["mean"], self.plan.global_batch
+        samples_per_s = batch / mean if mean else None
+        flops_per_s = samples_per_s * self.plan.train_flops_per_sample if samples_per_s else None
+        mfu_value, mfu_note = self._mfu(flops_per_s)
+        return {
+            "step_time_mean_s": mean,
+            "step_time_p50_s": stats["p50"],
+            "step_time_p95_s": stats["p95"],
+            "step_time_cv": stats["cv"],
+            # the timed steps' times (slowest rank per step), rounded to the us: the step-time interval
+            "step_times_s": [round(float(v), 6) for v in step_times],
+            **{f"{c}_time_mean_s": v for c, v in phases.items()},
+            "data_share": phases["data"] / mean if mean else None,
+            "samples_per_s": samples_per_s,
+            "epoch_samples_per_s": batch * steps / slowest if slowest > 0 else None,
+            "tokens_per_s": samples_per_s * self.plan.tokens_per_sample if samples_per_s else None,
+            "train_flops_per_sample": self.plan.train_flops_per_sample,
+            "flops_per_s": flops_per_s,
+            "mfu": mfu_value,
+            "mfu_note": mfu_note,
+        }
+
+    def _mfu(self, flops_per_s: float | None) -> tuple[float | None, str | None]:
+        """(MFU, why there is none) of `flops_per_s` against the devices' peak in the run's math dtype."""
+        t = self.cfg.trainer
+        peak = peak_flops(self.ctx.device, t.precision, t.tf32)
+        value, note = mfu(flops_per_s, peak, self.plan.devices)
+        if self.ctx.is_cuda and peak is None:
+            note = (
+                f"no MFU: no peak FLOP/s known for {torch.cuda.get_device_name(self.ctx.device)} in "
+                f"{math_dtype(t.precision, t.tf32)} (bench/core/flops.py)"
+            )
+        return value, note
+
+    def _losses(self, loss_vec: np.ndarray, lrs: list[float] | None, first_step: int, steps: int) -> dict:
+        """The epoch's mean training loss (every step's with trainer.log_step_losses) and its lr."""
+        return {
+            "train_loss": float(loss_vec.mean()) if len(loss_vec) else None,
+            "train_losses": [float(v) for v in loss_vec] if self.cfg.trainer.log_step_losses else None,
+            # the lr of the epoch's first step; with a schedule, every step's (lr_schedule=..., bench/core/schedule.py)
+            "lr_epoch_start": lrs[first_step] if lrs is not None and len(lrs) > first_step else self.cfg.optimizer.lr,
+            "lrs": lrs[first_step : first_step + steps] if lrs is not None else None,
+        }
+
+    def _memory(self, per_rank: list[dict], first_step: int, steps: int) -> dict:
+        """The highest and lowest peak over ranks, and whether they leave the warm-up out (`_warmup_peaks`)."""
+        key = "peak_allocated" if self.ctx.is_cuda else "peak_rss"
+        values = [r["memory"][key] for r in per_rank if r["memory"][key] is not None]
+        return {
+            "memory_metric": key,
+            "peak_memory_max": max(values) if values else None,
+            "peak_memory_min": min(values) if values else None,
+            **self._warmup_peaks(per_rank, key, first_step, steps),
+        }
+
+    def _flagged(self, event: dict, compile: dict | None, loss_vec, first_step: int, resumed_at: int | None) -> dict:
+        """The event with what happened to it (compiles, a non-finite loss, a restart), printed and checked."""
         if compile is not None:
             event["compile"] = compile
         nonfinite = np.flatnonzero(~np.isfinite(loss_vec))
@@ -272,183 +264,6 @@ class Meter:
             "eval_frames": validated["frames"] - trained["frames"],
             "eval_time_s": validated["time_s"] - trained["time_s"],
         }
-
-    # --- the run ---------------------------------------------------------------------------------
-    def summary(
-        self,
-        epochs: list[dict],
-        *,
-        status: str,
-        total_time: float,
-        steps: int,
-        startup_s: float | None,
-        stop_signal: str | None,
-        checkpoint: dict | None,
-        resumed_from: list[dict],
-        timing: dict,
-        data_workers: int,
-        samples_dropped: int,
-        diverged_at_step: int | None = None,
-        profile: dict | None = None,
-    ) -> dict:
-        """The run's totals from its epoch events (`record` adds the run's setup before rank 0 writes it).
-        `data_workers`: the loaders' worker processes; `samples_dropped`: per epoch, the incomplete last
-        global batch; `diverged_at_step`: the global step whose training loss was first non-finite (status
-        diverged); `profile`: what trainer.profile's window measured."""
-        last = epochs[-1] if epochs else {}
-        timed = [e for e in epochs if e["timed_steps"]]
-        total_timed = sum(e["timed_steps"] for e in timed)
-        mean_step = sum(e["step_time_mean_s"] * e["timed_steps"] for e in timed) / total_timed if total_timed else None
-        whole = [e["epoch_time_s"] for e in epochs if not e["partial"]]
-        steady = [e["epoch_time_s"] for e in epochs[1:] if not e["partial"]]  # epoch 0 holds the warm-up
-        leaked = sum(e["compile"]["timed_step_frames"] for e in epochs if e.get("compile"))
-        # rank 0 alone writes the summary: the others skip the count (a whole-model pass on the meta device)
-        flops_check = self._flops_check() if self.ctx.rank == 0 else {}
-        summary = {
-            "status": status,
-            "checkpoint": checkpoint,
-            **({"resumed_from": resumed_from, "restart_gap_excluded": True} if resumed_from else {}),
-            "startup_s": startup_s,
-            "stop_signal": stop_signal,
-            "epochs_completed": len(epochs),
-            "total_time_s": total_time,
-            "steps": steps,
-            "global_batch": self.global_batch,
-            "local_batch": self.local_batch,
-            "samples_dropped_per_epoch": samples_dropped,
-            "data_workers": data_workers,
-            # loader and input settings as used: pin_memory, persistent_workers, channels_last, decoder, cache
-            "data_pipeline": {**loader_options(self.ctx.device.type, data_workers), **self.workload.describe()},
-            "compile": self._compile_summary(leaked),
-            "step_time_mean_s": mean_step,
-            "samples_per_s": self.global_batch / mean_step if mean_step else None,
-            "tokens_per_s": self.global_batch * self.plan.tokens_per_sample / mean_step if mean_step else None,
-            # mean over whole epochs; over all epochs (flagged) when every epoch was cut short
-            "epoch_time_mean_s": float(np.mean(whole or [e["epoch_time_s"] for e in epochs])) if epochs else None,
-            "epoch_time_mean_includes_partial": not whole and bool(epochs),
-            # whole epochs after the first (warm-up, NCCL init, first-step probes): what speedup should use
-            "epoch_time_steady_s": float(np.mean(steady)) if steady else None,
-            "timing": timing,
-            "tf32": self.cfg.trainer.tf32,
-            "warnings": self._warnings(epochs, timed, leaked, data_workers)
-            + [w for w in [flops_check.get("warning")] if w],
-            "flops_check": flops_check,
-            "memory_ledger": self._memory_ledger(last),
-            "state_bytes_per_rank": [r["state_bytes"] for r in last.get("ranks", [])],
-            "hosts": [r["host"] for r in last.get("ranks", [])],  # one per rank, in rank order
-            **{k: last.get(k) for k in LAST_EPOCH},
-            # the warm-up's own peak (the epoch in which it ended): beside the steady peak_memory_max
-            "warmup_peak_memory_max": next(
-                (e["warmup_peak_memory_max"] for e in epochs if e.get("warmup_peak_memory_max") is not None), None
-            ),
-        }
-        if diverged_at_step is not None:
-            summary["diverged_at_step"] = diverged_at_step
-            summary["error"] = (
-                f"training diverged: the loss was not finite at global step {diverged_at_step} (run stopped at "
-                f"the end of epoch {last.get('epoch')}); its times are not comparable: lower optimizer.lr "
-                f"(now {self.cfg.optimizer.lr:g}) or set trainer.grad_clip"
-            )
-        schema.check(summary, schema.SUMMARY, "summary.json", deep=True)
-        if profile is not None:  # the profiler's own keys: checked at the top level when the summary is written
-            summary["profile"] = profile
-        if status == "interrupted" and not summary.get("error"):  # the report's one line on it
-            summary["error"] = f"interrupted (Ctrl-C, SIGINT) after step {steps}"
-        return summary
-
-    def record(self, summary: dict, *, requeue: str | None, threads: int, rank_environment: dict) -> dict:
-        """Rank 0's final summary: the totals, the Slurm job to requeue (`requeue`: its id, None: none), and the
-        run's setup from the config, plan and adapter this meter holds and the rank's start (`threads`, CPU
-        threads per rank; `rank_environment`, the adapter's variables and the values the process started with)."""
-        extra = OmegaConf.to_container(self.cfg.extra) if OmegaConf.is_config(self.cfg.extra) else self.cfg.extra
-        return {
-            **summary,
-            **({"requeue": {"slurm_job_id": requeue, "time": time.time()}} if requeue else {}),
-            "adapter_settings": self.adapter.describe(),
-            "plan": self.plan.describe(),
-            "layout": self.plan.layout.as_dict(),
-            "precision": self.plan.precision,
-            "predicted_memory": self.plan.predicted_memory,
-            "comm_volume": self.plan.comm_volume,
-            "extra": extra,
-            "batch_reduced_from": (extra or {}).get("batch_reduced_from") if isinstance(extra, dict) else None,
-            "phase_semantics": self.adapter.phase_semantics,
-            "precision_semantics": self.adapter.precision_semantics,
-            "batch_policy": self.plan.batch_policy,
-            "warmup_steps": self.cfg.trainer.untimed_steps,
-            "launcher": self.ctx.launcher,
-            "conventions": CONVENTIONS,
-            "frameworks_imported": frameworks_imported(),
-            "cpu_threads_per_rank": threads,
-            "rank_environment": rank_environment,
-        }
-
-    def _memory_ledger(self, last: dict) -> dict | None:
-        """Predicted (memory model, busiest rank) vs counted (last untimed step, each rank) saved-activation bytes."""
-        from ptbench.core.memory_model import ledger_fields
-
-        # gpipe (one process, several devices): the rank's count holds each partition's (adapters/gpipe.py)
-        counted = [r.get("saved_activations") for r in last.get("ranks", [])]
-        steps = [r.get("step_peak") for r in last.get("ranks", [])]
-        return ledger_fields(self.plan.predicted_memory, counted, steps)
-
-    def _flops_check(self) -> dict:
-        """The MFU cross-check: the plan's analytic training FLOPs per sample beside FlopCounterMode's count
-        (ptbench.core.flops.flops_check; a meta-device pass, nothing computed). Never fatal."""
-        from ptbench.core.flops import flops_check
-
-        try:
-            counted = self.workload.counted_flops()["total"]
-        except Exception as e:  # noqa: BLE001 - a model the counter cannot run must not fail the run
-            return {"error": f"{type(e).__name__}: {e}"}
-        return flops_check(self.plan.train_flops_per_sample, counted)
-
-    def _warnings(self, epochs: list[dict], timed: list[dict], leaked: int, workers: int) -> list[str]:
-        warnings = list(self.plan.warnings)  # found before launch (contention)
-        data_share = [e["data_share"] for e in timed if e.get("data_share") is not None]
-        if data_share and max(data_share) > 0.10:
-            warnings.append(
-                f"data loading is {100 * max(data_share):.0f}% of the step time (> 10%): the run is "
-                f"input-bound; raise data.num_workers (now {workers}) or use faster storage"
-            )
-        if leaked:
-            warnings.append(
-                f"torch.compile compiled {leaked} frame(s) after the warm-up (recompiles): those steps' "
-                "times include compilation; raise trainer.untimed_steps or find the recompile (TORCH_LOGS=recompiles)"
-            )
-        if any(e.get("mfu_note") for e in epochs):
-            warnings.append(next(e["mfu_note"] for e in epochs if e.get("mfu_note")))
-        return warnings
-
-    def _compile_summary(self, timed_step_frames: int) -> dict | None:
-        t = self.cfg.trainer
-        if not t.compile:
-            return None
-        total = compile_stats()
-        return {
-            "backend": t.compile_backend,
-            "how": self.adapter.compile_how,
-            "time_s": total["time_s"],
-            "frames": total["frames"],
-            "graphs": total["graphs"],
-            "warmup_steps": t.untimed_steps,
-            "timed_step_frames": timed_step_frames,
-        }
-
-
-def frameworks_imported() -> list[str]:
-    """Frameworks other than torch that this process has imported (ddp must import none)."""
-    tops = {m.split(".")[0] for m in adapters.frameworks().values()} - {"torch"}
-    return sorted(m for m in tops if m in sys.modules)
-
-
-def launch_time() -> float:
-    """When the user's command started: the local launcher's start (BENCH_LAUNCH_T0), else this process's."""
-    import os
-
-    import psutil
-
-    return float(os.environ.get("BENCH_LAUNCH_T0") or psutil.Process().create_time())
 
 
 def _stragglers(timed: np.ndarray, per_rank: list[dict]) -> dict:

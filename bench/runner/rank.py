@@ -2,7 +2,7 @@
 
 Its companions: bench/runner/rendezvous.py (the ranks meet, or the run never assembled, in one line),
 bench/runner/lifeline.py (a life that ends otherwise: the launcher killed, a hang, a failure, and what
-each leaves in the record), bench/runner/trainer.py (the loop) and bench/runner/meter.py (the summary).
+each leaves in the record), bench/runner/trainer.py (the loop) and bench/runner/summary.py (the record).
 
 `run_rank` is what every rank runs, however it was started (spawned by the launcher, torchrun,
 srun, horovodrun). `python -m ptbench.runner.rank RUN_DIR` is a rank started by a framework's own
@@ -154,7 +154,9 @@ def _finish(cfg: BenchConfig, ctx: DistContext, writer: RunWriter, trainer, summ
         return
     # sbatch --requeue: this job starts again and resumes from the checkpoint the stop saved
     requeue = slurm_job_requeueable() if summary["status"] == "preempted" and trainer.saved_on_stop else None
-    summary = trainer.meter.record(summary, requeue=requeue, threads=start.threads, rank_environment=start.environment)
+    summary = trainer.summary.record(
+        summary, requeue=requeue, threads=start.threads, rank_environment=start.environment
+    )
     record_external(sampler, summary, ctx.local_world_size, start.threads)  # its node's contention, if sampled
     writer.finish(summary)
     if ctx.launcher != "local":  # no launcher process of ours: this rank writes the sinks

@@ -80,6 +80,10 @@ class TrainState:
         self.losses = []
         return self.losses
 
+    def log_lr(self, lr: float) -> None:
+        """The lr the coming optimizer step uses (with a schedule: the epoch events' `lrs`)."""
+        self.lrs.append(lr)
+
     def step_done(self, loss: torch.Tensor) -> None:
         """One optimizer step ran: its loss (on the device) is kept and the global step advances."""
         self.losses.append(loss)
@@ -239,7 +243,7 @@ class Checkpointer:
         try:
             return fn(*args)
         except BaseException as exc:  # torch DCP's CheckpointException is a BaseException
-            e = _os_error(exc) or _full_disk(exc, tmp)
+            e = _inner(exc, OSError) or _full_disk(exc, tmp)
             if e is None:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
@@ -374,11 +378,6 @@ def _strerror(e: OSError) -> str:
     """What the system said, also when a write of the record named it already (records.storage_error)."""
     cause = e.__cause__ if isinstance(e.__cause__, OSError) else e
     return cause.strerror or str(cause)
-
-
-def _os_error(e: BaseException) -> OSError | None:
-    """The OSError behind a save's failure (`_inner`)."""
-    return _inner(e, OSError)
 
 
 def _inner(e: BaseException, kind: type, depth: int = 0):

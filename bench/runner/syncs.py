@@ -68,7 +68,7 @@ class SyncCounter:
         key = f"{kind} {site or _site(sys._getframe(2))}"
         self.sites[key] = self.sites.get(key, 0) + 1
 
-    # --- the step's brackets (PhaseTimer.step_watchers) ---------------------------------------------
+    # --- the step's brackets (PhaseTimer.watch_steps) -----------------------------------------------
     def start_step(self) -> None:
         self.in_step = True
         if self.device.type != "cuda":

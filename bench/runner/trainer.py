@@ -7,7 +7,8 @@ for them). Inside the epoch the only collective of the harness's own is the stop
 `trainer.stop_check_every` steps on a CPU group (bench/core/stopping.py).
 
 The loop's companions, along torchtitan's component lines:
-- bench/runner/meter.py: the epoch event and the summary, and the conventions they follow;
+- bench/runner/meter.py: the epoch event, and the conventions its numbers follow;
+- bench/runner/summary.py: the run's summary from the events, and the record rank 0 writes;
 - bench/runner/resume.py: the state a checkpoint carries (`TrainState`) and saving / loading it
   (`Checkpointer`: `trainer.checkpoint_every`, and on a stop signal when checkpointing is on);
 - bench/runner/faults.py: failures and stops injected on purpose (tests).
@@ -36,11 +37,12 @@ from ptbench.core.stopping import StopFlag, Watchdog
 from ptbench.core.timing import PhaseTimer
 from ptbench.runner.console import progress
 from ptbench.runner.faults import Faults
-from ptbench.runner.meter import CONVENTIONS, Meter, launch_time
+from ptbench.runner.meter import CONVENTIONS, Meter
 from ptbench.runner.plan import RunPlan
 from ptbench.runner.profiling import StepProfiler
 from ptbench.runner.resume import Checkpointer, TrainState
 from ptbench.runner.sampling import SampledTiming
+from ptbench.runner.summary import RunSummary, launch_time
 from ptbench.runner.syncs import SyncCounter
 from ptbench.workloads.base import Workload
 
@@ -76,32 +78,21 @@ class Trainer:
         self.timer = PhaseTimer(cuda_sync=cfg.trainer.sync_timing)  # CUDA events; per-phase sync only as a diagnostic
         self.timer.use_devices(adapter.devices())  # every device a process drives (GPipe's partitions)
         self.state = TrainState(self.timer)
-        # trainer.count_syncs: host-device synchronisations of each timed step and their source lines
-        t = cfg.trainer
-        self.syncs = (
-            SyncCounter(ctx.device, t.untimed_steps, getattr(adapter, "optimizer", None)).install()
-            if t.count_syncs
-            else None
-        )
+        self.syncs = _sync_counter(cfg, ctx, adapter)
         if self.syncs is not None:
-            self.timer.step_watchers.append(self.syncs)
+            self.timer.watch_steps(self.syncs)
         # trainer.profile: traces of a window of steps, the communication ledger, bubble, waits (profiling.py)
         self.profiler = StepProfiler.of(cfg, plan, ctx, run_dir, adapter)
-        self.meter = Meter(cfg, plan, ctx, adapter, workload, self.profiler)
+        self.meter = Meter(cfg, plan, ctx, adapter, self.profiler)
+        self.summary = RunSummary(cfg, plan, ctx, adapter, workload)
         # the last untimed step's saved activations and optimizer-phase peak (memory ledger), once counted
         self.step_memory = {"saved_activations": None, "step_peak": None}
         self.checkpointer = Checkpointer(cfg, plan, ctx, adapter, self.state, run_dir, self.watchdog, resume_info)
         self.resume_from = Path(resume_from) if resume_from is not None else None
         self.faults = Faults(cfg.trainer, ctx.rank)
         self.sampling = SampledTiming.of(cfg, ctx.device)  # trainer.timing_sample (None: full epochs)
-        refusal = adapter.checkpoint_refusal(cfg)
-        if cfg.trainer.resume == "auto" and refusal and ctx.rank == 0:
-            print(
-                f"warning: adapter={adapter.name} cannot checkpoint ({refusal}): "
-                "trainer.resume=auto writes no checkpoint, a preempted run starts over",
-                file=sys.stderr,
-                flush=True,
-            )
+        if ctx.rank == 0:
+            _warn_if_resume_cannot_save(cfg, adapter)
 
     @property
     def global_step(self) -> int:
@@ -117,7 +108,7 @@ class Trainer:
         steps_per_epoch = sampler.steps if t.max_steps <= 0 else min(sampler.steps, t.max_steps)
         self.checkpointer.set_steps_per_epoch(steps_per_epoch)
         self.full_epoch_steps = sampler.steps  # a whole pass over the data (incomplete last batch dropped)
-        # lr schedule (bench/core/schedule.py): stepped after every optimizer step; lr per step in state.lrs
+        # lr schedule (bench/core/schedule.py): stepped after every optimizer step; each step's lr kept by the state
         self.state.use_schedule(
             None
             if self.cfg.lr_schedule.name == "constant"
@@ -140,24 +131,13 @@ class Trainer:
             epochs.append(event)
             if self.record is not None:
                 self.record.append_event(event)
-            diverged = event.get("diverged_at_step")
-            if diverged is not None and self.ctx.rank == 0:
-                print(
-                    f"error: training diverged: the loss was not finite at global step {diverged} (epoch {epoch}); "
-                    "the run stops here with status diverged",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            diverged = self._diverged(event)
             if self.stop_requested or diverged is not None:  # every rank has the same event: all stop
                 break
         profile = self.profiler.finish()  # a collective when trainer.profile is set
-        return self.meter.summary(
+        return self.summary.totals(
             epochs,
-            status="diverged"
-            if diverged is not None
-            else ("interrupted" if self.stop.interrupted else "preempted")
-            if self.stop_requested
-            else "ok",
+            status=self._status(diverged),
             diverged_at_step=diverged,
             total_time=self.state.prior_run_time + time.perf_counter() - run_start,
             steps=self.global_step,
@@ -170,6 +150,25 @@ class Trainer:
             samples_dropped=len(sampler.dataset) - sampler.steps * self.plan.global_batch,  # the incomplete last batch
             profile=profile,
         )
+
+    def _diverged(self, event: dict) -> int | None:
+        """The global step of the epoch's first non-finite loss (rank 0 says the run stops), or None."""
+        diverged = event.get("diverged_at_step")
+        if diverged is not None and self.ctx.rank == 0:
+            print(
+                f"error: training diverged: the loss was not finite at global step {diverged} (epoch "
+                f"{event['epoch']}); the run stops here with status diverged",
+                file=sys.stderr,
+                flush=True,
+            )
+        return diverged
+
+    def _status(self, diverged: int | None) -> str:
+        if diverged is not None:
+            return "diverged"
+        if self.stop_requested:  # every rank agreed to stop: Ctrl-C, else a preemption's signal
+            return "interrupted" if self.stop.interrupted else "preempted"
+        return "ok"
 
     def _loaders(self):
         t = self.cfg.trainer
@@ -201,29 +200,21 @@ class Trainer:
         first_step = self.state.epoch_first_step
         bar = self._progress(steps, epoch)
         it = iter(train)
-        if prior:
-            # after iter(): the loader draws its base seed from the global generator there, as it did at
-            # this epoch's start before the restart; the steps then see the RNG where the checkpoint left it
-            self.state.set_rng()
-            if bar is not None:
-                bar.update(done)
+        if prior:  # after iter(): see `_continue`
+            self._continue(done, bar)
         c0 = compile_stats() if self.cfg.trainer.compile else None
         if self.sampling is not None:
             self.sampling.start_epoch()
         self.state.start_timing()
         self.train_steps(it, steps - done, bar)
         self.adapter.end_epoch()  # work an adapter keeps in flight across steps ends here (a pipeline's drain)
-        for d in self.adapter.devices():  # every device this process drives (GPipe: several)
-            if torch.device(d).type == "cuda":
-                torch.cuda.synchronize(d)
+        self._synchronize()
         epoch_time = self.state.epoch_time()  # the restart gap and the time spent saving are not training time
         losses = self.state.epoch_losses(self.ctx.device)
         if bar is not None:
             bar.close()
         c1 = compile_stats() if c0 is not None else None
-        mem = memory.peak_over(self.adapter.devices())  # training peak, before validation allocates
-        if mem.get("peak_rss") is not None and rss_before is not None:
-            mem["peak_rss_delta"] = mem["peak_rss"] - rss_before  # what training added on top of the process
+        mem = self._peak_memory(rss_before)  # training peak, before validation allocates
         state_bytes = self.adapter.state_bytes()
         host_syncs = self.syncs.result() if self.syncs is not None else None
 
@@ -253,6 +244,26 @@ class Trainer:
         )
         return event if self.sampling is None else self.sampling.annotate(event, self.full_epoch_steps)
 
+    def _continue(self, done: int, bar) -> None:
+        """An epoch that continues after a restart, `done` steps in: the loader drew its base seed from the global
+        generator at iter(), as it did at this epoch's start before the restart; the steps then see the RNG where
+        the checkpoint left it."""
+        self.state.set_rng()
+        if bar is not None:
+            bar.update(done)
+
+    def _synchronize(self) -> None:
+        for d in self.adapter.devices():  # every device this process drives (GPipe: several)
+            if torch.device(d).type == "cuda":
+                torch.cuda.synchronize(d)
+
+    def _peak_memory(self, rss_before: int | None) -> dict:
+        """The epoch's peaks on every device this process drives; on CPU also what training added to the process."""
+        mem = memory.peak_over(self.adapter.devices())
+        if mem.get("peak_rss") is not None and rss_before is not None:
+            mem["peak_rss_delta"] = mem["peak_rss"] - rss_before
+        return mem
+
     def train_steps(self, it, steps: int, bar=None) -> list[torch.Tensor]:
         """The hot loop: `steps` optimizer steps from iterator `it`, each timed by phase."""
         t = self.cfg.trainer
@@ -270,7 +281,7 @@ class Trainer:
                     micro.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
             self.faults.before_step(state.global_step)
             if schedule is not None:
-                state.lrs.append(schedule.lr())
+                state.log_lr(schedule.lr())
             with self._step_measures(state.global_step):
                 loss = self.adapter.train_step(micro, self.timer)
             if schedule is not None:
@@ -279,9 +290,7 @@ class Trainer:
             # trainer.profile: the trace's export after the step's timer, and out of the epoch's time
             state.exclude(self.profiler.end_window())
             if self.first_step_end is None:  # startup ends when step 1 has run, not when it was queued
-                for d in self.adapter.devices():
-                    if torch.device(d).type == "cuda":
-                        torch.cuda.synchronize(d)
+                self._synchronize()
                 self.first_step_end = time.time()
             state.step_done(loss if loss is not None else torch.zeros((), device=device))
             if self._after_step(bar):
@@ -362,3 +371,21 @@ class Trainer:
     def _progress(self, steps: int, epoch: int):
         t = self.cfg.trainer  # bench/runner/console.py: a tqdm bar on a terminal, else a line every log_every steps
         return progress(steps, f"epoch {epoch}", self.ctx.rank, t.progress, t.log_every)
+
+
+def _sync_counter(cfg: BenchConfig, ctx: DistContext, adapter: Adapter) -> SyncCounter | None:
+    """trainer.count_syncs: host-device synchronisations of each timed step and their source lines."""
+    if not cfg.trainer.count_syncs:
+        return None
+    return SyncCounter(ctx.device, cfg.trainer.untimed_steps, getattr(adapter, "optimizer", None)).install()
+
+
+def _warn_if_resume_cannot_save(cfg: BenchConfig, adapter: Adapter) -> None:
+    refusal = adapter.checkpoint_refusal(cfg)
+    if cfg.trainer.resume == "auto" and refusal:
+        print(
+            f"warning: adapter={adapter.name} cannot checkpoint ({refusal}): "
+            "trainer.resume=auto writes no checkpoint, a preempted run starts over",
+            file=sys.stderr,
+            flush=True,
+        )
