@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ptbench.analysis import records_io
 from ptbench.analysis.stats import (
     EQUIVALENT,
     FASTER,
@@ -36,6 +35,7 @@ from ptbench.analysis.stats import (
     resolve_text,
 )
 from ptbench.analysis.tables import Study, time_to_target, without_contention
+from ptbench.core.readers import noise_files
 
 
 def _point(label, devices) -> str:
@@ -78,15 +78,7 @@ def _versus(values: dict, margin: float = MARGIN) -> tuple[str, bool, str]:
 def run_spread(results_dir: str | Path) -> float:
     """The newest A/A measurement's run-to-run spread under results_dir (`python -m ptbench.sweep noise`:
     */noise/*.json; `spread`, the sd of one run's log time), 0 when none was measured."""
-    found = sorted(Path(results_dir).rglob("noise/noise-*.json"), key=lambda p: p.stat().st_mtime)
-    for path in reversed(found):
-        try:
-            rec = records_io.read_json(path)
-        except (OSError, ValueError) as e:
-            records_io.skipped(path, e)
-            continue
-        if not isinstance(rec, dict):
-            continue
+    for _, rec in noise_files(results_dir):  # newest first
         if rec.get("kind") == "A/A" and rec.get("spread") is not None:
             return float(rec["spread"])
     return 0.0

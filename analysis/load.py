@@ -34,7 +34,8 @@ import pandas as pd
 import yaml
 
 from ptbench.analysis import records_io
-from ptbench.analysis.records_io import YAML_LOADER, Unreadable, skipped  # noqa: F401 - YAML_LOADER: API
+from ptbench.analysis.records_io import Unreadable, skipped
+from ptbench.core.readers import comm_reports, owner_gone, record_files
 
 # config.yaml path -> column (the flattened config fields a comparison is usually keyed by)
 CONFIG_FIELDS = {
@@ -120,13 +121,15 @@ def user_path(path: str | Path) -> Path:
 
 
 def find_runs(root: str | Path) -> list[Path]:
-    """Every run folder under root (root itself may be one)."""
+    """Every run folder under root (root itself may be one), as far down as the records' reader searches
+    (`record_files`: a tree made thousands of folders deep is named in one line, not a RecursionError); a folder
+    below a hidden one (a name starting with ".") is none."""
     root = Path(root)
     if not root.exists():
         raise FileNotFoundError(
             f"results folder {root} does not exist; run `python -m ptbench ...` or `make demo` first"
         )
-    found = {p.parent for name in ("summary.json", "config.yaml") for p in root.rglob(name)}
+    found = {p.parent for name in ("summary.json", "config.yaml") for p in record_files(root, name)}
     return sorted(d for d in found if not any(part.startswith(".") for part in d.relative_to(root).parts))
 
 
@@ -172,29 +175,6 @@ def _damaged(path: Path, why: str, damage: list[str] | None) -> None:
         warnings.warn(f"{path.parent}/{why}")
     else:
         damage.append(why)
-
-
-def _owner_gone(owner) -> str | None:
-    """Why a `running` record will never get its final status (its writer, on this host, is gone), else None
-    (still going, or on another host: cannot tell)."""
-    import socket
-
-    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname() or not owner.get("pid"):
-        return None
-    try:
-        import psutil
-
-        p = psutil.Process(int(owner["pid"]))
-        if owner.get("started") is None or abs(p.create_time() - float(owner["started"])) < 1.0:
-            return None  # the same process: still running
-    except ImportError:
-        return None
-    except psutil.Error:
-        pass
-    return (
-        f"no final status: the process that ran it (pid {owner['pid']} on {owner['host']}) is gone, killed "
-        "outright (SIGKILL, the OOM killer)"
-    )
 
 
 def _first_line(e: BaseException) -> str:
@@ -350,7 +330,7 @@ def _profile_fields(prof) -> dict:
 
 
 def _comm_fields(cv) -> dict:
-    """The record's `comm_volume` (bench/core/comm_volume.py, bytes per optimizer step per rank) as
+    """The record's `comm_volume` (bench/core/comm_volume/, bytes per optimizer step per rank) as
     columns; `comm_collectives` keeps the per-collective list as JSON for `comm_table`."""
     if not isinstance(cv, dict) or cv.get("error") or "total_bytes" not in cv:
         return {
@@ -377,18 +357,8 @@ COMM_FOLDER = "comm"  # `python -m ptbench.sweep run` stores `python -m ptbench.
 
 def load_comm(*roots: str | Path) -> list[dict]:
     """Every `python -m ptbench.comm` JSON report in a `comm/` folder under the roots (what a sweep
-    stores beside its records), each with its `path`."""
-    out = []
-    for root in roots:
-        for path in sorted(Path(root).rglob(f"{COMM_FOLDER}/*.json")):
-            try:
-                rep = records_io.read_json(path)
-            except (OSError, ValueError) as e:
-                skipped(path, _first_line(e))
-                continue
-            if isinstance(rep, dict) and rep.get("tool") == "ptbench.comm":
-                out.append({**rep, "path": str(path)})
-    return out
+    stores beside its records: the records' reader, `comm_reports`), each with its `path`."""
+    return [{**rep, "path": str(path)} for root in roots for path, rep in comm_reports(root, COMM_FOLDER)]
 
 
 # --- labels ------------------------------------------------------------------------------------------
@@ -557,7 +527,7 @@ def load_run(run_dir: str | Path) -> list[dict]:
         driver=env.get("driver"),
     )
     events = _read_events(run_dir / "events.jsonl", damage)
-    if base["status"] == "running" and (gone := _owner_gone(summary.get("owner"))):
+    if base["status"] == "running" and (gone := owner_gone(summary.get("owner"))):
         base.update(status="killed", error=gone, status_written="running")
     if damage:  # kept in the tables with the reason, never counted as finished
         base.update(status="damaged", error="; ".join(damage), status_written=summary.get("status"))

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pandas as pd
 
 from ptbench.analysis import records_io
 from ptbench.analysis.safe_io import md_text
+from ptbench.core.readers import predictions
 
 PREDICTIONS = "predictions.jsonl"
 MODES = {
@@ -21,17 +21,8 @@ MODES = {
 
 
 def read_predictions(results_dir: str | Path) -> pd.DataFrame:
-    path = Path(results_dir) / PREDICTIONS
-    rows = []
-    try:
-        lines = list(records_io.read_jsonl(path)) if os.path.lexists(path) else []
-    except (OSError, ValueError) as e:
-        records_io.skipped(path, e)
-        lines = []
-    for _, row in lines:  # a line that is not JSON is left out, as before
-        if isinstance(row, dict) and row.get("predicted_step_s") is not None:
-            rows.append(row)
-    return pd.DataFrame(rows)
+    rows = predictions(Path(results_dir) / PREDICTIONS)  # a line that is not a JSON object is left out
+    return pd.DataFrame([row for row in rows if row.get("predicted_step_s") is not None])
 
 
 def _table(df: pd.DataFrame) -> str:

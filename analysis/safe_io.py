@@ -2,8 +2,9 @@
 
 A results folder on a shared cluster is often a group folder (umask 002): another member can pre-make the
 report's folder, or put links in it pointing at our own files. So every file the report writes is
-- written into a folder checked as ours: reached without a link someone else made, opened once (O_NOFOLLOW)
-  and its owner checked on that descriptor (`own_dir`); a missing folder is made by us, not writable by others;
+- written into a folder checked as ours, by the check every record write makes (ptbench.core.readers.own_folder):
+  reached without a link someone else made, opened once and its owner checked on that descriptor (`own_dir`); a
+  missing folder is made by us, not writable by others;
 - written to a new temporary file in that folder (O_EXCL: never an existing name, never through a link) and
   renamed over its name (os.replace replaces a link or another file there, it never writes through one).
 
@@ -14,10 +15,8 @@ spreadsheet would take for a formula.
 
 from __future__ import annotations
 
-import errno
 import os
 import secrets
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -25,6 +24,7 @@ from typing import IO
 import pandas as pd
 
 from ptbench.analysis.load import AnalysisError
+from ptbench.core.readers import NotOurs, own_folder
 
 # Character references: a renderer shows the character and never reads it as markup (HTML, links, images, code
 # spans, table cells; `$`: math, in GitHub's markdown and in matplotlib's labels). None of them holds a character
@@ -53,21 +53,7 @@ def csv_cell(v):
     return "'" + v if isinstance(v, str) and v.startswith(CSV_FORMULA_START) else v
 
 
-# O_PATH: a folder we may pass through but not list (mode 711, as some clusters' home and scratch roots) can
-# still be opened and used to reach the next one
-DIR_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
-
-
-def _trusted_link(st: os.stat_result) -> bool:
-    """A link we made, or root did (/home -> /data/home): followed; any other user's is not."""
-    return st.st_uid in (0, os.geteuid())
-
-
 OUT_FIX = "choose another output folder (--out DIR) or remove it"
-
-
-def _refuse(path: Path, why: str, fix: str) -> AnalysisError:
-    return AnalysisError(f"output folder {path} {why}: {fix}")
 
 
 def _map_text(df: pd.DataFrame, fn: Callable[[str], str], keep: tuple[str, ...] = ()) -> pd.DataFrame:
@@ -88,59 +74,18 @@ def _map_text(df: pd.DataFrame, fn: Callable[[str], str], keep: tuple[str, ...] 
     return out
 
 
-def _step(fd: int, name: str, here: Path, path: Path, make: bool, fix: str) -> int:
-    """The descriptor of folder `name` (`here`, on the way to `path`) in folder `fd`, made when missing (by
-    us, not writable by others)."""
-    try:
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-    except FileNotFoundError:
-        if not make:
-            raise
-        try:
-            os.mkdir(name, 0o755, dir_fd=fd)
-        except FileExistsError:
-            pass  # made meanwhile: checked below like any other
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-    flags = DIR_FLAGS
-    if stat.S_ISLNK(st.st_mode):
-        if not _trusted_link(st):
-            how = "is" if here == path else f"is reached through {here},"
-            raise _refuse(path, f"{how} a symbolic link made by uid {st.st_uid}, not you", fix)
-    else:
-        flags |= os.O_NOFOLLOW  # swapped for a link since the stat: refused by the open
-    try:
-        return os.open(name, flags, dir_fd=fd)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise _refuse(
-                path, f"cannot be reached: {here} is not a folder (or became a link while checked)", fix
-            ) from None
-        raise
-
-
 def own_dir(path: str | Path, make: bool = True, fix: str = OUT_FIX) -> int:
-    """An open descriptor of folder `path`, checked as ours: each folder on the way is opened from the one
-    before it, a link on the way is followed only if we or root made it, and the folder itself must be owned
-    by us (its owner read from the descriptor, so it cannot be swapped after the check). Missing folders are
-    made. Refused in one line (AnalysisError) otherwise. The caller closes it."""
+    """An open descriptor of folder `path`, checked as ours (`own_folder`: each folder on the way opened from the
+    one before it, a link on the way followed only if we or root made it, the folder itself owned by us, its owner
+    read from the descriptor). Missing folders are made (by us, not writable by others). Refused in one line
+    (AnalysisError) otherwise. The caller closes it."""
     path = Path(os.path.abspath(path))
-    fd = os.open("/", DIR_FLAGS)
     try:
-        here = Path("/")
-        for name in path.parts[1:]:
-            here = here / name
-            fd, old = _step(fd, name, here, path, make, fix), fd
-            os.close(old)
-        owner = os.fstat(fd).st_uid
-        if owner != os.geteuid():
-            raise _refuse(path, f"belongs to uid {owner}, not you (uid {os.geteuid()}): someone else made it", fix)
-        return fd
+        return own_folder(path, 0o755 if make else None)
+    except NotOurs as e:
+        raise AnalysisError(f"output folder {path} {e.why}: {fix}") from None
     except OSError as e:
-        os.close(fd)
         raise AnalysisError(f"output folder {path}: cannot open or make it ({e.strerror or e})") from None
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def _umask() -> int:

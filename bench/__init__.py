@@ -8,5 +8,5 @@ Layers, lowest first; no module imports a layer above its own (tests/test_layers
   bench.*        drivers, each a command: `python -m ptbench` (one run), ptbench.sweep, ptbench.smoke,
                  ptbench.demo, ptbench.paper, ptbench.comm, ptbench.compare, ptbench.predict, ptbench.scale;
                  the studies and maintainers' benchmarks apart in ptbench.studies (memory_study, ledger, ...)
-  analysis       reads records only (it imports none of the above)
+  analysis       reads records only, through ptbench.core.readers (a leaf that imports nothing of ptbench)
 """

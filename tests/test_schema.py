@@ -31,6 +31,7 @@ READERS = sorted((REPO / "analysis").rglob("*.py")) + [
         "bench/studies/memory_points.py",
         "bench/studies/memory_study_ds.py",
         "bench/runner/console.py",
+        "bench/predict/points.py",
     )
 ]
 KEY = re.compile(r"^[a-z][a-z0-9_]*$")  # record keys are snake_case; "MLLOG" names, "comm MB/step" labels are not
@@ -38,6 +39,8 @@ KEY = re.compile(r"^[a-z][a-z0-9_]*$")  # record keys are snake_case; "MLLOG" na
 # joins to the records, the predictions.jsonl that `python -m ptbench.predict` writes (bench/predict/table.py),
 # names of the analysis's own request arguments, and a multiprocessing start method
 NOT_RECORD = {
+    "wrong",  # a comm report's data check
+    "bus_bytes",  # per collective kind inside profile.ranks[].by_kind, whose keys are the kinds
     "predicted_step_s",
     "measured_step_s",
     "err_pct",

@@ -32,8 +32,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from ptbench.core import schema
-from ptbench.core.readers import MAX_EVENTS_BYTES, read_bytes, read_json, read_lines, read_record, record_files
+from ptbench.core import readers, schema
+from ptbench.core.readers import MAX_EVENTS_BYTES, NotOurs, read_bytes, read_json, read_lines, readable
+
+# Reading a results folder is the readers' (a leaf, which the analysis reads through too); named here as well for
+# the commands that read and write records.
+owner_gone, point_records, summaries = readers.owner_gone, readers.point_records, readers.summaries
 
 # versions every record states; the runner adds each adapter's framework (from the adapter registry)
 BASE_PACKAGES = ("torch", "torchvision", "hydra-core", "nvtx")
@@ -117,15 +121,6 @@ def flag_nonfinite(record: dict) -> dict:
     return {**record, "nonfinite": sorted(set(bad))} if bad else record
 
 
-def readable(path: Path) -> dict | None:
-    """The JSON object at `path`, or None where it is missing, unreadable, damaged or not an object."""
-    try:
-        out = read_json(path)
-    except (OSError, ValueError):
-        return None
-    return out if isinstance(out, dict) else None
-
-
 def results_folder(results) -> Path:
     """The folder a run's record folder goes in (`results`: the config's results group): results.dir
     (a sweep's folder) or else results.root/results.experiment."""
@@ -142,32 +137,6 @@ def point_folders(results) -> set[Path]:
     """Where earlier records of a point may be (`results`: the config's results group):
     results.root/results.experiment, and results.dir (a sweep's folder) or else results.root."""
     return {Path(results.root) / results.experiment, Path(results.dir or results.root)}
-
-
-def summaries(folders, say=None):
-    """(summary.json path, summary object) of every record under `folders`: each record folder once (the folders
-    may nest), in path order. One that cannot be read (another user's private record) is passed over; one that
-    is damaged or hostile too, named in one warning line to `say` (default stderr)."""
-    seen = set()
-    for root in map(Path, folders):
-        for path in record_files(root, "summary.json", say=say) if root.is_dir() else []:
-            try:
-                run_dir = path.parent.resolve()
-            except (OSError, RuntimeError):
-                continue
-            if run_dir in seen:
-                continue
-            seen.add(run_dir)
-            s = read_record(path, say)
-            if s is not None:
-                yield path, s
-
-
-def point_records(folders, point: str, say=None):
-    """(summary.json path, summary) of every record of `point` under `folders` (`summaries`)."""
-    for path, s in summaries(folders, say):
-        if s.get("point") == point:
-            yield path, s
 
 
 def new_run_id(adapter: str, workload: str, world_size: int) -> str:
@@ -190,6 +159,10 @@ RANK_RESERVE_BYTES = 64 * 1024  # an error file with its traceback: a few KiB
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
+class NotOurFolder(PermissionError):
+    """A record folder that is not this user's to write in (another user's, or their link): one line."""
+
+
 def _not_ours(path: Path, what: str) -> str:
     return (
         f"cannot write {path}: it is {what}, not a folder of this user's: a record is never written where someone "
@@ -198,28 +171,36 @@ def _not_ours(path: Path, what: str) -> str:
 
 
 def own_folder(path: Path) -> int:
-    """A descriptor of the folder `path`, made if missing, which must be ours: never a symlink (its last part), never
-    another user's (PermissionError, one line), and made private (no group/other write) where it is not: under
-    umask 002 a member of the group could plant files or links in it. Every write of a record goes through such a
-    descriptor, so a folder renamed away or replaced by a link after this check gets none of them."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    """A descriptor of the folder `path`, made if missing, which must be ours (readers.own_folder: reached through no
+    link another user made, and owned by us; PermissionError, one line, otherwise), and made private (no group/other
+    write) where it is not: under umask 002 a member of the group could plant files or links in it. Every write of a
+    record goes through such a descriptor, so a folder renamed away or replaced by a link after this check gets none
+    of them."""
     try:
-        try:
-            fd = os.open(path, flags)
-        except FileNotFoundError:
-            os.makedirs(path, exist_ok=True)
-            fd = os.open(path, flags)
+        fd = readers.own_folder(path)
+    except NotOurs as e:
+        if e.at is None:  # a file where a folder should be, or a link swapped in while it was checked
+            raise NotADirectoryError(errno.ENOTDIR, f"cannot write {path}: it {e.why}") from None
+        if e.link and e.at == e.path:
+            what = f"a symbolic link (to {_link_target(e.at)}) made by uid {e.uid}"
+        elif e.link:
+            what = f"reached through {e.at}, a symbolic link made by uid {e.uid}"
+        else:
+            what = f"another user's folder (uid {e.uid})"
+        raise NotOurFolder(errno.EPERM, _not_ours(path, what)) from None
     except OSError as e:
-        if os.path.islink(path):
-            raise PermissionError(errno.EPERM, _not_ours(path, f"a symbolic link (to {os.readlink(path)})")) from None
         raise storage_error(e, path) from e
     st = os.fstat(fd)
-    if st.st_uid != os.geteuid():
-        os.close(fd)
-        raise PermissionError(errno.EPERM, _not_ours(path, f"another user's folder (uid {st.st_uid})"))
     if st.st_mode & 0o022:
         os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
     return fd
+
+
+def _link_target(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
 
 
 def write_at(dir_fd: int, name: str, text: str, shown: Path) -> None:
@@ -397,21 +378,10 @@ class RunWriter:
             made = True
         except FileExistsError:
             made = False
-        st = os.lstat(self.dir)
-        what = (
-            f"a symbolic link (to {os.readlink(self.dir)})"
-            if stat.S_ISLNK(st.st_mode)
-            else f"a folder another user made (uid {st.st_uid})"
-            if stat.S_ISDIR(st.st_mode) and st.st_uid != os.geteuid()
-            else None
-        )
-        if what:
-            raise ConfigError(
-                f"results.run_id={self.dir.name}: {self.dir} is {what}: a record is never written where someone "
-                "else can redirect it; remove it (or ask its owner to), or choose another results.run_id"
-            )
-        if stat.S_ISDIR(st.st_mode):
-            os.close(own_folder(self.dir))  # private even under umask 002, before a file is in it
+        try:
+            os.close(own_folder(self.dir))  # ours, and private even under umask 002, before a file is in it
+        except NotOurFolder as e:
+            raise ConfigError(f"results.run_id={self.dir.name}: {e.strerror}") from None
         return made
 
     def start(self, config_yaml: str, packages: tuple[str, ...] = ()) -> None:
@@ -530,31 +500,6 @@ def owner() -> dict:
     except Exception:  # noqa: BLE001 - psutil missing or refused: the reader then cannot tell
         started = None
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
-
-
-def owner_gone(owner) -> str | None:
-    """Why a `running` record will never get its final status (its writer, on this host, is gone: no such
-    pid, or the pid now belongs to a process started at another time), else None (still going, or written
-    on another host or by a harness without `owner`: cannot tell)."""
-    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname():
-        return None
-    pid, started = owner.get("pid"), owner.get("started")
-    if type(pid) is not int or not 0 < pid < 2**31 or not isinstance(started, (int, float, type(None))):
-        return None  # not a record this harness wrote (its `summaries` reader passes it over)
-    try:
-        import psutil
-
-        p = psutil.Process(int(owner["pid"]))
-        if owner.get("started") is None or abs(p.create_time() - float(owner["started"])) < 1.0:
-            return None  # the same process: still running
-    except ImportError:
-        return None
-    except psutil.Error:
-        pass
-    return (
-        f"no final status: the process that ran it (pid {owner['pid']} on {owner['host']}) is gone, killed "
-        "outright (SIGKILL, the OOM killer)"
-    )
 
 
 def mark_killed(folders, point: str | None, say=None) -> list[Path]:

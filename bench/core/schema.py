@@ -553,13 +553,13 @@ SUMMARY = (
         "",
         "trainer.profile: the profiled window and what its traces measure (bench/runner/profiling.py)",
         *rows("""
-        window       | steps  | {start, count}: global steps profiled
         activities   | (list) | torch.profiler activities (cpu, cuda)
         traces       | (list) | per rank, its Chrome/Perfetto trace file
         merged_trace |        | all ranks in one trace (pid = rank)
         merge_error  |        | why no merged trace was written
         note         |        | why there is no measurement
         """),
+        F("window", "", "global steps profiled", F("start", "step", "the first"), F("count", "steps", "how many")),
         F(
             "export",
             "",
@@ -725,12 +725,8 @@ def unknown(record: dict, fields=SUMMARY, prefix: str = "", deep: bool = True, c
             continue
         if not deep or f.kind not in ("dict", "table"):
             continue
-        rows = (
-            [value]
-            if f.kind == "dict" and isinstance(value, dict)
-            else ([v for v in value if isinstance(v, dict)] if f.kind == "table" and isinstance(value, list) else [])
-        )
-        for row in rows:
+        rows = [value] if f.kind == "dict" else value if f.kind == "table" and isinstance(value, list) else []
+        for row in (r for r in rows if isinstance(r, dict)):
             out += unknown(row, f.fields, f"{prefix}{key}{'[]' if f.kind == 'table' else ''}.", deep, f.closed)
     return list(dict.fromkeys(out))
 

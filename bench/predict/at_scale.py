@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ptbench.core.readers import read_record, record_files, skipped
+from ptbench.core.readers import read_record, read_yaml, record_files, skipped
 from ptbench.predict.points import Point, series_of, shape_of
 
 
@@ -136,9 +136,10 @@ def overrides_of(adapter: str, workload: str, run_dir: str | None, data: bool = 
     cfg = {}
     if run_dir and (Path(run_dir) / "config.yaml").is_file():
         try:
-            cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
-        except (OSError, yaml.YAMLError):
+            cfg = read_yaml(Path(run_dir) / "config.yaml") or {}
+        except (OSError, ValueError, yaml.YAMLError):
             cfg = {}
+    cfg = cfg if isinstance(cfg, dict) else {}
     a, w, t, d = ({**(cfg.get(k) or {})} for k in ("adapter", "workload", "trainer", "data"))
     a.update(settings)
     sizes = ("seq_len", "vocab_size") if w.get("kind", "language") == "language" else ("image_size",)

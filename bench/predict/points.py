@@ -15,16 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ptbench.core.comm_volume import ring_factor
-from ptbench.core.readers import (
-    MAX_EVENTS_BYTES,
-    MAX_LINE_BYTES,
-    loads,
-    read_bytes,
-    read_record,
-    record_files,
-    skipped,
-)
-from ptbench.core.records import readable
+from ptbench.core.readers import Unreadable, comm_reports, jsonl, readable, skipped, summaries
 
 CONTENTION = "contention:"  # how a record's warnings of a loaded machine start (bench/runner/checks.py, contention.py)
 LINK_DIR = re.compile(r"^link-(\d+(?:\.\d+)?)mbit$")
@@ -128,18 +119,14 @@ def _epoch_steps(run: Path, window) -> tuple[list[float], list[float]]:
     data loading left out); a profiled run's epochs that hold its profiled steps (trainer.profile's window,
     global steps) left out when another epoch is clean: the profiler slows the steps it records."""
     out, first = [], 0
-    try:  # bounded: a record folder may be another user's (records.read_bytes)
-        lines = read_bytes(run / "events.jsonl", MAX_EVENTS_BYTES).splitlines()
-    except ValueError as e:
+    try:  # bounded: a record folder may be another user's (a line that is not JSON is left out)
+        lines = [e for _, e in jsonl(run / "events.jsonl")]
+    except Unreadable as e:
         skipped(str(e))
         return [], []
     except OSError:
         return [], []
-    for line in lines:
-        try:
-            e = loads(line, run / "events.jsonl") if len(line) <= MAX_LINE_BYTES else None
-        except ValueError:
-            continue
+    for e in lines:
         if isinstance(e, dict) and e.get("type") == "epoch" and e.get("step_time_mean_s"):
             steps = int(e.get("steps") or 0)
             profiled = bool(window) and first < window["start"] + window["count"] and window["start"] < first + steps
@@ -200,9 +187,8 @@ def _traced_collectives(prof, formula: list[dict], world: int) -> list[dict]:
 def load_points(root: Path) -> list[Point]:
     """Every finished run under root (status ok, a step time and a communication volume), pooled by point."""
     points: dict[tuple, Point] = {}
-    for path in record_files(root, "summary.json"):
-        s = read_record(path)
-        if not s or s.get("status") != "ok" or not s.get("step_time_mean_s"):
+    for path, s in summaries([root]):
+        if s.get("status") != "ok" or not s.get("step_time_mean_s"):
             continue
         try:
             _add_point(points, path, s)
@@ -262,10 +248,7 @@ class CommReport:
 def load_comm(root: Path, folder: str = "comm") -> list[CommReport]:
     """Every `python -m ptbench.comm --out` report under root (a comm/ folder, as a sweep stores it)."""
     out = []
-    for path in record_files(root, "*.json", parent=folder):
-        rep = read_record(path)
-        if not rep or rep.get("tool") != "ptbench.comm":
-            continue
+    for path, rep in comm_reports(root, folder):
         try:
             rows = [r for r in rep.get("results") or [] if r.get("time_s") and not r.get("wrong")]
             out.append(CommReport(int(rep["world_size"]), link_of(path, rep.get("extra")), rows, str(path)))

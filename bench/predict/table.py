@@ -7,6 +7,7 @@ import json
 import statistics
 from pathlib import Path
 
+from ptbench.core.readers import jsonl
 from ptbench.predict.model import Prediction, fit_comm, predict, reference_exposed
 from ptbench.predict.points import CONTENTION, CommReport, Point, PredictError
 
@@ -151,13 +152,8 @@ def write_predictions(root: Path, mode: str, preds: list[Prediction], measured: 
     """root/predictions.jsonl: this mode's lines replace its previous ones (the other modes' stay)."""
     path = root / PREDICTIONS
     keep = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line).get("mode") != mode:
-                    keep.append(line)
-            except ValueError:
-                continue
+    if path.exists():  # bounded (a results folder may be a group's): a line that is not an object is dropped
+        keep = [json.dumps(v) for _, v in jsonl(path) if isinstance(v, dict) and v.get("mode") != mode]
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     for p in preds:
         t = p.target

@@ -35,8 +35,8 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from ptbench.core.errors import ConfigError
-from ptbench.core.readers import read_bytes, read_record
-from ptbench.core.records import point_folders, point_records, results_folder
+from ptbench.core.readers import point_records, read_record, read_yaml
+from ptbench.core.records import point_folders, results_folder
 from ptbench.runner.compose import compose, in_multirun
 
 # Keys of the resolved config that do not change what is measured: where records go, how ranks find
@@ -206,10 +206,10 @@ def record_repeat(run_dir: Path) -> int:
     """The repeat index a record ran as (results.repeat in its config.yaml; 0 when absent)."""
     import yaml
 
-    try:  # bounded, and any shape: the record may be another user's (records.read_bytes)
-        cfg = yaml.safe_load(read_bytes(Path(run_dir) / "config.yaml", 2**20)) or {}
+    try:  # bounded, and any shape: the record may be another user's (readers.read_yaml)
+        cfg = read_yaml(Path(run_dir) / "config.yaml") or {}
         return int((cfg.get("results") or {}).get("repeat") or 0)
-    except (OSError, ValueError, TypeError, AttributeError, RecursionError, yaml.YAMLError):
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
         return 0
 
 
