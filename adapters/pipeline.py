@@ -19,7 +19,7 @@ and these are equal (tests/test_scale_pipeline.py), and they let the stages run 
 GPT-2's tied embedding / head weight: when the embedding and the head land on different stages, the
 head stage holds its own copy, initialised equal, and after every step the two gradients are summed
 (an all-reduce between the first and the last stage rank of each replica), so both copies take the
-same update as the tied weight would. See bench/pipeline.py.
+same update as the tied weight would. See adapters/_pipeline.py.
 
 Checkpoints: DCP (get_state_dict/set_state_dict) of a ModuleDict of this rank's stage modules keyed
 `stage<s>`, with the optimizer state flattened to one key per parameter (`flatten_optimizer_state_dict`,
