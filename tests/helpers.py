@@ -39,6 +39,23 @@ GPT2_REFERENCE = [
 SMOKE = ["experiment=smoke", "workload.vocab_size=256", "trainer.progress=false"]
 
 
+def wikitext2_short(data_root: Path) -> list[str]:
+    """gpt2_tiny for 2 short epochs (30 steps) on 2 ranks over the real Wikitext-2 subset (tokens from the shared
+    cache, BENCH_CACHE_DIR): the run whose perplexity must fall, whatever the adapter."""
+    return [
+        "workload=gpt2_tiny",
+        "data=wikitext2",
+        f"data.root={data_root}/wikitext-2",
+        f"data.tokenizer_dir={data_root}/gpt2-tokenizer",
+        "trainer.epochs=2",
+        "trainer.max_steps=30",
+        "trainer.max_eval_batches=8",
+        "optimizer.lr=3e-3",
+        "launcher.nprocs=2",
+        "trainer.progress=false",
+    ]
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process group `proc` leads (it was started with start_new_session=True)."""
     try:
@@ -92,6 +109,11 @@ def bench(*overrides: str, results: Path, timeout: int = 600, env: dict | None =
     return run(cmd, timeout, full_env)
 
 
+def python_m(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m module args` in the repository, started as `run` starts it (a timeout kills its whole group)."""
+    return run([sys.executable, "-m", module, *args], timeout)
+
+
 def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
     """Popen in a new session (stop it with kill_group); for tests that signal a running run."""
     return subprocess.Popen(
@@ -136,6 +158,12 @@ def check_ok(proc) -> None:
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}"
     )
+
+
+def ok_events(*overrides: str, results: Path) -> list[dict]:
+    """The epoch events of the one run `bench(*overrides)` makes in `results`, which must end ok."""
+    check_ok(bench(*overrides, results=results))
+    return events(only_run(results))
 
 
 # --- losses ------------------------------------------------------------------------------------------

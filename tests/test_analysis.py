@@ -29,7 +29,7 @@ from nbclient import NotebookClient  # noqa: E402
 
 from ptbench.analysis import load, ok, plots, runs, tables  # noqa: E402
 from ptbench.analysis.load import find_runs  # noqa: E402
-from tests.helpers import REPO, bench, events  # noqa: E402
+from tests.helpers import REPO, bench, events, python_m  # noqa: E402
 
 NOTEBOOKS = sorted((REPO / "analysis").glob("*.ipynb"))
 
@@ -37,13 +37,7 @@ NOTEBOOKS = sorted((REPO / "analysis").glob("*.ipynb"))
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
     root = tmp_path_factory.mktemp("records")
-    demo = subprocess.run(
-        [sys.executable, "-m", "ptbench.demo", "--points=ddp:1,ddp:2,nosuch:1", "--repeats=1", "--results", str(root)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    demo = python_m("ptbench.demo", "--points=ddp:1,ddp:2,nosuch:1", "--repeats=1", "--results", str(root), timeout=900)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     # fails inside the ranks (the data cannot fill one global batch): the launcher writes the record
     failed = bench(
@@ -554,36 +548,10 @@ def _x_marks(ax):
 
 def test_points_that_did_not_finish_are_marked_on_every_figure(tmp_path):
     root = tmp_path / "r"
-    write_run(
-        root,
-        "ok1",
-        "ddp",
-        1,
-        epochs=_two_epochs(
-            4.0,
-            12,
-            8,
-            1,
-            peak=900 * MIB,
-            delta=60 * MIB,
-            states={"params": 10 * MIB, "grads": 10 * MIB, "optimizer": 20 * MIB},
-        ),
-    )
-    write_run(
-        root,
-        "ok2",
-        "ddp",
-        2,
-        epochs=_two_epochs(
-            2.5,
-            6,
-            16,
-            2,
-            peak=950 * MIB,
-            delta=70 * MIB,
-            states={"params": 10 * MIB, "grads": 10 * MIB, "optimizer": 20 * MIB},
-        ),
-    )
+    states = {"params": 10 * MIB, "grads": 10 * MIB, "optimizer": 20 * MIB}
+    for n, time, steps, peak, delta in ((1, 4.0, 12, 900, 60), (2, 2.5, 6, 950, 70)):
+        epochs = _two_epochs(time, steps, 8 * n, n, peak=peak * MIB, delta=delta * MIB, states=states)
+        write_run(root, f"ok{n}", "ddp", n, epochs=epochs)
     write_run(root, "oom4", "ddp", 4, status="oom", error="CUDA out of memory")
     write_run(root, "to8", "ddp", 8, status="timeout", error="no progress for 900 s")
     # never attempted (framework not installed): listed in the report, not drawn as a failure
@@ -720,22 +688,8 @@ def test_speedup_baseline_best_and_per_series(tmp_path):
     ideals = sorted(tuple(ln.get_xdata()) for ln in fig.axes[0].get_lines() if ln.get_label() == "ideal")
     assert ideals == [(1, 2, 4), (2, 4)]  # one ideal line per baseline device count
 
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ptbench.analysis",
-            "report",
-            str(root),
-            "--out",
-            str(tmp_path / "o"),
-            "--baseline",
-            "per-series",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = python_m(
+        "ptbench.analysis", "report", str(root), "--out", str(tmp_path / "o"), "--baseline", "per-series", timeout=300
     )
     assert proc.returncode == 0, proc.stderr
     text = _squash((tmp_path / "o" / "report.md").read_text())

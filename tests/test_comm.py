@@ -223,31 +223,24 @@ def test_pipeline_and_megatron_3d():
     from ptbench.core.comm_volume import volume
 
     act = 4 * 512 * 1024 * 2  # b=4, s=512, h=1024, bf16 = 4,194,304 B
-    # 2 stages: each stage sends one direction, 8 micro-batches
-    v2 = volume(
-        "none",
-        params=10**8,
-        world_size=2,
-        pp=2,
-        hidden=1024,
-        seq_len=512,
-        micro_batch=4,
-        microbatches=8,
-        bytes_per_elem=2,
+    # pure pipelines of 2 and 4 stages, 8 micro-batches
+    v2, v4 = (
+        volume(
+            "none",
+            params=10**8,
+            world_size=stages,
+            pp=stages,
+            hidden=1024,
+            seq_len=512,
+            micro_batch=4,
+            microbatches=8,
+            bytes_per_elem=2,
+        )
+        for stages in (2, 4)
     )
+    # 2 stages: each stage sends one direction
     assert v2["pp"] == 2 and v2["total"] == pytest.approx(8 * act)
     # 4 stages: an inner stage sends activations forward and gradients back
-    v4 = volume(
-        "none",
-        params=10**8,
-        world_size=4,
-        pp=4,
-        hidden=1024,
-        seq_len=512,
-        micro_batch=4,
-        microbatches=8,
-        bytes_per_elem=2,
-    )
     assert v4["bytes"] == {"pp_activation_send": pytest.approx(8 * act), "pp_gradient_send": pytest.approx(8 * act)}
     # megatron t=2 p=2 d=2, 24 layers -> 12 per stage, 4 micro-batches, fp16
     v = volume(

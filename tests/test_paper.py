@@ -11,7 +11,7 @@ import pytest
 
 from ptbench.paper import choose_stateff, layout, plan, write_plan
 from ptbench.runner.compose import compose
-from tests.helpers import REPO, run_dirs, summary
+from tests.helpers import REPO, python_m, run_dirs, summary
 from tests.test_slurm import (  # noqa: F401
     ARRAY,
     cancel_leftover_jobs,
@@ -47,29 +47,8 @@ def test_layouts_per_gpu_count():
 
 def test_plan_dry_run_submits_phase_two_after_phase_one(tmp_path):
     out = tmp_path / "plan"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ptbench.paper",
-            "plan",
-            "--workloads",
-            "gpt2_tiny",
-            "--adapters",
-            "ddp,gpipe",
-            "--gpus",
-            "1,2",
-            "--gpus-per-node",
-            "1",
-            "--out",
-            str(out),
-            "--dry-run",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    plan_args = ("--workloads", "gpt2_tiny", "--adapters", "ddp,gpipe", "--gpus", "1,2", "--gpus-per-node", "1")
+    proc = python_m("ptbench.paper", "plan", *plan_args, "--out", str(out), "--dry-run", timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("sbatch")]
     epoch = [ln for ln in lines if "epoch.txt" in ln]
@@ -85,6 +64,13 @@ def test_plan_dry_run_submits_phase_two_after_phase_one(tmp_path):
     assert not out.exists()  # a dry run writes nothing (issue 31)
 
 
+def _epoch_phase_record(run_dir, point: str, epoch_s: float) -> None:
+    """A finished phase-1 (epoch) record of gpt2_tiny on ddp, all that choose_stateff reads of it."""
+    run_dir.mkdir(parents=True)
+    record = {"status": "ok", "experiment": "paper-epoch-gpt2_tiny", "workload": "gpt2_tiny", "adapter": "ddp"}
+    (run_dir / "summary.json").write_text(json.dumps({**record, "point": point, "epoch_time_steady_s": epoch_s}))
+
+
 def test_stateff_picks_each_adapters_fastest_gpu_count(tmp_path):
     out, results = tmp_path / "plan", tmp_path / "results"
     phases = plan(["gpt2_tiny"], ["ddp"], [1, 2], 0, [])
@@ -92,20 +78,7 @@ def test_stateff_picks_each_adapters_fastest_gpu_count(tmp_path):
     from ptbench.runner.points import point_id
 
     for point, t in zip(phases["epoch"], (3.0, 2.0)):  # 2 ranks faster
-        d = results / "paper-epoch-gpt2_tiny" / f"run-{t}"
-        d.mkdir(parents=True)
-        (d / "summary.json").write_text(
-            json.dumps(
-                {
-                    "status": "ok",
-                    "experiment": "paper-epoch-gpt2_tiny",
-                    "workload": "gpt2_tiny",
-                    "adapter": "ddp",
-                    "point": point_id(point),
-                    "epoch_time_steady_s": t,
-                }
-            )
-        )
+        _epoch_phase_record(results / "paper-epoch-gpt2_tiny" / f"run-{t}", point_id(point), t)
     chosen = choose_stateff(out, results)
     assert len(chosen) == 1 and "launcher.nprocs=2" in chosen[0]
     assert not any(o.startswith("trainer.epochs=") for o in chosen[0])  # the preset's full training
@@ -302,20 +275,7 @@ def test_stateff_epochs_from_the_plan(tmp_path):
     write_plan(out, phases, "test", stateff_epochs=3)
     from ptbench.runner.points import point_id
 
-    d = results / "paper-epoch-gpt2_tiny" / "run"
-    d.mkdir(parents=True)
-    (d / "summary.json").write_text(
-        json.dumps(
-            {
-                "status": "ok",
-                "experiment": "paper-epoch-gpt2_tiny",
-                "workload": "gpt2_tiny",
-                "adapter": "ddp",
-                "point": point_id(phases["epoch"][0]),
-                "epoch_time_steady_s": 1.0,
-            }
-        )
-    )
+    _epoch_phase_record(results / "paper-epoch-gpt2_tiny" / "run", point_id(phases["epoch"][0]), 1.0)
     (chosen,) = choose_stateff(out, results)
     assert [o for o in chosen if o.startswith("trainer.epochs=")] == ["trainer.epochs=3"]
 

@@ -9,6 +9,7 @@ embedding, 2 blocks, head, so 4 stages split the tied weight apart), SGD with mo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -108,18 +109,16 @@ def ranks(tmp_path_factory):
 
     from ptbench.core.dist import free_port
 
-    runs = {}
-
+    @functools.cache
     def get(world: int) -> dict:
-        if world not in runs:
-            out = tmp_path_factory.mktemp(f"pipedream{world}")
-            mp.start_processes(_rank, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
-            runs[world] = {}
-            for name, _ in CASES[world]:
-                parts = [torch.load(out / f"{name}.{r}.pt", weights_only=False) for r in range(world)]
-                params = {k: v for p in parts for k, v in p["params"].items()}
-                runs[world][name] = {"params": params, "info": [p["info"] for p in parts]}
-        return runs[world]
+        out = tmp_path_factory.mktemp(f"pipedream{world}")
+        mp.start_processes(_rank, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
+        runs = {}
+        for name, _ in CASES[world]:
+            parts = [torch.load(out / f"{name}.{r}.pt", weights_only=False) for r in range(world)]
+            params = {k: v for p in parts for k, v in p["params"].items()}
+            runs[name] = {"params": params, "info": [p["info"] for p in parts]}
+        return runs
 
     return get
 

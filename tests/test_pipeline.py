@@ -7,6 +7,8 @@ where the work happens, so every step loss and the validation loss must agree wi
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -54,28 +56,30 @@ WTE_BYTES = 4096 * 128 * 4  # gpt2_tiny's tied embedding: held twice when embedd
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Unpipelined runs (DDP, one rank, global batch 16), one per workload, made on first use."""
-    runs = {}
 
+    @functools.cache
     def get(workload: str) -> dict:
-        if workload not in runs:
-            out = tmp_path_factory.mktemp(f"ref_{workload}")
-            check_ok(
-                bench(
-                    *COMMON,
-                    *WORKLOADS[workload],
-                    "adapter=ddp",
-                    "launcher.nprocs=1",
-                    "trainer.batch_size=16",
-                    results=out,
-                )
+        out = tmp_path_factory.mktemp(f"ref_{workload}")
+        check_ok(
+            bench(
+                *COMMON, *WORKLOADS[workload], "adapter=ddp", "launcher.nprocs=1", "trainer.batch_size=16", results=out
             )
-            run = only_run(out)
-            runs[workload] = {"losses": step_losses(run), "event": events(run)[0], "summary": summary(run)}
-            if REF_DROP[workload]:
-                assert_loss_falls(runs[workload]["losses"], by=REF_DROP[workload], what=f"reference {workload}")
-        return runs[workload]
+        )
+        run = only_run(out)
+        ref = {"losses": step_losses(run), "event": events(run)[0], "summary": summary(run)}
+        if REF_DROP[workload]:
+            assert_loss_falls(ref["losses"], by=REF_DROP[workload], what=f"reference {workload}")
+        return ref
 
     return get
+
+
+def pipelined(tmp_path, reference, workload: str, *overrides: str) -> tuple:
+    """A pipelined run of `workload` that must train exactly like its unpipelined reference: (run, reference)."""
+    check_ok(bench(*COMMON, *WORKLOADS[workload], *overrides, results=tmp_path))
+    run, ref = only_run(tmp_path), reference(workload)
+    assert_same_training(run, ref)
+    return run, ref
 
 
 def assert_same_training(run, ref: dict) -> None:
@@ -98,11 +102,7 @@ def test_gpipe_two_cpu_partitions_equal_unpipelined(tmp_path, reference, workloa
     """Paper's policy: micro-batch 2 x (4 x 2 partitions) chunks = the reference's batch of 16.
     GPT-2 is balanced by torchgpipe's time profiling, VGG by an explicit balance."""
     balance = ["adapter.balance=[18,22]"] if workload == "vgg" else []
-    proc = bench(*COMMON, *WORKLOADS[workload], "adapter=gpipe", "trainer.batch_size=2", *balance, results=tmp_path)
-    check_ok(proc)
-    run = only_run(tmp_path)
-    ref = reference(workload)
-    assert_same_training(run, ref)
+    run, ref = pipelined(tmp_path, reference, workload, "adapter=gpipe", "trainer.batch_size=2", *balance)
     s = summary(run)
     assert s["world_size"] == 1 and s["devices"] == 2 and s["batch_policy"] == "per_microbatch"
     assert "torchgpipe" in s["frameworks_imported"]
@@ -123,19 +123,8 @@ def test_gpipe_two_cpu_partitions_equal_unpipelined(tmp_path, reference, workloa
 @pytest.mark.parametrize("workload", ["gpt2", "vgg"])
 def test_pipeline_two_ranks_equal_unpipelined(tmp_path, reference, workload, schedule):
     """One stage per rank, 8 micro-batches of 2 (fixed mini-batch 16), stages split by layer count."""
-    proc = bench(
-        *COMMON,
-        *WORKLOADS[workload],
-        "adapter=pipeline",
-        f"adapter.schedule={schedule}",
-        "launcher.nprocs=2",
-        "trainer.batch_size=16",
-        results=tmp_path,
-    )
-    check_ok(proc)
-    run = only_run(tmp_path)
-    ref = reference(workload)
-    assert_same_training(run, ref)
+    overrides = ("adapter=pipeline", f"adapter.schedule={schedule}", "launcher.nprocs=2", "trainer.batch_size=16")
+    run, ref = pipelined(tmp_path, reference, workload, *overrides)
     s = summary(run)
     assert s["adapter_settings"]["schedule"] == schedule and s["adapter_settings"]["microbatches"] == 8
     assert s["adapter_settings"]["balance"] == [LAYERS[workload] // 2] * 2
@@ -152,19 +141,8 @@ def test_pipeline_two_ranks_equal_unpipelined(tmp_path, reference, workload, sch
 def test_interleaved_1f1b_on_2x2_mesh_equals_unpipelined(tmp_path, reference):
     """4 ranks = 2 pipeline ranks x 2 data-parallel replicas, 4 stages (2 per rank, stage s on rank s % 2):
     the embedding (stage 0, rank 0) and the head (stage 3, rank 1) sum their tied gradients each step."""
-    proc = bench(
-        *COMMON,
-        *WORKLOADS["gpt2"],
-        "adapter=pipeline",
-        "adapter.schedule=interleaved_1f1b",
-        "adapter.pipeline_parallel=2",
-        "launcher.nprocs=4",
-        "trainer.batch_size=16",
-        results=tmp_path,
-    )
-    check_ok(proc)
-    run = only_run(tmp_path)
-    assert_same_training(run, reference("gpt2"))
+    mesh = ("adapter.schedule=interleaved_1f1b", "adapter.pipeline_parallel=2", "launcher.nprocs=4")
+    run, _ = pipelined(tmp_path, reference, "gpt2", "adapter=pipeline", *mesh, "trainer.batch_size=16")
     a = summary(run)["adapter_settings"]
     assert a["data_parallel_replicas"] == 2 and a["stages"] == 4 and a["balance"] == [1, 1, 1, 1]
     assert a["micro_batch_size"] == 1  # 16 / 2 replicas / 8 micro-batches
@@ -324,17 +302,7 @@ def test_bad_pipeline_config_is_refused(tmp_path, overrides, message):
 def test_four_stages_middle_ranks_hold_no_tied_copy(tmp_path, reference):
     """4 ranks, one stage each: the middle stages hold neither the embedding nor the head (once crashed in
     the tied-gradient sync), and training still equals the unpipelined run."""
-    proc = bench(
-        *COMMON,
-        *WORKLOADS["gpt2"],
-        "adapter=pipeline",
-        "adapter.schedule=1f1b",
-        "launcher.nprocs=4",
-        "trainer.batch_size=16",
-        results=tmp_path,
-    )
-    check_ok(proc)
-    run = only_run(tmp_path)
-    assert_same_training(run, reference("gpt2"))
+    overrides = ("adapter=pipeline", "adapter.schedule=1f1b", "launcher.nprocs=4", "trainer.batch_size=16")
+    run, _ = pipelined(tmp_path, reference, "gpt2", *overrides)
     a = summary(run)["adapter_settings"]
     assert a["stages"] == 4 and a["balance"] == [1, 1, 1, 1] and a["data_parallel_replicas"] == 1

@@ -15,9 +15,11 @@ from tests.helpers import (
     bench,
     check_ok,
     events,
+    ok_events,
     only_run,
     step_losses,
     summary,
+    wikitext2_short,
 )
 
 TINY_GPT = ["workload=gpt2_tiny", "workload.seq_len=32", "data.train_samples=256", "data.val_samples=64"]
@@ -66,23 +68,7 @@ def test_ddp_two_ranks_equal_one_rank_resnet50_cifar(tmp_path, data_root):
 
 
 def test_wikitext_two_epochs_perplexity_falls(tmp_path, data_root):
-    proc = bench(
-        "workload=gpt2_tiny",
-        "workload.seq_len=32",
-        "data=wikitext2",
-        f"data.root={data_root}/wikitext-2",
-        f"data.tokenizer_dir={data_root}/gpt2-tokenizer",  # the shared token cache (BENCH_CACHE_DIR)
-        "trainer.epochs=2",
-        "trainer.max_steps=30",
-        "trainer.batch_size=8",
-        "trainer.max_eval_batches=8",
-        "optimizer.lr=3e-3",
-        "launcher.nprocs=2",
-        "trainer.progress=false",
-        results=tmp_path / "r",
-    )
-    check_ok(proc)
-    ev = events(only_run(tmp_path / "r"))
+    ev = ok_events(*wikitext2_short(data_root), "workload.seq_len=32", "trainer.batch_size=8", results=tmp_path / "r")
     ppl = [e["val_perplexity"] for e in ev]
     # a uniform guess over GPT-2's vocabulary scores 50257. Measured (2026-11-23, this config, CPU):
     # 1302 after epoch 0, 1039 after epoch 1 (ratio 0.80); the run is seeded, so the bounds only leave
@@ -93,7 +79,7 @@ def test_wikitext_two_epochs_perplexity_falls(tmp_path, data_root):
 
 
 def test_cifar_accuracy_rises_above_chance(tmp_path, data_root):
-    proc = bench(
+    ev = ok_events(
         "workload=vgg16_tiny",
         "data=cifar10",
         f"data.root={data_root}/cifar10-subset",
@@ -108,8 +94,6 @@ def test_cifar_accuracy_rises_above_chance(tmp_path, data_root):
         "trainer.progress=false",
         results=tmp_path / "r",
     )
-    check_ok(proc)
-    ev = events(only_run(tmp_path / "r"))
     assert ev[-1]["val_samples"] == 1000  # the whole val split, no padded duplicates
     # chance is 0.10 and its standard deviation over 1000 samples 0.0095: 0.13 is > 3 sigma above it
     assert ev[-1]["val_accuracy"] > 0.13, [e["val_accuracy"] for e in ev]

@@ -32,6 +32,14 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
+def _full_disk_line(proc, path: str, fix: str) -> None:
+    """The run failed (exit 1) in one line: it cannot write a file matching the pattern `path` for want of space,
+    and says to free space there, or the pattern `fix`."""
+    line = _one_line(proc.stderr)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.search(rf"cannot write {path} \(No space left on device\): free space there, {fix}$", line), line
+
+
 def _traceback_in_error_files(run_dir: Path) -> None:
     files = list(run_dir.glob("error-rank*.json"))
     assert files and any("Traceback" in f.read_text() for f in files), files
@@ -45,14 +53,8 @@ def test_traces_on_a_full_disk_are_one_line_naming_the_file(small_fs):
     filler = small_fs / "filler"
     os.truncate(filler, filler.stat().st_size - (512 << 10))
     proc = bench(*SMOKE, "trainer.profile=1:1", results=small_fs, timeout=300)
-    line = _one_line(proc.stderr)
     run_dir = only_run(small_fs)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert re.search(
-        rf"cannot write {re.escape(str(run_dir))}/traces/(rank\d|merged)\.json \(No space left on device\): free "
-        rf"space there, {re.escape(TRACE_FIX)}$",
-        line,
-    ), line
+    _full_disk_line(proc, rf"{re.escape(str(run_dir))}/traces/(rank\d|merged)\.json", re.escape(TRACE_FIX))
     s = summary(run_dir)
     assert s["status"] == "failed" and f"{run_dir}/traces/" in s["error"], s
     # Both ranks export at once onto the same full disk: each keeps a space reserve of its own for its error
@@ -124,13 +126,8 @@ def test_a_token_cache_on_a_full_disk_is_one_line_naming_the_file(data_root, sma
     cache.mkdir()
     fill(small_fs)  # an empty probe file still fits (an inode, no block): the cache's bytes do not
     proc = bench(*_wikitext_run(data_root, tmp_path, cache), results=tmp_path / "r", timeout=300)
-    line = _one_line(proc.stderr)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert re.search(
-        rf"cannot write {re.escape(str(cache))}/wt\.train\.txt\.\S+\.u16 \(No space left on device\): free space "
-        r"there, or set data\.cache_dir=<a folder with \d+ KiB free> \(the token cache\)$",
-        line,
-    ), line
+    fix = r"or set data\.cache_dir=<a folder with \d+ KiB free> \(the token cache\)"
+    _full_disk_line(proc, rf"{re.escape(str(cache))}/wt\.train\.txt\.\S+\.u16", fix)
     run_dir = only_run(tmp_path / "r")
     assert summary(run_dir)["status"] == "failed"
     _traceback_in_error_files(run_dir)

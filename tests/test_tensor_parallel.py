@@ -20,9 +20,11 @@ from tests.helpers import (
     bench,
     check_ok,
     events,
+    ok_events,
     only_run,
     step_losses,
     summary,
+    wikitext2_short,
 )
 
 STEPS = 8
@@ -123,24 +125,8 @@ def test_megatron_pipeline_pp2_matches_pp1(megatron_tp1, tmp_path):
 
 def test_megatron_wikitext2_perplexity_falls(tmp_path, data_root):
     """Megatron TP=1 on 2 ranks (DP=2 through Megatron's DDP), real Wikitext-2, 2 short epochs."""
-    proc = bench(
-        "adapter=megatron",
-        "workload=gpt2_tiny",
-        "workload.seq_len=64",
-        "data=wikitext2",
-        f"data.root={data_root}/wikitext-2",
-        f"data.tokenizer_dir={data_root}/gpt2-tokenizer",
-        "trainer.epochs=2",
-        "trainer.max_steps=30",  # tokens from the shared cache (BENCH_CACHE_DIR)
-        "trainer.batch_size=4",
-        "trainer.max_eval_batches=8",
-        "optimizer.lr=3e-3",
-        "launcher.nprocs=2",
-        "trainer.progress=false",
-        results=tmp_path / "r",
-    )
-    check_ok(proc)
-    ev = events(only_run(tmp_path / "r"))
+    overrides = ("adapter=megatron", "workload.seq_len=64", "trainer.batch_size=4")
+    ev = ok_events(*wikitext2_short(data_root), *overrides, results=tmp_path / "r")
     ppl = [e["val_perplexity"] for e in ev]
     assert len(ppl) == 2 and ppl[0] < MEGATRON_PPL[0] and ppl[1] < MEGATRON_PPL[1] and ppl[1] < 0.95 * ppl[0], ppl
     assert ev[0]["global_batch"] == 8  # linear: 4 x 2 ranks, 4 per data-parallel rank

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ptbench.core.config import DataConfig, WorkloadConfig
+from ptbench.core.errors import ConfigError
 
 
 class Workload(ABC):
@@ -58,6 +59,18 @@ class Workload(ABC):
 
     def check_data(self) -> None:
         """Raise ConfigError (one line: which path, which key) if the configured data is missing."""
+
+    def real_data_root(self, source: str, kind: str, holds: str) -> str | None:
+        """check_data's start: None for synthetic data (nothing to check), else data.root, refusing a source other
+        than `source` (this `kind` of workload reads no other) and an unset root (one that `holds` its files)."""
+        src = self.data.source
+        if src == "synthetic":
+            return None
+        if src != source:
+            raise ConfigError(f"data.source '{src}' does not suit a {kind} workload: use synthetic or {source}")
+        if not self.data.root:
+            raise ConfigError(f"data.root is not set; set data.root=<folder with {holds}> or BENCH_DATA_ROOT")
+        return self.data.root
 
     # --- loss and metrics --------------------------------------------------------------------
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -348,16 +348,9 @@ class GPT2Workload(Workload):
 
     # --- data --------------------------------------------------------------------------------
     def check_data(self) -> None:
-        src = self.data.source
-        if src == "synthetic":
+        root, tok = self.real_data_root("wikitext", "language", "train.txt and valid.txt"), self.data.tokenizer_dir
+        if root is None:
             return
-        if src != "wikitext":
-            raise ConfigError(f"data.source '{src}' does not suit a language workload: use synthetic or wikitext")
-        root, tok = self.data.root, self.data.tokenizer_dir
-        if not root:
-            raise ConfigError(
-                "data.root is not set; set data.root=<folder with train.txt and valid.txt> or BENCH_DATA_ROOT"
-            )
         for name in ("train.txt", "valid.txt"):
             if not (Path(root) / name).is_file():
                 raise ConfigError(

@@ -255,14 +255,9 @@ class VisionWorkload(Workload):
 
     # --- data --------------------------------------------------------------------------------
     def check_data(self) -> None:
-        src = self.data.source
-        if src == "synthetic":
+        root = self.real_data_root("imagefolder", "vision", "train/ and val/")
+        if root is None:
             return
-        if src != "imagefolder":
-            raise ConfigError(f"data.source '{src}' does not suit a vision workload: use synthetic or imagefolder")
-        root = self.data.root
-        if not root:
-            raise ConfigError("data.root is not set; set data.root=<folder with train/ and val/> or BENCH_DATA_ROOT")
         for split in ("train", "val"):
             if not (Path(root) / split).is_dir():
                 raise ConfigError(

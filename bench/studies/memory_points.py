@@ -26,6 +26,20 @@ ROW_OF = {"zero3": "zero3-all"}
 MIB = 2**20
 
 
+def ruled(head: str) -> list[str]:
+    """A text table's first lines: its head (title lines, then the column names) and a rule as long as the names."""
+    return [head, "-" * len(head.splitlines()[-1])]
+
+
+def ok_record(s: dict | None, label: str, lines: list[str], cut: int | None = None) -> dict | None:
+    """`s` when it is a finished point's record, else None: a point without a record is passed over, a failed one
+    adds `label  status: error` (the error cut to `cut` characters) to the table's `lines`."""
+    if s is None or s.get("status") == "ok":
+        return s
+    lines.append(f"{label}  {s.get('status')}: {str(s.get('error'))[:cut]}")
+    return None
+
+
 def variant_overrides(variant: str, ranks: int) -> list[str]:
     return variant_row(ROW_OF.get(variant, variant), ranks)
 

@@ -64,9 +64,11 @@ from ptbench.studies.memory_points import (
     announce,
     expected_state,
     measured_states,
+    ok_record,
     paper_formula,
     param_numels,
     rss_delta_max,
+    ruled,
     run_point,
     start,
     variant_overrides,
@@ -105,7 +107,7 @@ def memory_table(results: dict, shapes, ranks_list, variants) -> str:
         f"{'variant':<7} {'N':>2} {'params':>8} {'grads':>8} {'optim':>8} {'total':>8} | {'paper':>8} "
         f"{'+master':>8} {'expected':>8} {'meas/exp':>8} | {'grads pk':>8} {'peak RSS':>9}"
     )
-    lines = [head, "-" * len(head.splitlines()[-1])]
+    lines = ruled(head)
     for n in ranks_list:
         for v in variants:
             s = results.get((v, n))
@@ -170,15 +172,12 @@ def predicted_table(results: dict, overrides: list[str], ranks_list, variants) -
         f"{'variant':<15} {'N':>2} {'measured':>9} | {'formula':>9} {'err':>8} | {'model':>9} {'err':>8} | "
         f"{'meas grads':>10} {'pred grads':>10} | {'pred act':>9} {'pred Δ':>9} {'ΔRSS meas':>10} {'err':>8}"
     )
-    lines = [head, "-" * len(head.splitlines()[-1])]
+    lines = ruled(head)
     worst: dict = {}
     for v in variants:
         for n in ranks_list:
-            s = results.get((v, n))
+            s = ok_record(results.get((v, n)), f"{v:<15} {n:>2}", lines, cut=110)
             if s is None:
-                continue
-            if s.get("status") != "ok":
-                lines.append(f"{v:<15} {n:>2}  {s.get('status')}: {str(s.get('error'))[:110]}")
                 continue
             meas = measured_states(s)
             try:
@@ -224,13 +223,10 @@ def timing_table(results: dict, n: int, variants) -> str:
         f"CPU step time at {n} ranks, mean over the timed steps after warm-up (one thread per rank)\n"
         f"{'variant':<7} {'step s':>8} {'vs ddp':>7} {'samples/s':>10} {'steps':>6}"
     )
-    lines = [head, "-" * len(head.splitlines()[-1])]
+    lines = ruled(head)
     for v in variants:
-        s = results.get((v, n))
+        s = ok_record(results.get((v, n)), f"{v:<7}", lines)
         if s is None:
-            continue
-        if s.get("status") != "ok":
-            lines.append(f"{v:<7}  {s.get('status')}: {s.get('error')}")
             continue
         t = s["step_time_mean_s"]
         ratio = f"{t / base:7.2f}" if base else "      -"
@@ -273,7 +269,7 @@ def step_table(rows: list[dict]) -> str:
         f"{'variant':<7} {'prec':<5} {'N':>2} {'measured B (busiest)':>21} {'predicted B':>12} {'pred/meas':>9} "
         f"{'of which optimizer':>18}  formula"
     )
-    lines = [head, "-" * len(head.splitlines()[-1])]
+    lines = ruled(head)
     for r in rows:
         meas = max(m["peak"] for m in r["measured"])
         p = r["predicted"]

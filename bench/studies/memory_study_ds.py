@@ -24,7 +24,9 @@ from ptbench.studies.memory_points import (
     announce,
     expected_state,
     measured_states,
+    ok_record,
     param_numels,
+    ruled,
     run_point,
     start,
     workload_model,
@@ -196,7 +198,7 @@ def ds_table(rows: list[dict], params: dict) -> str:
         f"{'workload':<12} {'variant':<17} {'N':>4} {'ours':>10} {'ours@step':>10} {'ours+gath':>10} "
         f"{'DeepSpeed':>10} {'DS/@step':>8} | {'reasons (MiB, DS - ours@step)':<34} {'unexplained B':>13}"
     )
-    lines = [head, "-" * len(head.splitlines()[-1])]
+    lines = ruled(head)
     for w, (psi, largest) in params.items():
         lines.append(f"{w}: Ψ = {psi:,} parameters, largest layer {largest:,} (model_to_params)")
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
@@ -234,7 +236,7 @@ def ds_measured_table(workloads, gpus, run_overrides: dict, results: dict, param
         f"{'workload':<12} {'variant':<6} {'N':>3} {'ours Ψ/N':>9} {'ours tensor':>11} {'DeepSpeed':>10} "
         f"{'measured':>9} | {'meas/tensor':>11} {'DS/meas':>8} {'DS-meas':>8}"
     )
-    lines = [head, "-" * len(head.splitlines()[-1])]
+    lines = ruled(head)
     for w in workloads:
         psi, largest = params[w]
         shapes = param_numels(run_overrides[w])
@@ -244,11 +246,8 @@ def ds_measured_table(workloads, gpus, run_overrides: dict, results: dict, param
         for stage in (2, 3):
             v = f"zero{stage}"
             for n in gpus:
-                s = results.get((w, v, n))
+                s = ok_record(results.get((w, v, n)), f"{w:<12} {v:<6} {n:>3}", lines, cut=100)
                 if s is None:
-                    continue
-                if s.get("status") != "ok":
-                    lines.append(f"{w:<12} {v:<6} {n:>3}  {s.get('status')}: {str(s.get('error'))[:100]}")
                     continue
                 meas = measured_states(s)
                 if meas is None:
