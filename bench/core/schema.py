@@ -1,7 +1,7 @@
 """The run record's fields, once: every key of an epoch event (events.jsonl), of summary.json and of
 env.json, with its unit and meaning.
 
-Writers go through it (bench/runner/meter.py builds the event and the summary with `build`;
+Writers go through it (bench/runner/meter.py builds the event and bench/runner/summary.py the summary with `build`;
 bench/core/records.py refuses a top-level key not listed here), results/README.md's field table is
 `markdown()` (tests/test_schema.py keeps the two equal), and tests/test_schema.py checks that every
 key a real run writes, and every key analysis/, core/sinks.py and memory_study.py read, is listed.
@@ -373,7 +373,7 @@ SUMMARY = (
     ),
     *rows("""
     restart_gap_excluded      |         | restart gaps are left out of the epoch times
-    # totals (ptbench.runner.meter)
+    # totals (ptbench.runner.summary)
     startup_s                 | s       | launch of the command to the end of the first step
     epochs_completed          | epoch   | epochs with an event
     total_time_s              | s       | training time of the run (all attempts, restart gaps excluded)
