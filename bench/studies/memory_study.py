@@ -286,7 +286,7 @@ def step_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ptbench.studies.memory_study", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="bench overrides for every point, e.g. workload=resnet50_tiny")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
@@ -323,66 +323,62 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="(--deepspeed-estimators) also run bf16 zero2/zero3 at each --gpus here and print the measured states",
     )
-    args = p.parse_args(argv)
-    if args.step:
-        if args.deepspeed_estimators or args.timing or args.records:
-            print("error: --step runs on its own: drop --deepspeed-estimators / --timing / --records", file=sys.stderr)
-            return 2
-        variants = list(STEP_VARIANTS) if args.variants == p.get_default("variants") else args.variants
-        bad = [v for v in variants if v not in STEP_VARIANTS]
-        if bad:
-            print(
-                f"error: --step measures {', '.join(STEP_VARIANTS)}; drop --variants {' '.join(bad)}", file=sys.stderr
-            )
-            return 2
-        n = args.ranks[0] if args.ranks != p.get_default("ranks") else 2
-        rows, failed = [], 0
-        step_root = command_root("memory-step")  # one folder for the command's runs
-        tally = start(
-            len(variants) * len(args.precisions), f"{' '.join(variants)} x {' '.join(args.precisions)}", step_root
-        )
-        for v in variants:
-            for prec in args.precisions:
-                t0 = time.perf_counter()
-                try:
-                    rows.append(measure_step(v, prec, n, args.overrides, root=step_root))
-                    status = "measured"
-                except RuntimeError as e:  # a run that failed or recorded no step peak: one line, go on
-                    print(f"error: {e}", file=sys.stderr)
-                    failed, status = failed + 1, "failed"
-                announce(tally, f"{v} {prec} x {n} rank(s)", status, time.perf_counter() - t0)
-        if rows:
-            print(step_table(rows))
-        return 1 if failed else 0
-    if args.deepspeed_estimators:
-        if args.timing or args.records:
-            print(
-                "error: --deepspeed-estimators runs on its own: drop --timing / --records (run them separately)",
-                file=sys.stderr,
-            )
-            return 2
-        return deepspeed_main(args)
+    return p
 
-    overrides = ["workload=gpt2_tiny", "workload.seq_len=32", "trainer.batch_size=4", "data.train_samples=512"]
-    overrides += args.overrides  # later overrides win
-    root = Path(args.results).resolve()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+
+def _step_main(args, p: argparse.ArgumentParser) -> int:
+    """--step: the optimizer step's measured peak of real runs against the model."""
+    if args.deepspeed_estimators or args.timing or args.records:
+        print("error: --step runs on its own: drop --deepspeed-estimators / --timing / --records", file=sys.stderr)
+        return 2
+    variants = list(STEP_VARIANTS) if args.variants == p.get_default("variants") else args.variants
+    bad = [v for v in variants if v not in STEP_VARIANTS]
+    if bad:
+        print(f"error: --step measures {', '.join(STEP_VARIANTS)}; drop --variants {' '.join(bad)}", file=sys.stderr)
+        return 2
+    n = args.ranks[0] if args.ranks != p.get_default("ranks") else 2
+    rows, failed = [], 0
+    step_root = command_root("memory-step")  # one folder for the command's runs
+    tally = start(
+        len(variants) * len(args.precisions), f"{' '.join(variants)} x {' '.join(args.precisions)}", step_root
+    )
+    for v in variants:
+        for prec in args.precisions:
+            t0 = time.perf_counter()
+            try:
+                rows.append(measure_step(v, prec, n, args.overrides, root=step_root))
+                status = "measured"
+            except RuntimeError as e:  # a run that failed or recorded no step peak: one line, go on
+                print(f"error: {e}", file=sys.stderr)
+                failed, status = failed + 1, "failed"
+            announce(tally, f"{v} {prec} x {n} rank(s)", status, time.perf_counter() - t0)
+    if rows:
+        print(step_table(rows))
+    return 1 if failed else 0
+
+
+def _timing_main(args, p: argparse.ArgumentParser, overrides: list[str], root: Path, stamp: str) -> int:
+    """--timing: ddp, zero0-3 and fsdp timed at one rank count."""
     results = {}
-    if args.timing:
-        variants = (
-            ["ddp", "zero0", "zero1", "zero2", "zero3", "fsdp"]
-            if args.variants == p.get_default("variants")
-            else args.variants
+    variants = (
+        ["ddp", "zero0", "zero1", "zero2", "zero3", "fsdp"]
+        if args.variants == p.get_default("variants")
+        else args.variants
+    )
+    n = args.ranks[0] if args.ranks != p.get_default("ranks") else 2
+    tally = start(len(variants), f"{' '.join(variants)} at {n} ranks, timed", root / "memory_study")
+    for v in variants:
+        results[(v, n)] = run_point(
+            v, n, overrides, root, stamp, args.warmup + args.timed_steps, args.warmup, args.timeout
         )
-        n = args.ranks[0] if args.ranks != p.get_default("ranks") else 2
-        tally = start(len(variants), f"{' '.join(variants)} at {n} ranks, timed", root / "memory_study")
-        for v in variants:
-            results[(v, n)] = run_point(
-                v, n, overrides, root, stamp, args.warmup + args.timed_steps, args.warmup, args.timeout
-            )
-            announce(tally, f"{v} x {n} rank(s)", results[(v, n)].get("status"), results[(v, n)]["wall_s"])
-        print(timing_table(results, n, variants))
-        return 0
+        announce(tally, f"{v} x {n} rank(s)", results[(v, n)].get("status"), results[(v, n)]["wall_s"])
+    print(timing_table(results, n, variants))
+    return 0
+
+
+def _memory_main(args, overrides: list[str], root: Path, stamp: str) -> int:
+    """The memory tables: from new runs at --ranks, or from --records."""
+    results = {}
     if args.records:
         results = load_records(Path(args.records))
         if not results:  # a folder this command did not write: say so, not empty tables
@@ -408,6 +404,29 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(predicted_table(results, overrides, args.ranks, args.variants))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.step:
+        return _step_main(args, p)
+    if args.deepspeed_estimators:
+        if args.timing or args.records:
+            print(
+                "error: --deepspeed-estimators runs on its own: drop --timing / --records (run them separately)",
+                file=sys.stderr,
+            )
+            return 2
+        return deepspeed_main(args)
+
+    overrides = ["workload=gpt2_tiny", "workload.seq_len=32", "trainer.batch_size=4", "data.train_samples=512"]
+    overrides += args.overrides  # later overrides win
+    root = Path(args.results).resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if args.timing:
+        return _timing_main(args, p, overrides, root, stamp)
+    return _memory_main(args, overrides, root, stamp)
 
 
 if __name__ == "__main__":

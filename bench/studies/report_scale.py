@@ -140,7 +140,6 @@ def write_record(root: Path, i: int, rng: random.Random, configs: Configs, env: 
     if status == "oom" and devices < 4:
         status = "ok"
     epochs = 2 + (repeat % 3)
-    language = workload.startswith("gpt2")
     run_id = f"{adapter}-{workload}-d{devices}-r{repeat}-{i:06d}"
     point = f"{adapter}{''.join(f'-{k}{v}' for k, v in extra.items())}-{workload}-d{devices}"
     identity = {
@@ -160,98 +159,131 @@ def write_record(root: Path, i: int, rng: random.Random, configs: Configs, env: 
     if status in ("oom", "failed", "timeout"):
         writer.fail(status, ERRORS[status], failed_rank=rng.randrange(lay["world_size"]))
         return status
-
+    language = workload.startswith("gpt2")
     params = 7_000_000 if language else 23_500_000
-    global_batch = point_cfg["global_batch"]
-    steps = max(1, 4096 // global_batch)
-    base = (60.0 if language else 90.0) / devices**eff
     shard = shards(sharding, lay)
-    state = {"params": 4 * params // shard[0], "grads": 4 * params // shard[1], "optimizer": 8 * params // shard[2]}
+    pt = dict(
+        language=language,
+        params=params,
+        global_batch=point_cfg["global_batch"],
+        steps=max(1, 4096 // point_cfg["global_batch"]),
+        devices=devices,
+        lay=lay,
+        state={"params": 4 * params // shard[0], "grads": 4 * params // shard[1], "optimizer": 8 * params // shard[2]},
+    )
     n_epochs = epochs if status == "ok" else rng.randint(1, epochs)
+    run = _write_epochs(writer, pt, status, n_epochs, (60.0 if language else 90.0) / devices**eff, rng)
+    summary = _summary(pt, status, n_epochs, run)
+    summary.update(
+        adapter_settings={"name": adapter, **extra},
+        plan={**identity, "global_batch": pt["global_batch"]},
+        comm_volume=comm_volume(adapter, lay, sharding, params),
+    )
+    writer.finish(summary)
+    return status
+
+
+def _ranks_memory(pt: dict, t: float, rng: random.Random) -> list[dict]:
+    """Each rank's row of an epoch event: its time, memory and state bytes."""
+    mem = []
+    for r in range(pt["lay"]["world_size"]):
+        peak = int((sum(pt["state"].values()) + 300 * 2**20 / pt["devices"] ** 0.5) * rng.uniform(0.98, 1.02))
+        mem.append(
+            {
+                "rank": r,
+                "host": f"node{r // 8:03d}",
+                "epoch_time_s": t * rng.uniform(0.97, 1.0),
+                "memory": {"peak_rss": peak + 900 * 2**20, "peak_rss_delta": peak, "rss_before_step": 900 * 2**20},
+                "state_bytes": dict(pt["state"]),
+            }
+        )
+    return mem
+
+
+def _write_epochs(writer: RunWriter, pt: dict, status: str, n_epochs: int, base: float, rng) -> dict:
+    """The run's epoch events (a preempted run's last one partial); what its summary reads of them."""
     wall, epoch_times = 0.0, []
     for e in range(n_epochs):
         partial = status == "preempted" and e == n_epochs - 1
         t = base * (1.25 if e == 0 else 1.0) * rng.uniform(0.95, 1.05) * (0.4 if partial else 1.0)
-        done = max(1, int(steps * 0.4)) if partial else steps
-        step = t / done
-        phase = dict(zip(PHASES, (0.03 * step, 0.3 * step, 0.0, 0.55 * step, 0.1 * step)))
+        done = max(1, int(pt["steps"] * 0.4)) if partial else pt["steps"]
         wall += t + 2.0
         epoch_times.append((t, partial))
         metric = (
             {"val_perplexity": 400.0 / (1 + e) * rng.uniform(0.98, 1.02), "val_loss": 6.0 - 0.4 * e}
-            if language
+            if pt["language"]
             else {"val_accuracy": min(0.95, 0.3 + 0.15 * e) * rng.uniform(0.98, 1.02), "val_loss": 2.0 - 0.2 * e}
         )
-        mem = []
-        for r in range(lay["world_size"]):
-            peak = int((sum(state.values()) + 300 * 2**20 / devices**0.5) * rng.uniform(0.98, 1.02))
-            mem.append(
-                {
-                    "rank": r,
-                    "host": f"node{r // 8:03d}",
-                    "epoch_time_s": t * rng.uniform(0.97, 1.0),
-                    "memory": {"peak_rss": peak + 900 * 2**20, "peak_rss_delta": peak, "rss_before_step": 900 * 2**20},
-                    "state_bytes": dict(state),
-                }
-            )
-        peaks = [m["memory"]["peak_rss"] for m in mem]
-        sps = global_batch / step
-        writer.record.append_event(
-            {
-                "type": "epoch",
-                "epoch": e,
-                "steps": done,
-                "timed_steps": done - (1 if e == 0 else 0),
-                "warmup_steps_excluded": 1 if e == 0 else 0,
-                "global_batch": global_batch,
-                "devices": devices,
-                "epoch_time_s": t,
-                "partial": partial,
-                "val_time_s": 1.5,
-                "wall_time_s": wall,
-                "step_time_mean_s": step,
-                "step_time_p50_s": step * 0.99,
-                "step_time_p95_s": step * 1.08,
-                "step_time_cv": 0.03,
-                **{f"{c}_time_mean_s": v for c, v in phase.items()},
-                "data_share": 0.03,
-                "samples_per_s": sps,
-                "epoch_samples_per_s": global_batch * done / t,
-                "tokens_per_s": sps * 32 if language else None,
-                "train_flops_per_sample": 6 * params * 32,
-                "flops_per_s": sps * 6 * params * 32,
-                "mfu": None,
-                "mfu_note": None,
-                "train_loss": 6.2 - 0.4 * e,
-                "train_losses": None,
-                "lr_epoch_start": 3e-4,
-                "lrs": None,
-                "memory_metric": "peak_rss",
-                "peak_memory_max": max(peaks),
-                "peak_memory_min": min(peaks),
-                "ranks": mem,
-                **metric,
-            }
-        )
-    whole = [t for t, p in epoch_times if not p]
-    steady = [t for t, p in epoch_times[1:] if not p]
-    last_mem = mem
-    summary = {
+        mem = _ranks_memory(pt, t, rng)
+        writer.record.append_event(_epoch_event(pt, e, done, t, partial, wall, mem, metric))
+    peaks = [m["memory"]["peak_rss"] for m in mem]
+    sps = pt["global_batch"] / (t / done)  # the last epoch's
+    return dict(wall=wall, epoch_times=epoch_times, mem=mem, peaks=peaks, metric=metric, sps=sps)
+
+
+def _epoch_event(pt: dict, e: int, done: int, t: float, partial: bool, wall: float, mem: list, metric: dict) -> dict:
+    step = t / done
+    phase = dict(zip(PHASES, (0.03 * step, 0.3 * step, 0.0, 0.55 * step, 0.1 * step)))
+    peaks = [m["memory"]["peak_rss"] for m in mem]
+    gb, params = pt["global_batch"], pt["params"]
+    sps = gb / step
+    return {
+        "type": "epoch",
+        "epoch": e,
+        "steps": done,
+        "timed_steps": done - (1 if e == 0 else 0),
+        "warmup_steps_excluded": 1 if e == 0 else 0,
+        "global_batch": gb,
+        "devices": pt["devices"],
+        "epoch_time_s": t,
+        "partial": partial,
+        "val_time_s": 1.5,
+        "wall_time_s": wall,
+        "step_time_mean_s": step,
+        "step_time_p50_s": step * 0.99,
+        "step_time_p95_s": step * 1.08,
+        "step_time_cv": 0.03,
+        **{f"{c}_time_mean_s": v for c, v in phase.items()},
+        "data_share": 0.03,
+        "samples_per_s": sps,
+        "epoch_samples_per_s": gb * done / t,
+        "tokens_per_s": sps * 32 if pt["language"] else None,
+        "train_flops_per_sample": 6 * params * 32,
+        "flops_per_s": sps * 6 * params * 32,
+        "mfu": None,
+        "mfu_note": None,
+        "train_loss": 6.2 - 0.4 * e,
+        "train_losses": None,
+        "lr_epoch_start": 3e-4,
+        "lrs": None,
+        "memory_metric": "peak_rss",
+        "peak_memory_max": max(peaks),
+        "peak_memory_min": min(peaks),
+        "ranks": mem,
+        **metric,
+    }
+
+
+def _summary(pt: dict, status: str, n_epochs: int, run: dict) -> dict:
+    whole = [t for t, p in run["epoch_times"] if not p]
+    steady = [t for t, p in run["epoch_times"][1:] if not p]
+    mem, metric, steps = run["mem"], run["metric"], pt["steps"]
+    return {
         "status": status,
         "checkpoint": None,
         "startup_s": 4.0,
         "stop_signal": "SIGTERM" if status == "preempted" else None,
         "epochs_completed": n_epochs,
-        "total_time_s": wall,
+        "total_time_s": run["wall"],
         "steps": steps * n_epochs,
-        "global_batch": global_batch,
+        "global_batch": pt["global_batch"],
         "local_batch": 8,
         "samples_dropped_per_epoch": 0,
         "data_workers": 2,
         "data_pipeline": {"pin_memory": False, "persistent_workers": True},
         "compile": None,
         "step_time_mean_s": whole[0] / steps if whole else None,
-        "samples_per_s": sps,
+        "samples_per_s": run["sps"],
         "tokens_per_s": None,
         "epoch_time_mean_s": sum(whole) / len(whole) if whole else None,
         "epoch_time_mean_includes_partial": not whole,
@@ -259,20 +291,20 @@ def write_record(root: Path, i: int, rng: random.Random, configs: Configs, env: 
         "timing": {"sync": True},
         "tf32": False,
         "warnings": [],
-        "state_bytes_per_rank": [m["state_bytes"] for m in last_mem],
-        "hosts": [m["host"] for m in last_mem],
+        "state_bytes_per_rank": [m["state_bytes"] for m in mem],
+        "hosts": [m["host"] for m in mem],
         "val_loss": metric["val_loss"],
         "val_accuracy": metric.get("val_accuracy"),
         "val_perplexity": metric.get("val_perplexity"),
         "train_loss": 6.0,
-        "peak_memory_max": max(peaks),
-        "peak_memory_min": min(peaks),
+        "peak_memory_max": max(run["peaks"]),
+        "peak_memory_min": min(run["peaks"]),
         "mfu": None,
-        "adapter_settings": {"name": adapter, **extra},
-        "plan": {**identity, "global_batch": global_batch},
+        "adapter_settings": None,
+        "plan": None,
         "precision": "fp32",
         "predicted_memory": None,
-        "comm_volume": comm_volume(adapter, lay, sharding, params),
+        "comm_volume": None,
         "extra": {},
         "batch_reduced_from": None,
         "phase_semantics": {},
@@ -283,10 +315,8 @@ def write_record(root: Path, i: int, rng: random.Random, configs: Configs, env: 
         "conventions": {},
         "frameworks_imported": [],
         "cpu_threads_per_rank": 1,
-        "layout": lay,
+        "layout": pt["lay"],
     }
-    writer.finish(summary)
-    return status
 
 
 def write_records(root: Path, n: int, seed: int = 0) -> dict:
