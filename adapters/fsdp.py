@@ -74,6 +74,7 @@ class FSDPAdapter(Adapter):
             half_gather=True,
             reshard_after_forward=cfg.adapter.reshard_after_forward,
             root_unit_gathered=True,  # the root unit is wrapped reshard_after_forward=False (as torchtitan)
+            whole_norm_params=cfg.trainer.precision in HALF_DTYPES,  # BatchNorm kept out of sharding (setup)
         )
 
     @classmethod

@@ -4,9 +4,11 @@ BatchNorm parameters out of sharding and all-reduces their gradients, as the fak
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from ptbench.core.comm_volume import Activation, ElementBytes, Inputs, compose, volume
+from ptbench.core.comm_volume import Activation, ElementBytes, Inputs, compose, corrected, record_fields, volume
 from ptbench.core.errors import ConfigError
 from ptbench.core.layout import CostInputs, Layout
 
@@ -87,3 +89,32 @@ def test_fsdp_bf16_vision_dry_run_ledger_equals_the_formula_per_collective():
     assert by_op["all_reduce"]["count"] == 1  # the norms' one flattened all-reduce per step
     for op in ("all_gather", "reduce_scatter", "all_reduce"):
         assert by_op[op]["ratio"] == pytest.approx(1.0, abs=0.001), (op, by_op[op])
+
+
+def test_a_pipeline_stage_counts_its_own_sends_and_the_default_is_the_busiest():
+    # Narayanan et al. 2021: per micro-batch the first stage sends its output activation, the last its input
+    # gradient, an inner stage both; a dry run at one rank compares its own stage, the record the busiest
+    act = dict(layers=12, hidden=768, seq_len=1024, micro_batch=1)
+    send = 8 * 1024 * 768 * 4  # m x b*s*h x 4 bytes
+    sends = {
+        stage: volume("none", params=1000, world_size=8, pp=8, microbatches=8, stage=stage, **act)["bytes"]
+        for stage in (None, "first", "inner", "last")
+    }
+    assert sends["first"] == {"pp_activation_send": send}
+    assert sends["last"] == {"pp_gradient_send": send}
+    assert sends["inner"] == sends[None] == {"pp_activation_send": send, "pp_gradient_send": send}
+    # the tied embedding's gradient all-reduce joins the first and the last stage only
+    fields = record_fields(volume("none", params=1000, world_size=8, pp=8, microbatches=8, **act))
+    cost, wl = CostInputs(tied_embedding_stages=True), SimpleNamespace(kind="language", n_embd=768, vocab_size=50257)
+    tied = {s: corrected(fields, cost, wl, stage=s)["by_op"].get("all_reduce") for s in ("first", "inner", "last")}
+    assert tied == {"first": 50257 * 768 * 4, "inner": None, "last": 50257 * 768 * 4}
+    # the data-parallel all-reduce carries the stage's own parameters when they are known, else Psi/p
+    dp = {
+        held: volume("none", params=8000, world_size=16, pp=8, stage="first", stage_params=held, **act)["bytes"]
+        for held in (None, 3000)
+    }
+    assert dp[None]["dp_grad_all_reduce"] == 8000 / 8 * 4 and dp[3000]["dp_grad_all_reduce"] == 3000 * 4
+    with pytest.raises(ValueError, match="unknown pipeline stage 'middle'"):
+        volume("none", params=1000, world_size=8, pp=8, stage="middle", **act)
+    with pytest.raises(ValueError, match="pp=2 has no inner stage"):
+        volume("none", params=1000, world_size=2, pp=2, stage="inner", **act)

@@ -42,10 +42,12 @@ def test_one_launch_counts_the_model_once_for_both_predictions(monkeypatch):
     counted_gpt2 = _counting(monkeypatch, run, "gpt2_saved_elements")
     cfg = _cfg("adapter=megatron", "adapter.tensor_parallel=2", "launcher.nprocs=2")
     plan, pred = plan_run(cfg, "local", check=False, refuse=False, backend="gloo")
-    assert (len(counted_facts), len(counted_gpt2)) == (1, 0)  # Megatron builds its own GPT-2: not counted
+    # Megatron builds its own GPT-2, whose unfused layer on a CPU saves what the harness block of one TP rank saves
+    assert (len(counted_facts), len(counted_gpt2)) == (1, 1)
+    assert pred["inputs"]["layer_saved_elements"]["tp"] == 2
     cfg = _cfg("adapter=ddp", "launcher.nprocs=2")
     plan, pred = plan_run(cfg, "local", check=False, refuse=False, backend="gloo")
-    assert (len(counted_facts), len(counted_gpt2)) == (2, 1)  # one more launch: once each
+    assert (len(counted_facts), len(counted_gpt2)) == (2, 2)  # one more launch: once each
     w = cfg.workload
     assert (plan.facts.layers, plan.facts.hidden, plan.facts.seq_len) == (w.n_layer, w.n_embd, w.seq_len)
     assert pred["inputs"]["params"] == plan.facts.params == plan.comm_volume["params_per_rank"]

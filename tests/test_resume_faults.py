@@ -103,7 +103,9 @@ def test_manifest_checks_sizes_and_checksums(tmp_path):
     # a resume chooses by sizes and hashes once, where it loads: through the descriptor the loaders read
     assert ckpt.newest_verified(tmp_path) == final
     pin(final, verify=False).close()  # the ranks that do not verify compare meta.json's digest instead
-    with pytest.raises(ConfigError, match=r"sub/shard does not match its checksum \(changed since it was saved\); remove"):
+    with pytest.raises(
+        ConfigError, match=r"sub/shard does not match its checksum \(changed since it was saved\); remove"
+    ):
         pin(final, verify=True)
     (final / "sub" / "shard").unlink()
     assert ckpt.damage(final) == "sub/shard is missing"

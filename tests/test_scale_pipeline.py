@@ -60,6 +60,19 @@ def test_dry_run_ledger_has_the_schedules_sends_and_all_reduces(point):
     assert {"ddp_comm_hook", "device_mesh_real", "memtracker_microbatches"} <= set(point["standins"])
 
 
+def test_comm_formula_counts_the_ranks_own_stage_sends(point):
+    # the first stage sends only activations, the last only input gradients: the formula at this rank counts its
+    # own stage's m sends (the busiest, inner stage's 2m would read 2.0), while the run record keeps the busiest
+    assert point["comm"]["by_op"]["send_recv"] == dict(formula=M * ACT, ledger=M * ACT, count=M, ratio=1.0)
+    names = {c["name"] for c in point["formula"]["collectives"] if c["op"] == "send_recv"}
+    assert names == ({"pp_activation_send"} if point["rank"] == 0 else {"pp_gradient_send"})
+    # DDP all-reduces this stage's own parameters (embed + block_0, or block_1 + head with its copy of wte), not
+    # Psi/p; beside it the tied wte's all-reduce; the ledger's clip norm (4 bytes) is not in the formula
+    dp = next(c for c in point["formula"]["collectives"] if c["name"] == "dp_grad_all_reduce")
+    assert dp["message_bytes"] == point["memory"]["parts"]["grads"]["tracker"]
+    assert point["comm"]["by_op"]["all_reduce"]["ratio"] == pytest.approx(1.0, rel=1e-5)
+
+
 def test_memtracker_standin_tracks_a_stage_run_once_per_micro_batch():
     """torch's MemTracker takes a top-level module's second forward for the next iteration and refuses it; a
     stage runs once per micro-batch of one step. With the stand-in it is tracked as a module used twice."""

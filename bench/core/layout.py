@@ -8,6 +8,7 @@ read numbers, never adapter names. A new adapter states its own and touches no o
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from ptbench.core.errors import ConfigError
@@ -94,6 +95,9 @@ class CostInputs:
     param_persistence_threshold: int | None = None
     prefetch_bucket_size: int | None = None
     stage_balance: tuple[int, ...] | None = None  # layers per pipeline stage as the adapter splits; None: even
+    # fsdp under bf16/fp16: BatchNorm parameters kept whole on every rank (ignored_params), their gradients
+    # all-reduced once a step
+    whole_norm_params: bool = False
     weight_stash: str = "none"  # WEIGHT_STASH: the extra weight versions each pipeline stage keeps
     flush_every: int = 0  # an asynchronous pipeline drains every this many mini-batches (0: only at epoch ends)
     # parameter elements of each layer of the pipeline's sequential form, a tied copy left out (it is not
@@ -115,3 +119,15 @@ class CostInputs:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def padded_elements(shapes, n: int) -> int:
+    """Elements of `shapes` with each tensor's dim 0 padded to a multiple of n: what FSDP2 all-gathers and
+    reduce-scatters (torch/distributed/fsdp/_fully_shard/_fsdp_param.py pads dim 0 to the world size so that
+    every rank's chunk has one size; a 0-d tensor counts as one row)."""
+    total = 0
+    for s in shapes:
+        rows = s[0] if len(s) else 1
+        rest = math.prod(s[1:]) if len(s) > 1 else 1
+        total += math.ceil(rows / n) * n * rest
+    return total

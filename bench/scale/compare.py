@@ -49,11 +49,28 @@ def memory(prediction: dict, tracked: dict) -> dict:
     for part, (categories, when) in MEMORY_PARTS.items():
         snap = tracked.get(when) or {}
         measured = sum(snap.get(c, 0) for c in categories) if part != "total" else tracked.get("peak_total", 0)
+        measured += _held(tracked).get(part, 0)
         model = prediction.get(part, 0) + (prediction.get("master", 0) if part == "optimizer" else 0)
         out[part] = dict(model=int(model), tracker=int(measured), ratio=_ratio(model, measured), read=when)
     rated = [(p, v["ratio"]) for p, v in out.items() if v["ratio"] is not None]
     worst = max(rated, key=lambda pv: abs(pv[1] - 1.0), default=(None, None))
     return dict(parts=out, worst_part=worst[0], worst=worst[1])
+
+
+def _held(tracked: dict) -> dict:
+    """What the tracker calls Activation when the optimizer step starts, moved to where it belongs. Backward has
+    freed every activation by then: what remains was allocated outside forward and backward and outlives them
+    (the input batch; megatron-core's gradient buffer, zeroed in place before each forward, whose `main_grad`s
+    leave the tracker's Gradient empty; DeepSpeed's fp32 gradient partitions). It is taken out of the activations
+    at the peak, and is the gradients where the tracker's gradient categories hold nothing."""
+    start = tracked.get("step_start") or {}
+    held = start.get("Activation", 0)
+    if not held:
+        return {}
+    out = {"saved_activations": -held}
+    if not any(start.get(c, 0) for c in MEMORY_PARTS["grads"][0]):
+        out["grads"] = held
+    return out
 
 
 def _ratio(model: float, measured: float) -> float | None:

@@ -9,10 +9,11 @@ from ptbench.core.comm_volume.items import by_op, item, rebytes
 from ptbench.core.comm_volume.megatron import vocab_parallel
 
 
-def corrected(fields: dict, cost, workload, root_params: int | None = None) -> dict:
+def corrected(fields: dict, cost, workload, root_params: int | None = None, stage: str | None = None) -> dict:
     """`record_fields(...)` corrected, the differences in `differences` (one line each). `cost`: the adapter's
     CostInputs (which corrections apply); `workload`: the workload config; `root_params`: the parameters of the
-    root unit (not resharded after forward)."""
+    root unit (not resharded after forward); `stage`: the pipeline stage the fields were counted for (first,
+    inner, last; None: the busiest, `volume_run`'s `stage`): an inner stage holds no tied embedding."""
     items = [dict(c) for c in fields.get("collectives", [])]
     diffs: list[str] = []
     if cost.grad_bucket_all_reduce:
@@ -29,7 +30,8 @@ def corrected(fields: dict, cost, workload, root_params: int | None = None) -> d
             items += vocab_parallel(tp_item, fields, workload, sp, diffs)
     if cost.root_unit_gathered and root_params and cost.reshard_after_forward:
         _root_unit(items, root_params, fields, diffs)
-    if fields.get("pp", 1) > 1 and cost.tied_embedding_stages and workload.kind == "language":
+    tied = fields.get("pp", 1) > 1 and cost.tied_embedding_stages and workload.kind == "language"
+    if tied and stage != "inner":
         items.append(_tied_embedding(fields, cost, workload, diffs))
     ops = by_op(items)
     return {

@@ -9,18 +9,7 @@ from __future__ import annotations
 import math
 
 from ptbench.core.comm_volume.items import item, rebytes, retotal
-
-
-def padded_elements(shapes, n: int) -> int:
-    """Elements of `shapes` with each tensor's dim 0 padded to a multiple of n: what FSDP2 all-gathers and
-    reduce-scatters (torch/distributed/fsdp/_fully_shard/_fsdp_param.py pads dim 0 to the world size so that
-    every rank's chunk has one size; a 0-d tensor counts as one row)."""
-    total = 0
-    for s in shapes:
-        rows = s[0] if len(s) else 1
-        rest = math.prod(s[1:]) if len(s) > 1 else 1
-        total += math.ceil(rows / n) * n * rest
-    return total
+from ptbench.core.layout import padded_elements
 
 
 def fsdp_padded(vol: dict, shapes, root_shapes=None) -> list[str]:

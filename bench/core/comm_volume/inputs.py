@@ -55,7 +55,10 @@ class Inputs:
     """Everything `compose` reads. `params`: Ψ, all parameters of the model (elements); `act`: the activation
     (None: not a transformer, so no tensor- or pipeline-parallel activation traffic is modelled); `grad_accum`:
     gradient accumulation steps (they repeat the activation traffic, not the once-per-step gradient traffic);
-    `label`: what the run is called (recorded only)."""
+    `label`: what the run is called (recorded only); `stage`: the pipeline stage whose sends are counted, "first"
+    (activations only), "inner" (activations and gradients) or "last" (input gradients only); None: the busiest,
+    what a step waits for (a dry run at rank R compares R's own stage); `stage_params`: the parameter elements
+    that stage holds, a tied copy included (None: Ψ/p, as if the layers split evenly by size)."""
 
     layout: Layout
     cost: CostInputs
@@ -64,13 +67,15 @@ class Inputs:
     elem: ElementBytes = field(default_factory=ElementBytes)
     grad_accum: int = 1
     label: str | None = None
+    stage: str | None = None
+    stage_params: int | None = None
 
     @classmethod
     def of(cls, sharding: str = "none", **given) -> Inputs:
         """From `volume`'s keyword form: params, world_size (devices), dp (default world_size / (tp pp)), tp, pp,
         microbatches (per optimizer step), layers, hidden, seq_len, micro_batch, bytes_per_elem,
         grad_bytes_per_elem and activation_bytes_per_elem (default bytes_per_elem), reshard_after_forward,
-        grad_sync_phase, step_phase, sequence_parallel, label."""
+        grad_sync_phase, step_phase, sequence_parallel, label, stage, stage_params."""
         name = sharding.strip().lower()
         if name not in SHARDING:
             raise ValueError(f"unknown sharding {sharding!r}; known: {', '.join(SHARDING)}")
@@ -92,15 +97,20 @@ class Inputs:
             **{k: given.pop(k) for k in ("reshard_after_forward", "grad_sync_phase", "step_phase") if k in given},
         )
         params, label = _count("params", given.pop("params", None), 0), given.pop("label", None)
+        stage, held = given.pop("stage", None), given.pop("stage_params", None)
+        held = None if held is None else _count("stage_params", held, 0)
         if given:
             raise TypeError(f"volume() got unexpected keyword argument(s) {', '.join(sorted(given))}")
-        return cls(layout, cost, params, act, elem, label=label)
+        return cls(layout, cost, params, act, elem, label=label, stage=stage, stage_params=held)
 
     # --- what the formulas read, derived once ---
     @property
     def params_per_rank(self) -> float:
-        """Ψ / (t p): the parameters a model-parallel rank holds and syncs with its data-parallel peers
-        (replicated norms and biases counted as sharded: a slight under-estimate)."""
+        """Ψ / (t p), or the stage's own parameters / t when given: the parameters a model-parallel rank holds and
+        syncs with its data-parallel peers (replicated norms and biases counted as sharded: a slight
+        under-estimate)."""
+        if self.stage_params is not None and self.layout.pp > 1:
+            return self.stage_params / self.layout.tp
         return self.params / (self.layout.tp * self.layout.pp)
 
     @property

@@ -21,6 +21,13 @@ DP_SYNC = {
     "fsdp": "zero3",
 }
 _PSI = "(N-1)/N * Psi * B"
+# a pipeline stage -> the stage-to-stage sends it makes per micro-batch: the first sends its output activation,
+# the last its input gradient, an inner stage both
+STAGES = {
+    "first": ("pp_activation_send",),
+    "inner": ("pp_activation_send", "pp_gradient_send"),
+    "last": ("pp_gradient_send",),
+}
 
 
 def volume(sharding: str = "none", **fields) -> dict:
@@ -58,6 +65,10 @@ def compose(inp: Inputs) -> dict:
 def _check(inp: Inputs) -> None:
     """What the layout alone cannot say: tensor and pipeline parallelism need the b x s x h activation."""
     lay, act = inp.layout, inp.act
+    if inp.stage is not None and inp.stage not in STAGES:
+        raise ValueError(f"unknown pipeline stage {inp.stage!r}; known: {', '.join(STAGES)} (None: the busiest)")
+    if inp.stage == "inner" and lay.pp < 3:
+        raise ValueError(f"pp={lay.pp} has no inner stage (one needs pp >= 3); use stage first or last")
     if act is None:
         return
     if (lay.tp > 1 or lay.pp > 1) and not act.elements:
@@ -114,8 +125,8 @@ def tp_items(inp: Inputs) -> list[dict]:
 
 def pp_items(inp: Inputs) -> list[dict]:
     """Per micro-batch, point to point between consecutive stages (Narayanan et al. 2021, Sec. 3.2): a stage
-    sends its output activation (b*s*h) forward and its input gradient backward. Reported for the busiest stage:
-    an inner stage sends both (p > 2); with p = 2 each stage sends one of them. [SP]: with sequence parallelism
+    sends its output activation (b*s*h) forward and its input gradient backward. Reported for `inp.stage`, by
+    default the busiest: an inner stage sends both (p > 2); with p = 2 each stage sends one of them. [SP]: with sequence parallelism
     each tensor-parallel rank sends its sequence shard, b*s/t*h (megatron-core pipeline_parallel/schedules.py)."""
     p, m = inp.layout.pp, inp.microbatches
     if p == 1 or inp.act is None:
@@ -124,5 +135,6 @@ def pp_items(inp: Inputs) -> list[dict]:
     formula = "m * b*s*h * B"
     if inp.sequence_parallel:
         send, formula = send / inp.layout.tp, "m * b*s/t*h * B"
-    names = ("pp_activation_send", "pp_gradient_send") if p > 2 else ("pp_activation_send",)
+    busiest = "inner" if p > 2 else "first"
+    names = STAGES[inp.stage or busiest]
     return [item(n, "send_recv", "pp", p, send, m, formula, phase(n, inp.cost), inp.elem.acts) for n in names]

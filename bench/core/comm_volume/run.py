@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from ptbench.core.comm_volume.fsdp import fsdp_padded, norm_grad_all_reduce, norm_shapes, without
-from ptbench.core.comm_volume.inputs import HALF, Activation, ElementBytes, Inputs
+from ptbench.core.comm_volume.inputs import Activation, ElementBytes, Inputs
 from ptbench.core.comm_volume.items import by_op, retotal
 from ptbench.core.comm_volume.megatron import vocab_parallel
 from ptbench.core.comm_volume.papers import compose
@@ -15,7 +15,7 @@ from ptbench.core.comm_volume.papers import compose
 MODEL = "bench/core/comm_volume"  # what the records name as the model (its reference: README.md there)
 
 
-def volume_run(cfg, plan, build_model, root_shapes=None) -> dict:
+def volume_run(cfg, plan, build_model, root_shapes=None, stage=None, stage_params=None) -> dict:
     """`compose` for a composed config (`BenchConfig`) and its run plan (`RunPlan`): the plan's layout and the
     adapter's cost inputs whole, the parameter count and dimensions of the model's facts the plan carries
     (`plan.facts`, counted once per launch, a padded vocabulary included; counted here from `build_model`, a
@@ -23,7 +23,9 @@ def volume_run(cfg, plan, build_model, root_shapes=None) -> dict:
     model's. FSDP2 (sharding fsdp, the plan's parameter shapes known): each parameter's dim 0 padded to a multiple
     of N, `root_shapes` (the root unit's parameter shapes, kept gathered from forward to backward; None: not
     known here) left out of the backward re-gather, and under bf16/fp16 the BatchNorm parameters kept whole and
-    all-reduced (`fsdp`)."""
+    all-reduced (`fsdp`). `stage` (pp > 1): the pipeline stage whose sends are counted, first, inner or last;
+    None, the run record's: the busiest (`Inputs.stage`); `stage_params`: the parameter elements that stage
+    holds, what its data-parallel gradient sync carries (None: Ψ/p)."""
     layout, cost = plan.layout, plan.cost
     facts = getattr(plan, "facts", None) or _facts(cfg, cost, build_model)
     accum = int(cfg.trainer.grad_accum)
@@ -40,13 +42,15 @@ def volume_run(cfg, plan, build_model, root_shapes=None) -> dict:
         elem=ElementBytes.of(cfg.trainer.precision, cost),
         grad_accum=accum,
         label=cfg.adapter.name,
+        stage=stage,
+        stage_params=stage_params,
     )
     vol = compose(inp)
     notes = _notes(inp, language)
     if layout.tp > 1 and language and not cost.vocab_parallel_loss and not cost.sequence_parallel:
         notes += _vocab_parallel_items(vol, cfg.workload)
     if cost.sharding == "fsdp" and facts.shapes and layout.tp == layout.pp == 1:
-        notes += _fsdp(vol, cfg, facts.shapes, root_shapes, build_model)
+        notes += _fsdp(vol, cost.whole_norm_params, facts.shapes, root_shapes, build_model)
     vol["notes"] = notes
     return vol
 
@@ -76,10 +80,10 @@ def _notes(inp: Inputs, language: bool) -> list[str]:
     return notes
 
 
-def _fsdp(vol: dict, cfg, shapes, root_shapes, build_model) -> list[str]:
-    """FSDP2's padding and root unit, and under bf16/fp16 its BatchNorm parameters out of sharding."""
+def _fsdp(vol: dict, whole_norms: bool, shapes, root_shapes, build_model) -> list[str]:
+    """FSDP2's padding and root unit, and the BatchNorm parameters the adapter keeps out of sharding (bf16/fp16)."""
     norms = []
-    if cfg.trainer.precision in HALF:
+    if whole_norms:
         import torch
 
         with torch.device("meta"):

@@ -30,8 +30,9 @@ from ptbench.core.memory_model.counting import (
     pipeline_layers,
     stage_activation_elements,
     stage_input_elements,
+    tp_local_block,
 )
-from ptbench.core.memory_model.facts import model_facts, run_facts
+from ptbench.core.memory_model.facts import model_facts, run_facts, vision_units
 from ptbench.core.memory_model.inputs import (
     GIB,
     MIB,
@@ -58,6 +59,7 @@ from ptbench.core.memory_model.run import (
 from ptbench.core.memory_model.stash import stage_params, stash_copies, stash_per_stage
 from ptbench.core.memory_model.states import (
     flat_partition,
+    fsdp_backward_buffers,
     gpt2_replicated_under_tp,
     gpt2_stage_params,
     numel,
@@ -95,6 +97,7 @@ __all__ = [
     "even_split",
     "fits",
     "flat_partition",
+    "fsdp_backward_buffers",
     "gpt2_replicated_under_tp",
     "gpt2_saved_elements",
     "gpt2_stage_params",
@@ -121,5 +124,7 @@ __all__ = [
     "stage_input_elements",
     "table",
     "torch_step_impl",
+    "tp_local_block",
+    "vision_units",
     "zero3_gathered",
 ]

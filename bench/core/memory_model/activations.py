@@ -19,16 +19,23 @@ def attention_keeps_scores(attention: str, device: str, dropout: float) -> bool:
     return attention == "unfused"
 
 
-def loss_bytes(tokens: int, vocab: int, in_place: bool, act_b: int) -> tuple[float, float, str]:
-    """(bytes at the loss's peak, of them saved for backward, formula) of a cross-entropy over tokens x vocab logits.
-    in_place (the harness GPT-2's chunked loss on a CPU, workloads/gpt2.py; Megatron's vocab-parallel one): the fp32
-    softmax saved (4 B), scaled in place into the gradient, cast to the 2 B logits' dtype under bf16 / fp16. Else
-    F.cross_entropy(logits.float()) (GPT-2 on CUDA, torch's loss_parallel): its fp32 log-softmax saved; backward adds
-    nll_loss's zero-filled gradient and log_softmax's gradient, 4 B each at once (the cast copy is freed by then)."""
-    n = tokens * vocab
+def loss_bytes(tokens: int, vocab: int, in_place: bool, act_b: int, tp: int = 1) -> tuple[float, float, str]:
+    """(bytes at the loss's peak, of them saved for backward, formula) of a cross-entropy over tokens x vocab logits,
+    on one rank (tp > 1: the logits split by vocabulary, V/t). in_place (the harness GPT-2's chunked loss on a CPU,
+    workloads/gpt2.py; Megatron's vocab-parallel one): the fp32 softmax saved (4 B), scaled in place into the
+    gradient, cast to the 2 B logits' dtype under bf16 / fp16. Else F.cross_entropy(logits.float()) (GPT-2 on
+    CUDA): its fp32 log-softmax saved; backward adds nll_loss's zero-filled gradient and log_softmax's gradient, 4 B
+    each at once (the cast copy is freed by then). torch's loss_parallel (not in place, tp > 1) computes both
+    backwards in one (torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`): the
+    zero-filled gradient, exp(log-softmax), their sum and its product with the incoming gradient, 3 x 4 B at once
+    beside the saved log-softmax (measured: `python -m ptbench.scale adapter=tensor_parallel`)."""
+    n = tokens * vocab / tp
+    if not in_place and tp > 1:
+        return 16.0 * n, 4.0 * n, "16 s b V / t: loss_parallel's fp32 log-softmax, zeros, exp, their sum, product"
     if not in_place:
         return 12.0 * n, 4.0 * n, "12 s b V: F.cross_entropy's fp32 log-softmax, nll's gradient, its gradient"
-    return (4.0 + (2 if act_b == 2 else 0)) * n, 4.0 * n, "4 s b V fp32 softmax saved by the loss (gradient in place)"
+    peak = (4.0 + (2 if act_b == 2 else 0)) * n
+    return peak, 4.0 * n, f"4 s b V{' / t' if tp > 1 else ''} fp32 softmax saved by the loss (gradient in place)"
 
 
 def loss_bytes_per_token_vocab(device: str, precision: str = "bf16") -> float:
@@ -74,7 +81,10 @@ def activations(inp: Inputs, stage_name: str, notes: list) -> tuple[float, str, 
     if m.kind == "vision":
         return _vision(inp, stage_name, notes)
     recompute, schedule = inp.cost.recompute, inp.cost.schedule
-    if a.layer_saved_elements and inp.layout.tp == 1 and (recompute == "never" or schedule == "gpipe"):
+    # the counted block is one tensor-parallel rank's at the TP degree it was counted for (no sequence parallelism)
+    counted = a.layer_saved_elements and a.layer_saved_elements.get("tp", 1) == inp.layout.tp
+    counted = counted and not (inp.layout.tp > 1 and inp.cost.sequence_parallel)
+    if counted and (recompute == "never" or schedule == "gpipe"):
         return _counted_gpt2(inp, stage_name, notes)
     return _korthikanti(inp, stage_name, notes)
 
@@ -137,8 +147,8 @@ def _counted_gpt2(inp: Inputs, stage_name: str, notes: list) -> tuple[float, str
     fixed = sum(
         k * e.get(f"{part}_fixed", 0.0) for k, part in ((per_stage_layers, "layer"), (first, "embed"), (last, "head"))
     )
-    tokens = mo.seq_len * b
-    peak_loss, loss, loss_f = loss_bytes(tokens, mo.vocab, inp.loss_in_place, act_b) if last else (0.0, 0.0, "")
+    tokens, tp = mo.seq_len * b, lay.tp
+    peak_loss, loss, loss_f = loss_bytes(tokens, mo.vocab, inp.loss_in_place, act_b, tp) if last else (0.0, 0.0, "")
     last_alive = 1 if (pp > 1 and schedule != "gpipe") else n
     saved = n * per_mb + fixed + last_alive * loss
     if recompute != "never" and m > 1:  # torchgpipe checkpointing (README.md)
@@ -152,6 +162,7 @@ def _counted_gpt2(inp: Inputs, stage_name: str, notes: list) -> tuple[float, str
     total = saved + last_alive * (peak_loss - loss)  # the loss's backward: more than it saved
     formula = (
         f"{how} x (ceil(L/p)={per_stage_layers} x {e['layer']:,.0f} per layer"
+        + (f" of one of t={tp} tensor-parallel ranks" if tp > 1 else "")
         + (f" + {e['embed']:,.0f} embedding" if first else "")
         + (f" + {e['head']:,.0f} head" if last else "")
         + (") B/sample (counted under CUDA autocast" if per_byte == 1 else ") elem/sample (counted")
@@ -173,8 +184,8 @@ def _korthikanti(inp: Inputs, stage_name: str, notes: list) -> tuple[float, str,
         mo.seq_len, b, mo.hidden, mo.heads, tp, sp, a.attention_scores, a.attention_dropout
     )
     layer *= act_b / 2
-    peak_loss, loss, loss_f = loss_bytes(mo.seq_len * b, mo.vocab, inp.loss_in_place, act_b)
-    logits, logits_saved = (peak_loss / tp, loss / tp) if stage_name in ("all", "last", "any") else (0.0, 0.0)
+    peak_loss, loss, loss_f = loss_bytes(mo.seq_len * b, mo.vocab, inp.loss_in_place, act_b, tp)
+    logits, logits_saved = (peak_loss, loss) if stage_name in ("all", "last", "any") else (0.0, 0.0)
     n, how = alive(inp, stage_name, notes)
     if recompute in ("always", "except_last") and m > 1:
         full = 1 if recompute == "always" else 2
@@ -182,7 +193,7 @@ def _korthikanti(inp: Inputs, stage_name: str, notes: list) -> tuple[float, str,
         total = inputs + full * per_stage_layers * layer + logits
         formula = (
             f"recompute={recompute}: m stage inputs (s b h) + {full} micro-batch(es) of "
-            f"ceil(L/p)={per_stage_layers} layers [Korthikanti]" + (f" + {loss_f} / t" if logits else "")
+            f"ceil(L/p)={per_stage_layers} layers [Korthikanti]" + (f" + {loss_f}" if logits else "")
         )
         return total, formula, total - (logits - logits_saved)
     last_alive = 1 if (pp > 1 and inp.cost.schedule != "gpipe") else n
@@ -190,6 +201,6 @@ def _korthikanti(inp: Inputs, stage_name: str, notes: list) -> tuple[float, str,
     sc = "" if a.attention_scores else " (no 5as/h: fused attention)"
     tpf = "" if tp == 1 else (" /t (sequence parallel)" if sp else " with 10 + 24/t + 5as/(ht)")
     formula = f"{how} x ceil(L/p)={per_stage_layers} layers x s b h (34 + 5as/h){sc}{tpf} x {act_b}/2 B" + (
-        f" + {loss_f} / t" if logits else ""
+        f" + {loss_f}" if logits else ""
     )
     return total, formula, total - last_alive * (logits - logits_saved)

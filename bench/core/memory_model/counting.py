@@ -115,12 +115,32 @@ def _block_quadratic(block, b: int, h: int, seq_len: int, scores: bool) -> float
     return c0 + c1 * seq_len + (c2 * seq_len * seq_len if scores else 0.0)
 
 
-def gpt2_saved_elements(model, seq_len: int, scores: bool = True) -> dict | None:
+def tp_local_block(block, tp: int):
+    """A copy of the harness GPT-2's `block` as one of `tp` tensor-parallel ranks runs it (adapters/
+    tensor_parallel.py's plan): c_attn and mlp.c_fc cut by columns (ColwiseParallel: its 1/t of the heads and of
+    the MLP's width), attn.c_proj and mlp.c_proj by rows (RowwiseParallel, their outputs all-reduced whole);
+    LayerNorms and dropouts whole. Its saved tensors are the rank's: the attention of its heads, the MLP's 1/t,
+    and the replicated LayerNorm inputs, linear inputs and dropout masks."""
+    from torch import nn
+
+    block = copy.deepcopy(block)
+    if tp == 1:
+        return block
+    h, dev = block.ln_1.normalized_shape[0], block.ln_1.weight.device
+    block.attn.c_attn = nn.Linear(h, 3 * h // tp, device=dev)
+    block.attn.c_proj = nn.Linear(h // tp, h, device=dev)
+    block.mlp.c_fc = nn.Linear(h, 4 * h // tp, device=dev)
+    block.mlp.c_proj = nn.Linear(4 * h // tp, h, device=dev)
+    return block
+
+
+def gpt2_saved_elements(model, seq_len: int, scores: bool = True, tp: int = 1) -> dict | None:
     """What the harness GPT-2 (workloads/gpt2.py: wte, wpe, drop, blocks, ln_f, lm_head) saves per sample,
     counted by `SavedTensorLedger` in fp32 elements (embeddings and head on the meta device, one block on the
     CPU, `_block_quadratic`): {layer (one block), embed (the embeddings and their dropout), head (final LayerNorm
-    and the tied head's input)}. None for another model. scores=False leaves out the s x s terms the CPU keeps
-    with attention dropout (CUDA's kernels fuse it)."""
+    and the tied head's input), tp}. None for another model. scores=False leaves out the s x s terms the CPU keeps
+    with attention dropout (CUDA's kernels fuse it). tp > 1: the block of one tensor-parallel rank
+    (`tp_local_block`); the embedding and the head save whole tensors there too."""
     import torch
 
     from ptbench.core.memory import SavedTensorLedger
@@ -137,23 +157,24 @@ def gpt2_saved_elements(model, seq_len: int, scores: bool = True) -> dict | None
 
     h = model.wte.embedding_dim
     x = torch.empty((b, seq_len, h), device="meta", requires_grad=True)
-    block = copy.deepcopy(model.blocks[0]).to_empty(device="cpu")
+    block = tp_local_block(model.blocks[0], tp).to_empty(device="cpu")
     layer = _block_quadratic(block, b, h, seq_len, scores)
     return {
+        "tp": tp,
         "embed": count(lambda: model.drop(model.wte(idx) + model.wpe(torch.arange(seq_len, device="meta")))),
         "layer": layer,
         "head": count(lambda: model.lm_head(model.ln_f(x))),
     }
 
 
-def gpt2_saved_bytes_cuda_autocast(model, seq_len: int, dtype_name: str = "bf16") -> dict | None:
+def gpt2_saved_bytes_cuda_autocast(model, seq_len: int, dtype_name: str = "bf16", tp: int = 1) -> dict | None:
     """What the harness GPT-2 saves per sample on CUDA under autocast, in BYTES, counted with fake "cuda"
     tensors (no GPU needed; forward only, which is all that is counted): {layer, embed, head}, as
     `gpt2_saved_elements`. Under CUDA autocast LayerNorm runs and saves in fp32 (the residual stream stays
     fp32), each linear saves its own half-precision copy of its weight, dropout masks are 1-byte bools and the
     flash kernel keeps the output and a log-sum-exp: a CPU count in fp32 halved misses all four (8.5-20 %
     under). Each part per sample, and `{part}_fixed` per forward (the weights' half copies). SDPA cannot pick a kernel for a fake device, so the count calls the flash kernel an H100/H200
-    runs. None for another model."""
+    runs. tp > 1: the block of one tensor-parallel rank (`tp_local_block`). None for another model."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -163,9 +184,10 @@ def gpt2_saved_bytes_cuda_autocast(model, seq_len: int, dtype_name: str = "bf16"
         return None
     h = model.wte.embedding_dim
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    local = tp_local_block(model.blocks[0], tp)
     with FakeTensorMode(allow_non_fake_inputs=True):
         wte, wpe, drop, block, ln_f, lm_head = (
-            _fake_cuda_copy(m) for m in (model.wte, model.wpe, model.drop, model.blocks[0], model.ln_f, model.lm_head)
+            _fake_cuda_copy(m) for m in (model.wte, model.wpe, model.drop, local, model.ln_f, model.lm_head)
         )
         with _cuda_autocast(half), _flash_attention():
 
@@ -182,7 +204,7 @@ def gpt2_saved_bytes_cuda_autocast(model, seq_len: int, dtype_name: str = "bf16"
                 "layer": lambda idx, x: block(x),
                 "head": lambda idx, x: lm_head(ln_f(x)),
             }
-            out = {"unit": "bytes"}
+            out = {"unit": "bytes", "tp": tp}
             for name, fn in parts.items():
                 # at 1 and 2 samples: the weights' half copies (autocast casts each once a forward) do not
                 # grow with the batch, the rest does

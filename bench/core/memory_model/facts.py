@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ptbench.core.memory_model.counting import pipeline_layers
 from ptbench.core.memory_model.inputs import ModelFacts
 from ptbench.core.memory_model.states import numel
 
@@ -17,6 +18,19 @@ def model_facts(model) -> dict:
     return {"params": sum(numel(s) for s in shapes), "shapes": shapes, "largest_unit_params": largest}
 
 
+def vision_units(model) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """(units, norms) of a vision model: per layer of its sequential form (`pipeline_layers`) that owns
+    parameters, the indices of its tensors in `parameters()` order; and the indices of BatchNorm's parameters."""
+    from torch import nn
+
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    units = tuple(tuple(index[id(p)] for p in m.parameters()) for m in pipeline_layers(model))
+    norms = tuple(
+        index[id(p)] for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for p in m.parameters()
+    )
+    return tuple(u for u in units if u), norms
+
+
 def run_facts(workload, cost, model) -> ModelFacts:
     """The facts of `model` (the workload's nn.Module, on the meta device) as the run's framework builds it:
     the workload config's dimensions, and the vocabulary the adapter's cost inputs state (Megatron pads it:
@@ -24,12 +38,15 @@ def run_facts(workload, cost, model) -> ModelFacts:
     f = model_facts(model)
     params = f["params"]
     if workload.kind != "language":
+        units, norms = vision_units(model)
         return ModelFacts(
             params=params,
             kind=workload.kind,
             image_size=int(workload.image_size),
             shapes=f["shapes"],
             largest_unit_params=f["largest_unit_params"],
+            units=units,
+            norms=norms,
         )
     vocab = int(workload.vocab_size)
     if cost.padded_vocab and vocab:  # the vocabulary the framework really builds

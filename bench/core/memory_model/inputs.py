@@ -33,7 +33,9 @@ class ModelFacts:
     tensor once); `largest_unit_params`: the most parameters one module owns directly (what ZeRO-3 / FSDP gather
     at once, at least); the dimensions (0: not a language model / not given). `stage_params`: each pipeline
     stage's parameters (None: the GPT-2 split, or Ψ/p); `replicated_params`: kept whole on every TP rank (None:
-    GPT-2's, `gpt2_replicated_under_tp`)."""
+    GPT-2's, `gpt2_replicated_under_tp`). Vision: `units`, per layer of its sequential form that owns parameters
+    (what FSDP2 wraps one by one), the indices of its tensors in `shapes`; `norms`, the indices of BatchNorm's
+    parameters (kept whole where the cost inputs say `whole_norm_params`)."""
 
     params: int
     kind: str = "language"  # language | vision
@@ -47,6 +49,8 @@ class ModelFacts:
     largest_unit_params: int = 0
     stage_params: list[int] | None = None
     replicated_params: int | None = None
+    units: tuple[tuple[int, ...], ...] | None = None
+    norms: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -91,9 +91,10 @@ def _training(cfg, plan, device: str, facts) -> Training:
 
 
 def _activation_inputs(cfg, plan, model, facts, device: str, loss_in_place: bool | None = None) -> ActivationInputs:
-    """The micro-batch and the counted activations: the harness GPT-2's (not Megatron's own model, which pads
-    its vocabulary) with the scores where the adapter's attention keeps them; a vision model's, per stage
-    where the adapter's split makes stages."""
+    """The micro-batch and the counted activations: the harness GPT-2's with the scores where the adapter's
+    attention keeps them (Megatron's own model, which pads its vocabulary, on a CPU only: there its local layer
+    spec, unfused, saves what the harness block saves, measured by `python -m ptbench.scale`; on CUDA its fused
+    kernels take [Korthikanti]); a vision model's, per stage where the adapter's split makes stages."""
     w, cost = cfg.workload, plan.cost
     micro = math.ceil(plan.local_batch / plan.layout.microbatches)
     if facts.kind == "language":
@@ -102,9 +103,11 @@ def _activation_inputs(cfg, plan, model, facts, device: str, loss_in_place: bool
             micro_batch=micro,
             attention_scores=scores,
             attention_dropout=float(w.dropout) > 0,
-            # Megatron's vocab-parallel loss works in place; torch's loss_parallel (TP) is F.cross_entropy's
+            # Megatron's vocab-parallel loss works in place; torch's loss_parallel (TP) does not (`loss_bytes`)
             loss_in_place=True if cost.vocab_parallel_loss else (False if plan.layout.tp > 1 else loss_in_place),
-            layer_saved_elements=None if cost.padded_vocab else _gpt2_counted(cfg, cost, model, facts, device, scores),
+            layer_saved_elements=None
+            if cost.padded_vocab and device == "cuda"
+            else _gpt2_counted(cfg, plan, model, facts, device, scores),
         )
     sample = (3, facts.image_size, facts.image_size)
     stages = ins = None
@@ -123,13 +126,15 @@ def _activation_inputs(cfg, plan, model, facts, device: str, loss_in_place: bool
     )
 
 
-def _gpt2_counted(cfg, cost, model, facts, device: str, scores: bool) -> dict:
+def _gpt2_counted(cfg, plan, model, facts, device: str, scores: bool) -> dict:
     """The harness GPT-2's saves per sample: in bytes, counted on fake CUDA tensors, where CUDA autocast runs
-    it (an adapter that neither holds nor gathers half-precision parameters); else in fp32 elements."""
-    precision = cfg.trainer.precision
+    it (an adapter that neither holds nor gathers half-precision parameters); else in fp32 elements. Under
+    tensor parallelism, one rank's block (`tp_local_block`)."""
+    cost = plan.cost
+    precision, tp = cfg.trainer.precision, plan.layout.tp
     if device == "cuda" and precision in ("bf16", "fp16") and not (cost.half_states or cost.half_gather):
-        return gpt2_saved_bytes_cuda_autocast(model, facts.seq_len, precision)
-    return gpt2_saved_elements(model, facts.seq_len, scores)
+        return gpt2_saved_bytes_cuda_autocast(model, facts.seq_len, precision, tp=tp)
+    return gpt2_saved_elements(model, facts.seq_len, scores, tp=tp)
 
 
 def _inputs_record(inp: Inputs) -> dict:
@@ -164,7 +169,7 @@ def _inputs_record(inp: Inputs) -> dict:
     if m.kind == "language":
         rec.update({k: getattr(m, k) for k in ("layers", "hidden", "heads", "seq_len", "vocab")})
         rec.update({k: getattr(a, k) for k in ("attention_scores", "attention_dropout", "loss_in_place")})
-        if not cost.padded_vocab:
+        if a.layer_saved_elements is not None:
             rec["layer_saved_elements"] = a.layer_saved_elements
         return rec
     rec.update(image_size=m.image_size, activation_elements_per_sample=a.activation_elements_per_sample)

@@ -67,10 +67,11 @@ def _fsdp_local(s, n: int, r: int) -> int:
     return mine * (numel(s) // rows if rows else 0)
 
 
-def _dp_shard(sharding: str, shapes, n: int, rank: int | None = None) -> dict:
+def _dp_shard(sharding: str, shapes, n: int, rank: int | None = None, whole=frozenset()) -> dict:
     """Per-tensor partition of DeepSpeed / FSDP over n ranks: elements of `rank` (None: the busiest rank).
     Returns {part: elements of the flat partition (stages 1-2) or of the local pieces (3, fsdp),
-    grad_elems: gradient elements held at the step, param_elems, rank}."""
+    grad_elems: gradient elements held at the step, param_elems, rank}. `whole`: indices of the tensors FSDP
+    keeps whole on every rank (its ignored parameters)."""
     numels = [numel(s) for s in shapes]
     psi = sum(numels)
     best = None
@@ -82,7 +83,7 @@ def _dp_shard(sharding: str, shapes, n: int, rank: int | None = None) -> dict:
             local = sum(math.ceil(k / n) for k in numels)
             return {"part": local, "grad_elems": local, "param_elems": local, "rank": 0 if rank is None else rank}
         elif sharding == "fsdp":
-            local = sum(_fsdp_local(s, n, r) for s in shapes)
+            local = sum(numel(s) if i in whole else _fsdp_local(s, n, r) for i, s in enumerate(shapes))
             cand = {"part": local, "grad_elems": local, "param_elems": local}
         else:
             raise ValueError(sharding)
@@ -178,10 +179,11 @@ def states(inp: Inputs, P: float, formula: dict, notes: list) -> tuple[dict, flo
     K = optimizer_state_bytes(inp.training.optimizer, inp.training.momentum)
     shapes = inp.model.shapes
     out = dict.fromkeys(PARTS, 0.0)
+    whole = whole_tensors(inp)
     if name in PER_TENSOR and shapes and N > 1:
-        sh = _dp_shard(name, shapes, N, inp.rank)
+        sh = _dp_shard(name, shapes, N, inp.rank, whole)
         part, grad_elems, param_elems = sh["part"], sh["grad_elems"], sh["param_elems"]
-        rule = "per tensor"
+        rule = "per tensor" + (f", {len(whole)} BatchNorm tensors whole" if whole else "")
     else:
         part = P / N
         grad_elems = P if name in REPLICATED else P / N
@@ -190,7 +192,7 @@ def states(inp: Inputs, P: float, formula: dict, notes: list) -> tuple[dict, flo
     if name in REPLICATED:
         _replicated(inp, out, P, K, formula, notes)
     else:
-        _sharded(inp, out, (P, part, grad_elems, param_elems), K, rule, formula)
+        _sharded(inp, out, (P, part, grad_elems, param_elems), K, rule, formula, whole)
     _offload(inp, out, formula)
     return out, part
 
@@ -219,7 +221,7 @@ def _replicated(inp: Inputs, out: dict, P: float, K: int, formula: dict, notes: 
         formula["transient"] = "min(fusion threshold, 4P) fusion buffer"
 
 
-def _sharded(inp: Inputs, out: dict, elems: tuple, K: int, rule: str, formula: dict) -> None:
+def _sharded(inp: Inputs, out: dict, elems: tuple, K: int, rule: str, formula: dict, whole=frozenset()) -> None:
     """ZeRO 1-3 and FSDP: the partition, the fp32 master (DeepSpeed), and what backward gathers or holds whole."""
     name, N, b, m = inp.sharding, inp.layout.dp, inp.state_bytes, inp.model
     P, part, grad_elems, param_elems = elems
@@ -243,6 +245,8 @@ def _sharded(inp: Inputs, out: dict, elems: tuple, K: int, rule: str, formula: d
         formula["params"] = f"{b} x ({z['persistent']:,} persistent elements whole + the rest / N per tensor)"
         out["transient"] = gb * z["gathered"]
         formula["transient"] = f"{gb} x {z['gathered']:,} gathered: {z['why']}"
+    elif name == "fsdp" and N > 1 and m.units and m.shapes:
+        out["transient"], formula["transient"] = fsdp_backward_buffers(inp, whole)
     elif name in ("zero3", "fsdp") and m.largest_unit_params:
         out["transient"] = gb * m.largest_unit_params * (N - 1) / N if N > 1 else 0.0
         formula["transient"] = f"{gb} x largest gathered unit ({m.largest_unit_params:,}) x (N-1)/N"
@@ -254,6 +258,53 @@ def _sharded(inp: Inputs, out: dict, elems: tuple, K: int, rule: str, formula: d
             # the peak, are freed: not added there
             out["transient"] += gb * m.largest_unit_params
             formula["transient"] += f" + {gb} x its unsharded gradient in backward"
+
+
+def whole_tensors(inp: Inputs) -> frozenset:
+    """Indices (in the model's shapes) of the tensors an FSDP adapter keeps whole on every rank and all-reduces:
+    BatchNorm's parameters where its cost inputs say so (fsdp under bf16 / fp16: batch_norm takes fp32 weights
+    beside its fp32 running statistics)."""
+    # read with a default: a cost input the adapters' layout module states (ptbench.core.layout.CostInputs)
+    if inp.sharding != "fsdp" or not inp.cost.whole_norm_params:
+        return frozenset()
+    return frozenset(inp.model.norms)
+
+
+def _fsdp_units(inp: Inputs, whole) -> tuple[list[int], list[int]]:
+    """(padded, plain) elements of each FSDP2 unit in forward order, its whole tensors left out, empty units
+    dropped: FSDP2 pads dim 0 of every tensor to a multiple of N for its all-gathers and reduce-scatters."""
+    from ptbench.core.layout import padded_elements
+
+    shapes, n = inp.model.shapes, inp.layout.dp
+    padded, plain = [], []
+    for unit in inp.model.units:
+        own = [shapes[i] for i in unit if i not in whole]
+        if own:
+            padded.append(padded_elements(own, n))
+            plain.append(sum(numel(s) for s in own))
+    return padded, plain
+
+
+def fsdp_backward_buffers(inp: Inputs, whole=frozenset()) -> tuple[float, str]:
+    """(bytes, formula): what FSDP2 holds beside the activations in the backward of its busiest unit k (units in
+    forward order, backward runs them in reverse): unit k gathered and unit k-1 prefetched (all-gather outputs of
+    the padded shapes, in the gather dtype), unit k's unsharded gradients (gather dtype, unpadded) and the fp32
+    reduce-scatter input of unit k+1, the unit before it in backward (FSDP2 keeps one reduce-scatter in flight).
+    Measured against FSDPMemTracker by `python -m ptbench.scale` (ResNet-50, VGG-16 at 8-1024 ranks)."""
+    padded, plain = _fsdp_units(inp, whole)
+    if not padded:
+        return 0.0, "0 (no FSDP2 unit holds sharded parameters)"
+    gb = 2 if inp.half else 4
+    # (the unit prefetched while unit k runs backward, the unit whose reduce-scatter is in flight)
+    around = [(padded[k - 1] if k else 0, padded[k + 1] if k + 1 < len(padded) else 0) for k in range(len(padded))]
+    held = [gb * (padded[k] + ahead + plain[k]) + 4.0 * behind for k, (ahead, behind) in enumerate(around)]
+    top = max(range(len(held)), key=held.__getitem__)
+    ahead, behind = around[top]
+    return held[top], (
+        f"FSDP2 in the backward of unit {top} of {len(padded)}: {gb} x ({padded[top]:,} gathered + {ahead:,} "
+        f"prefetched, dim 0 padded to a multiple of N, + its {plain[top]:,}-element unsharded gradient) + 4 x "
+        f"{behind:,} the previous unit's reduce-scatter input"
+    )
 
 
 def _offload(inp: Inputs, out: dict, formula: dict) -> None:
