@@ -1,4 +1,4 @@
-"""CPU stand-ins for the few CUDA-only calls of megatron-core 0.16.1, so that the adapter's one code
+"""CPU stand-ins for the few CUDA-only calls of megatron-core (0.16.1; 0.19.2 tried), so that the adapter's one code
 path (GPTModel, Megatron's DDP wrapper, its forward-backward schedules, its gradient-norm helper)
 runs on CPU ranks over gloo. Each stand-in replaces a call that raises "Found no NVIDIA driver"
 without a GPU, so nothing that works is changed; `enable()` refuses to act when CUDA is available.
@@ -15,6 +15,8 @@ What changes (logged once per process by `enable()`):
      (`weight.data.cuda()`) and the norm buffers of `get_grad_norm_fp32`.
   4. Inside `cuda_to_cpu()` only: `torch.cuda.synchronize()` does nothing (there is no CUDA work to
      wait for). dist_checkpointing's torch_dist writer calls it after copying tensors to the CPU.
+  5. Inside `cuda_to_cpu()` only: `torch.cuda.current_stream()` is a stream that waits for nothing.
+     megatron-core 0.19's gradient sync waits on it for CUDA-graph replay events, which a CPU run has none of.
 Handled by configuration instead (see adapters/megatron.py): fusions off, `use_cpu_initialization`,
 an explicit causal mask (`get_default_causal_mask` hard-codes cuda), `batch_p2p_sync=False`
 (a `torch.cuda.synchronize` after each p2p batch), and a torch optimizer (Megatron's optimizers
@@ -38,6 +40,7 @@ CHANGES = (
     "Megatron RNG tracker on CPU generator states",
     "device='cuda' factories and Tensor.cuda() -> cpu inside model build / schedule / grad norm / checkpoint",
     "torch.cuda.synchronize() a no-op inside the same calls",
+    "torch.cuda.current_stream() a stream that waits for nothing inside the same calls",
 )
 
 
@@ -107,14 +110,28 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NoStream:
+    """The current stream of a CPU rank: there is no device work to order, so every wait is already met."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def cuda_to_cpu():
-    """Stand-ins 3 and 4, for the duration of a Megatron call."""
+    """Stand-ins 3, 4 and 5, for the duration of a Megatron call."""
     _refuse_on_cuda()
-    synchronize = torch.cuda.synchronize
+    synchronize, current_stream = torch.cuda.synchronize, torch.cuda.current_stream
     torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.current_stream = lambda device=None: _NoStream()
     try:
         with _CudaToCpu():
             yield
     finally:
-        torch.cuda.synchronize = synchronize
+        torch.cuda.synchronize, torch.cuda.current_stream = synchronize, current_stream
