@@ -136,10 +136,12 @@ lint: $(STAMP)
 smoke: $(STAMP)
 	$(PY) -m ptbench.smoke
 
-# Every adapter x workload at 8-1024 ranks as a dry run (torch's fake process group, FakeTensorMode; bench/scale/):
-# collective ledger and memory tracker beside the comm formula and the memory model; no times
+# Every adapter x workload at 8-1024 ranks, first and last rank, as a dry run (torch's fake process group,
+# FakeTensorMode; bench/scale/): collective ledger and memory tracker beside the comm formula and the memory model;
+# no times. Each point forked from one warm process, SCALE_JOBS at once, stopped after 2 minutes of its CPU
+SCALE_JOBS ?= 2
 scale: $(STAMP)
-	$(PY) -m ptbench.scale --matrix --out results/scale/matrix.json
+	$(PY) -m ptbench.scale --matrix --jobs $(SCALE_JOBS) --out results/scale/matrix.json
 
 # With a GPU, inside BUDGET seconds for the whole command (default 480): ddp's smoke, then a short bf16 gpt2_small
 # and resnet50 run per adapter, then the micro-checks, each row printed and kept in OUT/gpu_check.jsonl as it

@@ -9,6 +9,7 @@ import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -161,8 +162,8 @@ def test_dry_run_refusals_are_one_line():
     from ptbench.core.errors import ConfigError
     from ptbench.scale.run import dry_run
 
-    with pytest.raises(ConfigError, match="adapter=pipeline cannot run on the fake backend: torch.distributed.pipe"):
-        dry_run(["adapter=pipeline", "adapter.pipeline_parallel=2", "adapter.microbatches=2", "workload=gpt2_tiny"], 8)
+    with pytest.raises(ConfigError, match="adapter=pipedream cannot run on the fake backend: an asynchronous pipe"):
+        dry_run(["adapter=pipedream", "adapter.pipeline_parallel=2", "workload=gpt2_tiny"], 2)
     with pytest.raises(ConfigError, match="tensor_parallel=3 must be >= 1 and divide the 8 ranks"):
         dry_run(["adapter=tensor_parallel", "adapter.tensor_parallel=3", "workload=gpt2_tiny"], 8)
     with pytest.raises(ConfigError, match="--rank 8 is not a rank of 8"):
@@ -191,3 +192,44 @@ def test_command_writes_a_dry_run_record_and_ends_with_the_summary_line(tmp_path
     from ptbench.core import schema
 
     schema.check(rec)  # every key the record writes is in the schema
+
+
+def _matrix(tmp_path, *args):
+    cmd = [sys.executable, "-m", "ptbench.scale", "--matrix", "workload=gpt2_tiny", "trainer.batch_size=2"]
+    cmd += [f"results.root={tmp_path}", "--out", str(tmp_path / "matrix.json"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_matrix_forks_a_point_per_rank_and_says_what_it_cannot_run(tmp_path):
+    import json
+
+    out = _matrix(tmp_path, "adapter=fsdp,zero3,pipedream", "--world-size", "8")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((tmp_path / "matrix.json").read_text())["rows"]
+    ran = [r for r in rows if r.get("kind") == "ok"]
+    assert {(r["adapter"], r["rank"]) for r in ran} == {
+        ("fsdp", "0"),
+        ("fsdp", "last"),
+        ("zero3", "0"),
+        ("zero3", "last"),
+    }
+    for r in ran:  # each point its own child: its own seconds and max RSS, its own record
+        assert 0 < r["seconds"] < 120 and 0.1 < r["max_rss_gib"] < 8, r
+        summary = json.loads((Path(r["record"]) / "summary.json").read_text())
+        assert summary["dry_run"]["rank"] == (0 if r["rank"] == "0" else 7)
+    zero3 = json.loads((Path(next(r["record"] for r in ran if r["adapter"] == "zero3")) / "summary.json").read_text())
+    assert zero3["adapter_settings"]["stage"] == 3  # as a real run records it
+    assert "scale: adapter=pipedream not run: an asynchronous pipeline" in out.stdout
+    assert re.search(
+        r"scale: matrix of 4 points \(4 run, \d+s of points, \d+s of their CPU\) in \d+s wall, 2 at once", out.stdout
+    )
+
+
+def test_matrix_stops_a_point_over_its_limit_and_skips_larger_worlds(tmp_path):
+    import json
+
+    out = _matrix(tmp_path, "adapter=fsdp", "--world-size", "8,64", "--point-limit", "0.5", "--jobs", "1")
+    assert out.returncode == 1
+    rows = {(r["world_size"], r["rank"]): r for r in json.loads((tmp_path / "matrix.json").read_text())["rows"]}
+    assert rows[(8, "0")]["kind"] == "over" and "alone: python -m ptbench.scale adapter=fsdp" in rows[(8, "0")]["why"]
+    assert rows[(64, "0")]["kind"] == "skipped" and rows[(64, "0")]["why"].startswith("W=8 was over 0.5s")

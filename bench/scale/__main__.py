@@ -1,5 +1,6 @@
 """`python -m ptbench.scale [overrides] --world-size W[,W...] [--rank R[,R...]] [--no-record]`: a dry run
-(`--matrix [--world-size ...] [--out FILE]`: the whole matrix, bench/scale/matrix.py).
+(`--matrix [adapter=A,...] [workload=M,...] [overrides] [--world-size ...] [--jobs N] [--point-limit S] [--out FILE]`:
+the whole matrix, or the adapters and workloads named, the other overrides given to every point; bench/scale/matrix.py).
 
 For each W (and rank): the run plan at W with every check of a real run, then that rank's own setup and 2
 training steps on torch's fake process group under FakeTensorMode (bench/scale/run.py), its collective
@@ -27,9 +28,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", help="W, or a comma-separated list (--matrix: default 8,64,256,1024)")
     parser.add_argument("--matrix", action="store_true", help="every adapter x workload (x W) in one table")
     parser.add_argument("--out", help="--matrix: also write its rows as JSON here")
-    parser.add_argument("--rank", default="0", help="R (0 <= R < W), 'last', or a comma-separated list")
+    parser.add_argument(
+        "--rank", help="R (0 <= R < W), 'last', or a comma-separated list (default 0; --matrix: 0,last)"
+    )
     parser.add_argument("--no-record", action="store_true", help="print only; write no record")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="--matrix: points at once (default 2: this machine's cores)"
+    )
+    parser.add_argument(
+        "--point-limit", type=float, default=120, help="--matrix: seconds a point may take (default 120)"
+    )
+    args = parser.parse_intermixed_args(argv)  # overrides before or after the options
     if args.world_size is None and not args.matrix:
         parser.error("--world-size is required (or --matrix)")
     try:
@@ -40,11 +49,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.matrix:
         from ptbench.scale.matrix import WORLDS, run_matrix
 
-        rows = run_matrix(worlds or WORLDS, out=args.out)
-        return 1 if any("why" in r and "workload" in r and r["why"].startswith(("exit", "over")) for r in rows) else 0
+        named = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in args.overrides if "=" in o}
+        select = {f"{k}s": tuple(v.split(",")) for k, v in named.items() if k in ("adapter", "workload")}
+        if args.rank:
+            select["ranks"] = tuple(args.rank.split(","))
+        extra = [o for o in args.overrides if o.split("=", 1)[0] not in ("adapter", "workload")]
+        rows = run_matrix(
+            worlds or WORLDS,
+            out=args.out,
+            run_point=_one,
+            jobs=args.jobs,
+            limit_s=args.point_limit,
+            extra=extra,
+            **select,
+        )
+        return 1 if any(r.get("kind") in ("failed", "over") or r.get("limit") for r in rows) else 0
     failed = 0
     for world in worlds:
-        for rank in args.rank.split(","):
+        for rank in (args.rank or "0").split(","):
             failed += _one(args.overrides, world, rank, not args.no_record)
     return 1 if failed else 0
 
@@ -81,6 +103,8 @@ def write_record(point: dict):
         run_id=folder.name,
         **plan.identity(),
         status="dry_run",
+        # as a real run's record (bench/runner/meter.py): what the adapter's own describe() read from its framework
+        **({"adapter_settings": point["adapter_settings"]} if "adapter_settings" in point else {}),
         plan=plan.describe(),
         layout=plan.layout.as_dict(),
         precision=plan.precision,

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ptbench.core.comm_volume import ring_factor
@@ -59,8 +61,6 @@ class CollectiveLedger(TorchDispatchMode):
         self.steps.append(defaultdict(lambda: [0, 0]))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor first turns itself into local ops and collectives, which come back here
         res = func(*args, **(kwargs or {}))
@@ -68,8 +68,6 @@ class CollectiveLedger(TorchDispatchMode):
         return res
 
     def _count(self, func, res, args, kwargs) -> None:
-        from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
-
         if func is torch.ops.c10d.allreduce_coalesced_.default and self.steps:
             # the coalesced all-reduce of a non-NCCL group (torch's fake-collective tools do not list it)
             row = self.steps[-1][("all_reduce", _group(args[1]).size())]
@@ -114,6 +112,7 @@ def tracker_class(fsdp: bool):
     `peak` snapshot is the categories at the moment of the total's peak, where a persistent state (the
     optimizer's) may not be whole yet."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
     from torch.distributed._tools.mem_tracker import MemTracker
 
     base = FSDPMemTracker if fsdp else MemTracker
@@ -131,8 +130,13 @@ def tracker_class(fsdp: bool):
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _update_peak_stats(self, peak_state) -> None:
-            super()._update_peak_stats(peak_state)
-            for snap in self._curr_mem_snap.values():
+            # after every operator: the total's peak (with its categories) and each category's own, what a dry run
+            # reads. torch's own also raises each active module's local peak, a pass over every tracked module per
+            # operator (most of the tracker's cost on DeepSpeed's W slices per gradient); nothing here reads those
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
+                    self._peak_mem[dev] = snap[_TOTAL]
+                    self._peak_mem_snap[dev] = dict(snap)
                 for key, val in snap.items():
                     if val > self.category_peaks[key]:
                         self.category_peaks[key] = val

@@ -13,9 +13,6 @@ STEPS = 2  # the first makes the optimizer state; the second is a steady step (t
 
 # adapters whose framework cannot run under FakeTensorMode on the fake backend, and why (measured on torch 2.14.1)
 CANNOT_RUN = {
-    "pipeline": "torch.distributed.pipelining infers each stage's input and output shapes with real sends at the "
-    "first step, which the fake backend does not deliver; adapters/pipeline.py builds its PipelineStage without "
-    "static input_args / output_args, which would skip that inference",
     "pipedream": "an asynchronous pipeline without flush: in 2 steps rank 0 only fills the pipeline (2 sends, no "
     "optimizer step; measured at W=4), so there is no steady step to compare",
     "gpipe": "torchgpipe drives several devices from one process; a dry run is one process per rank",
@@ -74,6 +71,7 @@ def dry_run(overrides: list[str], world_size: int, rank: int = 0) -> dict:
         memory = tracker_snapshot(tracker, step_start if hook is not None else None)
         root = _root_shapes(adapter)
         state = _local_state(adapter)
+        settings = _settings(adapter)
         adapter.close()
     return dict(
         cfg=cfg,
@@ -83,6 +81,7 @@ def dry_run(overrides: list[str], world_size: int, rank: int = 0) -> dict:
         unknown_ops=sorted(ledger.unknown),
         memory=memory,
         state_bytes=state,
+        adapter_settings=settings,
         standins=sorted(used),
         root_shapes=root,
         seconds=time.perf_counter() - t0,
@@ -147,6 +146,14 @@ def _local_state(adapter) -> dict:
     try:
         return {k: int(v) for k, v in adapter.state_bytes().items()}
     except Exception as e:  # noqa: BLE001 - a state count the fake world cannot make is stated, not fatal
+        return {"error": _first_line(e)}
+
+
+def _settings(adapter) -> dict:
+    """The adapter's settings as a real run records them (`Adapter.describe`, read while the framework is up)."""
+    try:
+        return adapter.describe()
+    except Exception as e:  # noqa: BLE001 - a setting the fake world cannot read is stated, not fatal
         return {"error": _first_line(e)}
 
 
