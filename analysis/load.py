@@ -566,6 +566,7 @@ def load(*roots: str | Path, empty_ok: bool = True) -> pd.DataFrame:
     `empty_ok=False` (the notebooks): a folder that is missing or holds no record raises NoRecords, one line."""
     try:
         rows = [row for root in roots for d in find_runs(root) for row in _load_one(d)]
+        rows = [row for row in rows if row.get("status") != "dry_run"]  # no time: analysis/at_scale.py shows them
     except FileNotFoundError as e:
         if empty_ok:
             raise

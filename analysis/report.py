@@ -22,6 +22,7 @@ from ptbench.analysis.answers import (  # noqa: F401 - which_adapter: API
     which_adapter,
     which_adapter_lines,
 )
+from ptbench.analysis.at_scale import at_scale_lines
 from ptbench.analysis.claims import claims, claims_lines
 from ptbench.analysis.load import AnalysisError, load, load_comm, skipped
 from ptbench.analysis.predicted import predicted_lines
@@ -784,6 +785,7 @@ def write_report(
     if len(study.ok_epochs):
         lines += summary_lines(study, used, contended, baseline, out)
     lines += predicted_lines(results_dir)
+    lines += at_scale_lines(results_dir)
     lines += not_finished_lines(study)
     lines += claims_table_lines(found, include_contended, notes)
     details = _details_lines(study, used, contended, baseline, include_contended, target, out, results_dir, found)

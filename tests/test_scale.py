@@ -141,6 +141,18 @@ def test_zero3_dry_run_matches_the_corrected_formula():
     assert p["memory"]["parts"]["optimizer"]["ratio"] == pytest.approx(1.0, abs=0.01)
 
 
+def test_a_view_reduce_scattered_counts_its_own_bytes_not_its_buffer():
+    """A reduce bucket smaller than most gradients makes DeepSpeed reduce-scatter lone gradients as views of its
+    contiguous bucket: the ledger counts what moves (the view), so the reduce-scatter equals the formula to the
+    byte, where the bucket's whole storage would read over it."""
+    from ptbench.scale.point import measure_point
+
+    over = ["adapter=zero", "adapter.stage=3", "workload=gpt2_tiny", "trainer.batch_size=2"]
+    p = measure_point([*over, "adapter.reduce_bucket_size=20000"], 8, 0)
+    rs = p["comm"]["by_op"]["reduce_scatter"]
+    assert rs["ratio"] == pytest.approx(1.0, abs=1e-6), rs
+
+
 def test_megatron_dry_run_without_gloo_groups():
     """megatron-core's own groups, GPTModel and DDP at TP 2 x DP 4: its gradient buckets' coalesced all-reduce
     (DP, 4 ranks) and the TP all-reduces (2 ranks) in the ledger, against the corrected formula."""

@@ -144,7 +144,7 @@ RANK = (
     F(
         "saved_activations",
         "",
-        "what autograd saved in the last untimed step on this rank (memory_model.SavedTensorLedger; null: not counted)",
+        "what autograd saved in the last untimed step on this rank (memory.SavedTensorLedger; null: not counted)",
         *rows("""
         peak_bytes    | bytes        | most saved bytes alive at once
         total_bytes   | bytes        | distinct storages saved over the step
@@ -152,12 +152,7 @@ RANK = (
         per_partition | bytes (list) | gpipe: each partition's (device's) own peak, in partition order
         """),
     ),
-    F(
-        "step_peak",
-        "bytes",
-        "the optimizer phase's peak beyond its start in the last untimed step (memory_model.StepPeak; null: not "
-        "measured)",
-    ),
+    F("step_peak", "bytes", "the optimizer phase's peak beyond its start, last untimed step (memory.StepPeak)"),
     F(
         "host_syncs",
         "",
@@ -665,12 +660,19 @@ SUMMARY = (
         standins        | (list) | what stood in for what the fake backend lacks (bench/scale/standins.py)
         standin_reasons | (open) | stand-in -> what it replaces and why
         ledger[]        | (open) | the last step's collectives: op, group_size, count, buffer_bytes, bus bytes
-        comm            | (open) | formula vs ledger bytes per step: by_op {formula, ledger, count, ratio}, totals,
-            ratio
-        memory          | (open) | model vs tracker per part: parts {model, tracker, ratio, read}, worst_part, worst
+        comm            | (open) | formula vs ledger bytes per step: by_op {formula, ledger, count, ratio}, ratio
         tracker         | (open) | torch's MemTracker: peak_total, at_peak, category_peaks, step_start (bytes)
         cannot_check    |        | what a dry run cannot check (time, overlap, NCCL algorithms, losses, ...)
         """),
+        OPEN(
+            "memory",
+            "model vs tracker",
+            *rows("""
+            parts      | (open) | per part (params, grads, ..., total): {model, tracker, ratio, read}
+            worst_part |        | the part furthest from 1
+            worst      |        | its ratio (model over tracker)
+            """),
+        ),
     ),
 )
 

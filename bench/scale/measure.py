@@ -80,7 +80,7 @@ class CollectiveLedger(TorchDispatchMode):
         op = _OPS.get(name)
         try:
             size = CollectiveOp.get_process_group(func, args).size()
-            nbytes = CollectiveOp.get_comm_tensor_size(func, res, args, kwargs)
+            nbytes = _comm_bytes(func, res, args, kwargs)
         except TypeError:
             self.unknown.add(name)
             return
@@ -198,3 +198,15 @@ def is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+def _comm_bytes(func, res, args, kwargs) -> int:
+    """The bytes a collective moves: the buffer tensor's own bytes where torch's fake-collective tools count its
+    whole storage (a single-tensor op, `_reduce_scatter_base_`). A view of a larger buffer moves only its own
+    elements: DeepSpeed's ZeRO-3 reduce-scatters a lone gradient as a view of its contiguous reduce bucket, and
+    counting the bucket read gpt2_medium's reduce-scatter 1.1 % over at W=64."""
+    if func is torch.ops.c10d._reduce_scatter_base_.default:
+        return args[1].numel() * args[1].element_size()
+    if func in CollectiveOp.COMM_TENSOR_SINGLE_UNTYPED_STORAGE:
+        return args[0].numel() * args[0].element_size()
+    return CollectiveOp.get_comm_tensor_size(func, res, args, kwargs)
