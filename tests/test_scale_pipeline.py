@@ -33,15 +33,10 @@ ACT = 1 * SEQ * H * 4  # one micro-batch's b x s x h activation (or its gradient
 
 @pytest.fixture(scope="module", params=["first", "last"])
 def point(request):
-    from ptbench.scale import run
     from ptbench.scale.point import measure_point
 
     rank = 0 if request.param == "first" else PP * DP - 1
-    with pytest.MonkeyPatch.context() as mp:
-        # run.py's refusal of adapter=pipeline named the static shapes the adapter now gives; while that line is
-        # still there it is lifted here (a no-op once it is gone)
-        mp.delitem(run.CANNOT_RUN, "pipeline", raising=False)
-        return measure_point(DRY, PP * DP, rank)
+    return measure_point(DRY, PP * DP, rank)
 
 
 def test_dry_run_ledger_has_the_schedules_sends_and_all_reduces(point):

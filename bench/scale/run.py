@@ -26,6 +26,8 @@ def plan_at(overrides: list[str], world_size: int):
     from ptbench.runner.plan import plan_run
 
     cfg = typed(compose([*overrides, f"launcher.nprocs={world_size}"]))
+    if cfg.adapter.name in CANNOT_RUN:  # before the plan, whose refusal would name another cause
+        raise ConfigError(f"adapter={cfg.adapter.name} cannot run on the fake backend: {CANNOT_RUN[cfg.adapter.name]}")
     plan, _ = plan_run(cfg, "dryrun", world_size, check=True, refuse=False, backend="fake")
     if plan.world_size != world_size:
         raise ConfigError(
@@ -42,8 +44,6 @@ def dry_run(overrides: list[str], world_size: int, rank: int = 0) -> dict:
     cfg, plan = plan_at(overrides, world_size)
     if not 0 <= rank < world_size:
         raise ConfigError(f"--rank {rank} is not a rank of {world_size}")
-    if cfg.adapter.name in CANNOT_RUN:
-        raise ConfigError(f"adapter={cfg.adapter.name} cannot run on the fake backend: {CANNOT_RUN[cfg.adapter.name]}")
     from ptbench.scale.measure import CollectiveLedger, fake_mode, step_start_hook, tracker_snapshot
     from ptbench.scale.standins import fake_world, patched
 
