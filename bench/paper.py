@@ -41,6 +41,7 @@ import time
 import zlib
 from pathlib import Path
 
+from ptbench.core.readers import read_record, summaries
 from ptbench.runner.points import read_points, write_points
 from ptbench.runner.slurm import REPO, submit_arrays, with_repeats
 
@@ -202,11 +203,10 @@ def choose_stateff(out: Path, results: Path) -> list[list[str]]:
     records (steady epoch time where there is one), run for the preset's full training."""
     epoch_points = read_points(out / "epoch.txt")
     plan_file = out / "plan.json"
-    planned = json.loads(plan_file.read_text()) if plan_file.exists() else {}
+    planned = (read_record(plan_file) or {}) if plan_file.exists() else {}
     stateff_epochs, repeats = planned.get("stateff_epochs", 0), planned.get("repeats", 1)
     best: dict[tuple[str, str], tuple[float, list[str]]] = {}
-    for summary_path in results.rglob("summary.json"):
-        s = json.loads(summary_path.read_text())
+    for _, s in summaries([results]):  # bounded reads: a shared results root may hold anything
         if s.get("status") != "ok" or not str(s.get("experiment", "")).startswith("paper-epoch-"):
             continue
         t = s.get("epoch_time_steady_s") or s.get("epoch_time_mean_s")

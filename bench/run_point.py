@@ -6,7 +6,6 @@ The run gets its own session, so a timeout ends the launcher *and* its ranks, no
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ptbench.core.readers import read_record
 from ptbench.core.records import RunRecord, new_run_id, results_folder
 
 
@@ -87,7 +87,7 @@ def run_bench(
         _end(proc)
         raise
     summary_path = run_dir / "summary.json" if run_dir else None
-    summary = json.loads(summary_path.read_text()) if summary_path and summary_path.exists() else {}
+    summary = (read_record(summary_path) or {}) if summary_path and summary_path.exists() else {}
     if code is None and summary.get("status") in ("running", "failed"):  # ended by us: say so in the record
         summary.update(status="timeout", error=f"ended at the driver's timeout of {timeout:.0f}s")
         RunRecord(run_dir).write_summary(summary)

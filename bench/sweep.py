@@ -298,17 +298,17 @@ def outcome(run) -> str:
 def _run_step_time(run) -> float | None:
     """A finished run's typical step time: the median over its epochs of the epochs' median step time
     (events.jsonl step_time_p50_s; warm-up excluded), else the summary's mean step time."""
-    import json
     import statistics
+
+    from ptbench.core.readers import jsonl
 
     if not run.ok or run.run_dir is None:
         return None
     path = Path(run.run_dir) / "events.jsonl"
     p50 = []
     if path.exists():
-        for line in path.read_text().splitlines():
-            e = json.loads(line) if line.strip() else {}
-            if e.get("type") == "epoch" and e.get("step_time_p50_s"):
+        for _, e in jsonl(path):  # a line cut short is passed over
+            if isinstance(e, dict) and e.get("type") == "epoch" and e.get("step_time_p50_s"):
                 p50.append(e["step_time_p50_s"])
     return statistics.median(p50) if p50 else run.summary.get("step_time_mean_s")
 
