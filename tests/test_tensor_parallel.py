@@ -219,6 +219,7 @@ def test_megatron_cpu_compat_refuses_when_cuda_is_available(monkeypatch):
     from ptbench.adapters import _megatron_cpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_megatron_cpu, "_enabled", False)  # an earlier in-process megatron run of this worker
     with pytest.raises(RuntimeError, match="refuses to act"):
         _megatron_cpu.enable()
     with pytest.raises(RuntimeError, match="refuses to act"):
