@@ -198,7 +198,7 @@ def test_optimizer_trains(optimizer_runs, optimizer):
 # into its typed config, a make target and its variables are in the Makefile, a script, notebook or pip
 # extra exists. Running them all would take hours (ledger alone 23 minutes on 2 shared cores); the tests above and the other
 # test files run them.
-PAGES = ("README.md", "bench/README.md", "analysis/README.md", "adapters/README.md", "slurm/README.md", "results/README.md", "results/MEASUREMENTS.md")  # fmt: skip
+PAGES = ("README.md", "bench/README.md", "analysis/README.md", "adapters/README.md", "slurm/README.md", "results/README.md", "bench/MEASUREMENTS.md")  # fmt: skip
 INLINE = re.compile(r"`((?:[A-Z_]+=\S+ )*(?:\.venv/bin/)?(?:python -m ptbench|torchrun -m ptbench|make [a-z])[^`]*)`")
 # what a page writes for "your value here", and a value of that kind
 PLACEHOLDERS = {"N": "2", "i": "0", "DIR": "results/smoke", "FILE": "results/sweep.txt", "<root>": "results"}

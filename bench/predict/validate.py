@@ -106,7 +106,7 @@ def shape(rate: float, burst: int = BURST) -> None:
       run faster than the alpha-beta says;
     - a smaller one bends the collectives' time off 1/rate (a late timer loses tokens), which the fit needs.
     64 KiB is the default: the steps, which are what a user predicts, come closest (128, 64 and 32 KiB measured,
-    dated: results/MEASUREMENTS.md, "Predict: validate"). The queue (latency) holds a second at the rate, so TCP meets
+    dated: bench/MEASUREMENTS.md, "Predict: validate"). The queue (latency) holds a second at the rate, so TCP meets
     delay, not drops."""
     for dev in VETHS:
         _sh(

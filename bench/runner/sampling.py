@@ -9,7 +9,7 @@ all stop at the same step). Step times are autocorrelated (a slow phase of the m
 the interval is Student-t's on the mean with an effective sample size, n (1 - r) / (1 + r) (AR(1)), r the lag-1
 autocorrelation with the Marriott-Pope small-sample correction r + (1 + 4 r) / n, clipped to [0, 0.95]; t from
 scipy.stats.t. It remains an ESTIMATE, and stopping when the interval first looks narrow enough makes it
-narrower than it should be: simulated on AR(1) steps (results/MEASUREMENTS.md, "Sampled timing"), where steps
+narrower than it should be: simulated on AR(1) steps (bench/MEASUREMENTS.md, "Sampled timing"), where steps
 are autocorrelated, read the estimate's interval as an 80-90 % one (two thirds at autocorrelation 0.95).
 Estimate = the measured part of the epoch + mean x the steps left (interval: the same with the
 mean's bounds). On CUDA each check reads the steps' events (one device sync every CHECK_EVERY steps).

@@ -10,6 +10,6 @@ kept apart from the users' commands at bench/'s top. Each is `python -m ptbench.
   report_scale     how long the report takes on thousands of synthetic records
 
 variants.py is the one table of adapter variants the studies run; tally.py the line per finished run;
-memory_points.py what the two memory-study modules share. Their results, dated: results/MEASUREMENTS.md.
+memory_points.py what the two memory-study modules share. Their results, dated: bench/MEASUREMENTS.md.
 No circle among them or anywhere in ptbench (tests/test_no_cycles.py); bench/'s top imports none of them.
 """

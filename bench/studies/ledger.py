@@ -20,7 +20,7 @@ m = 4, 8 micro-batches beside the theory (p-1)/(m+p-1) (goal: within 20 %).
     python -m ptbench.analysis report <root> # the report: the ledger with the time at the measured busbw
 
 The default command is 23 runs (11 ledger, 12 bubble) and the bus-bandwidth measurement (how long it took:
-results/MEASUREMENTS.md). Each finished run prints a line with the time spent and
+bench/MEASUREMENTS.md). Each finished run prints a line with the time spent and
 the time left at the runs' mean pace so far.
 """
 

@@ -9,7 +9,7 @@
     python -m ptbench.studies.memory_study --deepspeed-estimators --workloads gpt2_tiny --gpus 2 --measure
     python -m ptbench.studies.memory_study --step                # the optimizer step's peak: measured vs predicted
 
-The default is 15 runs (5 variants at 1, 2 and 4 ranks; how long they took: results/MEASUREMENTS.md). Every mode that runs prints a line per finished run, with the time left at the mean
+The default is 15 runs (5 variants at 1, 2 and 4 ranks; how long they took: bench/MEASUREMENTS.md). Every mode that runs prints a line per finished run, with the time left at the mean
 pace so far, on stderr (the tables go to stdout).
 
 Runs `python -m ptbench` once per (variant, ranks) point, as a user would, then prints the bytes of
